@@ -1,0 +1,43 @@
+"""Stage 5 as an autograd Function: the weighted reduction of expert rows back to tokens.
+
+Legend: T tokens, H hidden, K experts per token, R routed rows.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+
+class CombineFunction(torch.autograd.Function):
+    """``out[t] = sum_i weights[t, sel[i]] * y[output_indices[i]]`` over token t's local slots."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        y_RH: torch.Tensor,
+        weights_TK: torch.Tensor,
+        output_indices: torch.Tensor,
+        selected_expert_indices: torch.Tensor,
+        cum_expert_counts: torch.Tensor,
+        ops: ModuleType,
+    ) -> torch.Tensor:
+        out_TH = ops.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+        ctx.save_for_backward(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+        ctx.ops = ops
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, dout_TH: torch.Tensor):
+        y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts = ctx.saved_tensors
+        dy_RH, dweights_TK = ctx.ops.combine_bwd(
+            dout_TH.contiguous(), y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts
+        )
+        return (
+            dy_RH,  # y_RH
+            dweights_TK,  # weights_TK
+            None,  # output_indices
+            None,  # selected_expert_indices
+            None,  # cum_expert_counts
+            None,  # ops
+        )
