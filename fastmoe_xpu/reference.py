@@ -181,12 +181,26 @@ class HFv4SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
         routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = self.experts_forward(hidden_states, routing_weights, selected_experts)
+        self.last_router_logits = router_logits
+        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+
+    def experts_forward(
+        self,
+        hidden_states: torch.Tensor,
+        routing_weights: torch.Tensor,
+        selected_experts: torch.Tensor,
+        num_experts: int | None = None,
+    ) -> torch.Tensor:
+        """The expert loop alone, on ``[T, H]`` with given routing ``[T, K]``. ``num_experts`` (default
+        ``self.num_experts``) is the global expert count when ``self.experts`` holds only the first
+        ``len(self.experts)`` of them (a rank's local slice); the result is then that slice's partial sum."""
+        hidden_dim = hidden_states.shape[-1]
         final_hidden_states = torch.zeros_like(hidden_states)
-        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
-        for expert_idx in range(self.num_experts):
+        expert_mask = F.one_hot(selected_experts, num_classes=num_experts or self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(len(self.experts)):
             idx, top_x = torch.where(expert_mask[expert_idx])
             current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
             current_hidden_states = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
             final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
-        self.last_router_logits = router_logits
-        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states

@@ -1,0 +1,1 @@
+"""Microbenchmarks of FastSparseMoE against the Hugging Face references: ``python -m bench --help``."""

@@ -1,0 +1,91 @@
+"""The two limits every case is measured against, in the same run as the providers.
+
+- Dense-matmul ceiling: one large square ``torch.mm`` of the case's dtype, the machine's GEMM rate.
+- GEMM-only bound: the layer's own per-expert GEMMs of forward and backward, with the same shapes
+  (the case's per-expert row counts), run back to back with ``torch.mm`` into buffers allocated
+  once, and nothing else: no routing, gather, activation, scatter, reduction or allocation. No
+  implementation built from per-expert library GEMMs can beat it by more than noise.
+
+Legend: H hidden, I intermediate, NR local experts, RT routed rows, n rows of one expert.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cases import Case
+
+
+class DenseCeiling:
+    """``C [n, n] = A @ B`` into a preallocated C."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        self.n = n
+        self.a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        self.b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        self.c = torch.empty(n, n, device=device, dtype=dtype)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.n ** 3
+
+    def run(self) -> None:
+        torch.mm(self.a, self.b, out=self.c)
+
+
+class GemmBound:
+    """The six GEMMs per expert of one forward+backward, and nothing else.
+
+    Forward: ``gate_up [n, 2I] = a [n, H] @ Wgu^T``; ``y [n, H] = h [n, I] @ Wd^T``.
+    Backward: ``dh = dy @ Wd``; ``dWd = dy^T @ h``; ``da = dgu @ Wgu``; ``dWgu = dgu^T @ a``.
+    The layouts are those of ``F.linear`` and its gradients, which every provider uses.
+    """
+
+    def __init__(self, case: Case) -> None:
+        dev, dt = case.device, case.dtype
+        H, I = case.preset.hidden, case.preset.intermediate
+        RT = case.rows
+        g = torch.Generator(device="cpu").manual_seed(2)
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * 0.1).to(device=dev, dtype=dt)
+
+        self.w_gu = case.w_gate_up_N2IH.detach()
+        self.w_d = case.w_down_NHI.detach()
+        self.a, self.h, self.dy, self.dgu = rnd(RT, H), rnd(RT, I), rnd(RT, H), rnd(RT, 2 * I)
+        self.gu = torch.empty(RT, 2 * I, device=dev, dtype=dt)
+        self.y = torch.empty(RT, H, device=dev, dtype=dt)
+        self.dh = torch.empty(RT, I, device=dev, dtype=dt)
+        self.da = torch.empty(RT, H, device=dev, dtype=dt)
+        self.dw_gu = torch.empty_like(self.w_gu)
+        self.dw_d = torch.empty_like(self.w_d)
+        bounds = [0]
+        for c in case.counts_N:
+            bounds.append(bounds[-1] + c)
+        self.groups = [(e, bounds[e], bounds[e + 1]) for e in range(len(case.counts_N)) if bounds[e + 1] > bounds[e]]
+
+    def gate_up_fwd(self) -> None:
+        for e, s, t in self.groups:
+            torch.mm(self.a[s:t], self.w_gu[e].t(), out=self.gu[s:t])
+
+    def down_fwd(self) -> None:
+        for e, s, t in self.groups:
+            torch.mm(self.h[s:t], self.w_d[e].t(), out=self.y[s:t])
+
+    def down_bwd(self) -> None:
+        for e, s, t in self.groups:
+            torch.mm(self.dy[s:t], self.w_d[e], out=self.dh[s:t])
+            torch.mm(self.dy[s:t].t(), self.h[s:t], out=self.dw_d[e])
+
+    def gate_up_bwd(self) -> None:
+        for e, s, t in self.groups:
+            torch.mm(self.dgu[s:t], self.w_gu[e], out=self.da[s:t])
+            torch.mm(self.dgu[s:t].t(), self.a[s:t], out=self.dw_gu[e])
+
+    def forward(self) -> None:
+        self.gate_up_fwd()
+        self.down_fwd()
+
+    def backward(self) -> None:
+        self.down_bwd()
+        self.gate_up_bwd()

@@ -1,0 +1,133 @@
+"""``python -m bench``: every provider side by side in one process; table, JSON, CSV and PNG."""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .cases import DTYPES, make_case
+from .presets import PRESETS, resolve_presets
+from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names
+from .report import MODES, derive, format_case, format_summary, run_header, write_chart, write_csv, write_json
+from .runner import run_case
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark FastSparseMoE's expert layer against transformers' references "
+                    "(hf_v4, hf_v5_eager, hf_v5_grouped_mm), with the dense-matmul ceiling and the "
+                    "layer's GEMM-only bound measured in the same run.",
+    )
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"])
+    ap.add_argument("--preset", nargs="+", metavar="NAME",
+                    help=f"presets to run ({', '.join(PRESETS)}, or 'all'); default: mula-7b-a1b-small mula-7b-a1b")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--out", default="bench_out", help="directory for results.json, results.csv and the chart")
+    ap.add_argument("--mode", default="fwdbwd", choices=[*MODES, "stages"],
+                    help="fwd: forward only; bwd / fwdbwd: forward and backward (both reported, "
+                         "the table shows the chosen one); stages: fastmoe launcher by launcher")
+    ap.add_argument("--rounds", type=int, default=5, help="timed interleaved rounds (after one cold call)")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--providers", nargs="+", metavar="NAME",
+                    help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton "
+                         "(hf_v4 always runs: it is the correctness reference)")
+    ap.add_argument("--budget", type=float, default=60.0,
+                    help="seconds of timed calls one provider may take per case; slower ones run fewer "
+                         "rounds (flagged), at least their cold call")
+    ap.add_argument("--routing", default="router", choices=["router", "uniform"],
+                    help="router: OLMoE's top-k router on random weights; uniform: forced uniform routing")
+    ap.add_argument("--ceiling-size", type=int, default=None,
+                    help="n of the n x n dense-matmul ceiling (default 4096; 256 for tiny presets)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    return ap
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch")
+    if device == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise SystemExit("--device xpu: no XPU device is visible to torch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    presets = resolve_presets(args.preset)
+    names = expand_names(args.providers)
+    device = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items()}
+    header = run_header(device, settings)
+    progress = not args.no_progress
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    m = header["machine"]
+    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
+          f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}")
+    print(f"# {header['command']}")
+
+    torch.set_grad_enabled(True)
+    if args.mode == "stages":
+        from .stages import format_stages, run_stages
+
+        results = []
+        backends = [n.split("/", 1)[1] for n in names if n.startswith("fastmoe/")] or list(FASTMOE_BACKENDS)
+        for p in presets:
+            log(f"{p.name}: building inputs")
+            case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
+            res = run_stages(case, backends, rounds=args.rounds, progress=progress, log=log)
+            print(format_stages(res), flush=True)
+            results.append(res)
+            del case
+            gc.collect()
+        (out_dir / "stages.json").write_text(json.dumps({**header, "cases": results}, indent=2) + "\n")
+        print(f"# wrote {out_dir / 'stages.json'}")
+        return 0
+
+    backward = args.mode != "fwd"
+    mode = args.mode
+    fast_names = [n for n in names if n.startswith("fastmoe/")]
+    fast = default_fastmoe(device)
+    if fast not in fast_names and fast_names:
+        fast = fast_names[0]
+    results = []
+    all_ok = True
+    for p in presets:
+        log(f"{p.name}: building inputs")
+        case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
+        ceiling_n = args.ceiling_size or (256 if p.name.startswith("tiny") else 4096)
+        res = run_case(case, names, backward=backward, rounds=args.rounds, budget_s=args.budget,
+                       ceiling_n=ceiling_n, progress=progress, log=log)
+        derive(res, fast_names)
+        print()
+        print(format_case(res, mode, fast), flush=True)
+        for n, pr in res["providers"].items():
+            if pr.get("correct") is not None and not pr["correct"]["ok"]:
+                all_ok = False
+        results.append(res)
+        del case
+        gc.collect()
+
+    print()
+    print(format_summary(results, mode, fast))
+    write_json(out_dir / "results.json", header, results)
+    write_csv(out_dir / "results.csv", header, results, fast_names)
+    wrote = [out_dir / "results.json", out_dir / "results.csv"]
+    if not args.no_chart and write_chart(out_dir / f"chart_{mode}.png", header, results, mode):
+        wrote.append(out_dir / f"chart_{mode}.png")
+    print("# wrote " + ", ".join(str(w) for w in wrote))
+    if not all_ok:
+        print("# CORRECTNESS FAILURE: a provider disagrees with hf_v4 (see 'correct' above)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,119 @@
+"""Timing statistics, saved-for-backward bytes and correctness, the per-provider measurements.
+
+Legend: T tokens, H hidden, K experts per token.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .cases import Case
+from .providers import Provider
+
+#: Largest accepted error of a provider against hf_v4, relative to the reference's largest
+#: magnitude (different GEMM blockings and summation orders, same math).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)
+
+
+def stats(samples: list[float]) -> dict:
+    """Median, spread and extremes of timings in seconds; spread = (max - min) / median."""
+    if not samples:
+        return {"n": 0}
+    med = statistics.median(samples)
+    lo, hi = min(samples), max(samples)
+    return {
+        "n": len(samples),
+        "median_s": med,
+        "min_s": lo,
+        "max_s": hi,
+        "spread": (hi - lo) / med if med > 0 else 0.0,
+        "samples_s": list(samples),
+    }
+
+
+def timed_call(
+    prov: Provider, case: Case, *, backward: bool, capture: bool = False
+) -> tuple[float, float, dict | None]:
+    """One training step of the layer: fresh leaves, no gradients held, forward (autograd on) and,
+    with ``backward``, backward of ``dout``. Returns ``(forward_s, backward_s, captured)``."""
+    prov.zero_grads()
+    x = case.x_TH.detach().requires_grad_()
+    w = case.weights_TK.detach().requires_grad_()
+    dev = case.device
+    synchronize(dev)
+    t0 = time.perf_counter()
+    out = prov.forward(x, w, case.topk_idx_TK)
+    synchronize(dev)
+    t1 = time.perf_counter()
+    if backward:
+        out.backward(case.dout_TH)
+        synchronize(dev)
+    t2 = time.perf_counter()
+    got = None
+    if capture:
+        got = {"out": out.detach()}
+        if backward:
+            d_gu, d_d = prov.merged_grads()
+            got.update(dx=x.grad, dweights=w.grad, dw_gate_up=d_gu, dw_down=d_d)
+    del out
+    prov.zero_grads()
+    return t1 - t0, (t2 - t1) if backward else 0.0, got
+
+
+def compare(got: dict, ref: dict, dtype: torch.dtype) -> dict:
+    """Per-tensor relative error ``max|got - ref| / max|ref|`` and whether all are within tolerance."""
+    tol = TOLERANCE[dtype]
+    errors: dict[str, float] = {}
+    for k, r in ref.items():
+        g = got.get(k, "absent")
+        if isinstance(g, str):  # this provider did not compute it (e.g. forward-only mode)
+            continue
+        if r is None or g is None:  # no gradient reached an input: both must agree on that
+            errors[k] = 0.0 if r is None and g is None else float("inf")
+            continue
+        r32, g32 = r.float(), g.float()
+        scale = r32.abs().max().item() if r32.numel() else 0.0
+        diff = (g32 - r32).abs().max().item() if r32.numel() else 0.0
+        errors[k] = diff / scale if scale > 0 else diff
+    ok = bool(errors) and all(e <= tol for e in errors.values())
+    return {"ok": ok, "tolerance": tol, "max_rel_error": errors}
+
+
+def saved_bytes(prov: Provider, case: Case) -> int:
+    """Bytes autograd keeps for backward after one forward, counted with ``saved_tensors_hooks``:
+    distinct storages of saved tensors, leaving out the inputs and the parameters (which exist
+    whether or not anything is saved)."""
+    prov.zero_grads()
+    x = case.x_TH.detach().requires_grad_()
+    w = case.weights_TK.detach().requires_grad_()
+    exclude = {t.untyped_storage().data_ptr() for t in (x, w, case.topk_idx_TK, *prov.params)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = prov.forward(x, w, case.topk_idx_TK)
+    del out
+    return sum(seen.values())
+
+
+def time_fn(fn: Callable[[], None], device: torch.device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0

@@ -1,0 +1,77 @@
+"""Shape presets: one MoE layer as one rank computes it.
+
+A preset fixes the layer (H, I, E, K), the expert-parallel degree EP (the rank holds NR = E/EP
+experts, ``[0, NR)`` in the benchmark) and the tokens T that reach this rank's experts. With EP > 1
+T is the all-gathered batch, ``EP * tokens_per_rank``, as in FastSparseMoE's stage 1.
+
+Legend: T tokens, H hidden, I intermediate, E experts, K experts per token, NR local experts.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    tokens_per_rank: int
+    ep: int = 1
+    description: str = ""
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
+
+    @property
+    def tokens(self) -> int:
+        """T: tokens this rank's experts see (after the all-gather when EP > 1)."""
+        return self.tokens_per_rank * self.ep
+
+    @property
+    def expected_rows(self) -> float:
+        """Routed rows on this rank under uniform routing: ``T * K * NR / E``."""
+        return self.tokens * self.top_k * self.local_experts / self.experts
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(local_experts=self.local_experts, tokens=self.tokens)
+        return d
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("mula-7b-a1b", 2048, 1024, 64, 8, 2048, 1,
+               "Mula-7B-A1B layer, one rank, 2048 tokens (256 rows per expert)"),
+        Preset("mula-7b-a1b-small", 2048, 1024, 64, 8, 256, 1,
+               "Mula-7B-A1B layer, 256 tokens (32 rows per expert: per-expert overheads dominate)"),
+        Preset("mula-20b-a2b", 2048, 1024, 96, 8, 2048, 12,
+               "Mula-20B-A2B local slice: 8 of 96 experts (EP=12), all-gathered 12 x 2048 tokens"),
+        Preset("mula-220b-a10b", 3072, 1536, 240, 8, 2048, 12,
+               "Mula-220B-A10B local slice: 20 of 240 experts (EP=12), all-gathered 12 x 2048 tokens"),
+        Preset("tiny", 64, 32, 8, 2, 48, 1, "tiny shapes for tests"),
+        Preset("tiny-ep", 64, 32, 8, 2, 24, 2, "tiny local slice (EP=2) for tests"),
+    )
+}
+
+#: What ``python -m bench`` runs without ``--preset``: the two presets the CPU goals are stated on.
+DEFAULT_PRESETS = ("mula-7b-a1b-small", "mula-7b-a1b")
+
+
+def resolve_presets(names: list[str] | None) -> list[Preset]:
+    """Names to presets; ``all`` expands to every non-test preset."""
+    if not names:
+        names = list(DEFAULT_PRESETS)
+    out: list[Preset] = []
+    for n in names:
+        if n == "all":
+            out.extend(p for p in PRESETS.values() if not p.name.startswith("tiny"))
+        elif n in PRESETS:
+            out.append(PRESETS[n])
+        else:
+            raise ValueError(f"unknown preset {n!r}; known: {sorted(PRESETS)} or 'all'")
+    return out

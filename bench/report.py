@@ -1,0 +1,288 @@
+"""Derived metrics, the printed tables, and the JSON / CSV / PNG outputs.
+
+Every ratio (fraction of the ceiling, multiple of the GEMM-only bound, speedup) compares the
+minimum over interleaved rounds of the two timings: on a shared machine noise only ever adds
+time, so the minimum is the most repeatable estimate. Medians and spreads are reported beside.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+MODES = ("fwd", "bwd", "fwdbwd")
+MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+
+
+# ---------------------------------------------------------------- machine
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: torch.device) -> dict:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    d = {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "mkl": torch.backends.mkl.is_available(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        d["device_name"] = torch.cuda.get_device_name(device)
+    elif device.type == "xpu":
+        d["device_name"] = torch.xpu.get_device_name(device)
+    return d
+
+
+def run_header(device: torch.device, settings: dict) -> dict:
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+        "machine": machine_description(device),
+        "settings": settings,
+    }
+
+
+# ---------------------------------------------------------------- metrics
+def derive(result: dict, fast_names: list[str]) -> dict:
+    """Add ``metrics[mode]`` to one case's result: GFLOP/s, fractions and speedups."""
+    flops = result["case"]["flops"]
+    ceil = result["ceiling"]
+    ceiling_gflops = ceil["flops"] / ceil["min_s"] / 1e9
+    metrics: dict = {}
+    modes = MODES if result["backward"] else ("fwd",)
+    for mode in modes:
+        b = result["bound"][mode]
+        bound_gflops = flops[mode] / b["min_s"] / 1e9
+        m = {
+            "ceiling_gflops": ceiling_gflops,
+            "bound": {"min_s": b["min_s"], "median_s": b["median_s"], "gflops": bound_gflops,
+                      "frac_ceiling": bound_gflops / ceiling_gflops},
+            "providers": {},
+            "speedup": {},
+        }
+        ok = {n: p for n, p in result["providers"].items() if p.get("status") == "ok" and p.get(mode, {}).get("n")}
+        for n, p in ok.items():
+            t = p[mode]["min_s"]
+            g = flops[mode] / t / 1e9
+            m["providers"][n] = {"min_s": t, "median_s": p[mode]["median_s"], "spread": p[mode]["spread"],
+                                 "gflops": g, "frac_ceiling": g / ceiling_gflops, "x_bound": t / b["min_s"]}
+        for f in fast_names:
+            if f not in ok:
+                continue
+            tf, mf = ok[f][mode]["min_s"], ok[f][mode]["median_s"]
+            m["speedup"][f] = {
+                n: {"min": p[mode]["min_s"] / tf, "median": p[mode]["median_s"] / mf}
+                for n, p in ok.items() if n != f
+            }
+        metrics[mode] = m
+    result["metrics"] = metrics
+    return result
+
+
+# ---------------------------------------------------------------- printed tables
+def _mb(n: int | None) -> str:
+    if n is None:
+        return "-"
+    mb = n / 2**20
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2f}"
+
+
+def case_title(result: dict) -> str:
+    c = result["case"]
+    p = c["preset"]
+    r = c["rows_per_expert"]
+    return (f"{p['name']}: T={p['tokens']} H={p['hidden']} I={p['intermediate']} E={p['experts']} K={p['top_k']} "
+            f"NR={p['local_experts']} (EP={p['ep']}); {c['rows']} routed rows, {r['mean']:.0f} per expert "
+            f"[{r['min']}..{r['max']}]; {c['dtype']} on {c['device']}")
+
+
+def format_case(result: dict, mode: str, fast: str) -> str:
+    m = result["metrics"][mode]
+    lines = [f"{case_title(result)} -- {MODE_TITLE[mode]}",
+             f"  dense-matmul ceiling {m['ceiling_gflops']:.1f} GFLOP/s ({result['ceiling']['size']}^3 torch.mm); "
+             f"GEMM-only bound {m['bound']['gflops']:.1f} GFLOP/s = {100 * m['bound']['frac_ceiling']:.0f}% of it"]
+    hdr = (f"  {'provider':<18} {'median ms':>10} {'spread':>7} {'min ms':>10} {'GFLOP/s':>8} {'%ceil':>6} "
+           f"{'x bound':>8} {fast + ' speedup':>22} {'saved MB':>9} {'rounds':>6}  correct")
+    lines += [hdr, "  " + "-" * (len(hdr) - 2)]
+    b = result["bound"][mode]
+    lines.append(f"  {'gemm_bound':<18} {1e3 * b['median_s']:>10.1f} {100 * b['spread']:>6.1f}% {1e3 * b['min_s']:>10.1f} "
+                 f"{m['bound']['gflops']:>8.1f} {100 * m['bound']['frac_ceiling']:>5.0f}% {1.0:>8.2f}")
+    sp = m["speedup"].get(fast, {})
+    for name, p in result["providers"].items():
+        if p.get("status") != "ok":
+            lines.append(f"  {name:<18} skipped: {p.get('reason', '')}")
+            continue
+        q = m["providers"].get(name)
+        if q is None:
+            continue
+        s = sp.get(name)
+        s_txt = f"{s['min']:.2f}x" if s else ("-" if name == fast else "")
+        corr = p.get("correct")
+        if corr is None:
+            c_txt = "reference" if name == "hf_v4" else "-"
+        else:
+            worst = max(corr["max_rel_error"].values()) if corr["max_rel_error"] else 0.0
+            c_txt = f"{'ok' if corr['ok'] else 'FAIL'} ({worst:.1e})"
+            if name == "hf_v4":
+                c_txt = "reference"
+        flag = " *" if p.get("budget_limited") else ""
+        lines.append(f"  {name:<18} {1e3 * q['median_s']:>10.1f} {100 * q['spread']:>6.1f}% {1e3 * q['min_s']:>10.1f} "
+                     f"{q['gflops']:>8.1f} {100 * q['frac_ceiling']:>5.0f}% {q['x_bound']:>8.2f} {s_txt:>22} "
+                     f"{_mb(p.get('saved_bytes')):>9} {p.get('rounds', 0):>5}{flag}  {c_txt}")
+    for name, p in result["providers"].items():
+        if p.get("budget_note"):
+            lines.append(f"  * {name}: {p['budget_note']}")
+    return "\n".join(lines)
+
+
+def format_summary(results: list[dict], mode: str, fast: str) -> str:
+    """The paper's Table 3 layout: one row per layer, fastmoe's speedup over each baseline."""
+    others = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
+    hdr = (f"{'preset':<20} {'rows/exp':>8} " + " ".join(f"{'vs ' + o:>20}" for o in others)
+           + f" {'x bound':>8} {'bound %ceil':>11}")
+    lines = [f"{fast} {MODE_TITLE[mode]} speedup (min over interleaved rounds; >1 means fastmoe is faster)",
+             hdr, "-" * len(hdr)]
+    for r in results:
+        m = r["metrics"].get(mode)
+        if m is None:
+            continue
+        sp = m["speedup"].get(fast, {})
+        cells = []
+        for o in others:
+            s = sp.get(o)
+            if s is None:
+                st = r["providers"].get(o, {})
+                cells.append("skipped" if st.get("status") == "skipped" else "-")
+            else:
+                star = "*" if r["providers"][o].get("budget_limited") else ""
+                cells.append(f"{s['min']:.2f}x{star}")
+        q = m["providers"].get(fast)
+        xb = f"{q['x_bound']:.2f}" if q else "-"
+        lines.append(f"{r['case']['preset']['name']:<20} {r['case']['rows_per_expert']['mean']:>8.0f} "
+                     + " ".join(f"{c:>20}" for c in cells)
+                     + f" {xb:>8} {100 * m['bound']['frac_ceiling']:>10.0f}%")
+    lines.append("* fewer rounds than asked (time budget); see the per-case notes")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- files
+def write_json(path: Path, header: dict, results: list[dict]) -> None:
+    path.write_text(json.dumps({**header, "cases": results}, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[str]) -> None:
+    cols = ["preset", "mode", "provider", "status", "reason", "rounds", "median_ms", "min_ms", "max_ms", "spread",
+            "gflops", "frac_ceiling", "x_bound"] + [f"speedup_of_{f}" for f in fast_names] + [
+            "saved_mb", "correct", "max_rel_error", "budget_limited", "note"]
+    mach = header["machine"]
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        fh.write(f"# {header['date_utc']} {header['command']}\n")
+        fh.write(f"# {mach['cpu_model']}, {mach['usable_cpus']} cpus, {mach['torch_threads']} torch threads, "
+                 f"torch {mach['torch']}, triton {mach['triton']}, transformers {mach['transformers']}, "
+                 f"device {mach['device']}\n")
+        w = csv.DictWriter(fh, fieldnames=cols)
+        w.writeheader()
+        for r in results:
+            pname = r["case"]["preset"]["name"]
+            for mode, m in r["metrics"].items():
+                b = r["bound"][mode]
+                w.writerow({"preset": pname, "mode": mode, "provider": "gemm_bound", "status": "ok",
+                            "rounds": b["n"], "median_ms": 1e3 * b["median_s"], "min_ms": 1e3 * b["min_s"],
+                            "max_ms": 1e3 * b["max_s"], "spread": b["spread"], "gflops": m["bound"]["gflops"],
+                            "frac_ceiling": m["bound"]["frac_ceiling"], "x_bound": 1.0})
+                for name, p in r["providers"].items():
+                    row = {"preset": pname, "mode": mode, "provider": name, "status": p.get("status"),
+                           "reason": p.get("reason", ""), "note": p.get("note", "")}
+                    q = m["providers"].get(name)
+                    if q is not None:
+                        s = p[mode]
+                        corr = p.get("correct") or {}
+                        errs = corr.get("max_rel_error") or {}
+                        row.update(rounds=s["n"], median_ms=1e3 * s["median_s"], min_ms=1e3 * s["min_s"],
+                                   max_ms=1e3 * s["max_s"], spread=s["spread"], gflops=q["gflops"],
+                                   frac_ceiling=q["frac_ceiling"], x_bound=q["x_bound"],
+                                   saved_mb=p.get("saved_bytes", 0) / 2**20,
+                                   correct=corr.get("ok", "reference" if name == "hf_v4" else ""),
+                                   max_rel_error=max(errs.values()) if errs else "",
+                                   budget_limited=bool(p.get("budget_limited")))
+                        for f in fast_names:
+                            s_f = m["speedup"].get(f, {}).get(name)
+                            if s_f is not None:
+                                row[f"speedup_of_{f}"] = s_f["min"]
+                    w.writerow(row)
+
+
+def write_chart(path: Path, header: dict, results: list[dict], mode: str) -> bool:
+    """Grouped bars: each provider's time as a multiple of the GEMM-only bound (log scale)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in results if mode in r["metrics"]]
+    if not rows:
+        return False
+    names: list[str] = []
+    for r in rows:
+        for n in r["metrics"][mode]["providers"]:
+            if n not in names:
+                names.append(n)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(rows) + 2), 4.5))
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        xs, ys = [], []
+        for j, r in enumerate(rows):
+            q = r["metrics"][mode]["providers"].get(n)
+            if q is not None:
+                xs.append(j + (i - (len(names) - 1) / 2) * width)
+                ys.append(q["x_bound"])
+        bars = ax.bar(xs, ys, width, label=n)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
+        del bars
+    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="GEMM-only bound")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["case"]["preset"]["name"] for r in rows])
+    ax.set_ylabel(f"{MODE_TITLE[mode]} time / GEMM-only bound (min over rounds)")
+    mach = header["machine"]
+    ax.set_title(f"{mach['cpu_model']}, {mach['torch_threads']} threads, {rows[0]['case']['dtype']} "
+                 f"({header['date_utc'][:10]})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

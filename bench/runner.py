@@ -1,0 +1,142 @@
+"""Runs one case: every provider, the GEMM-only bound and the dense ceiling, in interleaved rounds.
+
+Each round calls every contestant once, starting one further along the list each round, so slow
+drifts of a shared machine (other jobs, thermal state) land on all of them alike. Before the
+rounds every contestant runs once untimed (a cold call: first-touch page faults, lazy init); the
+providers' cold call also gives their outputs and gradients for the correctness check.
+
+A provider whose cold call shows it cannot fit ``rounds`` calls into ``budget_s`` runs fewer
+rounds; one whose cold call alone exceeds the budget keeps that cold call as its only sample.
+Both are flagged in the results (``budget_limited``) rather than stalling the run.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from typing import Callable
+
+import torch
+
+from .bounds import DenseCeiling, GemmBound
+from .cases import Case
+from .measure import compare, saved_bytes, stats, time_fn, timed_call
+from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
+
+CEILING = "dense_ceiling"
+BOUND = "gemm_bound"
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: no bar
+        return None
+    return tqdm(total=total, desc=desc, unit="call", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def run_case(
+    case: Case,
+    provider_names: list[str],
+    *,
+    backward: bool = True,
+    rounds: int = 5,
+    budget_s: float = 60.0,
+    ceiling_n: int = 4096,
+    progress: bool = True,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
+    """Measure one case; returns a JSON-ready dict (times in seconds)."""
+    result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
+                    "budget_s": budget_s}
+    providers: dict[str, Provider] = {}
+    for name in provider_names:
+        try:
+            providers[name] = build_provider(name, case)
+        except ProviderSkipped as exc:
+            result["providers"][name] = {"status": "skipped", "reason": str(exc)}
+            log(f"  {name}: skipped: {exc}")
+
+    ceiling = DenseCeiling(ceiling_n, case.dtype, case.device)
+    bound = GemmBound(case)
+    dev = case.device
+
+    # Contestants: name -> callable returning (forward_s, backward_s).
+    def run_ceiling() -> tuple[float, float]:
+        return time_fn(ceiling.run, dev), 0.0
+
+    def run_bound() -> tuple[float, float]:
+        f = time_fn(bound.forward, dev)
+        b = time_fn(bound.backward, dev) if backward else 0.0
+        return f, b
+
+    contestants: dict[str, Callable[[], tuple[float, float]]] = {CEILING: run_ceiling, BOUND: run_bound}
+    for name, prov in providers.items():
+        contestants[name] = (lambda p: lambda: timed_call(p, case, backward=backward)[:2])(prov)
+
+    allowed: dict[str, int] = {}
+    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in contestants}
+    bar = _progress(len(contestants) * (rounds + 1), f"{case.preset.name}", progress)
+
+    # Cold calls; the reference first so that each other provider is checked and its tensors freed.
+    ref_out = None
+    order = [CEILING, BOUND] + sorted(providers, key=lambda n: n != REFERENCE)
+    for name in order:
+        if name in providers:
+            prov = providers[name]
+            f, b, got = timed_call(prov, case, backward=backward, capture=True)
+            entry = result["providers"][name] = {"status": "ok", "note": prov.note, "cold_s": f + b}
+            if name == REFERENCE:
+                ref_out = got
+            if ref_out is not None:
+                entry["correct"] = compare(got, ref_out, case.dtype)
+            del got
+            entry["saved_bytes"] = saved_bytes(prov, case)
+            cold = f + b
+            n_ok = rounds if cold * rounds <= budget_s else int(budget_s // cold) if cold > 0 else rounds
+            allowed[name] = n_ok
+            if n_ok < rounds:
+                entry["budget_limited"] = True
+                if n_ok == 0:
+                    samples[name].append((f, b))
+                    entry["budget_note"] = (f"the cold call took {cold:.1f} s, over the {budget_s:.0f} s budget: "
+                                            "it is the only sample (a cold call, so an overestimate)")
+                else:
+                    entry["budget_note"] = f"{n_ok} of {rounds} rounds fit the {budget_s:.0f} s budget"
+                log(f"  {name}: {entry['budget_note']}")
+        else:
+            contestants[name]()
+            allowed[name] = rounds
+        if bar is not None:
+            bar.update(1)
+
+    del ref_out
+    names = list(contestants)
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if r < allowed[name]:
+                samples[name].append(contestants[name]())
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    def split(name: str) -> dict:
+        s = samples[name]
+        out = {"fwd": stats([f for f, _ in s])}
+        if backward:
+            out["bwd"] = stats([b for _, b in s])
+            out["fwdbwd"] = stats([f + b for f, b in s])
+        return out
+
+    result["ceiling"] = {"size": ceiling_n, "flops": ceiling.flops, **stats([f for f, _ in samples[CEILING]])}
+    result["bound"] = split(BOUND)
+    for name in providers:
+        result["providers"][name].update(split(name))
+        result["providers"][name]["rounds"] = len(samples[name])
+    del providers, bound, ceiling
+    gc.collect()
+    return result

@@ -1,0 +1,89 @@
+"""The benchmark suite end to end at the tiny presets, and the pieces its numbers rest on."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench.bounds import GemmBound
+from bench.cases import make_case
+from bench.cli import main
+from bench.measure import saved_bytes, timed_call
+from bench.presets import PRESETS
+from bench.providers import build_provider
+from bench.runner import run_case
+
+
+def test_cli_tiny_end_to_end(tmp_path, capsys):
+    rc = main(["--preset", "tiny", "tiny-ep", "--rounds", "2", "--out", str(tmp_path), "--no-progress",
+               "--threads", "1"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["machine"]["torch"] == torch.__version__
+    assert [c["case"]["preset"]["name"] for c in data["cases"]] == ["tiny", "tiny-ep"]
+    for c in data["cases"]:
+        provs = c["providers"]
+        assert provs["fastmoe/triton"]["status"] == "skipped" and provs["fastmoe/triton"]["reason"]
+        for name in ("hf_v5_eager", "hf_v5_grouped_mm", "fastmoe/torch"):
+            assert provs[name]["status"] == "ok"
+            assert provs[name]["correct"]["ok"], (name, provs[name]["correct"])
+            assert provs[name]["fwdbwd"]["n"] == 2
+        sp = c["metrics"]["fwdbwd"]["speedup"]["fastmoe/torch"]["hf_v4"]["min"]
+        ratio = provs["hf_v4"]["fwdbwd"]["min_s"] / provs["fastmoe/torch"]["fwdbwd"]["min_s"]
+        assert sp == pytest.approx(ratio)
+    rows = list(csv.DictReader(line for line in (tmp_path / "results.csv").open() if not line.startswith("#")))
+    assert {r["provider"] for r in rows} >= {"gemm_bound", "hf_v4", "fastmoe/torch", "fastmoe/triton"}
+    assert (tmp_path / "chart_fwdbwd.png").stat().st_size > 1000
+    assert "fastmoe/torch forward+backward speedup" in printed and "skipped" in printed
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "tiny",  # every expert local (EP=1)
+        "tiny-ep",  # half the experts local: rows only for experts [0, NR)
+    ],
+)
+def test_flop_formula_matches_counted_gemms(preset):
+    case = make_case(PRESETS[preset])
+    bound = GemmBound(case)
+    flops = case.flops()
+    with FlopCounterMode(display=False) as fwd:
+        bound.forward()
+    with FlopCounterMode(display=False) as bwd:
+        bound.backward()
+    assert fwd.get_total_flops() == flops["fwd"]
+    assert bwd.get_total_flops() == flops["bwd"]
+    assert case.rows == int((case.topk_idx_TK < PRESETS[preset].local_experts).sum())
+
+
+def test_saved_bytes_counts_activations_not_parameters():
+    case = make_case(PRESETS["tiny"])
+    fast = saved_bytes(build_provider("fastmoe/torch", case), case)
+    v4 = saved_bytes(build_provider("hf_v4", case), case)
+    params = sum(p.numel() * p.element_size() for p in (case.w_gate_up_N2IH, case.w_down_NHI))
+    assert 0 < fast < params  # activations only: far smaller than the expert weights here
+    assert 0 < v4 < params
+
+
+def test_budget_limits_rounds_and_says_so():
+    case = make_case(PRESETS["tiny"])
+    res = run_case(case, ["hf_v4", "fastmoe/torch"], rounds=3, budget_s=0.0, ceiling_n=32, progress=False)
+    for name in ("hf_v4", "fastmoe/torch"):
+        p = res["providers"][name]
+        assert p["budget_limited"] and "budget" in p["budget_note"]
+        assert p["rounds"] == 1  # the cold call is kept as the one sample
+    assert res["bound"]["fwdbwd"]["n"] == 3  # the limits always run every round
+
+
+def test_timed_call_leaves_no_gradients_behind():
+    case = make_case(PRESETS["tiny"])
+    prov = build_provider("fastmoe/torch", case)
+    f, b, got = timed_call(prov, case, backward=True, capture=True)
+    assert f > 0 and b > 0
+    assert got["dw_gate_up"].abs().sum() > 0
+    assert all(p.grad is None for p in prov.params)
