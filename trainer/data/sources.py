@@ -73,7 +73,7 @@ def _pyarrow(path: str):
         import pyarrow  # noqa: F401
     except ImportError as e:
         raise ValueError(
-            f"reading {path!r} needs pyarrow, which is not installed: pip install pyarrow (or fastmoe_xpu[data])"
+            f"reading {path!r} needs pyarrow, which is not installed: pip install pyarrow"
         ) from e
     import pyarrow as pa
 
