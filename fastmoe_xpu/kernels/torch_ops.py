@@ -10,6 +10,10 @@ RT routed rows on this rank (sum of the local experts' token counts), R >= RT ro
 """
 from __future__ import annotations
 
+import math
+import os
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -74,9 +78,97 @@ def build_indices(
     return input_indices, output_indices, selected
 
 
+# ---------------------------------------------------------------- buffers
+class _CpuBufferCache:
+    """Keeps the big CPU buffers of stages 4-5 mapped between calls.
+
+    glibc serves every allocation over 32 MiB with a fresh ``mmap`` and unmaps it at free, so each
+    training step would fault the layer's row buffers and weight gradients in again page by page,
+    each page zeroed by the kernel: that costs more than a full pass over the memory. Like the CUDA
+    caching allocator, this cache hands a storage out again once nothing but the cache refers to it
+    (storage use count 1), so a storage is never shared with a live tensor. Storages are grouped in
+    size classes (8 per power of two); idle storages beyond ``FASTMOE_CPU_CACHE_IDLE_MB`` (default
+    4096) are released. ``FASTMOE_CPU_CACHE=0`` turns the cache off; :func:`release_cached_buffers`
+    empties it.
+    """
+
+    MIN_BYTES = 1 << 20  # smaller blocks come from glibc's heap, which recycles them already
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("FASTMOE_CPU_CACHE", "1").strip() not in ("0", "false", "off")
+        self.max_idle = int(float(os.environ.get("FASTMOE_CPU_CACHE_IDLE_MB", "4096")) * 2**20)
+        self.pool: dict[int, list[torch.UntypedStorage]] = {}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        step = max(1 << 16, 1 << max(0, nbytes.bit_length() - 4))
+        return -(-nbytes // step) * step
+
+    @staticmethod
+    def _idle(st: torch.UntypedStorage) -> bool:
+        return torch._C._storage_Use_Count(st._cdata) == 1
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        if not self.enabled or device.type != "cpu" or nbytes < self.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype, device=device)
+        cls = self._size_class(nbytes)
+        with self.lock:
+            storage = next((st for st in self.pool.get(cls, ()) if self._idle(st)), None)
+            if storage is None:
+                self._trim(keep=cls)
+                storage = torch.empty(cls, dtype=torch.uint8, device=device).untyped_storage()
+                self.pool.setdefault(cls, []).append(storage)
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+
+    def _trim(self, keep: int) -> None:
+        idle = [(c, st) for c, sts in self.pool.items() for st in sts if self._idle(st)]
+        total = sum(c for c, _ in idle)
+        for c, st in sorted(idle, key=lambda cs: cs[0] == keep):
+            if total <= self.max_idle:
+                break
+            self.pool[c].remove(st)
+            total -= c
+
+    def clear(self) -> None:
+        with self.lock:
+            self.pool.clear()
+
+
+_CACHE = _CpuBufferCache()
+
+
+def release_cached_buffers() -> None:
+    """Return the torch backend's cached CPU buffers to the allocator (see :class:`_CpuBufferCache`)."""
+    _CACHE.clear()
+
+
+def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _CACHE.empty(tuple(shape), dtype or like.dtype, like.device)
+
+
 # ---------------------------------------------------------------- stage 4: grouped GEMMs
 def _bounds(cum_token_counts: torch.Tensor) -> list[int]:
     return cum_token_counts.tolist()
+
+
+def _groups(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """``(expert, first row, end row)`` of every local expert, empty ones included."""
+    return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
+
+
+def _max_rows(bounds: list[int]) -> int:
+    return max((bounds[e + 1] - bounds[e] for e in range(len(bounds) - 1)), default=0)
+
+
+#: Rows per piece of the elementwise passes: small enough that a piece's operands stay in L2.
+_ELEMWISE_BYTES = 1 << 18
+
+
+def _piece_rows(width: int) -> int:
+    return max(8, _ELEMWISE_BYTES // (4 * max(1, width)))
 
 
 def gate_up_fwd(
@@ -86,19 +178,27 @@ def gate_up_fwd(
     w_gate_up_N2IH: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
-    ``h [R, I] = silu(gate) * up``."""
+    ``h [R, I] = silu(gate) * up``.
+
+    One expert at a time: its rows are gathered into a small buffer that stays in cache for the
+    GEMM, and SiLU*up runs on the expert's fresh GEMM output, so neither the gathered ``[R, H]``
+    input nor a second pass over ``gate_up`` ever goes through memory.
+    """
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
     bounds = _bounds(cum_token_counts)
     rt = bounds[-1]
     two_i = w_gate_up_N2IH.shape[1]
-    mlp_in_RH = x_TH.index_select(0, input_indices[:rt])
-    gate_up_R2I = x_TH.new_empty(rt, two_i)
-    for e in range(len(bounds) - 1):
-        s, t = bounds[e], bounds[e + 1]
-        if t > s:
-            torch.mm(mlp_in_RH[s:t], w_gate_up_N2IH[e].t(), out=gate_up_R2I[s:t])
-    gate, up = gate_up_R2I.chunk(2, dim=-1)
-    h_RI = F.silu(gate) * up
+    inter = two_i // 2
+    gate_up_R2I = _empty((rt, two_i), x_TH)
+    h_RI = _empty((rt, inter), x_TH)
+    buf = x_TH.new_empty(_max_rows(bounds), x_TH.shape[1])
+    for e, s, t in _groups(bounds):
+        if t == s:
+            continue
+        rows = torch.index_select(x_TH, 0, input_indices[s:t], out=buf[: t - s])
+        gu = gate_up_R2I[s:t]
+        torch.mm(rows, w_gate_up_N2IH[e].t(), out=gu)
+        torch.mul(F.silu(gu[:, :inter]), gu[:, inter:], out=h_RI[s:t])
     return gate_up_R2I, h_RI
 
 
@@ -106,9 +206,8 @@ def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: tor
     """``y [R, H] = h @ w_down[e]^T`` per expert group."""
     check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
     bounds = _bounds(cum_token_counts)
-    y_RH = h_RI.new_empty(bounds[-1], w_down_NHI.shape[1])
-    for e in range(len(bounds) - 1):
-        s, t = bounds[e], bounds[e + 1]
+    y_RH = _empty((bounds[-1], w_down_NHI.shape[1]), h_RI)
+    for e, s, t in _groups(bounds):
         if t > s:
             torch.mm(h_RI[s:t], w_down_NHI[e].t(), out=y_RH[s:t])
     return y_RH
@@ -119,26 +218,45 @@ def down_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
     bounds = _bounds(cum_token_counts)
-    dh_RI = dy_RH.new_empty(bounds[-1], w_down_NHI.shape[2])
-    dw_NHI = torch.zeros_like(w_down_NHI)
-    for e in range(len(bounds) - 1):
-        s, t = bounds[e], bounds[e + 1]
-        if t > s:
-            torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
-            torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
+    dh_RI = _empty((bounds[-1], w_down_NHI.shape[2]), dy_RH)
+    dw_NHI = _empty(w_down_NHI.shape, w_down_NHI)
+    for e, s, t in _groups(bounds):
+        if t == s:
+            dw_NHI[e].zero_()
+            continue
+        torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
+        torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
     return dh_RI, dw_NHI
 
 
 def silu_mul_bwd(gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``."""
-    rt = dh_RI.shape[0]
-    gate, up = gate_up_R2I[:rt].float().chunk(2, dim=-1)
-    dh = dh_RI.float()
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = dh * silu
-    return torch.cat([d_gate, d_up], dim=-1).to(dh_RI.dtype)
+    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``.
+
+    ``d_up = dh * silu(gate)``; ``d_gate = dh * up * sig * (1 + gate - silu(gate))`` with
+    ``sig = sigmoid(gate)``, computed in fp32 piece by piece so the temporaries stay in cache.
+    """
+    rt, inter = dh_RI.shape
+    out_R2I = _empty((rt, 2 * inter), dh_RI)
+    exact = dh_RI.dtype == torch.float32
+    step = _piece_rows(inter)
+    for s in range(0, rt, step):
+        t = min(rt, s + step)
+        gate = gate_up_R2I[s:t, :inter].float()
+        up = gate_up_R2I[s:t, inter:].float()
+        dh = dh_RI[s:t].float()
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        if exact:
+            torch.mul(silu, dh, out=out_R2I[s:t, inter:])
+        else:
+            out_R2I[s:t, inter:].copy_(silu * dh)
+        silu.neg_().add_(gate).add_(1.0)
+        sig.mul_(silu).mul_(up)
+        if exact:
+            torch.mul(sig, dh, out=out_R2I[s:t, :inter])
+        else:
+            out_R2I[s:t, :inter].copy_(sig.mul_(dh))
+    return out_R2I
 
 
 def gate_up_bwd(
@@ -148,17 +266,19 @@ def gate_up_bwd(
     cum_token_counts: torch.Tensor,
     w_gate_up_N2IH: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``."""
+    """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``;
+    the expert's input rows are gathered again into a small cached buffer, never stored."""
     bounds = _bounds(cum_token_counts)
-    rt = bounds[-1]
-    mlp_in_RH = x_TH.index_select(0, input_indices[:rt])
-    dx_rows_RH = x_TH.new_empty(rt, x_TH.shape[1])
-    dw_N2IH = torch.zeros_like(w_gate_up_N2IH)
-    for e in range(len(bounds) - 1):
-        s, t = bounds[e], bounds[e + 1]
-        if t > s:
-            torch.mm(d_gate_up_R2I[s:t], w_gate_up_N2IH[e], out=dx_rows_RH[s:t])
-            torch.mm(d_gate_up_R2I[s:t].t(), mlp_in_RH[s:t], out=dw_N2IH[e])
+    dx_rows_RH = _empty((bounds[-1], x_TH.shape[1]), x_TH)
+    dw_N2IH = _empty(w_gate_up_N2IH.shape, w_gate_up_N2IH)
+    buf = x_TH.new_empty(_max_rows(bounds), x_TH.shape[1])
+    for e, s, t in _groups(bounds):
+        if t == s:
+            dw_N2IH[e].zero_()
+            continue
+        rows = torch.index_select(x_TH, 0, input_indices[s:t], out=buf[: t - s])
+        torch.mm(d_gate_up_R2I[s:t], w_gate_up_N2IH[e], out=dx_rows_RH[s:t])
+        torch.mm(d_gate_up_R2I[s:t].t(), rows, out=dw_N2IH[e])
     return dx_rows_RH, dw_N2IH
 
 
@@ -177,24 +297,29 @@ def combine_fwd(
     cum_expert_counts: torch.Tensor,
 ) -> torch.Tensor:
     """``out[t] = sum over slots i of t of weights[t, sel[i]] * y[output_indices[i]]`` (``[T, H]``);
-    ``weights_TK=None`` sums unweighted (the input gradient's reduction)."""
+    ``weights_TK=None`` sums unweighted (the input gradient's reduction).
+
+    One ``embedding_bag`` (a bag per token, its slots as indices, the routing weights as
+    per-sample weights): the rows are read once and summed in place, with no gathered copy.
+    """
     T = cum_expert_counts.numel() - 1
     H = y_RH.shape[1]
-    n_slots = int(cum_expert_counts[-1])
+    n_slots = int(cum_expert_counts[-1]) if T else 0
+    if n_slots == 0:
+        return y_RH.new_zeros(T, H)
     out_idx = output_indices[:n_slots]
-    K = weights_TK.shape[1] if weights_TK is not None else None
-    if weights_TK is not None and n_slots == T * K:
-        # Every slot is local (no expert parallelism): a fixed [T, K] layout, one batched GEMV.
-        y_TKH = y_RH.index_select(0, out_idx).view(T, K, H)
-        return torch.bmm(weights_TK.to(y_RH.dtype).view(T, 1, K), y_TKH).view(T, H)
-    slot_token = _slot_tokens(cum_expert_counts)
-    rows = y_RH.index_select(0, out_idx)
+    if weights_TK is not None and n_slots == weights_TK.numel():
+        # Every slot is local (no expert parallelism): a fixed [T, K] layout, slots in k order.
+        K = weights_TK.shape[1]
+        return F.embedding_bag(out_idx.view(T, K), y_RH, mode="sum",
+                               per_sample_weights=weights_TK.to(y_RH.dtype).view(T, K))
+    offsets = cum_expert_counts[:-1].to(out_idx.dtype)
+    slot_w = None
     if weights_TK is not None:
-        slot_w = weights_TK[slot_token, selected_expert_indices[:n_slots].to(torch.int64)]
-        rows = rows * slot_w.to(y_RH.dtype)[:, None]
-    out_TH = y_RH.new_zeros(T, H)
-    out_TH.index_add_(0, slot_token, rows)
-    return out_TH
+        K = weights_TK.shape[1]
+        flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+        slot_w = weights_TK.reshape(-1)[flat].to(y_RH.dtype)
+    return F.embedding_bag(out_idx, y_RH, offsets, mode="sum", per_sample_weights=slot_w)
 
 
 def combine_bwd(
@@ -206,18 +331,38 @@ def combine_bwd(
     cum_expert_counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dy[row] = weights[t, k] * dout[t]`` and ``dweights[t, k] = dot(y[row], dout[t])`` for each
-    slot (t, k, row); weights of non-local slots get zero gradient here."""
+    slot (t, k, row); weights of non-local slots get zero gradient here.
+
+    Walks the rows in order (each row's token and weight found through the inverse of
+    ``output_indices``), a piece at a time: the piece's ``dout`` rows are gathered into cache once
+    and serve both the dot products and the scaled copy into ``dy``.
+    """
     T, K = weights_TK.shape
-    n_slots = int(cum_expert_counts[-1])
-    out_idx = output_indices[:n_slots].to(torch.int64)
-    sel = selected_expert_indices[:n_slots].to(torch.int64)
-    slot_token = _slot_tokens(cum_expert_counts)
-    dout_SH = dout_TH.index_select(0, slot_token)
-    slot_w = weights_TK[slot_token, sel].to(dout_TH.dtype)
-    dy_RH = dout_TH.new_empty(y_RH.shape[0], dout_TH.shape[1])
-    dy_RH.index_copy_(0, out_idx, dout_SH * slot_w[:, None])
-    y_SH = y_RH.index_select(0, out_idx)
-    dw_slot = (y_SH.float() * dout_SH.float()).sum(-1)
+    H = dout_TH.shape[1]
+    n_slots = int(cum_expert_counts[-1]) if T else 0
+    dy_RH = _empty((y_RH.shape[0], H), dout_TH)
     dweights_TK = torch.zeros(T, K, dtype=weights_TK.dtype, device=weights_TK.device)
-    dweights_TK[slot_token, sel] = dw_slot.to(weights_TK.dtype)
+    if n_slots == 0:
+        return dy_RH, dweights_TK
+    out_idx = output_indices[:n_slots].to(torch.int64)
+    flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+    token_of_row = torch.empty_like(flat)
+    token_of_row[out_idx] = flat // K
+    w_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
+    w_row[out_idx] = weights_TK.reshape(-1)[flat].float()
+    dw_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
+    step = _piece_rows(H)
+    buf = dout_TH.new_empty(min(step, n_slots), H)
+    exact = dout_TH.dtype == torch.float32 and y_RH.dtype == torch.float32
+    for s in range(0, n_slots, step):
+        t = min(n_slots, s + step)
+        g = torch.index_select(dout_TH, 0, token_of_row[s:t], out=buf[: t - s])
+        y = y_RH[s:t]
+        if exact:
+            torch.bmm(y.unsqueeze(1), g.unsqueeze(2), out=dw_row[s:t].view(t - s, 1, 1))
+            torch.mul(g, w_row[s:t, None], out=dy_RH[s:t])
+        else:
+            dw_row[s:t] = torch.bmm(y.float().unsqueeze(1), g.float().unsqueeze(2)).view(-1)
+            dy_RH[s:t] = (g.float() * w_row[s:t, None]).to(dy_RH.dtype)
+    dweights_TK.view(-1)[flat] = dw_row[out_idx].to(weights_TK.dtype)
     return dy_RH, dweights_TK
