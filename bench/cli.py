@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from .cases import DTYPES, make_case
+from .measure import set_clock
 from .presets import PRESETS, resolve_presets
 from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names
 from .report import MODES, derive, format_case, format_summary, run_header, write_chart, write_csv, write_json
@@ -43,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="router: OLMoE's top-k router on random weights; uniform: forced uniform routing")
     ap.add_argument("--ceiling-size", type=int, default=None,
                     help="n of the n x n dense-matmul ceiling (default 4096; 256 for tiny presets)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall: elapsed time (default); cpu: the process's CPU time, which leaves out "
+                         "time other jobs hold the cores (use with --threads 1 on a shared machine)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_clock(args.clock)
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     presets = resolve_presets(args.preset)
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
           f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}")
     print(f"# {header['command']}")
+    print(f"# clock: {args.clock}; load average at start: {m['load_average_at_start']}")
 
     torch.set_grad_enabled(True)
     if args.mode == "stages":
@@ -119,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         del case
         gc.collect()
 
+    header["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     print()
     print(format_summary(results, mode, fast))
+    print(f"# load average at end: {header['machine']['load_average_at_end']}")
     write_json(out_dir / "results.json", header, results)
     write_csv(out_dir / "results.csv", header, results, fast_names)
     wrote = [out_dir / "results.json", out_dir / "results.csv"]

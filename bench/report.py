@@ -57,6 +57,7 @@ def machine_description(device: torch.device) -> dict:
         "transformers": _version("transformers"),
         "mkl": torch.backends.mkl.is_available(),
         "device": str(device),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if device.type == "cuda":
         d["device_name"] = torch.cuda.get_device_name(device)
@@ -134,11 +135,11 @@ def format_case(result: dict, mode: str, fast: str) -> str:
              f"  dense-matmul ceiling {m['ceiling_gflops']:.1f} GFLOP/s ({result['ceiling']['size']}^3 torch.mm); "
              f"GEMM-only bound {m['bound']['gflops']:.1f} GFLOP/s = {100 * m['bound']['frac_ceiling']:.0f}% of it"]
     hdr = (f"  {'provider':<18} {'median ms':>10} {'spread':>7} {'min ms':>10} {'GFLOP/s':>8} {'%ceil':>6} "
-           f"{'x bound':>8} {fast + ' speedup':>22} {'saved MB':>9} {'rounds':>6}  correct")
+           f"{'x bound':>8} {'%bound':>6} {fast + ' speedup':>22} {'saved MB':>9} {'rounds':>6}  correct")
     lines += [hdr, "  " + "-" * (len(hdr) - 2)]
     b = result["bound"][mode]
     lines.append(f"  {'gemm_bound':<18} {1e3 * b['median_s']:>10.1f} {100 * b['spread']:>6.1f}% {1e3 * b['min_s']:>10.1f} "
-                 f"{m['bound']['gflops']:>8.1f} {100 * m['bound']['frac_ceiling']:>5.0f}% {1.0:>8.2f}")
+                 f"{m['bound']['gflops']:>8.1f} {100 * m['bound']['frac_ceiling']:>5.0f}% {1.0:>8.2f} {100:>5.0f}%")
     sp = m["speedup"].get(fast, {})
     for name, p in result["providers"].items():
         if p.get("status") != "ok":
@@ -159,7 +160,7 @@ def format_case(result: dict, mode: str, fast: str) -> str:
                 c_txt = "reference"
         flag = " *" if p.get("budget_limited") else ""
         lines.append(f"  {name:<18} {1e3 * q['median_s']:>10.1f} {100 * q['spread']:>6.1f}% {1e3 * q['min_s']:>10.1f} "
-                     f"{q['gflops']:>8.1f} {100 * q['frac_ceiling']:>5.0f}% {q['x_bound']:>8.2f} {s_txt:>22} "
+                     f"{q['gflops']:>8.1f} {100 * q['frac_ceiling']:>5.0f}% {q['x_bound']:>8.2f} {100 / q['x_bound']:>5.0f}% {s_txt:>22} "
                      f"{_mb(p.get('saved_bytes')):>9} {p.get('rounds', 0):>5}{flag}  {c_txt}")
     for name, p in result["providers"].items():
         if p.get("budget_note"):

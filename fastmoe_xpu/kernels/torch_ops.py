@@ -163,12 +163,34 @@ def _max_rows(bounds: list[int]) -> int:
     return max((bounds[e + 1] - bounds[e] for e in range(len(bounds) - 1)), default=0)
 
 
-#: Rows per piece of the elementwise passes: small enough that a piece's operands stay in L2.
-_ELEMWISE_BYTES = 1 << 18
+#: Bytes of the widest operand of one piece of a gather or elementwise pass. A piece stays in the
+#: last-level cache between the op that writes it and the ops that read it, and pieces are few:
+#: every op is a parallel region, and on a loaded machine each one can cost a scheduler time slice.
+_PIECE_BYTES = int(os.environ.get("FASTMOE_CPU_PIECE_MB", "4")) << 20
 
 
 def _piece_rows(width: int) -> int:
-    return max(8, _ELEMWISE_BYTES // (4 * max(1, width)))
+    return max(8, _PIECE_BYTES // (4 * max(1, width)))
+
+
+def _expert_pieces(bounds: list[int], min_rows: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive experts grouped into pieces of at least ``min_rows`` rows (the last may be short)."""
+    pieces: list[list[tuple[int, int, int]]] = [[]]
+    rows = 0
+    for g in _groups(bounds):
+        if rows >= min_rows:
+            pieces.append([])
+            rows = 0
+        pieces[-1].append(g)
+        rows += g[2] - g[1]
+    return pieces
+
+
+def _silu_mul(gate_up_R2I: torch.Tensor, out_RI: torch.Tensor) -> None:
+    inter = out_RI.shape[1]
+    tmp = _empty(out_RI.shape, out_RI)
+    torch._C._nn.silu(gate_up_R2I[:, :inter], out=tmp)
+    torch.mul(tmp, gate_up_R2I[:, inter:], out=out_RI)
 
 
 def gate_up_fwd(
@@ -180,25 +202,27 @@ def gate_up_fwd(
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
     ``h [R, I] = silu(gate) * up``.
 
-    One expert at a time: its rows are gathered into a small buffer that stays in cache for the
-    GEMM, and SiLU*up runs on the expert's fresh GEMM output, so neither the gathered ``[R, H]``
-    input nor a second pass over ``gate_up`` ever goes through memory.
+    A piece of consecutive experts at a time: their rows are gathered into a cached buffer, each
+    expert's GEMM reads its part, and SiLU*up runs on the piece's fresh GEMM output, so the gathered
+    ``[R, H]`` input never exists whole and ``gate_up`` is not read back from memory.
     """
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
     bounds = _bounds(cum_token_counts)
     rt = bounds[-1]
     two_i = w_gate_up_N2IH.shape[1]
-    inter = two_i // 2
     gate_up_R2I = _empty((rt, two_i), x_TH)
-    h_RI = _empty((rt, inter), x_TH)
-    buf = x_TH.new_empty(_max_rows(bounds), x_TH.shape[1])
-    for e, s, t in _groups(bounds):
-        if t == s:
+    h_RI = _empty((rt, two_i // 2), x_TH)
+    pieces = _expert_pieces(bounds, _piece_rows(x_TH.shape[1]))
+    buf = _empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
+    for piece in pieces:
+        p0, p1 = piece[0][1], piece[-1][2]
+        if p1 == p0:
             continue
-        rows = torch.index_select(x_TH, 0, input_indices[s:t], out=buf[: t - s])
-        gu = gate_up_R2I[s:t]
-        torch.mm(rows, w_gate_up_N2IH[e].t(), out=gu)
-        torch.mul(F.silu(gu[:, :inter]), gu[:, inter:], out=h_RI[s:t])
+        rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
+        for e, s, t in piece:
+            if t > s:
+                torch.mm(rows[s - p0:t - p0], w_gate_up_N2IH[e].t(), out=gate_up_R2I[s:t])
+        _silu_mul(gate_up_R2I[p0:p1], h_RI[p0:p1])
     return gate_up_R2I, h_RI
 
 
@@ -233,19 +257,21 @@ def silu_mul_bwd(gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor) -> torch.Tensor
     """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``.
 
     ``d_up = dh * silu(gate)``; ``d_gate = dh * up * sig * (1 + gate - silu(gate))`` with
-    ``sig = sigmoid(gate)``, computed in fp32 piece by piece so the temporaries stay in cache.
+    ``sig = sigmoid(gate)``, computed in fp32 a piece of rows at a time, so the temporaries stay in cache.
     """
     rt, inter = dh_RI.shape
     out_R2I = _empty((rt, 2 * inter), dh_RI)
     exact = dh_RI.dtype == torch.float32
-    step = _piece_rows(inter)
+    step = max(1, min(rt, _piece_rows(inter)))
+    sig_buf = _empty((step, inter), dh_RI, torch.float32)
+    silu_buf = _empty((step, inter), dh_RI, torch.float32)
     for s in range(0, rt, step):
         t = min(rt, s + step)
         gate = gate_up_R2I[s:t, :inter].float()
         up = gate_up_R2I[s:t, inter:].float()
         dh = dh_RI[s:t].float()
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
+        sig = torch.sigmoid(gate, out=sig_buf[: t - s])
+        silu = torch.mul(gate, sig, out=silu_buf[: t - s])
         if exact:
             torch.mul(silu, dh, out=out_R2I[s:t, inter:])
         else:
@@ -271,14 +297,17 @@ def gate_up_bwd(
     bounds = _bounds(cum_token_counts)
     dx_rows_RH = _empty((bounds[-1], x_TH.shape[1]), x_TH)
     dw_N2IH = _empty(w_gate_up_N2IH.shape, w_gate_up_N2IH)
-    buf = x_TH.new_empty(_max_rows(bounds), x_TH.shape[1])
-    for e, s, t in _groups(bounds):
-        if t == s:
-            dw_N2IH[e].zero_()
-            continue
-        rows = torch.index_select(x_TH, 0, input_indices[s:t], out=buf[: t - s])
-        torch.mm(d_gate_up_R2I[s:t], w_gate_up_N2IH[e], out=dx_rows_RH[s:t])
-        torch.mm(d_gate_up_R2I[s:t].t(), rows, out=dw_N2IH[e])
+    pieces = _expert_pieces(bounds, _piece_rows(x_TH.shape[1]))
+    buf = _empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
+    for piece in pieces:
+        p0, p1 = piece[0][1], piece[-1][2]
+        rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0]) if p1 > p0 else None
+        for e, s, t in piece:
+            if t == s:
+                dw_N2IH[e].zero_()
+                continue
+            torch.mm(d_gate_up_R2I[s:t], w_gate_up_N2IH[e], out=dx_rows_RH[s:t])
+            torch.mm(d_gate_up_R2I[s:t].t(), rows[s - p0:t - p0], out=dw_N2IH[e])
     return dx_rows_RH, dw_N2IH
 
 
@@ -352,7 +381,7 @@ def combine_bwd(
     w_row[out_idx] = weights_TK.reshape(-1)[flat].float()
     dw_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
     step = _piece_rows(H)
-    buf = dout_TH.new_empty(min(step, n_slots), H)
+    buf = _empty((min(step, n_slots), H), dout_TH)
     exact = dout_TH.dtype == torch.float32 and y_RH.dtype == torch.float32
     for s in range(0, n_slots, step):
         t = min(n_slots, s + step)

@@ -1,0 +1,99 @@
+"""The torch backend's CPU buffer cache: reuse only what nobody holds, and training semantics intact."""
+import pytest
+import torch
+
+from fastmoe_xpu.block import moe_experts_forward
+from fastmoe_xpu.kernels import torch_ops as ops
+from tests.tolerances import assert_close
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def cache():
+    c = ops._CpuBufferCache()
+    c.enabled = True
+    return c
+
+
+def test_buffer_is_reused_only_when_idle(cache):
+    a = cache.empty((MB // 4,), torch.float32, torch.device("cpu"))  # 1 MiB: cached
+    a.fill_(1.0)
+    b = cache.empty((MB // 4,), torch.float32, torch.device("cpu"))
+    assert a.data_ptr() != b.data_ptr()  # a is alive: never handed out twice
+    ptr = a.data_ptr()
+    del a
+    c = cache.empty((MB // 4,), torch.float32, torch.device("cpu"))
+    assert c.data_ptr() == ptr  # a's storage came back
+    assert b.data_ptr() != ptr
+
+
+def test_views_keep_a_buffer_alive(cache):
+    a = cache.empty((2, MB // 8), torch.float32, torch.device("cpu"))
+    view = a[1]
+    ptr = a.data_ptr()
+    del a
+    b = cache.empty((2, MB // 8), torch.float32, torch.device("cpu"))
+    assert b.data_ptr() != ptr  # the view still refers to the storage
+    del view
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((3, 5), torch.float32),  # under the threshold: plain allocation, not cached
+        ((513, 1031), torch.float32),  # odd sizes: rounded up to a size class
+        ((700, 1024), torch.bfloat16),  # 2-byte dtype
+    ],
+)
+def test_shapes_and_dtypes(cache, shape, dtype):
+    t = cache.empty(shape, dtype, torch.device("cpu"))
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+def test_idle_limit_releases_other_size_classes(cache):
+    cache.max_idle = 0
+    a = cache.empty((MB,), torch.float32, torch.device("cpu"))
+    del a
+    cache.empty((3 * MB,), torch.float32, torch.device("cpu"))
+    assert all(len(v) <= 1 for v in cache.pool.values())
+    assert sum(len(v) for v in cache.pool.values()) == 1  # the idle 4 MiB block was dropped
+
+
+def _layer(T=512, H=256, I=128, E=4, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    wgu = (torch.randn(E, 2 * I, H, generator=g) * 0.05).requires_grad_()
+    wd = (torch.randn(E, H, I, generator=g) * 0.05).requires_grad_()
+    return x, idx, w, wgu, wd
+
+
+def test_gradients_accumulate_across_steps_with_cached_buffers():
+    # Large enough that the row buffers and weight gradients (>= 1 MiB) come from the cache.
+    x, idx, w, wgu, wd = _layer()
+    moe_experts_forward(x, w, idx, wgu, wd).sum().backward()
+    g1 = (wgu.grad.clone(), wd.grad.clone())
+    keep = wgu.grad  # held by the caller: must not be overwritten by the next step
+    snapshot = keep.clone()
+    moe_experts_forward(x, w, idx, wgu, wd).sum().backward()  # accumulates into .grad
+    assert_close(wgu.grad, 2 * g1[0])
+    assert_close(wd.grad, 2 * g1[1])
+    wgu.grad = None
+    wd.grad = None
+    moe_experts_forward(x * 2, w, idx, wgu, wd).sum().backward()  # fresh gradients, buffers recycled
+    torch.testing.assert_close(keep, 2 * snapshot)  # keep is wgu's accumulated grad of step 2, untouched
+    assert not torch.equal(wgu.grad, g1[0])
+
+
+def test_outputs_held_by_the_caller_survive_later_calls():
+    x, idx, w, wgu, wd = _layer()
+    _, pcum, _, cexp, ctok = ops.count_tokens(idx, 0, 4, 8)
+    inp, _, _ = ops.build_indices(idx, pcum, cexp, 0, 4, 8)
+    gu1, h1 = ops.gate_up_fwd(x, inp, ctok, wgu.detach())
+    before = gu1.clone()
+    gu2, _ = ops.gate_up_fwd(x * 3, inp, ctok, wgu.detach())
+    assert gu1.data_ptr() != gu2.data_ptr()
+    assert torch.equal(gu1, before)
