@@ -4,8 +4,9 @@
   per-expert MLPs looped with masks, ``index_add_`` to combine.
 - ``hf_v5_eager`` / ``hf_v5_grouped_mm``: transformers v5's own ``OlmoeExperts`` with
   ``config._experts_implementation`` set to ``"eager"`` or ``"grouped_mm"`` (v5's default);
-  local slices use transformers' own expert-parallel convention (off-rank routes get the sentinel
-  id NR and weight 0, ``_is_expert_parallel=True``), as its ``AllReduceEP`` does.
+  local slices (EP > 1) run as transformers' ``AllToAllEP`` (its training path) runs a rank's
+  experts: top-1 on the rank's (token, expert) rows, the weighted sum per token after; only the
+  all-to-all itself is left out, as every provider's communication is.
 - ``fastmoe/<backend>``: stages 2-5 of FastSparseMoeBlock (``block.moe_experts_forward``) on each
   kernel backend.
 
@@ -146,19 +147,26 @@ def _hf_v5(case: Case, impl: str) -> Provider:
     experts.gate_up_proj = case.w_gate_up_N2IH
     experts.down_proj = case.w_down_NHI
     sharded = NR < p.experts
-    experts._is_expert_parallel = sharded
+    K = p.top_k
     note = f"transformers {version}, experts_implementation={impl!r}"
     if impl == "grouped_mm":
         note += f" ({_grouped_mm_path(case)})"
+    if sharded:
+        note += "; local slice as transformers' AllToAllEP computes it in training, less the all-to-all"
 
     def forward(x_TH, weights_TK, idx_TK):
-        if sharded:
-            # transformers' AllReduceEP convention: routes to other ranks' experts become the
-            # sentinel id NR with weight 0 (rank 0 holds experts [0, NR)).
-            off = idx_TK >= NR
-            idx_TK = torch.where(off, torch.full_like(idx_TK, NR), idx_TK)
-            weights_TK = weights_TK.masked_fill(off, 0.0)
-        return experts(x_TH, idx_TK, weights_TK)
+        if not sharded:
+            return experts(x_TH, idx_TK, weights_TK)
+        # transformers' AllToAllEP (its training path): this rank's experts run top-1 with unit
+        # weights on the (token, expert) rows the all-to-all delivers, sorted by expert; the
+        # results are weighted and summed per token on the way back. Rank 0 holds experts [0, NR).
+        T, H = x_TH.shape
+        flat = idx_TK.reshape(-1)
+        slots = torch.nonzero(flat < NR).squeeze(1)
+        slots = slots[torch.argsort(flat[slots], stable=True)]
+        tok = slots // K
+        rows = experts(x_TH[tok], flat[slots].unsqueeze(1), x_TH.new_ones(slots.numel(), 1))
+        return x_TH.new_zeros(T, H).index_add(0, tok, rows * weights_TK.reshape(-1)[slots].unsqueeze(1))
 
     def merged_grads():
         return tuple(w.grad if w.grad is not None else torch.zeros_like(w)
