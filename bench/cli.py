@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton "
                          "(hf_v4 always runs: it is the correctness reference)")
-    ap.add_argument("--budget", type=float, default=60.0,
+    ap.add_argument("--budget", type=float, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
     ap.add_argument("--routing", default="router", choices=["router", "uniform"],

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -76,6 +77,13 @@ def run_header(device: torch.device, settings: dict) -> dict:
 
 
 # ---------------------------------------------------------------- metrics
+def _paired(a: dict, b: dict) -> float | None:
+    """Median over rounds of ``a[r] / b[r]`` (both timed in round r), or None without common rounds."""
+    ra, rb = a.get("by_round") or [], b.get("by_round") or []
+    ratios = [x / y for x, y in zip(ra, rb) if y > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def derive(result: dict, fast_names: list[str]) -> dict:
     """Add ``metrics[mode]`` to one case's result: GFLOP/s, fractions and speedups."""
     flops = result["case"]["flops"]
@@ -98,13 +106,15 @@ def derive(result: dict, fast_names: list[str]) -> dict:
             t = p[mode]["min_s"]
             g = flops[mode] / t / 1e9
             m["providers"][n] = {"min_s": t, "median_s": p[mode]["median_s"], "spread": p[mode]["spread"],
-                                 "gflops": g, "frac_ceiling": g / ceiling_gflops, "x_bound": t / b["min_s"]}
+                                 "gflops": g, "frac_ceiling": g / ceiling_gflops, "x_bound": t / b["min_s"],
+                                 "x_bound_paired": _paired(p[mode], b)}
         for f in fast_names:
             if f not in ok:
                 continue
             tf, mf = ok[f][mode]["min_s"], ok[f][mode]["median_s"]
             m["speedup"][f] = {
-                n: {"min": p[mode]["min_s"] / tf, "median": p[mode]["median_s"] / mf}
+                n: {"min": p[mode]["min_s"] / tf, "median": p[mode]["median_s"] / mf,
+                    "paired": _paired(p[mode], ok[f][mode])}
                 for n, p in ok.items() if n != f
             }
         metrics[mode] = m
@@ -135,11 +145,12 @@ def format_case(result: dict, mode: str, fast: str) -> str:
              f"  dense-matmul ceiling {m['ceiling_gflops']:.1f} GFLOP/s ({result['ceiling']['size']}^3 torch.mm); "
              f"GEMM-only bound {m['bound']['gflops']:.1f} GFLOP/s = {100 * m['bound']['frac_ceiling']:.0f}% of it"]
     hdr = (f"  {'provider':<18} {'median ms':>10} {'spread':>7} {'min ms':>10} {'GFLOP/s':>8} {'%ceil':>6} "
-           f"{'x bound':>8} {'%bound':>6} {fast + ' speedup':>22} {'saved MB':>9} {'rounds':>6}  correct")
+           f"{'x bound':>8} {'%bound':>6} {'paired':>7} {'speedup (min | paired)':>23} {'saved MB':>9} "
+           f"{'rounds':>6}  correct")
     lines += [hdr, "  " + "-" * (len(hdr) - 2)]
     b = result["bound"][mode]
     lines.append(f"  {'gemm_bound':<18} {1e3 * b['median_s']:>10.1f} {100 * b['spread']:>6.1f}% {1e3 * b['min_s']:>10.1f} "
-                 f"{m['bound']['gflops']:>8.1f} {100 * m['bound']['frac_ceiling']:>5.0f}% {1.0:>8.2f} {100:>5.0f}%")
+                 f"{m['bound']['gflops']:>8.1f} {100 * m['bound']['frac_ceiling']:>5.0f}% {1.0:>8.2f} {100:>5.0f}% {1.0:>7.2f}")
     sp = m["speedup"].get(fast, {})
     for name, p in result["providers"].items():
         if p.get("status") != "ok":
@@ -149,7 +160,11 @@ def format_case(result: dict, mode: str, fast: str) -> str:
         if q is None:
             continue
         s = sp.get(name)
-        s_txt = f"{s['min']:.2f}x" if s else ("-" if name == fast else "")
+        if s:
+            s_txt = f"{s['min']:.2f}x | " + (f"{s['paired']:.2f}x" if s["paired"] is not None else "  -  ")
+        else:
+            s_txt = "-" if name == fast else ""
+        xp = f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-"
         corr = p.get("correct")
         if corr is None:
             c_txt = "reference" if name == "hf_v4" else "-"
@@ -160,7 +175,7 @@ def format_case(result: dict, mode: str, fast: str) -> str:
                 c_txt = "reference"
         flag = " *" if p.get("budget_limited") else ""
         lines.append(f"  {name:<18} {1e3 * q['median_s']:>10.1f} {100 * q['spread']:>6.1f}% {1e3 * q['min_s']:>10.1f} "
-                     f"{q['gflops']:>8.1f} {100 * q['frac_ceiling']:>5.0f}% {q['x_bound']:>8.2f} {100 / q['x_bound']:>5.0f}% {s_txt:>22} "
+                     f"{q['gflops']:>8.1f} {100 * q['frac_ceiling']:>5.0f}% {q['x_bound']:>8.2f} {100 / q['x_bound']:>5.0f}% {xp:>7} {s_txt:>23} "
                      f"{_mb(p.get('saved_bytes')):>9} {p.get('rounds', 0):>5}{flag}  {c_txt}")
     for name, p in result["providers"].items():
         if p.get("budget_note"):
@@ -172,9 +187,9 @@ def format_summary(results: list[dict], mode: str, fast: str) -> str:
     """The paper's Table 3 layout: one row per layer, fastmoe's speedup over each baseline."""
     others = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
     hdr = (f"{'preset':<20} {'rows/exp':>8} " + " ".join(f"{'vs ' + o:>20}" for o in others)
-           + f" {'x bound':>8} {'bound %ceil':>11}")
-    lines = [f"{fast} {MODE_TITLE[mode]} speedup (min over interleaved rounds; >1 means fastmoe is faster)",
-             hdr, "-" * len(hdr)]
+           + f" {'x bound':>13} {'bound %ceil':>11}")
+    lines = [f"{fast} {MODE_TITLE[mode]} speedup, min over interleaved rounds | median of same-round ratios "
+             "(>1: fastmoe is faster)", hdr, "-" * len(hdr)]
     for r in results:
         m = r["metrics"].get(mode)
         if m is None:
@@ -188,13 +203,16 @@ def format_summary(results: list[dict], mode: str, fast: str) -> str:
                 cells.append("skipped" if st.get("status") == "skipped" else "-")
             else:
                 star = "*" if r["providers"][o].get("budget_limited") else ""
-                cells.append(f"{s['min']:.2f}x{star}")
+                pr = f"{s['paired']:.2f}x" if s["paired"] is not None else "-"
+                cells.append(f"{s['min']:.2f}x | {pr}{star}")
         q = m["providers"].get(fast)
-        xb = f"{q['x_bound']:.2f}" if q else "-"
+        xb = "-"
+        if q:
+            xb = f"{q['x_bound']:.2f} | " + (f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-")
         lines.append(f"{r['case']['preset']['name']:<20} {r['case']['rows_per_expert']['mean']:>8.0f} "
                      + " ".join(f"{c:>20}" for c in cells)
-                     + f" {xb:>8} {100 * m['bound']['frac_ceiling']:>10.0f}%")
-    lines.append("* fewer rounds than asked (time budget); see the per-case notes")
+                     + f" {xb:>13} {100 * m['bound']['frac_ceiling']:>10.0f}%")
+    lines.append("* fewer rounds than asked (time budget); a kept cold call pairs with no round")
     return "\n".join(lines)
 
 
@@ -205,7 +223,8 @@ def write_json(path: Path, header: dict, results: list[dict]) -> None:
 
 def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[str]) -> None:
     cols = ["preset", "mode", "provider", "status", "reason", "rounds", "median_ms", "min_ms", "max_ms", "spread",
-            "gflops", "frac_ceiling", "x_bound"] + [f"speedup_of_{f}" for f in fast_names] + [
+            "gflops", "frac_ceiling", "x_bound", "x_bound_paired"] + [f"speedup_of_{f}" for f in fast_names] + [
+            f"speedup_of_{f}_paired" for f in fast_names] + [
             "saved_mb", "correct", "max_rel_error", "budget_limited", "note"]
     mach = header["machine"]
     with path.open("w", newline="", encoding="utf-8") as fh:
@@ -234,6 +253,7 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
                         row.update(rounds=s["n"], median_ms=1e3 * s["median_s"], min_ms=1e3 * s["min_s"],
                                    max_ms=1e3 * s["max_s"], spread=s["spread"], gflops=q["gflops"],
                                    frac_ceiling=q["frac_ceiling"], x_bound=q["x_bound"],
+                                   x_bound_paired=q["x_bound_paired"],
                                    saved_mb=p.get("saved_bytes", 0) / 2**20,
                                    correct=corr.get("ok", "reference" if name == "hf_v4" else ""),
                                    max_rel_error=max(errs.values()) if errs else "",
@@ -242,6 +262,7 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
                             s_f = m["speedup"].get(f, {}).get(name)
                             if s_f is not None:
                                 row[f"speedup_of_{f}"] = s_f["min"]
+                                row[f"speedup_of_{f}_paired"] = s_f["paired"]
                     w.writerow(row)
 
 
@@ -261,7 +282,7 @@ def write_chart(path: Path, header: dict, results: list[dict], mode: str) -> boo
         for n in r["metrics"][mode]["providers"]:
             if n not in names:
                 names.append(n)
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(rows) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 * len(rows) + 3.5), 4.5))
     width = 0.8 / max(1, len(names))
     for i, n in enumerate(names):
         xs, ys = [], []
@@ -276,13 +297,23 @@ def write_chart(path: Path, header: dict, results: list[dict], mode: str) -> boo
         del bars
     ax.axhline(1.0, color="black", lw=0.8, ls="--", label="GEMM-only bound")
     ax.set_yscale("log")
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, ScalarFormatter
+
+    xb = [q["x_bound"] for r in rows for q in r["metrics"][mode]["providers"].values()] or [1.0]
+    lo, hi = min(0.8, 0.9 * min(xb)), 1.3 * max(xb)
+    ax.set_ylim(lo, hi)
+    ax.yaxis.set_major_locator(FixedLocator([t for t in (0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500)
+                                             if lo <= t <= hi]))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["case"]["preset"]["name"] for r in rows])
     ax.set_ylabel(f"{MODE_TITLE[mode]} time / GEMM-only bound (min over rounds)")
     mach = header["machine"]
     ax.set_title(f"{mach['cpu_model']}, {mach['torch_threads']} threads, {rows[0]['case']['dtype']} "
                  f"({header['date_utc'][:10]})", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -130,6 +130,11 @@ def run_case(
         if backward:
             out["bwd"] = stats([b for _, b in s])
             out["fwdbwd"] = stats([f + b for f, b in s])
+        # Sample i was taken in round i (a kept cold call belongs to no round): same-round pairs
+        # cancel load that changes more slowly than a round.
+        pairable = allowed[name] > 0
+        for mode, st in out.items():
+            st["by_round"] = st.get("samples_s", []) if pairable else []
         return out
 
     result["ceiling"] = {"size": ceiling_n, "flops": ceiling.flops, **stats([f for f, _ in samples[CEILING]])}
