@@ -146,6 +146,84 @@ def dump_state(model: Toy, opt: Any) -> dict[str, Any]:
     return {"pieces": pieces, "weights": weights, "steps": ck.optimizer_steps(opt)}
 
 
+def spawn(world: int, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 300.0) -> list[int]:
+    """Run this script on ``world`` local ranks (torchrun's environment variables) and wait;
+    returns the exit codes. Output goes to ``<out>/spawn-rank-<r>.log``."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = Path(argv[argv.index("--out") + 1])
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for r in range(world):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(env or {}))
+        with open(out / f"spawn-rank-{r}.log", "ab") as fh:
+            procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=e, stdout=fh, stderr=subprocess.STDOUT))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def load_dumps(path: str | os.PathLike) -> list[dict[str, Any]]:
+    return [torch.load(f, weights_only=False) for f in sorted(Path(path).glob("rank-*.pt"))]
+
+
+def assemble(dumps: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's dump: ``"w/<key>"`` weights and ``"<state>/<key>"`` optimizer
+    states (flattened); replicas must agree exactly."""
+    full: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for d in dumps:
+        for key, w in d["weights"].items():
+            k = f"w/{key}"
+            if k in full and not torch.equal(full[k], w):
+                raise AssertionError(f"replicas of {key} differ")
+            full[k] = w
+        for (state, key), pieces in d["pieces"].items():
+            k = f"{state}/{key}"
+            n = d["weights"][key].numel() if key in d["weights"] else None
+            if k not in full:
+                full[k] = torch.full((n,), float("nan"))
+                filled[k] = torch.zeros(n, dtype=torch.bool)
+            for at, t in pieces:
+                cur = full[k][at:at + t.numel()]
+                seen = filled[k][at:at + t.numel()]
+                if seen.any() and not torch.equal(cur[seen], t[seen]):
+                    raise AssertionError(f"replicas of {k} differ")
+                cur.copy_(t)
+                seen.fill_(True)
+    missing = [k for k, f in filled.items() if not f.all()]
+    if missing:
+        raise AssertionError(f"no rank holds all of {missing[:3]}")
+    return full
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors in :func:`assemble`'s naming, read in this process (no process group)."""
+    path = Path(path)
+    md = ck._storage_reader(path).read_metadata().state_dict_metadata
+    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()}
+    ck._dcp_load(want, path)
+    out = {}
+    for k, t in want.items():
+        kind, _, rest = k.partition("/")
+        if kind == "model":
+            out[f"w/{rest}"] = t
+        else:
+            state, _, key = rest.partition("/")
+            out[f"{state}/{key}"] = t.reshape(-1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -178,8 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resumed from {res.info.path} at step {start} in {res.seconds:.3f}s", flush=True)
     try:
         for step in range(start, args.steps):
-            hb.beat(step, "start")
             fault.maybe_hang(step, lay.rank)
+            hb.beat(step, "start")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)  # inside the step, so a kill lands mid-step
             loss = train_step(model, opt, lay, step, out)
             hb.beat(step + 1, "done", completed=True)
             if lay.rank == 0:
@@ -189,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                 mgr.save(step + 1, model, opt, meta={"next_step": step + 1})
             if mgr.model_due(step + 1):
                 mgr.save_model(step + 1, model)
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
     except fault.SoftFailure as e:
         print(f"soft failure: {e}", file=sys.stderr, flush=True)
+        if args.dump:  # the state at the failure: must equal the state before the bad step
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            torch.save(dump_state(model, opt), Path(args.dump) / f"rank-{lay.rank:05d}.pt")
         return fault.EXIT_SOFT_FAILURE
     except ck.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -412,20 +412,25 @@ def _group_rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+try:
+    from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
+except ImportError:  # pragma: no cover - older torch
+    class _CheckpointException(BaseException):  # type: ignore[no-redef]
+        pass
+
+
 def _describe_os_error(e: BaseException) -> str:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return f"no space left on device ({e})"
     if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return f"the output directory is not writable ({e})"
-    cause = e
-    # DCP wraps per-rank failures; surface the first underlying OSError
     failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
+    if isinstance(e, _CheckpointException) and isinstance(failures, dict) and failures:
+        # DCP gathers every rank's exception; name the first rank and its underlying error
+        rank, first = next(iter(sorted(failures.items())))
         cause = first[0] if isinstance(first, tuple) else first
-        if isinstance(cause, OSError):
-            return _describe_os_error(cause)
-    return f"{type(cause).__name__}: {cause}"
+        return f"rank {rank}: {_describe_os_error(cause)}"
+    return f"{type(e).__name__}: {e}"
 
 
 # ============================================================================ optimizer states
@@ -572,7 +577,10 @@ def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(state, storage_reader=_storage_reader(path), no_dist=not _dist_on())
+        try:
+            dcp.load(state, storage_reader=_storage_reader(path), no_dist=not _dist_on())
+        except _CheckpointException as e:
+            raise CheckpointError(f"reading {path} failed: {_describe_os_error(e)}") from None
 
 
 def _check_keys(path: Path, want: Mapping[str, torch.Tensor]) -> None:
@@ -652,7 +660,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
     ok, msg, hashes = True, "", {}
     try:
         _dcp_save(tensors, tmp)
-    except Exception as e:  # DCP raises the same aggregated error on every rank
+    except (Exception, _CheckpointException) as e:  # DCP raises the same aggregated error on every rank
         ok, msg = False, _describe_os_error(e)
     if ok:
         try:
@@ -690,11 +698,11 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
             meta_bytes = _json_bytes(meta_all)
             write_file(tmp / META, meta_bytes)
             files[META] = {"sha256": hashlib.sha256(meta_bytes).hexdigest(), "size": len(meta_bytes)}
-            _write_manifest(tmp, files)
+            manifest_size = _write_manifest(tmp, files)
             fsync_dir(tmp)
             os.rename(tmp, final)
             fsync_dir(root)
-            total = sum(f["size"] for f in files.values())
+            total = sum(f["size"] for f in files.values()) + manifest_size
         except OSError as e:
             ok, msg = False, _describe_os_error(e)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -705,9 +713,10 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
                      total_bytes=int(results[0][2]))
 
 
-def _write_manifest(tmp: Path, files: dict[str, Any]) -> None:
-    manifest = {"format": FORMAT_VERSION, "files": files, "digest": _manifest_digest(files)}
-    write_file(tmp / MANIFEST, _json_bytes(manifest))
+def _write_manifest(tmp: Path, files: dict[str, Any]) -> int:
+    data = _json_bytes({"format": FORMAT_VERSION, "files": files, "digest": _manifest_digest(files)})
+    write_file(tmp / MANIFEST, data)
+    return len(data)
 
 
 def _model_tensors(model: nn.Module, coords: Coords, dtype: torch.dtype | None,

@@ -39,6 +39,9 @@ from .fault import (
     EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HEARTBEAT_DIR, HOST_ENV, read_failures, read_heartbeats,
 )
 
+#: Order of heartbeat phases within one ``step`` value: "done"/"checkpoint" of step s-1 write
+#: ``step = s``, and "start" of step s comes after them.
+PHASE_ORDER = {"startup": 0, "resumed": 1, "done": 2, "checkpoint": 3, "start": 4}
 #: Exit codes a relaunch cannot fix.
 FATAL_EXIT_CODES = {2: "bad configuration or input", EXIT_CHECKPOINT_FAILURE: "checkpoint write failure"}
 
@@ -212,8 +215,18 @@ class Supervisor:
                 stale.append((rec["mtime"] if rec else att.started, r, rec))
         if not stale:
             return None
-        # every rank blocked on the hung one stops too; the first to go quiet is the cause
-        last, r, rec = min(stale)
+        # every rank blocked on the hung one goes quiet too: blame the rank that got least far
+        # (then the one silent longest); a rank that never beat has made no progress at all
+        def progress(r: int) -> tuple:
+            rec = beats.get(r)
+            if rec is None:
+                return (-1, -1, att.started)
+            return (rec["step"], PHASE_ORDER.get(rec["phase"], 0), rec["mtime"])
+
+        live = [r for r, c in enumerate(codes) if c is None]
+        r = min(live or [s[1] for s in stale], key=progress)
+        rec = beats.get(r)
+        last = rec["mtime"] if rec else att.started
         where = f"step {rec['step']} ({rec['phase']})" if rec else "start-up"
         return Failure("hang", [self._host_of(att, r)], r, None,
                        f"rank {r} silent for {now - last:.1f}s since {where}")
