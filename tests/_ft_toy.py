@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=int, default=2)
     ap.add_argument("--model-interval", type=int, default=0)
     ap.add_argument("--resume", default="none", choices=["auto", "none"])
+    ap.add_argument("--checkpoint.resume", dest="resume", action="store_const", const="auto",
+                    help="the trainer's spelling of --resume auto (what trainer.launch appends)")
     ap.add_argument("--optim", default="sharded", choices=sorted(OPTIMIZERS))
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to kill mid-run)")
