@@ -65,14 +65,16 @@ def test_balance_is_within_one_item_of_perfect(sizes: list[int], bins: int) -> N
 
 @pytest.mark.parametrize("pp,dp,ep", [
     (1, 1, 1),    # single process
-    (1, 16, 4),   # EPSO-like layout
-    (1, 2, 8),    # EP wider than DP
+    (1, 16, 4),   # EPSO-like layout: 4 shards, each cut into 4 chunks
+    (1, 2, 8),    # EP wider than DP: one writer per shard
     (2, 8, 2),    # pipeline stages (each stage has its own weights)
+    (1, 64, 1),   # EP=1: one shard, spread over every DP rank
+    (1, 6, 4),    # DP not a multiple of EP
 ])
 def test_model_writes_cover_every_segment_exactly_once(pp: int, dp: int, ep: int) -> None:
     experts = 8 * ep
     def segments(pp_rank: int, ep_rank: int) -> list[ck.Segment]:
-        dense = [ck.Segment(f"s{pp_rank}.w{i}", f"s{pp_rank}.w{i}", None, (i + 1, 3)) for i in range(11)]
+        dense = [ck.Segment(f"s{pp_rank}.w{i}", f"s{pp_rank}.w{i}", None, (i % 7 + 1, 3)) for i in range(90)]
         per = experts // ep
         ex = [ck.Segment(f"s{pp_rank}.experts.gate_up_proj/{e}", f"s{pp_rank}.experts.gate_up_proj",
                          e - ep_rank * per, (4, 2)) for e in range(ep_rank * per, (ep_rank + 1) * per)]
@@ -86,10 +88,17 @@ def test_model_writes_cover_every_segment_exactly_once(pp: int, dp: int, ep: int
         for s in mine:
             assert s.key not in written, f"{s.key} written by ranks {written[s.key]} and {r}"
             written[s.key] = r
+        if any(s.is_expert for s in mine):
+            assert all(s.key.startswith(f"s{c.pp_rank}.") for s in mine)
     expected = {s.key for p in range(pp) for e in range(ep) for s in segments(p, e)}
     assert set(written) == expected
+    chunks = ck.shard_chunks(pp, dp, ep)
     writers = [b for b in per_rank if b]
-    assert len(writers) == pp * ep  # exactly the plan's writers write, the other DP replicas do not
+    assert len(writers) == pp * ep * chunks  # a chunk per writer, the other replicas write nothing
+    total = sum(per_rank)
+    assert max(writers) <= total / len(writers) + 3 * 7  # balanced within a few segments
+    bound = ck.checkpoint_bytes(0, total, pp=pp, dp=dp, ep=ep, weight_bytes=1)
+    assert max(writers) == pytest.approx(bound["rank_writer"] - bound["rank_other"], abs=3 * 7)
 
 
 # ============================================================================ single process

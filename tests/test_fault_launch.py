@@ -1,14 +1,13 @@
-"""End to end under ``python -m trainer.launch`` (world 2 on gloo, one rank per host): a rank
-killed with SIGKILL mid-step, a NaN on one host, and a hung rank are each survived by replacing
-the host with a spare and resuming; every run ends with an uninterrupted run's exact state."""
+"""End to end under ``python -m trainer.launch`` with the stand-in trainer (world 2 on gloo, one
+rank per host): a NaN on one host and a hung rank are each survived by replacing the host with a
+spare and resuming, and the run ends with an uninterrupted run's exact state. (kill -9 is tested
+with the real trainer in test_fault_trainer.py.)"""
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -50,42 +49,6 @@ def _assert_same(out: Path, reference: dict[str, torch.Tensor]) -> None:
     assert got.keys() == reference.keys()
     for k, v in reference.items():
         assert torch.equal(got[k], v), k
-
-
-def _wait_for(pred, timeout: float = 240.0, what: str = "") -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def test_kill9_mid_step_relaunches_on_a_spare_and_matches(tmp_path: Path, reference) -> None:
-    out = tmp_path / "run"
-    p = _launch(out, "--step-sleep", "0.4")
-    target: dict = {}
-
-    def rank1_mid_step_after_a_checkpoint() -> bool:
-        b = fault.read_heartbeats(out).get(1)
-        if b and b["phase"] == "start" and b["step"] >= INTERVAL + 1:
-            target.update(b)
-            return True
-        return False
-
-    _wait_for(rank1_mid_step_after_a_checkpoint, what="rank 1 to start step 3")
-    killed_at = time.time()
-    os.kill(target["pid"], signal.SIGKILL)
-    ev = _finish(p, out)
-    kinds = [e["event"] for e in ev]
-    assert kinds == ["start", "failure", "stopped", "replace", "start", "recovered", "finished"], kinds
-    fail = ev[1]
-    assert (fail["kind"], fail["rank"], fail["hosts"], fail["returncode"]) == ("signal", 1, ["h1"], -signal.SIGKILL)
-    assert (ev[3]["host"], ev[3]["spare"]) == ("h1", "h2") and ev[4]["hosts"] == ["h0", "h2"]
-    rec = ev[5]
-    print(f"kill -> detected {fail['time'] - killed_at:.2f}s, detected -> first new step "
-          f"{rec['seconds_since_failure']:.2f}s (step {rec['step']})")
-    _assert_same(out, reference)
 
 
 def test_nan_on_one_host_is_caught_and_the_host_replaced(tmp_path: Path, reference) -> None:

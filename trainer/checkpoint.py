@@ -36,9 +36,12 @@ Key scheme (plain tensors keyed by name, no DTensor, so any layout can read any 
 Writers: model-parallel shard ``m = pp_rank * EP + ep_rank`` is written by the rank with those
 coordinates and ``dp_rank = m % DP`` (:func:`model_shard_writer`), so model writes spread across
 nodes rather than all landing on DP rank 0. Non-expert weights, replicated on all EP ranks of a
-stage, are split among that stage's EP shards by size (:func:`balance`). Optimizer states are
-unique per shard and written by their owners; replicas of a state (EP replicas under ShardedAdamW,
-every rank under the replicated AdamW) take turns weight by weight.
+stage, are split among that stage's EP shards by size (:func:`balance`). When DP exceeds the
+number of shards (``PP*EP``; EP=1 runs have a single shard), each shard is further cut into
+``DP // (PP*EP)`` size-balanced chunks written by DP ranks ``(m + j*PP*EP) % DP`` (chunk 0 by the
+shard writer), so every node writes a share. Optimizer states are unique per shard and written by
+their owners; replicas of a state (EP replicas under ShardedAdamW, every rank under the
+replicated AdamW) take turns weight by weight.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -122,6 +125,20 @@ def model_shard_writer(pp_rank: int, ep_rank: int, *, pp: int, dp: int, ep: int)
     return layout_rank(pp_rank, m % dp, ep_rank, dp=dp, ep=ep)
 
 
+def shard_chunks(pp: int, dp: int, ep: int) -> int:
+    """Writers per model-parallel shard: ``max(1, DP // (PP*EP))``, so that with few shards (EP=1)
+    the weights still spread over all DP ranks instead of landing on one."""
+    return max(1, dp // (pp * ep))
+
+
+def chunk_writer_dp(pp_rank: int, ep_rank: int, chunk: int, *, pp: int, dp: int, ep: int) -> int:
+    """DP rank that writes chunk ``chunk`` of shard ``m = pp_rank*EP + ep_rank``: ``(m + chunk*PP*EP) % DP``
+    (chunk 0 is the shard writer ``m % DP``; distinct chunks of one shard go to distinct DP ranks)."""
+    if not 0 <= chunk < shard_chunks(pp, dp, ep):
+        raise ValueError(f"chunk {chunk} is outside [0, {shard_chunks(pp, dp, ep)})")
+    return (pp_rank * ep + ep_rank + chunk * pp * ep) % dp
+
+
 def writer_plan(pp: int, dp: int, ep: int) -> dict[tuple[int, int], int]:
     """``{(pp_rank, ep_rank): writer rank}`` for every model-parallel shard."""
     return {(p, e): model_shard_writer(p, e, pp=pp, dp=dp, ep=ep) for p in range(pp) for e in range(ep)}
@@ -139,6 +156,26 @@ def balance(sizes: Sequence[int], bins: int) -> list[int]:
         out[i] = b
         load[b] += sizes[i]
     return out
+
+
+def checkpoint_bytes(n_dense: int, n_expert: int, *, pp: int = 1, dp: int = 1, ep: int = 1, weight_bytes: int = 4,
+                     model_only_bytes: int = 2) -> dict[str, float]:
+    """Sizes of a full and a model-only checkpoint and the bytes one rank writes, for ``n_dense``
+    non-expert and ``n_expert`` expert weights (whole model), stages of equal size.
+
+    Full checkpoint: weights (``weight_bytes`` each) + fp32 master, exp_avg, exp_avg_sq (12 bytes).
+    Per rank: its 1/(PP*DP*EP) share of the optimizer state (EPSO and ShardedAdamW alike), plus,
+    on the ``PP*EP*c`` ranks that write weights (``c`` = :func:`shard_chunks`), a 1/c chunk of one
+    model-parallel shard's weights ``N / (PP*EP)``."""
+    n = n_dense + n_expert
+    c = shard_chunks(pp, dp, ep)
+    state = 12 * n / (pp * dp * ep)
+    chunk = weight_bytes * n / (pp * ep * c)
+    return {
+        "params": n, "full": (weight_bytes + 12) * n, "model_only": model_only_bytes * n,
+        "full_over_model_only": (weight_bytes + 12) / model_only_bytes,
+        "rank_writer": state + chunk, "rank_other": state, "writers": pp * ep * c, "ranks": pp * dp * ep,
+    }
 
 
 # ============================================================================ segments
@@ -198,21 +235,18 @@ def model_segments(model: nn.Module, is_expert: Callable[[str], bool] = is_exper
 
 
 def model_writes(segments: Sequence[Segment], coords: Coords) -> list[Segment]:
-    """The model segments this rank writes under the DP-scattered plan."""
+    """The model segments this rank writes under the DP-scattered plan.
+
+    Segments belong to the model-parallel shard of their EP rank (non-expert ones: the EP rank
+    :func:`balance` gives them). The shard's writers are its :func:`shard_chunks` DP replicas
+    (:func:`chunk_writer_dp`), each writing one size-balanced chunk."""
+    c = coords
     dense = [s for s in segments if not s.is_expert]
-    dense_ep = balance([s.numel for s in dense], coords.ep)
-    me = coords.rank
-    out = []
-    dense_i = 0
-    for s in segments:
-        if s.is_expert:
-            shard_ep = coords.ep_rank
-        else:
-            shard_ep = dense_ep[dense_i]
-            dense_i += 1
-        if model_shard_writer(coords.pp_rank, shard_ep, pp=coords.pp, dp=coords.dp, ep=coords.ep) == me:
-            out.append(s)
-    return out
+    dense_ep = iter(balance([s.numel for s in dense], c.ep))
+    mine = [s for s in segments if s.is_expert or next(dense_ep) == c.ep_rank]  # this rank's shard
+    chunk = balance([s.numel for s in mine], shard_chunks(c.pp, c.dp, c.ep))
+    return [s for s, j in zip(mine, chunk)
+            if chunk_writer_dp(c.pp_rank, c.ep_rank, j, pp=c.pp, dp=c.dp, ep=c.ep) == c.dp_rank]
 
 
 def _segment_tensor(model_params: Mapping[str, torch.Tensor], s: Segment) -> torch.Tensor:
