@@ -140,12 +140,12 @@ def case_match(*, dispatch, fur=False, sizes=None, dtype=torch.float32, shape3d=
     _check_pair(res, cfg)
 
 
-def case_empty_rank(*, dispatch):
+def case_empty_rank(*, dispatch, backend="torch"):
     """The router favours experts [0, K): ranks holding only experts >= K receive no tokens."""
     W = dist.get_world_size()
     cfg = _cfg()
     K = cfg.num_experts_per_tok
-    res = _run_pair(cfg, [5] * W, dispatch=dispatch, favour=K)
+    res = _run_pair(cfg, [5] * W, dispatch=dispatch, favour=K, backend=backend)
     assert int(res["idx_full"].max()) < K, "the favouring router did not concentrate the routing"
     _check_pair(res, cfg)
     ids = res["ids"]
@@ -452,6 +452,8 @@ TRITON_CASES = {
     # Triton kernels under the interpreter, both dispatch modes
     "triton-allgather": (case_triton, dict(dispatch="allgather"), (2,)),
     "triton-alltoall": (case_triton, dict(dispatch="alltoall"), (2,)),
+    # ... with rank 1's experts receiving no token
+    "triton-allgather-empty-rank": (case_empty_rank, dict(dispatch="allgather", backend="triton"), (2,)),
 }
 
 
