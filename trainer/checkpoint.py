@@ -617,19 +617,30 @@ def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
             raise CheckpointError(f"reading {path} failed: {_describe_os_error(e)}") from None
 
 
-def _check_keys(path: Path, want: Mapping[str, torch.Tensor]) -> None:
-    """Every wanted key exists in the checkpoint with the wanted shape (clear error otherwise)."""
+def _key_problem(path: Path, want: Mapping[str, torch.Tensor]) -> str | None:
     md = _storage_reader(path).read_metadata().state_dict_metadata
     missing = [k for k in want if k not in md]
     if missing:
-        raise CheckpointError(
-            f"{path} has no tensor {missing[0]!r} ({len(missing)} missing): it was written for a different "
-            "model, or without optimizer state"
-        )
+        return (f"{path} has no tensor {missing[0]!r} ({len(missing)} missing): it was written for a different "
+                "model, or without optimizer state")
     for k, t in want.items():
         size = tuple(md[k].size)
         if size != tuple(t.shape):
-            raise CheckpointError(f"{path}: tensor {k!r} has shape {list(size)}, this model expects {list(t.shape)}")
+            return f"{path}: tensor {k!r} has shape {list(size)}, this model expects {list(t.shape)}"
+    return None
+
+
+def _check_keys(path: Path, want: Mapping[str, torch.Tensor]) -> None:
+    """Every rank's wanted keys exist in the checkpoint with the wanted shapes, else the same clear
+    error on every rank (collective: a rank must not enter the load while another gave up)."""
+    try:
+        problem = _key_problem(path, want)
+    except Exception as e:  # an unreadable index
+        problem = f"{path}: cannot read the checkpoint index: {_describe_os_error(e)}"
+    results = _agree(problem is None, problem or "")
+    bad = [msg for ok, msg, _ in results if not ok]
+    if bad:
+        raise CheckpointError(bad[0])
 
 
 # ============================================================================ writing
@@ -685,7 +696,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
                 (final / MANIFEST).unlink(missing_ok=True)  # invalid at once, however far rmtree gets
                 shutil.rmtree(final)
                 fsync_dir(root)
-        except OSError as e:
+        except Exception as e:  # every rank must reach the agreement below
             ok, msg = False, _describe_os_error(e)
             shutil.rmtree(tmp, ignore_errors=True)
     _raise_if_failed(_agree(ok, msg), what)
@@ -706,7 +717,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
                 write_file(tmp / _rank_file(rank), buf.getvalue())
             for f in _own_files(tmp, rank):
                 hashes[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
-        except OSError as e:
+        except Exception as e:  # every rank must reach the agreement below
             ok, msg = False, _describe_os_error(e)
     results = _agree(ok, msg, hashes)
     if not all(r[0] for r in results) and rank == 0:
@@ -737,7 +748,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
             os.rename(tmp, final)
             fsync_dir(root)
             total = sum(f["size"] for f in files.values()) + manifest_size
-        except OSError as e:
+        except Exception as e:  # every rank must reach the agreement below
             ok, msg = False, _describe_os_error(e)
             shutil.rmtree(tmp, ignore_errors=True)
     results = _agree(ok, msg, total)

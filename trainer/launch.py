@@ -259,6 +259,8 @@ class Supervisor:
             failed_at = time.time()
             self.log("failure", attempt=index, kind=failure.kind, hosts=failure.hosts, rank=failure.rank,
                      returncode=failure.returncode, detail=failure.detail)
+            if failure.rank is not None and failure.kind != "soft":
+                _print_tail(att.logs[failure.rank])
             self._kill_all(att)
             self.log("stopped", attempt=index, returncodes=[p.returncode for p in att.procs])
             if failure.kind == "fatal":
@@ -282,6 +284,16 @@ class Supervisor:
         for p in self._children:
             if p.poll() is None:
                 _signal_group(p, signal.SIGKILL)
+
+
+def _print_tail(log: Path, lines: int = 15) -> None:
+    """The end of a failed rank's output, so the cause shows without opening the log."""
+    try:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return
+    for line in tail:
+        print(f"[launch]   | {line}", flush=True)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
