@@ -12,8 +12,9 @@ treats as a failure:
 
 * any non-zero exit (a rank killed by a signal is blamed before ranks that died of its absence);
 * :data:`trainer.fault.EXIT_SOFT_FAILURE`: the hosts named in ``OUT/failures.jsonl`` are blamed;
-* a heartbeat older than ``--heartbeat-timeout`` (``--startup-timeout`` before the first one):
-  the rank with the oldest heartbeat is blamed.
+* a heartbeat older than ``--heartbeat-timeout`` (``--startup-timeout`` before the first one,
+  ``--checkpoint-timeout`` while the rank writes a checkpoint): the rank that got least far is
+  blamed (then the one silent longest).
 
 It then kills every process (SIGTERM, then SIGKILL after ``--kill-grace``), marks the blamed host
 bad, puts a spare in its place and relaunches; the trainer resumes from the newest valid
@@ -77,7 +78,8 @@ class Supervisor:
 
     def __init__(self, *, hosts: Sequence[str], spares: Sequence[str], nproc_per_node: int, max_restarts: int,
                  out: str | os.PathLike, command: Sequence[str], heartbeat_timeout: float = 120.0,
-                 startup_timeout: float = 600.0, kill_grace: float = 5.0, poll: float = 0.1,
+                 startup_timeout: float = 600.0, checkpoint_timeout: float = 1800.0, kill_grace: float = 5.0,
+                 poll: float = 0.1,
                  env: dict[str, str] | None = None) -> None:
         if not hosts:
             raise ValueError("--hosts must name at least one host")
@@ -97,6 +99,7 @@ class Supervisor:
         self.command = list(command)
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
+        self.checkpoint_timeout = checkpoint_timeout
         self.kill_grace = kill_grace
         self.poll = poll
         self.env = dict(env or {})
@@ -210,7 +213,8 @@ class Supervisor:
             if rec is None:
                 age, limit = now - att.started, self.startup_timeout
             else:
-                age, limit = now - rec["mtime"], self.heartbeat_timeout
+                age = now - rec["mtime"]
+                limit = self.checkpoint_timeout if rec.get("phase") == "checkpoint" else self.heartbeat_timeout
             if age > limit:
                 stale.append((rec["mtime"] if rec else att.started, r, rec))
         if not stale:
@@ -328,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds without a heartbeat before a rank counts as hung")
     ap.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds a rank may take to its first heartbeat (imports, data preparation)")
+    ap.add_argument("--checkpoint-timeout", type=float, default=1800.0,
+                    help="seconds a rank may stay silent while writing a checkpoint")
     ap.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--out", default=None, help="run directory (default: the trainer's --out)")
     ap.add_argument("--entry", default="trainer", help="python module (or .py script) to run on every rank")
@@ -355,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          spares=[h for h in args.spares.split(",") if h], nproc_per_node=args.nproc_per_node,
                          max_restarts=args.max_restarts, out=out, command=command,
                          heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
-                         kill_grace=args.kill_grace)
+                         checkpoint_timeout=args.checkpoint_timeout, kill_grace=args.kill_grace)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
