@@ -1,10 +1,4 @@
-"""The one place every Triton launcher goes through to start a kernel.
-
-On CPU tensors a kernel runs under Triton's interpreter. ``@triton.jit`` picks interpreter or
-compiler when the kernel module is imported, so a module imported before ``TRITON_INTERPRET=1``
-was set holds compiled-mode kernels; those are re-wrapped for the interpreter here, so that the
-order of imports in a test session does not matter.
-"""
+"""The one place every Triton launcher goes through to start a kernel (tests count launches here)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -13,20 +7,21 @@ import torch
 
 from .configs import KernelConfig
 
-_interpreted: dict[int, Any] = {}
 
-
-def _for_device(kernel: Any, device: torch.device) -> Any:
+def _check_runnable(kernel: Any, device: torch.device) -> None:
+    """CPU tensors need the interpreter, and ``@triton.jit`` decides between interpreter and
+    compiler when a module is imported: Triton's own library functions (``tl.sum``, ``tl.cdiv``...)
+    are fixed the moment ``triton`` is first imported."""
     if device.type != "cpu":
-        return kernel
+        return
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    key = id(kernel)
-    if key not in _interpreted:
-        _interpreted[key] = InterpretedFunction(kernel.fn)
-    return _interpreted[key]
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors run under the interpreter, but triton was imported before "
+            "TRITON_INTERPRET=1 was set: export TRITON_INTERPRET=1 before Python starts (or before the "
+            "first 'import triton'), or use backend='torch'"
+        )
 
 
 def launch(
@@ -40,7 +35,8 @@ def launch(
     """``kernel[grid](*args, **config.meta, **constexprs)`` with the config's warps, stages and
     backend options (``constexprs`` win over the config's tile sizes). Pure host work: nothing here
     reads device memory."""
-    _for_device(kernel, device)[tuple(grid)](
+    _check_runnable(kernel, device)
+    kernel[tuple(grid)](
         *args,
         **{**config.meta, **constexprs},
         num_warps=config.num_warps,

@@ -78,9 +78,10 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
     },
     "hip": {
-        "count_tokens": [_c("e64", 4, 1, BLOCK_E=64)],
+        # 8 warps: with 4, the all-pairs block reductions run out of scalar registers on gfx942.
+        "count_tokens": [_c("e64", 8, 1, BLOCK_E=64)],
         "cumsum_counts": [_c("b2048", 8, 1, BLOCK=2048, BLOCK_E=256)],
-        "build_indices": [_c("default", 4, 1)],
+        "build_indices": [_c("default", 8, 1)],
         "gate_up_fwd": [
             _c("m128n64k64", 8, 2, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
             _c("m64n64k64", 4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
@@ -189,7 +190,11 @@ def get_config(backend: str, kernel: str) -> KernelConfig:
 
 
 def uses_block_ptr(backend: str) -> bool:
-    return _WANTS_BLOCK_PTR[backend] and _block_ptr_available()
+    """Whether launchers pass ``BLOCK_PTR=True``: on for xpu; ``FASTMOE_TRITON_BLOCK_PTR=0|1``
+    overrides (e.g. to run the XPU path under the interpreter of a Triton that still has them)."""
+    env = os.environ.get("FASTMOE_TRITON_BLOCK_PTR", "").strip()
+    wanted = env not in ("0", "false", "False") if env else _WANTS_BLOCK_PTR[backend]
+    return wanted and _block_ptr_available()
 
 
 def dot_precision(backend: str, dtype: torch.dtype) -> str:
