@@ -69,7 +69,7 @@ def _count_tokens_fwd_kernel(
         hist = tl.sum(tl.sum(hit, axis=1), axis=0)
         e_mask = offs_e < num_local
         tl.store(partial_ptr + offs_e * TH + b, hist, mask=e_mask)
-        tl.atomic_add(expert_totals_ptr + offs_e, hist, mask=e_mask & (hist > 0))
+        tl.atomic_add(expert_totals_ptr + offs_e, hist, mask=e_mask & (hist > 0), sem="relaxed")
 
 
 @triton.jit

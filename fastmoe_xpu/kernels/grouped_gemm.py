@@ -69,7 +69,7 @@ def _gate_up_fwd_kernel(
     row_start = tl.load(cum_token_ptr + e)
     n_rows = tl.load(cum_token_ptr + e + 1) - row_start
     w_gate = w_ptr + e.to(tl.int64) * 2 * I * H
-    w_up = w_gate + I.to(tl.int64) * H
+    w_up = w_gate + tl.cast(I, tl.int64) * H
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
