@@ -38,7 +38,7 @@ if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
 
 from . import combine, counting, grouped_gemm, indices  # noqa: E402
-from .configs import CONFIGS, configs  # noqa: E402
+from .configs import configs  # noqa: E402
 
 TARGETS = ("cuda", "hip")
 

@@ -57,9 +57,8 @@ def _gate_up_fwd_kernel(
     """``gate_up[r] = x[input_indices[r]] @ W_e^T`` and ``h[r] = silu(gate) * up``.
 
     Grid ``(P, ceil(I/BLOCK_N), NR)`` with P row programs per expert (``_row_programs``); program
-    ``(m, n, e)`` owns row tiles
-    ``m, m + grid_m, ...`` of expert e's rows and output columns ``[n*BLOCK_N, (n+1)*BLOCK_N)`` of
-    the gate half, the same columns of the up half, and of ``h``. Reads ``x [T, H]``,
+    ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e's rows and output columns
+    ``[n*BLOCK_N, (n+1)*BLOCK_N)`` of the gate half, the same columns of the up half, and of ``h``. Reads ``x [T, H]``,
     ``input_indices [R]`` int32, ``cum_token_counts [NR+1]`` int32, ``gate_up_proj [NR, 2I, H]``;
     writes ``gate_up [R, 2I]`` and ``h [R, I]`` in x's dtype.
     """
@@ -151,8 +150,8 @@ def _grouped_mm_fwd_kernel(
     """``out[r] = a[r] @ B_e`` for the rows r of each expert e.
 
     ``TRANS_W``: ``B_e = W_e^T`` with ``W [NR, N, K]`` (forward); else ``B_e = W_e`` with
-    ``W [NR, K, N]`` (input gradient). Grid ``(P, ceil(N/BLOCK_N), NR)``; program
-    ``(m, n, e)`` owns row tiles ``m, m + grid_m, ...`` of expert e and output columns
+    ``W [NR, K, N]`` (input gradient). Grid ``(P, ceil(N/BLOCK_N), NR)`` as above; program
+    ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e and output columns
     ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``a [R, K]`` and ``cum_token_counts [NR+1]`` int32;
     writes ``out [R, N]`` in a's dtype.
     """
