@@ -17,10 +17,12 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${XPU_VENV:-$repo_root/.venv-xpu}"
 python="${PYTHON:-python3}"
 
-# Versions: triton-xpu 3.3.0b1 is the Intel build the compile gate was verified with; torch is the
-# CPU wheel the main environment uses (only for importing the launchers, nothing runs on a device).
+# Versions: triton-xpu 3.3.0b1 and intel-sycl-rt 2026.2.0 (headers and libsycl for the backend's
+# small C helper) are what the compile gate was verified with; torch is the CPU wheel the main
+# environment uses (only for importing the launchers: nothing runs on a device).
 TRITON_XPU_VERSION="3.3.0b1"
 TORCH_VERSION="2.13.0"
+SYCL_RT_VERSION="2026.2.0"
 
 started=$SECONDS
 say() { echo "[setup_xpu_venv] $*"; }
@@ -54,17 +56,22 @@ pip_install() {
     return "${PIPESTATUS[0]}"
 }
 
-# Upstream `triton` must never be in this venv: it and triton-xpu both own the `triton` module.
-if "$venv/bin/python" -m pip show --quiet triton >/dev/null 2>&1; then
-    say "removing upstream triton from $venv (it shadows triton-xpu)"
-    "$venv/bin/python" -m pip uninstall --quiet -y triton
+# The pip work is skipped while setup.py and this script are unchanged since the last full run.
+stamp="$venv/.fastmoe-xpu-installed"
+want="$(cat "$repo_root/setup.py" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+    # Upstream `triton` must never be in this venv: it and triton-xpu both own the `triton` module.
+    if "$venv/bin/python" -m pip show --quiet triton >/dev/null 2>&1; then
+        say "removing upstream triton from $venv (it shadows triton-xpu)"
+        "$venv/bin/python" -m pip uninstall --quiet -y triton
+    fi
+    say "pip install triton-xpu==$TRITON_XPU_VERSION intel-sycl-rt==$SYCL_RT_VERSION torch==$TORCH_VERSION numpy"
+    pip_install "triton-xpu==$TRITON_XPU_VERSION" "intel-sycl-rt==$SYCL_RT_VERSION" "torch==$TORCH_VERSION" numpy
+    # --no-deps: the project's own requirements are already there, and its `triton` extra must not
+    # pull upstream triton in over triton-xpu.
+    pip_install --no-deps -e "$repo_root"
+    echo "$want" > "$stamp"
 fi
-
-say "pip install triton-xpu==$TRITON_XPU_VERSION intel-sycl-rt torch==$TORCH_VERSION numpy"
-pip_install "triton-xpu==$TRITON_XPU_VERSION" intel-sycl-rt "torch==$TORCH_VERSION" numpy
-# --no-deps: the project's own requirements are already there, and its `triton` extra must not
-# pull upstream triton in over triton-xpu.
-pip_install --no-deps -e "$repo_root"
 
 "$venv/bin/python" - <<'EOF'
 import importlib.metadata as md
