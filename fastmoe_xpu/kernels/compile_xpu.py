@@ -356,8 +356,31 @@ def compile_spec(spec: Any, workdir: Path, target: Any = None) -> XpuResult:
     return res
 
 
+def _build_backend_helper(target: Any) -> None:
+    """Instantiate the Intel backend once with stderr captured: it compiles a small C++ helper
+    against SYCL's headers, which warn at length when not compiled with -fsycl. The text is shown
+    only if that build fails."""
+    from triton.compiler.compiler import make_backend
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            make_backend(target)
+        except Exception:
+            os.dup2(saved, 2)
+            log.seek(0)
+            sys.stderr.write(log.read().decode(errors="replace")[-4000:])
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def check_specs(specs: Iterable[Any], workdir: Path, progress: bool = True) -> list[XpuResult]:
     target = pvc_target()
+    _build_backend_helper(target)
     results = []
     for spec in specs:
         if progress:
