@@ -471,7 +471,11 @@ def main(argv: Sequence[str] | None = None, specs: Sequence[Any] | None = None) 
     ap.add_argument("--json", type=Path, help="also write the results as JSON here")
     ap.add_argument("--keep", type=Path, help="keep TTIR/TTGIR/SPIR-V and IGC's dump under this folder")
     args = ap.parse_args(argv)
-    require_intel_triton()
+    try:
+        require_intel_triton()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if specs is None:
         specs = load_specs(args.probe)
     if args.kernel:
