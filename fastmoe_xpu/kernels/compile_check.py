@@ -1,6 +1,7 @@
 """Compile every Triton kernel with every config for real GPU targets, without a GPU.
 
 ``python -m fastmoe_xpu.kernels.compile_check [--target cuda|hip|all] [--defaults-only] [--json PATH]``
+(``--target xpu`` hands over to :mod:`fastmoe_xpu.kernels.compile_xpu`, run with ``.venv-xpu``).
 
 For each kernel (and each constexpr variant the launchers use, e.g. the down GEMM's ``TRANS_W``
 forward and input-gradient forms), each config of ``configs.py`` and each target it builds
@@ -263,10 +264,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", choices=("cuda", "hip", "all"), default="all")
+    parser.add_argument("--target", choices=("cuda", "hip", "all", "xpu"), default="all",
+                        help="xpu: Intel PVC through kernels/compile_xpu.py (run it with .venv-xpu/bin/python)")
     parser.add_argument("--defaults-only", action="store_true", help="compile only each kernel's default config")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.target == "xpu":
+        from .compile_xpu import main as xpu_main
+
+        if args.defaults_only:
+            parser.error("--defaults-only is not available for --target xpu")
+        return xpu_main(rest + (["--json", args.json] if args.json else []))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     targets = TARGETS if args.target == "all" else (args.target,)
     rows = run_check(targets, args.defaults_only)
     print(format_table(rows))

@@ -102,17 +102,19 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "count_tokens": [_c("e64", 4, 1, _XPU, BLOCK_E=64)],
         "cumsum_counts": [_c("b2048", 8, 1, _XPU, BLOCK=2048, BLOCK_E=256)],
         "build_indices": [_c("default", 4, 1, _XPU)],
+        # Defaults: the least-spilling config of each GEMM in the PVC compile gate (docs/xpu.md);
+        # 256x256 tiles and two 256x128 fp32 accumulators spill there.
         "gate_up_fwd": [
+            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
             _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
-            _c("m128n128k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
         ],
         "grouped_mm_fwd": [
-            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
             _c("m128n256k32", 32, 2, _XPU, BLOCK_M=128, BLOCK_N=256, BLOCK_K=32),
+            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
         ],
         "grouped_mm_bwd": [
-            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
             _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
+            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
         ],
         "silu_mul_bwd": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
