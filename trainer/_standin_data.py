@@ -43,6 +43,8 @@ def ensure_default_dataset(out_dir: str | None, context: int, seed: int = 0, pro
 def load_manifest(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "manifest.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"data manifest {path!r} does not exist")
     with open(path) as f:
         m = json.load(f)
     m["_path"] = path

@@ -139,8 +139,7 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
                    label=f"gradient spikes ({len(spikes)})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, alpha=0.3)
     ax.legend()
     if title:
         ax.set_title(title)

@@ -306,7 +306,9 @@ class Trainer:
         with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
         if self.cfg.logging.plot:
-            plot_loss(h, os.path.join(self.out_dir, "loss.png"), title=f"{self.cfg.preset}: {self.layout.describe()}")
+            lay = self.layout
+            title = f"{self.cfg.preset} (PP {lay.pp} x DP {lay.dp} x EP {lay.ep}, {self.device.type})"
+            plot_loss(h, os.path.join(self.out_dir, "loss.png"), title=title)
 
     # ------------------------------------------------------------------------------ accounting
     def local_param_counts(self) -> tuple[int, int]:
