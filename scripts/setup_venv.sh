@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv with everything the package, its tests, benchmarks and trainer need.
+# torch is pinned to the CPU wheel this machine kind carries; an open range would pull a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.fastmoe-installed
+want="$(cat setup.py scripts/setup_venv.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,trainer,bench]"
+  echo "$want" > "$stamp"
+fi
