@@ -128,3 +128,21 @@ def test_print_config_and_list_presets(capsys) -> None:
 def test_get_preset_error_type() -> None:
     with pytest.raises(ConfigError):
         get_preset("nope")
+
+
+def test_corrupt_data_shard_fails_before_training(capsys, tmp_path) -> None:
+    import glob
+
+    from trainer.data import ensure_default_dataset
+
+    manifest = ensure_default_dataset(str(tmp_path / "cache"), 16, 0, progress=False)
+    shard = sorted(glob.glob(os.path.join(os.path.dirname(manifest), "*.npy")))[0]
+    with open(shard, "r+b") as f:  # flip one byte of the token payload
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    code = main(["--data", manifest, "--context", "16", "--out", str(tmp_path / "out"), "--no-logging.progress"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG_ERROR and err.count("\n") == 1 and "corrupt" in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -35,10 +35,7 @@ from .optim import ZeroAdamW, build_optimizer, state_bytes_formula
 from .parallel import Layout, all_reduce_sum, barrier, env_world_size, init_layout
 from .schedule import clipping_active, lr_at
 
-try:  # the real data pipeline
-    from .data import ShardedLoader, ensure_default_dataset, load_manifest
-except ImportError:  # pragma: no cover - only while trainer.data is absent
-    from ._standin_data import ShardedLoader, ensure_default_dataset, load_manifest  # type: ignore[assignment]
+from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
 IGNORE_INDEX = -100
 
