@@ -113,14 +113,9 @@ class Trainer:
         self.loader = ShardedLoader(self.manifest_path, s.global_batch, s.micro_batch,
                                     dp_rank=lay.data_rank, dp_size=lay.data_world, verify=cfg.data.verify)
 
-        self.model = build_model(m, cfg.data.context, seed=cfg.seed, device=self.device,
-                                 ep_group=lay.ep_group, ep_size=lay.ep)
+        self.model = self.build_model()
         self.model.train()
-        o = cfg.optim
-        self.optimizer: ZeroAdamW = build_optimizer(
-            o.name, self.model, lay, is_expert=is_expert_param, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
-        )
+        self.optimizer: ZeroAdamW = self.build_optimizer()
         self.step = 0
         self.spikes = SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_factor)
         self.counts = param_counts(m)
@@ -133,6 +128,19 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------------------ setup
+    def build_model(self) -> nn.Module:
+        """This rank's model (its experts only under EP), identical weights on every replica."""
+        cfg, lay = self.cfg, self.layout
+        return build_model(cfg.model, cfg.data.context, seed=cfg.seed, device=self.device,
+                           ep_group=lay.ep_group, ep_size=lay.ep)
+
+    def build_optimizer(self) -> ZeroAdamW:
+        o = self.cfg.optim
+        return build_optimizer(
+            o.name, self.model, self.layout, is_expert=is_expert_param, betas=(o.beta1, o.beta2), eps=o.eps,
+            weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
+        )
+
     def _prepare_data(self) -> str:
         d = self.cfg.data
         if d.path is not None:
