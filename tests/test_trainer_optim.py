@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
 import torch.nn as nn
 
-from _trainer_spawn import spawn
+from fastmoe_xpu.dist.testing import run_distributed
 from trainer.optim import EPSO, OPTIMIZERS, ReplicatedAdamW, ShardedAdamW, state_bytes_formula
 
 BETAS, EPS, WD = (0.9, 0.99), 1e-8, 0.1
@@ -145,7 +144,7 @@ def test_state_bytes_formula_values() -> None:
 
 
 # ------------------------------------------------------------------------------------------ 4 processes
-def _dp_ep_worker(rank: int, world: int, tmp: str, dp: int, ep: int, steps: int) -> None:
+def _dp_ep_worker(dp: int, ep: int, steps: int) -> dict:
     from trainer.parallel import build_layout
 
     lay = build_layout(1, dp, ep, torch.device("cpu"))
@@ -170,15 +169,14 @@ def _dp_ep_worker(rank: int, world: int, tmp: str, dp: int, ep: int, steps: int)
             "state_bytes": opt.state_bytes(),
             "formula": state_bytes_formula(kind, n_dense, n_expert, dp, ep),
         }
-    torch.save(out, os.path.join(tmp, f"result{rank}.pt"))
+    return out
 
 
-def test_dp2_ep2_all_kinds_equal_torch_adamw(tmp_path) -> None:
+def test_dp2_ep2_all_kinds_equal_torch_adamw() -> None:
     dp, ep, steps = 2, 2, 5
-    spawn(_dp_ep_worker, dp * ep, str(tmp_path), dp, ep, steps)
+    results = run_distributed(_dp_ep_worker, dp * ep, dp, ep, steps)
     ref_dense, ref_experts = reference(dp, ep, steps)
-    for rank in range(dp * ep):
-        res = torch.load(tmp_path / f"result{rank}.pt")
+    for rank, res in enumerate(results):
         for kind, r in res.items():
             torch.testing.assert_close(r["weight"], ref_dense["weight"], rtol=RTOL, atol=ATOL, msg=f"{kind} rank {rank}")
             torch.testing.assert_close(r["bias"], ref_dense["bias"], rtol=RTOL, atol=ATOL, msg=f"{kind} rank {rank}")
@@ -186,7 +184,7 @@ def test_dp2_ep2_all_kinds_equal_torch_adamw(tmp_path) -> None:
                                        msg=f"{kind} rank {rank}")
             assert r["state_bytes"] == r["formula"], (kind, rank)
     # dense: 7*5 + 7 = 42 elements, expert 15 per EP rank
-    got = torch.load(tmp_path / "result0.pt")
+    got = results[0]
     assert got["adamw"]["state_bytes"] == 12 * (42 + 15)
     assert got["sharded"]["state_bytes"] == 12 * (21 + 8)  # dense over DP=2, expert over DP=2 (15 -> 16)
     assert got["epso"]["state_bytes"] == 12 * (11 + 8)  # dense over DP x EP = 4 (42 -> 44)

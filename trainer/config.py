@@ -50,6 +50,11 @@ class ModelConfig:
     """``"fastmoe"`` (FastSparseMoeBlock patched in) or ``"hf"`` (transformers' own block, for comparison)."""
     moe_backend: str = "auto"
     """Kernel backend of FastSparseMoeBlock: ``"auto"``, ``"torch"`` or ``"triton"``."""
+    ep_dispatch: str = "allgather"
+    """Token exchange under EP: ``"allgather"`` (the paper's choice) or ``"alltoall"``."""
+    ep_check_inputs: bool = False
+    """Agree on every rank's token count before each EP exchange (one small all-gather and host sync per layer);
+    the trainer's micro-batches have equal shapes everywhere, so this is off by default."""
     forced_uniform_routing: bool = False
     """Route every token to a fixed pattern that loads experts evenly (benchmarks only)."""
     load_balancing_coef: float = 0.01
@@ -131,7 +136,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size (1 here; pipelining composes on the same mesh)."""
     backend: str = "auto"
-    """torch.distributed backend: ``"auto"`` (nccl on CUDA, xccl on XPU, gloo on CPU) or a name."""
+    """torch.distributed backend: ``"auto"`` (nccl on CUDA, xccl or ccl on XPU, gloo on CPU; FASTMOE_DIST_BACKEND overrides) or a name."""
     device: str = "auto"
     """``"auto"`` (xpu, cuda or cpu), or an explicit device type."""
 
@@ -242,6 +247,7 @@ _CHOICES = {
     ("model", "arch"): ("olmoe", "olmo"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
+    ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),
     ("optim", "name"): ("adamw", "sharded", "epso"),

@@ -5,7 +5,6 @@ downloaded), with ``fastmoe_xpu.patch_olmoe`` swapping in FastSparseMoeBlock for
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +63,7 @@ def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device
         model = OlmoeForCausalLM(cfg)
         if m.moe_impl == "fastmoe":
             patch_moe(model, backend=m.moe_backend, forced_uniform_routing=m.forced_uniform_routing,
-                      ep_group=ep_group, ep_size=ep_size)
+                      ep_group=ep_group, ep_size=ep_size, dispatch=m.ep_dispatch, check_inputs=m.ep_check_inputs)
         elif m.forced_uniform_routing:
             raise ConfigError("forced_uniform_routing needs --model.moe_impl fastmoe")
     else:
@@ -74,16 +73,16 @@ def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device
     return model.to(device=device, dtype=torch_dtype(m.param_dtype))
 
 
-def patch_moe(model: nn.Module, *, backend: str, forced_uniform_routing: bool, ep_group: Any, ep_size: int) -> int:
-    """``fastmoe_xpu.patch_olmoe`` with the EP group when expert parallelism is on."""
+def patch_moe(model: nn.Module, *, backend: str, forced_uniform_routing: bool, ep_group: Any, ep_size: int,
+              dispatch: str = "allgather", check_inputs: bool = False) -> int:
+    """``fastmoe_xpu.patch_olmoe``; under EP (``ep_size > 1``) each block keeps this rank's experts
+    and exchanges tokens over ``ep_group``."""
     from fastmoe_xpu import patch_olmoe
 
-    kwargs: dict[str, Any] = dict(backend=backend, forced_uniform_routing=forced_uniform_routing)
     if ep_size > 1:
-        if "ep_group" not in inspect.signature(patch_olmoe).parameters:
-            raise ConfigError("this fastmoe_xpu has no expert parallelism (patch_olmoe takes no ep_group); use --ep 1")
-        kwargs["ep_group"] = ep_group
-    return patch_olmoe(model, **kwargs)
+        return patch_olmoe(model, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
+                           dispatch=dispatch, check_inputs=check_inputs)
+    return patch_olmoe(model, backend=backend, forced_uniform_routing=forced_uniform_routing)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, ParallelConfig, validate  # noqa: F401  (validate re-exported for callers)
+from .config import ConfigError, ParallelConfig
 
 
 @dataclass
@@ -87,10 +87,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
-def default_backend(device: torch.device) -> str:
-    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
-
-
 def env_world_size() -> int:
     """The world size of the initialised process group, else torchrun's ``WORLD_SIZE`` (1 without)."""
     if dist.is_available() and dist.is_initialized():
@@ -99,7 +95,7 @@ def env_world_size() -> int:
 
 
 def init_layout(p: ParallelConfig, *, timeout_s: float = 600.0) -> Layout:
-    """Join (or start) the process group from torchrun's environment and build the mesh groups.
+    """Join (or start) the process group from the launcher's environment and build the mesh groups.
 
     ``p.dp`` must already be resolved (see ``config.validate``)."""
     world = env_world_size()
@@ -110,23 +106,23 @@ def init_layout(p: ParallelConfig, *, timeout_s: float = 600.0) -> Layout:
     if world == 1:
         return Layout(device=device)
     if not dist.is_initialized():
-        backend = default_backend(device) if p.backend == "auto" else p.backend
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        from fastmoe_xpu.dist import init_distributed
+
+        backend = None if p.backend == "auto" else p.backend
+        init_distributed(backend=backend, device_type=device.type, timeout=datetime.timedelta(seconds=timeout_s))
     return build_layout(p.pp, p.dp, p.ep, device)
 
 
 def build_layout(pp: int, dp: int, ep: int, device: torch.device) -> Layout:
-    """Groups of an initialised process group laid out as PP x DP x EP (EP innermost)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """Groups of an initialised process group laid out as PP x DP x EP (EP innermost), built by
+    ``fastmoe_xpu.dist.ParallelMesh``; groups of size 1 become None."""
+    from fastmoe_xpu.dist import ParallelMesh
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(device.type, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
-    layout = Layout(world=world, rank=rank, pp=pp, dp=dp, ep=ep, device=device, mesh=mesh)
-    layout.ep_group = mesh["ep"].get_group() if ep > 1 else None
-    layout.dp_group = mesh["dp"].get_group() if dp > 1 else None
-    if dp * ep > 1:
-        layout.dpep_group = layout.dp_group if ep == 1 else (layout.ep_group if dp == 1 else
-                                                             mesh["dp", "ep"]._flatten("dpep").get_group())
+    mesh = ParallelMesh(pp=pp, dp=dp, ep=ep, device_type=device.type)
+    layout = Layout(world=mesh.world_size, rank=mesh.rank, pp=pp, dp=dp, ep=ep, device=device, mesh=mesh)
+    layout.ep_group = mesh.ep_group if ep > 1 else None
+    layout.dp_group = mesh.dp_group if dp > 1 else None
+    layout.dpep_group = mesh.dp_ep_group if dp * ep > 1 else None
     layout.world_group = dist.group.WORLD
     return layout
 
