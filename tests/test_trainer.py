@@ -152,6 +152,20 @@ def test_trainer_equals_torch_adamw(data_cache, tmp_path, preset, moe_impl, opti
     assert_states_close(model_state(trainer), ref_state)
 
 
+@pytest.mark.parametrize("over", [
+    {"model__autocast": "bf16"},  # bf16 autocast (the GPU default) on fp32 weights
+    {"model__param_dtype": "bf16"},  # bf16 weights and gradients, fp32 master weights in the optimizer
+])
+def test_bf16_runs_track_fp32(data_cache, tmp_path, over) -> None:
+    fp32 = [r["loss"] for r in Trainer(small_cfg(data_cache, str(tmp_path / "fp32"))).fit()]
+    t = Trainer(small_cfg(data_cache, str(tmp_path / "bf16"), **over))
+    bf16 = [r["loss"] for r in t.fit()]
+    assert bf16 == pytest.approx(fp32, rel=2e-2)
+    assert bf16[-1] < bf16[0]
+    assert t.optimizer.state_bytes() == t.state_bytes_formula()  # master weights stay fp32
+    assert all(b.master.dtype == torch.float32 for b in t.optimizer.buckets)
+
+
 def test_resume_from_checkpoint_is_exact(data_cache, tmp_path) -> None:
     """3 steps, checkpoint, a fresh process-like Trainer resumes to step 6: bitwise the same as 6 steps."""
     full = Trainer(small_cfg(data_cache, str(tmp_path / "full")))
