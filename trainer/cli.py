@@ -119,6 +119,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
     return cfg, args
 
 
+def _human(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.3f}M"
+
+
 def list_presets() -> str:
     from .model import param_counts
 
@@ -130,7 +134,7 @@ def list_presets() -> str:
         experts = str(m.num_experts) if m.is_moe else "-"
         k = str(m.top_k) if m.is_moe else "-"
         rows.append(f"{name:16s} {m.arch:6s} {m.num_layers:6d} {m.hidden_size:6d} {m.num_heads:5d} "
-                    f"{m.intermediate_size:6d} {experts:>4s} {k:>2s}  {pc.total / 1e9:9.3f}B  {pc.active / 1e9:9.3f}B")
+                    f"{m.intermediate_size:6d} {experts:>4s} {k:>2s}  {_human(pc.total):>9s}  {_human(pc.active):>9s}")
     return "\n".join(rows)
 
 
