@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from fastmoe_xpu.dist.testing import run_distributed
-from trainer.optim import EPSO, OPTIMIZERS, ReplicatedAdamW, ShardedAdamW, state_bytes_formula
+from trainer.optim import EPSO, OPTIMIZERS, ShardedAdamW, state_bytes_formula
 
 BETAS, EPS, WD = (0.9, 0.99), 1e-8, 0.1
 RTOL, ATOL = 1e-5, 1e-7  # fp32
