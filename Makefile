@@ -11,7 +11,8 @@ venv:
 xpu-venv:
 	bash scripts/setup_xpu_venv.sh
 
-run: demo
+run: venv
+	$(PY) -m trainer --preset tiny-moe
 
 demo: venv
 	$(PY) -m fastmoe_xpu.demo
