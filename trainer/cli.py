@@ -157,7 +157,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    history = trainer.fit()
+    from .checkpoint import CheckpointError
+    from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
+
+    try:
+        history = trainer.fit()
+    except SoftFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SOFT_FAILURE
+    except CheckpointError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_CHECKPOINT_FAILURE
     if trainer.layout.is_main and history:
         h = history
         print(json.dumps({"steps": len(h), "loss_first": round(h[0]["loss"], 4), "loss_last": round(h[-1]["loss"], 4),

@@ -151,6 +151,12 @@ class CheckpointConfig:
     """Checkpoint directory; None means ``OUT/checkpoints``."""
     resume: bool = True
     """Resume from the checkpoint in ``dir`` when one exists."""
+    model_interval: int = 0
+    """Write a model-only checkpoint (kept, never rotated) every this many steps (0: never)."""
+    model_dtype: str = "bf16"
+    """Dtype of model-only checkpoints: ``"bf16"`` or ``"fp32"``."""
+    init_from: str | None = None
+    """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
 
 
 @dataclass
@@ -252,6 +258,7 @@ _CHOICES = {
     ("model", "autocast"): ("auto", "bf16", "none"),
     ("optim", "name"): ("adamw", "sharded", "epso"),
     ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+    ("checkpoint", "model_dtype"): ("bf16", "fp32"),
 }
 
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_rank_state, save_rank_state
+from . import fault
+from .checkpoint import CheckpointManager, load_model, sync_master_from_model
 from .config import ConfigError, ModelConfig, TrainConfig, validate
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, is_expert_param, param_counts, torch_dtype
@@ -117,6 +118,15 @@ class Trainer:
         self.model.train()
         self.optimizer: ZeroAdamW = self.build_optimizer()
         self.step = 0
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(
+            ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
+            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param)
+        if ck.init_from:
+            load_model(ck.init_from, self.model, is_expert=is_expert_param)
+            sync_master_from_model(self.optimizer)
+        self.heartbeat = fault.Heartbeat(self.out_dir, lay.rank)
+        self._local_loss = torch.zeros(())
         self.spikes = SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_factor)
         self.counts = param_counts(m)
         self.flops_per_token = flops_per_token(m, cfg.data.context)
@@ -191,7 +201,9 @@ class Trainer:
                 logits = self.model.lm_head(out.last_hidden_state)
             router_logits = getattr(out, "router_logits", None) if want_router else None
             loss, parts = self.micro_batch_loss(logits, labels, router_logits, global_targets)
+            loss = fault.maybe_poison(loss, self.step, lay.rank)
             loss.backward()
+            self._local_loss = loss.detach() if acc is None else self._local_loss + loss.detach()
             acc = parts if acc is None else MicroLoss(acc.lm + parts.lm, acc.lb + parts.lb, acc.z + parts.z,
                                                       acc.tokens_per_expert + parts.tokens_per_expert)
         assert acc is not None  # micro_batches is never empty (validated batch sizes)
@@ -212,6 +224,9 @@ class Trainer:
         t0 = time.perf_counter()
         micro = self.loader.next_batch()
         parts = self.forward_backward(micro)
+        # NaN/Inf on any rank stops every rank here, before the update (raises fault.SoftFailure)
+        fault.check_step(self.step, self._local_loss, [b.flat_grad for b in self.optimizer.buckets],
+                         out_dir=self.out_dir)
         upd = self.optimizer_step()
         if self.device.type != "cpu":
             getattr(torch, self.device.type).synchronize()
@@ -242,12 +257,8 @@ class Trainer:
         """Train until step ``steps`` (default: the config's), writing metrics on rank 0."""
         cfg, lay = self.cfg, self.layout
         total = cfg.schedule.steps if steps is None else steps
-        ck = cfg.checkpoint
-        ck_dir = ck.dir or os.path.join(self.out_dir, "checkpoints")
-        if ck.resume and self.step == 0:
-            state = load_rank_state(ck_dir, lay.rank)
-            if state is not None:
-                self.load_state_dict(state)
+        if cfg.checkpoint.resume and self.step == 0:
+            self.resume()
         if lay.is_main:
             self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0)
@@ -259,7 +270,10 @@ class Trainer:
             bar = tqdm(total=total, initial=self.step, desc=cfg.preset, unit="step", dynamic_ncols=True)
         try:
             while self.step < total:
+                fault.maybe_hang(self.step, lay.rank)
+                self.heartbeat.beat(self.step, "start")
                 rec = self.train_step()
+                self.heartbeat.beat(self.step, "done", completed=True)
                 self.history.append(rec)
                 if self.writer is not None:
                     self.writer.write(rec)
@@ -267,8 +281,7 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     spikes=rec["grad_spikes"])
-                if ck.interval and self.step % ck.interval == 0:
-                    save_rank_state(ck_dir, lay.rank, self.state_dict())
+                self.save_checkpoints()
         finally:
             if bar is not None:
                 bar.close()
@@ -277,6 +290,32 @@ class Trainer:
         if lay.is_main:
             self._write_summary()
         return self.history
+
+    def resume(self) -> bool:
+        """Continue from the newest valid full checkpoint, if any: weights, optimizer shards and
+        steps, data position, spike history, and (same layout) RNG states. Returns whether it did."""
+        res = self.checkpoints.restore(self.model, self.optimizer)
+        if res is None:
+            return False
+        meta = res.meta
+        self.step = res.info.step
+        self.loader.load_state_dict(meta["data"])
+        self.spikes.load_state_dict(meta["spikes"])
+        if self.layout.is_main:
+            print(f"resumed from {res.info.path} at step {self.step} ({res.seconds:.2f}s"
+                  f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
+        return True
+
+    def save_checkpoints(self) -> None:
+        """The full checkpoint and/or model-only checkpoint due at this step (collective)."""
+        ck = self.checkpoints
+        if ck.due(self.step):
+            self.heartbeat.beat(self.step, "checkpoint")
+            ck.save(self.step, self.model, self.optimizer,
+                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict()})
+        if ck.model_due(self.step):
+            self.heartbeat.beat(self.step, "checkpoint")
+            ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset})
 
     def _write_run_info(self) -> None:
         cfg, lay = self.cfg, self.layout
