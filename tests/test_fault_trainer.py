@@ -1,5 +1,6 @@
-"""Fault tolerance inside the real trainer (``tiny-moe``, shrunk): exact resume, a NaN caught before
-the update, --init-from, and kill -9 of one rank under ``trainer.launch`` (world 2 on gloo)."""
+"""Fault tolerance inside the real trainer (``tiny-moe``, shrunk): a NaN caught before the update,
+--init-from, and kill -9 of one rank under ``trainer.launch`` (world 2 on gloo) ending with an
+uninterrupted run's exact state. (Exact resume itself: test_trainer.py.)"""
 from __future__ import annotations
 
 import json
@@ -43,13 +44,12 @@ def _saved_weights(saved: dict[str, torch.Tensor], model) -> dict[str, torch.Ten
     return out
 
 
-def test_nan_is_caught_before_the_update_and_a_resume_matches(tmp_path: Path, monkeypatch) -> None:
+def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch) -> None:
+    """The loss turns NaN in step index 2: fit raises SoftFailure with the weights still equal to
+    the step-2 checkpoint's, and the host is recorded."""
     from trainer.train import Trainer
 
     out = tmp_path / "run"
-    ref = Trainer(_config(tmp_path / "ref", "--steps", "4", "--checkpoint.interval", "0"))
-    ref.fit()
-
     monkeypatch.setenv(fault.NAN_ENV, "step=2")
     monkeypatch.setenv(fault.HOST_ENV, "bad-host")
     t = Trainer(_config(out, "--steps", "4", "--checkpoint.interval", "2"))
@@ -61,13 +61,7 @@ def test_nan_is_caught_before_the_update_and_a_resume_matches(tmp_path: Path, mo
     saved = _saved_weights(toy.read_checkpoint(out / "checkpoints" / "slot-A"), t.model)
     for name, w in _weights(t.model).items():  # untouched by the poisoned step
         assert torch.equal(w, saved[name]), name
-
-    monkeypatch.delenv(fault.NAN_ENV)
-    t2 = Trainer(_config(out, "--steps", "4", "--checkpoint.interval", "2"))
-    t2.fit()
-    assert t2.step == 4
-    for name, w in _weights(ref.model).items():
-        assert torch.equal(_weights(t2.model)[name], w), name
+    assert ck.optimizer_steps(t.optimizer) == {b.name: 2 for b in t.optimizer.buckets}
 
 
 def test_init_from_a_model_only_checkpoint(tmp_path: Path) -> None:

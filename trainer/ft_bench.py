@@ -40,7 +40,7 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     from .cli import config_from_args
     from .train import Trainer
 
-    cfg, _ = config_from_args([*SMALL, "--steps", "2", "--out", str(out / "tiny")])
+    cfg, _ = config_from_args([*SMALL, "--steps", "3", "--out", str(out / "tiny"), "--no-checkpoint.resume"])
     t = Trainer(cfg)
     t.fit()
     root = out / "tiny" / "bench-ckpt"
@@ -53,6 +53,9 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     info = ck.latest_valid(root)
     verify_s = _median_time(lambda: ck.verify(info.path), repeats)
     restore_s = _median_time(lambda: mgr.restore(t.model, t.optimizer, info), repeats)
+    grads = [b.flat_grad for b in t.optimizer.buckets]
+    check_s = _median_time(lambda: fault.local_nonfinite(t._local_loss, grads), max(repeats, 20))
+    step_s = statistics.median(r["step_time_s"] for r in t.history)
     n = sum(p.numel() for p in t.model.parameters())
     full, model = stats[-1].total_bytes, model_stats[-1].total_bytes
     return {
@@ -60,6 +63,7 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
         "full_bytes": full, "model_only_bf16_bytes": model, "full_over_model_only": full / model,
         "tensor_bytes_full": 16 * n if cfg.model.param_dtype == "fp32" else 14 * n, "tensor_bytes_model_only": 2 * n,
         "save_full_s": save_s, "save_model_only_s": model_s, "verify_s": verify_s, "restore_s": restore_s,
+        "nonfinite_check_s": check_s, "train_step_s": step_s,
     }
 
 
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| full | {tiny['full_bytes']:,} | {tiny['save_full_s'] * 1e3:.0f} ms | {tiny['verify_s'] * 1e3:.0f} ms "
           f"| {tiny['restore_s'] * 1e3:.0f} ms |")
     print(f"| model-only bf16 | {tiny['model_only_bf16_bytes']:,} | {tiny['save_model_only_s'] * 1e3:.0f} ms | | |")
+    print(f"\nNaN/Inf check of the loss and all gradients: {tiny['nonfinite_check_s'] * 1e6:.0f} us "
+          f"(a training step: {tiny['train_step_s'] * 1e3:.0f} ms)")
     print(f"\nfull / model-only: {tiny['full_over_model_only']:.2f}x on disk, "
           f"{tiny['tensor_bytes_full'] / tiny['tensor_bytes_model_only']:.0f}x in tensor bytes\n")
     print("| preset | PP x DP x EP | params | full | model-only bf16 | per rank (shard writer) | per rank (others) |")
