@@ -22,6 +22,9 @@ from trainer.launch import Supervisor, main as launch_main
     (None, [], None),                                                  # nothing to check
     (1.0, [None, torch.zeros(0)], None),                               # missing and empty gradients
     (torch.tensor(1.0, dtype=torch.bfloat16), [torch.full((2,), float("nan"), dtype=torch.bfloat16)], "gradients"),  # bf16
+    (1.0, [torch.tensor([3e38, 3e38])], "gradients"),                  # finite, but the sum overflows fp32
+    (1.0, [torch.tensor([3e38, -3e38, 1.0])], None),                   # large values that cancel are fine
+    (1.0, [torch.full((70000,), 1e-3, dtype=torch.bfloat16)], None),   # bf16 summed in fp32 (no bf16 overflow)
 ])
 def test_local_nonfinite(loss, grads, expected) -> None:
     assert fault.local_nonfinite(loss, grads) == expected

@@ -71,8 +71,11 @@ class SoftFailure(RuntimeError):
 def local_nonfinite(loss: torch.Tensor | float | None, tensors: Iterable[torch.Tensor | None]) -> str | None:
     """What is non-finite here (``"loss"``, ``"gradients"`` or both), or None.
 
-    One reduction per tensor, stacked on the device, and a single host sync at the end."""
-    grad_bad = [torch.isfinite(t.detach()).all().logical_not() for t in tensors if t is not None]
+    A gradient is tested through its fp32 sum (DeepSpeed's overflow check): NaN and Inf propagate
+    into it, it is one pass without a boolean copy (20x cheaper than ``isfinite(x).all()`` on the
+    CPU), and a sum beyond fp32's range (3.4e38) is as fatal a sign as an Inf. One host sync."""
+    grad_bad = [torch.isfinite(t.detach().sum(dtype=torch.float32)).logical_not()
+                for t in tensors if t is not None and t.numel()]
     loss_t = None if loss is None else torch.as_tensor(loss).detach()
     device = loss_t.device if loss_t is not None else (grad_bad[0].device if grad_bad else torch.device("cpu"))
     flags = torch.zeros(2, dtype=torch.bool, device=device)
