@@ -19,15 +19,22 @@ from trainer import checkpoint as ck
 from trainer import fault
 
 REPO = Path(__file__).resolve().parent.parent
-# tiny-moe with one layer, 8 instances per step, warmup 1 step: quick, still MoE with EPSO
-SMALL = ["--preset", "tiny-moe", "--model.num_layers", "1", "--global-batch", "8", "--micro-batch", "4",
-         "--warmup", "1", "--no-logging.progress", "--no-logging.plot", "--no-logging.tensorboard"]
+# tiny-moe with one layer, 8 instances of 16 tokens per step, warmup 1 step: quick, still MoE with EPSO
+SMALL = ["--preset", "tiny-moe", "--model.num_layers", "1", "--context", "16", "--global-batch", "8",
+         "--micro-batch", "4", "--warmup", "1", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
+         "--no-logging.tensorboard"]
 
 
-def _config(out: Path, *extra: str):
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> list[str]:
+    """SMALL with a data cache of this module's own (the corpus is prepared once)."""
+    return [*SMALL, "--data.cache_dir", str(tmp_path_factory.mktemp("data_cache"))]
+
+
+def _config(args: list[str], out: Path, *extra: str):
     from trainer.cli import config_from_args
 
-    cfg, _ = config_from_args([*SMALL, "--out", str(out), *extra])
+    cfg, _ = config_from_args([*args, "--out", str(out), *extra])
     return cfg
 
 
@@ -44,7 +51,7 @@ def _saved_weights(saved: dict[str, torch.Tensor], model) -> dict[str, torch.Ten
     return out
 
 
-def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch) -> None:
+def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch, small) -> None:
     """The loss turns NaN in step index 2: fit raises SoftFailure with the weights still equal to
     the step-2 checkpoint's, and the host is recorded."""
     from trainer.train import Trainer
@@ -52,7 +59,7 @@ def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "run"
     monkeypatch.setenv(fault.NAN_ENV, "step=2")
     monkeypatch.setenv(fault.HOST_ENV, "bad-host")
-    t = Trainer(_config(out, "--steps", "4", "--checkpoint.interval", "2"))
+    t = Trainer(_config(small, out, "--steps", "4", "--checkpoint.interval", "2"))
     with pytest.raises(fault.SoftFailure, match="step 2"):
         t.fit()
     assert t.step == 2
@@ -64,26 +71,26 @@ def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch) -> None:
     assert ck.optimizer_steps(t.optimizer) == {b.name: 2 for b in t.optimizer.buckets}
 
 
-def test_init_from_a_model_only_checkpoint(tmp_path: Path) -> None:
+def test_init_from_a_model_only_checkpoint(tmp_path: Path, small) -> None:
     from trainer.train import Trainer
 
-    src = Trainer(_config(tmp_path / "src", "--steps", "2", "--checkpoint.model_interval", "2"))
+    src = Trainer(_config(small, tmp_path / "src", "--steps", "2", "--checkpoint.model_interval", "2"))
     src.fit()
     path = tmp_path / "src" / "checkpoints" / "model-step-00000002"
     assert ck.verify(path) is None
-    t = Trainer(_config(tmp_path / "dst", "--steps", "3", "--checkpoint.init_from", str(path)))
+    t = Trainer(_config(small, tmp_path / "dst", "--steps", "3", "--checkpoint.init_from", str(path)))
     assert t.step == 0 and ck.optimizer_steps(t.optimizer) == {b.name: 0 for b in t.optimizer.buckets}
     for name, w in _weights(src.model).items():
         assert torch.equal(_weights(t.model)[name], w.to(torch.bfloat16).float()), name
     t.fit()  # trains on from there with a fresh optimizer
 
 
-def test_kill9_of_one_rank_relaunches_on_a_spare_and_ends_with_uninterrupted_weights(tmp_path: Path) -> None:
+def test_kill9_of_one_rank_relaunches_on_a_spare_and_ends_with_uninterrupted_weights(tmp_path: Path, small) -> None:
     steps, interval = "6", "2"
 
     def launch(out: Path, *launcher: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "trainer.launch", "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
-               "--max-restarts", "1", "--kill-grace", "2", "--out", str(out), *launcher, "--", *SMALL,
+               "--max-restarts", "1", "--kill-grace", "2", "--out", str(out), *launcher, "--", *small,
                "--steps", steps, "--checkpoint.interval", interval]
         env = dict(os.environ, PYTHONPATH=str(REPO))
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -23,7 +23,8 @@ from typing import Any
 from . import checkpoint as ck
 from . import fault
 
-SMALL = ["--preset", "tiny-moe", "--no-logging.progress", "--no-logging.plot", "--no-logging.tensorboard"]
+SMALL = ["--preset", "tiny-moe", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
+         "--no-logging.tensorboard"]
 
 
 def _median_time(fn, repeats: int) -> float:
