@@ -1,0 +1,188 @@
+"""Selective activation checkpointing of the decoder layers' norms, attention and MoE/MLP blocks.
+
+``--ac norm,attn,moe`` picks any subset. Each chosen submodule's ``forward`` is run under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: only its inputs are kept for
+backward and everything it saves inside is recomputed when backward reaches it. This sits on top of
+FastSparseMoeBlock's own autograd Functions (which already save only routing metadata, the gathered
+expert inputs and the expert outputs), so ``moe`` drops those as well.
+
+The module tree is not changed: the instance's ``forward`` attribute is replaced, so parameter
+names, state dicts and hooks stay exactly as transformers lays them out.
+
+Choices:
+  ``norm``  each decoder layer's ``input_layernorm`` and ``post_attention_layernorm``, and the
+            model's final norm
+  ``attn``  each decoder layer's ``self_attn`` (projections, q/k norms, rotary, attention, o_proj)
+  ``moe``   each decoder layer's ``mlp`` (FastSparseMoeBlock / OlmoeSparseMoeBlock, or the dense
+            OlmoMLP; ``mlp`` is accepted as a synonym)
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from .ac_spec import AC_CHOICES, parse_ac
+
+__all__ = [
+    "AC_CHOICES", "SavedTensorCounter", "SavedTensorStats", "ac_targets", "apply_activation_checkpointing",
+    "checkpointed_modules", "decoder_layers", "parse_ac", "remove_activation_checkpointing", "saved_bytes",
+]
+
+_ORIG = "_ac_original_forward"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """transformers decoder layers of ``model`` (anything with self_attn, mlp and the two norms)."""
+    return [m for m in model.modules()
+            if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))]
+
+
+def _final_norms(model: nn.Module) -> list[nn.Module]:
+    base = getattr(model, "model", model)
+    norm = getattr(base, "norm", None)
+    return [norm] if isinstance(norm, nn.Module) else []
+
+
+def ac_targets(model: nn.Module, choices: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """(choice, module) pairs that :func:`apply_activation_checkpointing` wraps."""
+    chosen = parse_ac(list(choices))
+    out: list[tuple[str, nn.Module]] = []
+    for layer in decoder_layers(model):
+        if "norm" in chosen:
+            out += [("norm", layer.input_layernorm), ("norm", layer.post_attention_layernorm)]
+        if "attn" in chosen:
+            out.append(("attn", layer.self_attn))
+        if "moe" in chosen:
+            out.append(("moe", layer.mlp))
+    if "norm" in chosen:
+        out += [("norm", m) for m in _final_norms(model)]
+    return out
+
+
+def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    original = getattr(module, _ORIG)
+    if not torch.is_grad_enabled():
+        # Nothing is saved without autograd; skip the checkpoint machinery (evaluation, inference).
+        return original(*args, **kwargs)
+    # Pass every tensor (keyword arguments and nested tuples such as the rotary (cos, sin)
+    # included) positionally: checkpoint keeps positional tensors through autograd's saved-tensor
+    # machinery (so saved_tensors_hooks see and may offload them) but keeps keyword arguments in
+    # a closure, invisible to them.
+    leaves, spec = tree_flatten((args, kwargs))
+
+    def run(*flat: Any) -> Any:
+        a, kw = tree_unflatten(list(flat), spec)
+        return original(*a, **kw)
+
+    return checkpoint(run, *leaves, use_reentrant=False)
+
+
+def apply_activation_checkpointing(model: nn.Module, choices: str | Iterable[str]) -> int:
+    """Checkpoint the submodules named by ``choices`` in place; returns how many were wrapped.
+
+    Idempotent per module (a wrapped module is not wrapped twice). Works for OLMoE (with or without
+    FastSparseMoeBlock patched in) and dense OLMo models, and on pipeline stages holding a slice of
+    the layers."""
+    chosen = parse_ac(choices)
+    if chosen and not decoder_layers(model):
+        raise ValueError(f"activation checkpointing {list(chosen)}: {type(model).__name__} has no decoder layers "
+                         "(modules with self_attn, mlp, input_layernorm and post_attention_layernorm)")
+    count = 0
+    for _, module in ac_targets(model, chosen):
+        if _ORIG in module.__dict__:
+            continue
+        setattr(module, _ORIG, module.forward)
+        module.forward = functools.partial(_checkpointed_forward, module)
+        count += 1
+    return count
+
+
+def remove_activation_checkpointing(model: nn.Module) -> int:
+    """Undo :func:`apply_activation_checkpointing`; returns how many modules were restored."""
+    count = 0
+    for module in model.modules():
+        if _ORIG in module.__dict__:
+            del module.__dict__["forward"]
+            delattr(module, _ORIG)
+            count += 1
+    return count
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Qualified names of the modules currently checkpointed."""
+    return [name for name, m in model.named_modules() if _ORIG in m.__dict__]
+
+
+# ----------------------------------------------------------------------------- measuring saved bytes
+@dataclass
+class SavedTensorStats:
+    """What autograd keeps for backward: distinct storages, parameters and buffers excluded."""
+
+    bytes: int = 0
+    """Bytes of the distinct storages saved for backward."""
+    tensors: int = 0
+    """Distinct storages saved."""
+    saves: int = 0
+    """Save calls seen (a storage saved by several ops counts once in ``bytes``)."""
+    _seen: set[int] = field(default_factory=set, repr=False)
+    _skip: set[int] = field(default_factory=set, repr=False)
+
+
+class SavedTensorCounter:
+    """Count the bytes autograd saves for backward while the context is open.
+
+    Uses ``torch.autograd.graph.saved_tensors_hooks``. Inside a non-reentrant checkpoint region,
+    the checkpoint's own hooks take over (what it drops is, correctly, not counted), while the
+    region's inputs, which the checkpoint keeps with an ordinary save, are counted. Storages are
+    deduplicated (views and repeated saves count once); parameters and buffers of ``exclude`` are
+    left out since they are not activations."""
+
+    def __init__(self, exclude: nn.Module | None = None) -> None:
+        self.stats = SavedTensorStats()
+        if exclude is not None:
+            for t in list(exclude.parameters()) + list(exclude.buffers()):
+                self.stats._skip.add(_storage_key(t))
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        s = self.stats
+        s.saves += 1
+        key = _storage_key(t)
+        if key not in s._seen and key not in s._skip:
+            s._seen.add(key)
+            s.tensors += 1
+            s.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __enter__(self) -> SavedTensorStats:
+        self._ctx.__enter__()
+        return self.stats
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    if t.device.type == "meta":
+        return id(t)
+    return t.untyped_storage().data_ptr()
+
+
+def saved_bytes(model: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[SavedTensorStats, torch.Tensor]:
+    """Run ``fn()`` (a forward returning a loss) under a :class:`SavedTensorCounter`; returns the
+    stats and the loss, whose graph is still alive (call ``backward`` on it)."""
+    counter = SavedTensorCounter(exclude=model)
+    with counter as stats:
+        loss = fn()
+    return stats, loss
+
