@@ -13,7 +13,7 @@ setup(
         "triton": ["triton>=3.1"],
         "hf": ["transformers>=4.46"],
         "test": ["pytest", "pytest-benchmark", "transformers>=4.46", "triton>=3.1"],
-        "trainer": ["transformers>=4.46", "tqdm", "matplotlib"],
+        "trainer": ["transformers>=4.46", "tokenizers", "tqdm", "matplotlib", "pyarrow"],
         "bench": ["transformers>=4.46", "matplotlib", "tqdm"],
     },
 )

@@ -1,0 +1,52 @@
+"""Command line of the preprocessing step:
+
+    python -m trainer.data.preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
+        --context C --out DIR [--shards N] [--seed S]
+
+Tokenizes, shuffles and shards the inputs (see `trainer.data.build`); every bad input ends with
+one error line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .build import preprocess_files
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print the usage block first
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _OneLineParser(prog="python -m trainer.data.preprocess", description="Tokenize, shuffle and shard text into .npy training instances.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text/JSONL/Parquet/Arrow files or directories")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizers JSON file")
+    p.add_argument("--context", type=int, required=True, help="tokens of input per instance (instances hold C+1)")
+    p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
+    p.add_argument("--shards", type=int, default=1, help="number of .npy shards (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffle permutation (default 0)")
+    p.add_argument("--text-field", default="text", help="JSONL/Parquet/Arrow field holding the text (default text)")
+    p.add_argument("--eos-token", default=None, help="EOS token of a tokenizer file, if not a usual name")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = p.parse_args(argv)
+    try:
+        path = preprocess_files(a.input, a.out, a.context, a.tokenizer, a.shards, a.seed, a.text_field, a.eos_token, not a.quiet)
+    except (ValueError, OSError) as e:
+        msg = " ".join(str(e).split())  # one line, whatever the underlying library printed
+        print(f"{p.prog}: error: {msg}", file=sys.stderr)
+        return 1
+    with open(path) as f:
+        m = json.load(f)
+    print(
+        f"wrote {m['num_instances']} instances of {m['context']}+1 tokens in {m['num_shards']} shard(s) "
+        f"({m['dtype']}, {m['stream_tokens']} tokens from {m['num_documents']} documents) -> {path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
