@@ -186,3 +186,88 @@ def saved_bytes(model: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[Saved
         loss = fn()
     return stats, loss
 
+
+
+# ----------------------------------------------------------------------------- report
+def saved_bytes_table(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                      loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      ) -> list[tuple[tuple[str, ...], SavedTensorStats, torch.Tensor, list[torch.Tensor]]]:
+    """For every subset of AC_CHOICES: (choices, saved-tensor stats of one forward, loss, grads).
+
+    ``loss_fn(model, input_ids, labels)`` defaults to transformers' own loss (``labels=`` shifts)."""
+    import itertools
+
+    loss_fn = loss_fn or (lambda m, x, y: m(input_ids=x, labels=y).loss)
+    rows = []
+    try:
+        for r in range(len(AC_CHOICES) + 1):
+            for combo in itertools.combinations(AC_CHOICES, r):
+                remove_activation_checkpointing(model)
+                apply_activation_checkpointing(model, combo)
+                model.zero_grad(set_to_none=True)
+                stats, loss = saved_bytes(model, lambda: loss_fn(model, input_ids, labels))
+                loss.backward()
+                grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                         for p in model.parameters()]
+                rows.append((combo, stats, loss.detach(), grads))
+    finally:
+        remove_activation_checkpointing(model)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.parallelism.ac``: bytes saved for backward per --ac choice, measured on a
+    small model next to the planner's formula."""
+    import argparse
+
+    from .plan import ModelShape, stage_activation_bytes
+
+    ap = argparse.ArgumentParser(prog="python -m trainer.parallelism.ac", description=main.__doc__)
+    ap.add_argument("--arch", default="olmoe", choices=["olmoe", "olmo"])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=259)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    a = ap.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    common = dict(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                  num_key_value_heads=a.heads, intermediate_size=a.intermediate, max_position_embeddings=a.context,
+                  tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    if a.arch == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+
+        from fastmoe_xpu import patch_olmoe
+
+        model = OlmoeForCausalLM(OlmoeConfig(num_experts=a.experts, num_experts_per_tok=a.top_k, **common))
+        patch_olmoe(model, backend="torch")
+    else:
+        from transformers import OlmoConfig, OlmoForCausalLM
+
+        model = OlmoForCausalLM(OlmoConfig(**common))
+    model = model.to(dtype)
+    shape = ModelShape(a.arch, a.layers, a.hidden, a.heads, a.hidden // a.heads, a.intermediate,
+                       a.experts if a.arch == "olmoe" else 0, a.top_k if a.arch == "olmoe" else 0, a.vocab)
+    x = torch.randint(0, a.vocab, (a.micro_batch, a.context))
+    rows = saved_bytes_table(model, x, x)
+    base = rows[0][1].bytes
+    print(f"{a.arch} L={a.layers} H={a.hidden} I={a.intermediate}"
+          + (f" E={a.experts} K={a.top_k}" if a.arch == "olmoe" else "")
+          + f" V={a.vocab}, micro-batch {a.micro_batch} x {a.context} tokens, {a.dtype}")
+    print(f"{'--ac':<16} {'saved bytes':>12} {'formula':>12} {'vs none':>8} {'tensors':>8} {'max |dgrad|':>12}")
+    for combo, stats, loss, grads in rows:
+        f = stage_activation_bytes(shape, a.micro_batch, a.context, a.layers, combo, act_bytes=dtype.itemsize)
+        dg = max(float((g - g0).abs().max()) for g, g0 in zip(grads, rows[0][3]))
+        print(f"{'+'.join(combo) or 'none':<16} {stats.bytes:>12,} {f:>12,} {stats.bytes / base:>8.2f} "
+              f"{stats.tensors:>8} {dg:>12.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
