@@ -113,8 +113,10 @@ TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, num_attention_he
             eos_token_id=None, use_cache=False)
 
 
-def tiny_model(arch: str = "olmoe", seed: int = 0, **overrides: Any):
-    """A small OLMoE (FastSparseMoeBlock patched in, torch backend) or OLMo model from ``seed``."""
+def tiny_model(arch: str = "olmoe", seed: int = 0, *, ep_group: Any = None, forced_uniform_routing: bool = False,
+               **overrides: Any):
+    """A small OLMoE (FastSparseMoeBlock patched in, torch backend; with ``ep_group`` each rank keeps
+    its experts) or OLMo model from ``seed``."""
     import torch
 
     cfg = dict(TINY, **overrides)
@@ -128,7 +130,7 @@ def tiny_model(arch: str = "olmoe", seed: int = 0, **overrides: Any):
         cfg.setdefault("num_experts", 8)
         cfg.setdefault("num_experts_per_tok", 2)
         model = OlmoeForCausalLM(OlmoeConfig(**cfg))
-        patch_olmoe(model, backend="torch")
+        patch_olmoe(model, backend="torch", ep_group=ep_group, forced_uniform_routing=forced_uniform_routing)
         return model
     from transformers import OlmoConfig, OlmoForCausalLM
 

@@ -16,9 +16,6 @@ import torch
 
 from tests.parallel_util import run_workers, tiny_model
 
-NR_EP = 2  # expert shards in the sharded case
-
-
 class FileGuard:
     """Count accesses to ``path``; raise PermissionError on them when ``forbid``."""
 
@@ -62,18 +59,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _shard_experts(model: torch.nn.Module, ep_rank: int, ep: int) -> None:
-    """Keep only EP rank ``ep_rank``'s experts, as expert parallelism lays them out."""
-    for m in model.modules():
-        if hasattr(m, "expert_start") and hasattr(m, "experts"):
-            nr = m.experts.gate_up_proj.shape[0] // ep
-            sl = slice(ep_rank * nr, (ep_rank + 1) * nr)
-            m.experts.gate_up_proj = torch.nn.Parameter(m.experts.gate_up_proj.data[sl].clone())
-            m.experts.down_proj = torch.nn.Parameter(m.experts.down_proj.data[sl].clone())
-            m.experts.num_experts = nr
-            m.expert_start = ep_rank * nr
-
-
 def _file_worker(path: str, method: str, sharded: bool) -> dict:
     import torch.distributed as dist
 
@@ -81,13 +66,12 @@ def _file_worker(path: str, method: str, sharded: bool) -> dict:
 
     rank = dist.get_rank()
     guard = FileGuard(path, forbid=rank != 0)
-    model = tiny_model("olmoe", seed=1000 + rank, num_hidden_layers=2)  # a different init on every rank
-    if sharded:
-        _shard_experts(model, rank % NR_EP, NR_EP)
+    # a different init on every rank; sharded: expert parallelism over all ranks, each keeps its experts
+    model = tiny_model("olmoe", seed=1000 + rank, num_hidden_layers=2, ep_group=dist.group.WORLD if sharded else None)
     not_sent = load_and_broadcast(model, path, method=method)
     out = {"hits": list(guard.hits), "digest": state_digest(model), "not_sent": not_sent}
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out["expert_start"] = [m.expert_start for m in model.modules() if hasattr(m, "expert_start")]
+    out["expert_ids"] = {n.rpartition(".")[0]: b.clone() for n, b in model.named_buffers() if n.endswith("expert_ids")}
     return out
 
 
@@ -122,7 +106,7 @@ def model_files(tmp_path_factory):
 @pytest.mark.parametrize("fmt,method,sharded", [
     ("pt", "broadcast", False),         # torch.save checkpoint with a "model" entry, plain broadcast
     ("safetensors", "all_reduce", False),  # safetensors file, all-reduce transport (-0.0 must survive)
-    ("pt", "all_reduce", True),         # EP-sharded receivers keep their own experts of the full tensors
+    ("pt", "all_reduce", True),         # EP=2: each receiver keeps its own experts of the full tensors
 ])
 def test_only_rank0_reads_and_all_end_identical(model_files, fmt, method, sharded):
     world = 2
@@ -138,8 +122,9 @@ def test_only_rank0_reads_and_all_end_identical(model_files, fmt, method, sharde
                 continue  # buffers the file does not carry (rotary inverse frequencies)
             want = sd[k]
             if sharded and k.endswith(("gate_up_proj", "down_proj")):
-                start = res[r]["expert_start"][0]
-                want = want[start:start + v.shape[0]]
+                ids = res[r]["expert_ids"][k.rpartition(".")[0]]
+                assert len(ids) == want.shape[0] // 2, "experts not split"
+                want = want[ids]
             assert torch.equal(_bits(v), _bits(want)), f"rank {r}: {k} differs from the file bit for bit"
         assert torch.signbit(state[model_files["neg_zero_key"]].view(-1)[:5]).all(), "-0.0 lost its sign"
     if not sharded:

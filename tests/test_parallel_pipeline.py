@@ -1,4 +1,4 @@
-"""Pipeline parallelism: PP (x DP) with 1F1B and the other schedules trains exactly like one process.
+"""Pipeline parallelism: PP (x DP x EP) with 1F1B and the other schedules trains exactly like one process.
 
 The reference is independent of the pipeline code: the whole transformers model with
 ``output_router_logits=True`` and fastmoe_xpu's ``load_balancing_loss`` / ``router_z_loss`` over all
@@ -45,18 +45,15 @@ def _reference_loss(model, input_ids, labels, n_micro_global: int, global_target
     return loss
 
 
-def _pp_worker(arch: str, pp: int, dp: int, schedule: str, virtual: int, n_micro: int, ac: str) -> dict:
+def _pp_worker(arch: str, pp: int, dp: int, ep: int, schedule: str, virtual: int, n_micro: int, ac: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
+    from fastmoe_xpu.dist import ParallelMesh
     from trainer.parallelism.ac import apply_activation_checkpointing
     from trainer.parallelism.pipeline import MoeLossConfig, Pipeline
 
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    dp_group = mesh["dp"].get_group() if dp > 1 else None
-    n_global = n_micro * dp
+    mesh = ParallelMesh(pp=pp, dp=dp, ep=ep, device_type="cpu")
+    n_global = n_micro * dp * ep  # every DP x EP rank reads its own micro-batches
     ref = tiny_model(arch, seed=0)
     cfg = ref.config
     moe = arch == "olmoe"
@@ -64,13 +61,21 @@ def _pp_worker(arch: str, pp: int, dp: int, schedule: str, virtual: int, n_micro
     loss_cfg = MoeLossConfig(num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts if moe else 0,
                              top_k=cfg.num_experts_per_tok if moe else 0, load_balancing_coef=LB_COEF,
                              z_loss_coef=Z_COEF, micro_batches_global=n_global)
-    pipe = Pipeline(lambda sid: tiny_model(arch, seed=0), pp_rank=pp_rank, pp=pp, group=mesh["pp"].get_group(),
-                    device=torch.device("cpu"), n_microbatches=n_micro, schedule=schedule, virtual=virtual,
-                    loss_cfg=loss_cfg, prepare=lambda m: apply_activation_checkpointing(m, ac))
+    pipe = Pipeline(lambda sid: tiny_model(arch, seed=0, ep_group=mesh.ep_group), pp_rank=mesh.pp_rank, pp=pp,
+                    group=mesh.pp_group, device=torch.device("cpu"), n_microbatches=n_micro, schedule=schedule,
+                    virtual=virtual, loss_cfg=loss_cfg, prepare=lambda m: apply_activation_checkpointing(m, ac))
     params = dict(pipe.named_parameters())
+    experts = {n for n in params if ".experts." in n}
+    # which global experts each local expert tensor holds, to compare with the whole model's
+    expert_ids = {n: m.get_submodule(n.rpartition(".")[0]).expert_ids.clone()
+                  for m in pipe.modules for n, _ in m.named_parameters() if n in experts}
+
+    def as_ref(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t[expert_ids[name]] if name in expert_ids else t
+
     opt = torch.optim.AdamW(params.values(), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    losses, ref_losses, grad_diffs = [], [], []
+    losses, ref_losses, grad_pairs = [], [], []
     for input_ids, labels in batches:
         global_targets = float(labels.numel())
         # reference: one process, every micro-batch of the global batch
@@ -86,36 +91,42 @@ def _pp_worker(arch: str, pp: int, dp: int, schedule: str, virtual: int, n_micro
         ref_losses.append(float(total))
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        # pipeline: this DP rank's contiguous slice of the global batch
+        # pipeline: this DP x EP rank's contiguous slice of the global batch
         loss_cfg.global_targets = global_targets
-        mine = slice(dp_rank * n_micro * MB, (dp_rank + 1) * n_micro * MB)
+        mine = slice(mesh.dp_ep_rank * n_micro * MB, (mesh.dp_ep_rank + 1) * n_micro * MB)
         parts = pipe.step(input_ids[mine], labels[mine])
-        if dp_group is not None:
-            for p in params.values():
-                dist.all_reduce(p.grad, group=dp_group)
+        for n, p in params.items():  # gradients are sums over the replicas of each weight
+            group = mesh.dp_group if n in experts else mesh.dp_ep_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
         step_loss = torch.tensor([sum((float(p.lm + LB_COEF * p.lb + Z_COEF * p.z) for p in parts), 0.0)])
         dist.all_reduce(step_loss)  # only the last stage's ranks contribute
         losses.append(float(step_loss))
-        grad_diffs.append({n: (p.grad.clone(), ref_grads[n]) for n, p in params.items()})
+        grad_pairs.append({n: (p.grad.clone(), as_ref(n, ref_grads[n])) for n, p in params.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
     ref_state = dict(ref.named_parameters())
-    return {"rank": rank, "pp_rank": pp_rank, "losses": losses, "ref_losses": ref_losses, "grads": grad_diffs,
-            "weights": {n: (p.detach().clone(), ref_state[n].detach().clone()) for n, p in params.items()},
+    return {"rank": mesh.rank, "dp_ep_rank": mesh.dp_ep_rank, "losses": losses, "ref_losses": ref_losses,
+            "grads": grad_pairs, "experts_split": bool(experts) and ep > 1 and all(
+                params[n].shape[0] < ref_state[n].shape[0] for n in experts),
+            "weights": {n: (p.detach().clone(), as_ref(n, ref_state[n].detach())) for n, p in params.items()},
             "names": sorted(params), "all_names": sorted(ref_state)}
 
 
-@pytest.mark.parametrize("arch,pp,dp,schedule,virtual,n_micro,ac", [
-    ("olmoe", 2, 1, "1f1b", 1, 4, ""),                  # PP=2, 1F1B, MoE: router statistics cross the stage boundary
-    ("olmoe", 2, 2, "1f1b", 1, 2, "moe"),               # PP=2 x DP=2 on one mesh, checkpointed experts in the stages
-    ("olmo", 2, 1, "gpipe", 1, 3, ""),                  # dense model, GPipe, micro-batches not a multiple of PP
-    ("olmoe", 2, 1, "interleaved1f1b", 2, 4, "norm,attn"),  # 2 stages per rank (4 stages of one layer each)
+@pytest.mark.parametrize("arch,pp,dp,ep,schedule,virtual,n_micro,ac", [
+    ("olmoe", 2, 1, 1, "1f1b", 1, 4, ""),                  # PP=2, 1F1B, MoE: router statistics cross the stage boundary
+    ("olmoe", 2, 1, 2, "1f1b", 1, 2, ""),                  # PP=2 x EP=2: experts split inside each stage
+    ("olmoe", 2, 2, 1, "1f1b", 1, 2, "moe"),               # PP=2 x DP=2 on one mesh, checkpointed experts
+    ("olmo", 2, 1, 1, "gpipe", 1, 3, ""),                  # dense model, GPipe, micro-batches not a multiple of PP
+    ("olmoe", 2, 1, 1, "interleaved1f1b", 2, 4, "norm,attn"),  # 2 stages per rank (4 stages of one layer each)
 ])
-def test_pipeline_matches_one_process(arch, pp, dp, schedule, virtual, n_micro, ac):
-    res = run_workers(_pp_worker, pp * dp, arch, pp, dp, schedule, virtual, n_micro, ac)
-    # the stages of one pipeline hold every parameter exactly once
-    names = [n for r in res if r["rank"] < pp * dp and r["rank"] % dp == 0 for n in r["names"]]
+def test_pipeline_matches_one_process(arch, pp, dp, ep, schedule, virtual, n_micro, ac):
+    res = run_workers(_pp_worker, pp * dp * ep, arch, pp, dp, ep, schedule, virtual, n_micro, ac)
+    # the stages of one pipeline (dp = ep = 0) hold every parameter exactly once
+    names = [n for r in res if r["dp_ep_rank"] == 0 for n in r["names"]]
     assert sorted(names) == res[0]["all_names"]
+    if ep > 1:
+        assert all(r["experts_split"] for r in res), "experts were not split over EP"
     for r in res:
         assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), msg=f"rank {r['rank']} losses")
         for step, g in enumerate(r["grads"]):

@@ -138,3 +138,36 @@ def test_cli_prints_the_plan(capsys):
     assert "total 220.21B  active 10.02B" in out
     assert "norm+attn+moe" in out and "1F1B" in out
     assert main(["--preset", "nope", "--world", "8"]) == 2
+
+
+def _ep_formula_worker() -> list[tuple[tuple[str, ...], int, int]]:
+    import torch.distributed as dist
+
+    model = tiny_model("olmoe", seed=0, ep_group=dist.group.WORLD, forced_uniform_routing=True)
+    c = model.config
+    shape = ModelShape("olmoe", c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                       c.hidden_size // c.num_attention_heads, c.intermediate_size, c.num_experts,
+                       c.num_experts_per_tok, c.vocab_size)
+    B, S = 2, 8
+    x = torch.randint(0, c.vocab_size, (B, S), generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = []
+    for r in range(4):
+        for combo in itertools.combinations(("norm", "attn", "moe"), r):
+            remove_activation_checkpointing(model)
+            apply_activation_checkpointing(model, combo)
+            stats, loss = saved_bytes(model, lambda: model(input_ids=x, labels=x).loss)
+            loss.backward()  # the checkpointed EP block recomputes its collectives in step on both ranks
+            want = stage_activation_bytes(shape, B, S, c.num_hidden_layers, combo, act_bytes=4, ep=2,
+                                          forced_uniform=True)
+            out.append((combo, stats.bytes, want))
+    return out
+
+
+def test_activation_formula_under_expert_parallelism():
+    """EP=2 with forced uniform routing (so each rank computes exactly T*K rows): the gathered
+    tokens, routing weights and prefix sums over EP*T tokens are where the formula says."""
+    from tests.parallel_util import run_workers
+
+    for rank_rows in run_workers(_ep_formula_worker, 2):
+        for combo, measured, want in rank_rows:
+            assert measured == want, f"--ac {combo}: measured {measured}, formula {want}"

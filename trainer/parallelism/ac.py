@@ -19,6 +19,7 @@ Choices:
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -122,47 +123,55 @@ def checkpointed_modules(model: nn.Module) -> list[str]:
 # ----------------------------------------------------------------------------- measuring saved bytes
 @dataclass
 class SavedTensorStats:
-    """What autograd keeps for backward: distinct storages, parameters and buffers excluded."""
+    """What autograd keeps for backward once a forward is done: distinct storages still held by the
+    graph, parameters and buffers excluded."""
 
     bytes: int = 0
-    """Bytes of the distinct storages saved for backward."""
+    """Bytes of the distinct storages the graph holds for backward."""
     tensors: int = 0
-    """Distinct storages saved."""
+    """Distinct storages held."""
     saves: int = 0
-    """Save calls seen (a storage saved by several ops counts once in ``bytes``)."""
-    _seen: set[int] = field(default_factory=set, repr=False)
-    _skip: set[int] = field(default_factory=set, repr=False)
+    """Save calls seen, including those of graph branches already freed and repeated saves."""
+
+
+class _Held:
+    """What the pack hook hands autograd instead of the tensor: autograd keeps it exactly as long
+    as the graph node that saved it lives, so the live holders at the end are what backward needs."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class SavedTensorCounter:
-    """Count the bytes autograd saves for backward while the context is open.
+    """Count the bytes autograd holds for backward from the tensors saved while the context is open.
 
     Uses ``torch.autograd.graph.saved_tensors_hooks``. Inside a non-reentrant checkpoint region,
     the checkpoint's own hooks take over (what it drops is, correctly, not counted), while the
-    region's inputs, which the checkpoint keeps with an ordinary save, are counted. Storages are
+    region's inputs, which the checkpoint keeps with an ordinary save, are counted. Only saves whose
+    graph node is still alive when the context closes count (a branch whose output was dropped,
+    such as routing replaced by forced uniform routing, frees its saves at once); storages are
     deduplicated (views and repeated saves count once); parameters and buffers of ``exclude`` are
-    left out since they are not activations."""
+    left out since they are not activations. Read ``stats`` after the context closes."""
 
     def __init__(self, exclude: nn.Module | None = None) -> None:
         self.stats = SavedTensorStats()
+        self._skip: set[int] = set()
         if exclude is not None:
-            for t in list(exclude.parameters()) + list(exclude.buffers()):
-                self.stats._skip.add(_storage_key(t))
+            self._skip = {_storage_key(t) for t in list(exclude.parameters()) + list(exclude.buffers())}
+        self._held: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = self.stats
-        s.saves += 1
-        key = _storage_key(t)
-        if key not in s._seen and key not in s._skip:
-            s._seen.add(key)
-            s.tensors += 1
-            s.bytes += t.untyped_storage().nbytes()
-        return t
+    def _pack(self, t: torch.Tensor) -> _Held:
+        self.stats.saves += 1
+        h = _Held(t)
+        self._held.add(h)
+        return h
 
     @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def _unpack(h: _Held) -> torch.Tensor:
+        return h.tensor
 
     def __enter__(self) -> SavedTensorStats:
         self._ctx.__enter__()
@@ -170,6 +179,15 @@ class SavedTensorCounter:
 
     def __exit__(self, *exc: Any) -> None:
         self._ctx.__exit__(*exc)
+        seen: set[int] = set()
+        for h in list(self._held):
+            key = _storage_key(h.tensor)
+            if key in seen or key in self._skip:
+                continue
+            seen.add(key)
+            self.stats.tensors += 1
+            self.stats.bytes += h.tensor.untyped_storage().nbytes()
+        self._held = weakref.WeakSet()
 
 
 def _storage_key(t: torch.Tensor) -> int:

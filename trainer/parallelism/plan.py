@@ -225,13 +225,13 @@ def _norm_internal(s: ModelShape, T: int, width: int, a: int) -> int:
 
 
 def layer_activation_bytes(s: ModelShape, tokens: int, ac: Iterable[str] = (), *, act_bytes: int = 2,
-                           ep: int = 1, routed_rows: int | None = None) -> ActivationBytes:
+                           ep: int = 1, routed_rows: int | None = None, forced_uniform: bool = False) -> ActivationBytes:
     """Bytes one decoder layer saves for backward for ``tokens`` tokens of this rank.
 
     ``ac``: checkpointed parts (``norm``, ``attn``, ``moe``); a checkpointed part keeps only its
     inputs (the residual stream for a norm; the norm's output, already counted, for attn and moe).
     ``routed_rows``: rows this rank's experts compute (default T*K, exact on average and under
-    forced uniform routing)."""
+    forced uniform routing, which keeps a second softmax)."""
     chosen = set(parse_ac(list(ac)))
     T, H, a = tokens, s.hidden_size, act_bytes
     Q = s.num_heads * s.head_dim
@@ -248,6 +248,8 @@ def layer_activation_bytes(s: ModelShape, tokens: int, ac: Iterable[str] = (), *
             T_all = ep * T  # tokens after the EP allgather
             R = T * K if routed_rows is None else routed_rows
             router = 4 * T * E + 8 * T * K  # fp32 probabilities (softmax), int64 top-k indices
+            if forced_uniform:
+                router += 4 * T * E  # the fixed pattern's own fp32 softmax (its indices replace top-k's)
             metadata = 3 * 4 * R + 4 * (E // ep + 1) + 4 * (T_all + 1)  # int32 index lists and prefix sums
             experts = a * R * (2 * I + I + H)  # gate/up output, SiLU*up, expert output rows
             combine = a * T_all * K  # routing weights
@@ -260,7 +262,7 @@ def layer_activation_bytes(s: ModelShape, tokens: int, ac: Iterable[str] = (), *
 
 def stage_activation_bytes(s: ModelShape, micro_batch: int, context: int, num_layers: int, ac: Iterable[str] = (),
                            *, first: bool = True, last: bool = True, act_bytes: int = 2, ep: int = 1,
-                           loss_bytes: bool = True) -> int:
+                           loss_bytes: bool = True, forced_uniform: bool = False) -> int:
     """Bytes a pipeline stage (or the whole model: first=last=True) saves for one micro-batch.
 
     Besides its layers: the rotary cos/sin and, when attention is checkpointed, the position ids
@@ -269,7 +271,7 @@ def stage_activation_bytes(s: ModelShape, micro_batch: int, context: int, num_la
     log-probabilities [T, V] of the cross entropy, the shifted labels and the loss scalar."""
     chosen = set(parse_ac(list(ac)))
     T, H, a = micro_batch * context, s.hidden_size, act_bytes
-    total = num_layers * layer_activation_bytes(s, T, chosen, act_bytes=a, ep=ep).total
+    total = num_layers * layer_activation_bytes(s, T, chosen, act_bytes=a, ep=ep, forced_uniform=forced_uniform).total
     # rotary cos and sin [1, S, head_dim], in the activation dtype for OLMoE, fp32 for OLMo
     total += 2 * (a if s.is_moe else 4) * context * s.head_dim
     if "attn" in chosen:
