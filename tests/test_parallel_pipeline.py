@@ -141,3 +141,32 @@ def test_1f1b_needs_enough_micro_batches():
 
     with pytest.raises(ValueError, match="at least as many micro-batches"):
         Pipeline(lambda sid: None, pp_rank=0, pp=4, group=None, device=torch.device("cpu"), n_microbatches=2)
+
+
+@pytest.mark.parametrize("arch,stage", [
+    ("olmoe", 0),  # first stage: embedding, routers, experts, RMSNorms
+    ("olmo", 1),   # last stage of a dense model: weightless LayerNorms, LM head
+])
+def test_stage_built_on_meta_is_materialized_like_an_eager_one(arch, stage):
+    """Only the stage is allocated; its parameters, buffers and initialisation match an eagerly
+    built stage's (names, shapes, dtypes, rotary frequencies, norm weights, init scale)."""
+    from trainer.parallelism.pipeline import StageModel, materialize
+
+    eager = StageModel(tiny_model(arch, seed=0), stage, 2)
+    with torch.device("meta"):
+        lazy = StageModel(tiny_model(arch, seed=0), stage, 2)
+    assert all(p.is_meta for p in lazy.parameters())
+    materialize(lazy, "cpu", seed=1)
+    e_state, l_state = eager.state_dict(), lazy.state_dict()
+    assert list(e_state) == list(l_state)
+    for k in e_state:
+        assert (e_state[k].shape, e_state[k].dtype) == (l_state[k].shape, l_state[k].dtype), k
+        if "norm" in k:
+            assert torch.equal(l_state[k], torch.ones_like(l_state[k])), k
+        elif e_state[k].numel() >= 512:
+            assert abs(float(l_state[k].std()) - 0.02) < 0.004, k
+    for (n, b), (_, b2) in zip(eager.named_buffers(), lazy.named_buffers()):
+        assert torch.equal(b, b2), n
+    x = torch.randint(0, 61, (1, 8)) if stage == 0 else torch.randn(1, 8, eager.config.hidden_size)
+    out = lazy(x)
+    assert all(torch.isfinite(t).all() for t in out)

@@ -138,6 +138,51 @@ class StageModel(nn.Module):
         return (hidden, *rest)
 
 
+@torch.no_grad()
+def materialize(stage: nn.Module, device: torch.device | str, *, seed: int, std: float | None = None) -> nn.Module:
+    """Allocate a stage built on the ``meta`` device on ``device`` and initialise it like
+    transformers does (normal(0, std) for linear, embedding, router and expert weights, ones for
+    norm weights, rotary frequencies recomputed, ``expert_ids`` restored), drawing from ``seed``.
+
+    This is how a stage of a model too large for one host comes to exist: only the stage's own
+    parameters are ever allocated. (Identical weights to a one-process run come from
+    :func:`trainer.parallelism.broadcast.load_and_broadcast` instead.)"""
+    cfg = getattr(stage, "config", None)
+    std = std if std is not None else getattr(cfg, "initializer_range", 0.02)
+    stage.to_empty(device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal_(t: torch.Tensor) -> None:
+        t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(t.dtype))
+
+    for name, module in stage.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            normal_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif "RMSNorm" in kind or "LayerNorm" in kind:
+            if getattr(module, "weight", None) is not None:
+                module.weight.fill_(1.0)
+        elif "RotaryEmbedding" in kind and hasattr(module, "inv_freq"):
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            module.inv_freq.copy_(fresh.inv_freq)
+            if hasattr(module, "original_inv_freq"):
+                module.original_inv_freq.copy_(fresh.original_inv_freq)
+        elif kind.endswith("TopKRouter") or kind == "TopKRouter":
+            normal_(module.weight)
+        elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            normal_(module.gate_up_proj)
+            normal_(module.down_proj)
+            ids = getattr(module, "expert_ids", None)
+            if isinstance(ids, torch.Tensor):
+                block = stage.get_submodule(name.rpartition(".")[0])
+                start = int(getattr(block, "expert_start", 0))
+                ids.copy_(torch.arange(start, start + ids.numel(), device=ids.device))
+    return stage
+
+
 @dataclass
 class LossParts:
     """Detached parts of one micro-batch's loss (already scaled like the loss)."""
@@ -190,16 +235,17 @@ def pipeline_loss(outputs: Any, labels: torch.Tensor, cfg: MoeLossConfig) -> tup
 class Pipeline:
     """This rank's stages of a pipeline and the schedule that runs them.
 
-    ``build(stage)`` returns the full model (identical on every rank, e.g. built from one seed, or
-    on the meta device and filled by :mod:`trainer.parallelism.broadcast`); it is pruned to the
-    stage. ``step(input_ids, labels)`` runs one batch of this rank's micro-batches through the
+    ``build(stage)`` returns the full model, pruned here to the stage: either real weights
+    (identical on every rank, e.g. built from one seed) or built under ``torch.device("meta")``,
+    in which case only the stage is allocated and initialised (:func:`materialize`, from
+    ``meta_seed + stage``; load real weights with :mod:`trainer.parallelism.broadcast`). ``step(input_ids, labels)`` runs one batch of this rank's micro-batches through the
     schedule and leaves the gradients in the stage parameters' ``.grad``; on the last stage it
     returns the per-micro-batch :class:`LossParts`."""
 
     def __init__(self, build: Callable[[int], nn.Module], *, pp_rank: int, pp: int, group: Any, device: torch.device,
                  n_microbatches: int, schedule: str = "1f1b", virtual: int = 1,
                  loss_cfg: MoeLossConfig | None = None,
-                 prepare: Callable[[StageModel], None] | None = None) -> None:
+                 prepare: Callable[[StageModel], None] | None = None, meta_seed: int = 0) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         if schedule not in SCHEDULES:
@@ -218,7 +264,11 @@ class Pipeline:
         stages = []
         for sid in stage_ids(pp_rank, pp, virtual):
             full = build(sid)
-            mod = StageModel(full, sid, num_stages).to(device)
+            mod = StageModel(full, sid, num_stages)
+            if any(p.is_meta for p in mod.parameters()):
+                materialize(mod, device, seed=meta_seed + sid)
+            else:
+                mod = mod.to(device)
             if prepare is not None:
                 prepare(mod)
             self.modules.append(mod)
