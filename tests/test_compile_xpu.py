@@ -23,11 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 XPU_PYTHON = ROOT / ".venv-xpu" / "bin" / "python"
 SKIP_REASON = ".venv-xpu does not exist: run scripts/setup_xpu_venv.sh to build it (Intel's Triton build + ocloc)"
 
-needs_xpu_venv = pytest.mark.skipif(not XPU_PYTHON.exists(), reason=SKIP_REASON)
-needs_kernel_specs = pytest.mark.skipif(
-    importlib.util.find_spec("fastmoe_xpu.kernels.compile_check") is None,
-    reason="fastmoe_xpu.kernels.compile_check (the Triton kernels' spec list) is not in this checkout",
-)
+# CI builds .venv-xpu before the tests (make test), so there a missing venv is a failure, not a skip.
+needs_xpu_venv = pytest.mark.skipif(not XPU_PYTHON.exists() and not os.environ.get("CI"), reason=SKIP_REASON)
 
 # Cut from Intel Triton 3.3's TTGIR of the weight-gradient GEMM with gathered rows: the A operand
 # comes from a 2D block load, B from a pointer-tensor load staged through shared memory.
@@ -151,7 +148,6 @@ def test_probe_gate_tells_dpas_gemm_from_fma_dot(tmp_path: Path) -> None:
 
 
 @needs_xpu_venv
-@needs_kernel_specs
 def test_every_kernel_compiles_for_pvc_with_dpas(xpu_check: tuple[subprocess.CompletedProcess, dict[str, Any]]) -> None:
     from fastmoe_xpu.kernels.compile_check import kernel_specs
 
@@ -169,7 +165,6 @@ def test_every_kernel_compiles_for_pvc_with_dpas(xpu_check: tuple[subprocess.Com
 
 
 @needs_xpu_venv
-@needs_kernel_specs
 def test_xpu_default_config_is_least_spilling(xpu_check: tuple[subprocess.CompletedProcess, dict[str, Any]]) -> None:
     _, data = xpu_check
     assert data, "no JSON from the XPU compile check"
