@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=259)
+    ap.add_argument("--vocab", type=int, default=258)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

@@ -65,25 +65,32 @@ class ModelShape:
                    top_k=m.top_k if m.arch == "olmoe" else 0, vocab_size=vocab_size or m.vocab_size)
 
 
-#: GPT-NeoX / OLMo tokenizer size padded to a multiple of 128.
-OLMO_VOCAB = 50304
-
-#: (shape, micro batch, context, global batch) of the presets, from the published model table.
-_LOCAL_PRESETS: dict[str, tuple[ModelShape, int, int, int]] = {
-    "mula-1b": (ModelShape("olmo", 16, 2048, 16, 128, 8192, 0, 0, OLMO_VOCAB), 2, 2048, 3072),
-    "mula-7b-a1b": (ModelShape("olmoe", 16, 2048, 16, 128, 1024, 64, 8, OLMO_VOCAB), 2, 2048, 3072),
-    "mula-20b-a2b": (ModelShape("olmoe", 32, 2048, 16, 128, 1024, 96, 8, OLMO_VOCAB), 2, 2048, 3072),
-    "mula-100b-a7b": (ModelShape("olmoe", 48, 3072, 24, 128, 1536, 144, 8, OLMO_VOCAB), 2, 2048, 3072),
-    "mula-220b-a10b": (ModelShape("olmoe", 64, 3072, 24, 128, 1536, 240, 8, OLMO_VOCAB), 2, 2048, 3072),
-}
+#: Vocabulary assumed for presets that take theirs from the data (the byte-level tokenizer's).
+DEFAULT_VOCAB = 258
 
 
 def preset_shape(name: str) -> tuple[ModelShape, int, int, int]:
-    """(shape, micro batch, context, global batch) of preset ``name``."""
-    try:
-        return _LOCAL_PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; the planner knows {', '.join(_LOCAL_PRESETS)}") from None
+    """(shape, micro batch, context, global batch) of trainer preset ``name``."""
+    from ..presets import get_preset
+
+    cfg = get_preset(name)
+    return (ModelShape.of(cfg.model, cfg.model.vocab_size or DEFAULT_VOCAB), cfg.schedule.micro_batch,
+            cfg.data.context, cfg.schedule.global_batch)
+
+
+def plan_from_config(cfg: Any, world: int, ranks_per_node: int = 12) -> str:
+    """The dry-run report of a trainer config (``python -m trainer --preset P --dry-run --world N``)."""
+    m, p, s = cfg.model, cfg.parallel, cfg.schedule
+    if p.tp > 1:
+        raise ValueError("the dry run plans PP x DP x EP layouts; tensor parallelism is not modelled (use --tp 1)")
+    gpu_bf16 = m.param_dtype == "bf16" or m.autocast in ("auto", "bf16")
+    plan = make_plan(cfg.preset, world=world, pp=p.pp, ep=p.ep, dp=p.dp, ranks_per_node=ranks_per_node,
+                     micro_batch=s.micro_batch, context=cfg.data.context, global_batch=s.global_batch, ac=p.ac,
+                     weights=m.param_dtype, optimizer=cfg.optim.name,
+                     shape=ModelShape.of(m, m.vocab_size or DEFAULT_VOCAB))
+    if gpu_bf16:
+        plan.act_bytes = 2
+    return format_plan(plan)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -431,23 +438,24 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  {st.stage:>5} {st.layers.start:>4}-{st.layers.stop - 1:<4} {extra:>12} {_b(ne):>11} "
                      f"{_b(ex):>10} {_b(ne + ex):>11} {_b(st.active):>13}")
     wb = p.weight_bytes
+    dt = "bf16" if wb == 2 else "fp32"
     lines += [
         "",
-        f"Memory per rank, GiB (weights {'bf16' if wb == 2 else 'fp32'}; optimizer {p.optimizer}: 12 B/param "
+        f"Memory per rank, GiB (weights and gradients {dt}; optimizer {p.optimizer}: 12 B per param "
         + ("of non-expert / (DP x EP) and expert / DP" if p.optimizer == "epso" else
-           "over DP" if p.optimizer == "sharded" else "unsharded") + f"; activations at --ac {_ac_name(p.ac)},"
-        f" {'bf16' if p.act_bytes == 2 else 'fp32'}, 1F1B in-flight micro-batches)",
-        f"  {'stage':>5} {'weights':>8} {'grads16':>8} {'grads32':>8} {'optim':>8} {'act/mb':>8} {'inflight':>8} "
-        f"{'act peak':>8} {'total16':>8} {'total32':>8}",
+           "over DP" if p.optimizer == "sharded" else "unsharded") + f"; activations {'bf16' if p.act_bytes == 2 else 'fp32'}"
+        f" at --ac {_ac_name(p.ac)}, times the 1F1B in-flight micro-batches)",
+        f"  {'stage':>5} {'weights':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'inflight':>8} {'act peak':>8} "
+        f"{'total':>8}",
     ]
     for st in p.stages:
         ne, ex = p.rank_params(st)
         n = ne + ex
-        w, g16, g32, opt = wb * n, 2 * n, 4 * n, p.optimizer_bytes(st)
+        w, opt = wb * n, p.optimizer_bytes(st)
         act = p.activation_bytes(st)
         k = p.in_flight(st.stage)
-        lines.append(f"  {st.stage:>5} {_g(w)} {_g(g16)} {_g(g32)} {_g(opt)} {_g(act)} {k:>8} {_g(act * k)} "
-                     f"{_g(w + g16 + opt + act * k)} {_g(w + g32 + opt + act * k)}")
+        lines.append(f"  {st.stage:>5} {_g(w)} {_g(w)} {_g(opt)} {_g(act)} {k:>8} {_g(act * k)} "
+                     f"{_g(2 * w + opt + act * k)}")
     lines += ["", "  optimizer states per rank for comparison (stage 0 / last stage), GiB:"]
     for kind in ("adamw", "sharded", "epso"):
         if kind == "epso" and not s.is_moe:

@@ -155,6 +155,7 @@ def apply_tensor_parallel(model: nn.Module, group: Any, *, rank: int | None = No
                             (mlp.down_proj, "mlp.down_proj.weight")):
             part = tp_part(suffix, sub.weight.data, rank, tp).clone()
             sub.weight = nn.Parameter(part, requires_grad=sub.weight.requires_grad)
+            sub.weight.tp_split = True  # optimizers: distinct on every TP rank (the rest is replicated)
             sub.out_features, sub.in_features = part.shape
         _wrap(attn, group, returns_tuple=True)
         _wrap(mlp, group, returns_tuple=False)
