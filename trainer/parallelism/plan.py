@@ -421,8 +421,8 @@ def format_plan(p: Plan) -> str:
     if p.pp > 1:
         bubble = (p.pp - 1) / (p.micro_batches + p.pp - 1)
         lines.append(f"  1F1B: {p.micro_batches} micro-batches over {p.pp} stages, bubble (PP-1)/(M+PP-1) = {bubble:.0%}"
-                     + ("  [fewer micro-batches than stages: raise the global batch or lower the micro-batch]"
-                        if p.micro_batches < p.pp else ""))
+                     + ("\n  [fewer micro-batches than stages: 1F1B refuses this; raise the global batch, lower the"
+                        " micro-batch, or use --pp-schedule gpipe]" if p.micro_batches < p.pp else ""))
     lines += [
         "",
         "Parameters (whole model)",
@@ -470,8 +470,9 @@ def format_plan(p: Plan) -> str:
             a0, al = p.activation_bytes(first, combo), p.activation_bytes(last, combo)
             lines.append(f"  {_ac_name(combo):<16} {_g(a0)} {_g(a0 * p.in_flight(0))} {_g(al)} "
                          f"{_g(al * p.in_flight(last.stage)):>9} {a0 / base:8.2f}")
-    lines.append("  (model: tokens T = micro-batch x context per rank, routed rows T*K on average; bf16 autocast"
-                 " with fp32 master weights adds its cached bf16 weight copies)")
+    lines.append("  (formula checked byte for byte against autograd on small models with fp32 and bf16 weights;"
+                 " T = micro-batch x context per rank,\n   routed rows T*K on average; with fp32 weights under bf16"
+                 " autocast the residual stream stays fp32 and autocast caches bf16 weight copies)")
     return "\n".join(lines)
 
 
