@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -309,14 +308,3 @@ class Pipeline:
             return []
         # The first step also calls the loss once for shape inference; keep the real micro-batches.
         return list(self.loss_cfg.parts[-self.n_microbatches:])
-
-
-def pp_group_of(mesh: Any) -> Any:
-    """The pipeline process group of this rank from a ``(pp, dp, ep)`` DeviceMesh."""
-    return mesh["pp"].get_group()
-
-
-def sum_over(t: torch.Tensor, group: Any) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t

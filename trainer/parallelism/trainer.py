@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import ConfigError, TrainConfig, validate
+from ..config import TrainConfig, validate
 from ..model import build_model, is_expert_param, torch_dtype
 from ..optim import BucketSpec, ZeroAdamW
 from ..parallel import Layout, all_reduce_sum, env_world_size, init_layout
