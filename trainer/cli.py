@@ -32,6 +32,11 @@ ALIASES: dict[str, str] = {
     "dp": "parallel.dp",
     "ep": "parallel.ep",
     "pp": "parallel.pp",
+    "tp": "parallel.tp",
+    "ac": "parallel.ac",
+    "broadcast": "parallel.broadcast",
+    "pp-schedule": "parallel.pp_schedule",
+    "init-from": "model.init_from",
     "device": "parallel.device",
     "moe-impl": "model.moe_impl",
     "optimizer": "optim.name",
@@ -74,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny-moe", help=f"one of: {', '.join(PRESETS)}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--list-presets", action="store_true", help="list presets with parameter counts and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the layout, parameters and memory per rank for --world ranks and exit (no model built)")
+    p.add_argument("--world", type=int, default=None, help="world size for --dry-run (default: this launch's)")
     reverse = {v: k for k, v in ALIASES.items()}
     top_docs = field_docs(TrainConfig)
     for name in ("seed",):
@@ -146,13 +154,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.list_presets:
             print(list_presets())
             return 0
+        if args.dry_run:
+            from .parallelism.plan import plan_from_config
+
+            print(plan_from_config(cfg, args.world or env_world_size()))
+            return 0
         validate(cfg, env_world_size())
         if args.print_config:
             print(cfg.to_json())
             return 0
-        from .train import Trainer
+        from .parallelism.trainer import ParallelTrainer
 
-        trainer = Trainer(cfg)
+        trainer = ParallelTrainer(cfg)
     except (ConfigError, ValueError) as e:
         # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -63,6 +63,8 @@ class ModelConfig:
     """Weight of the router z-loss in the total loss."""
     param_dtype: str = "fp32"
     """Dtype of the model's weights and gradients: ``"fp32"`` or ``"bf16"`` (fp32 master weights stay in the optimizer)."""
+    init_from: str | None = None
+    """Model weights file (safetensors or torch.save state dict) read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
 
@@ -134,7 +136,17 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (experts split across EP ranks; must divide num_experts)."""
     pp: int = 1
-    """Pipeline-parallel size (1 here; pipelining composes on the same mesh)."""
+    """Pipeline-parallel size: contiguous layer stages, embedding on the first, norm + LM head on the last (PP outermost in the mesh)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule of torch.distributed.pipelining: ``"1f1b"`` or ``"gpipe"``."""
+    pp_meta_init: bool = False
+    """Build pipeline stages on the meta device and initialise only this rank's stage (for models too large for one host; weights then differ from a one-process run unless loaded with --init-from)."""
+    tp: int = 1
+    """Tensor-parallel size for the dense model: attention heads and MLP intermediate split, innermost in the mesh (EP must be 1)."""
+    ac: str = ""
+    """Selective activation checkpointing: any of ``norm``, ``attn``, ``moe`` (comma-separated), ``all`` or empty."""
+    broadcast: str = "none"
+    """Initial weights: ``"none"`` (every rank draws them from the seed), or rank 0's sent by ``"broadcast"`` or ``"all_reduce"`` (also how --model.init_from travels)."""
     backend: str = "auto"
     """torch.distributed backend: ``"auto"`` (nccl on CUDA, xccl or ccl on XPU, gloo on CPU; FASTMOE_DIST_BACKEND overrides) or a name."""
     device: str = "auto"
@@ -258,6 +270,8 @@ _CHOICES = {
     ("model", "autocast"): ("auto", "bf16", "none"),
     ("optim", "name"): ("adamw", "sharded", "epso"),
     ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+    ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
+    ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
     ("checkpoint", "model_dtype"): ("bf16", "fp32"),
 }
 
@@ -274,7 +288,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size, "model.num_heads": m.num_heads,
         "model.head_dim": m.head_dim, "model.intermediate_size": m.intermediate_size,
         "data.context": cfg.data.context, "schedule.steps": s.steps, "schedule.global_batch": s.global_batch,
-        "schedule.micro_batch": s.micro_batch, "parallel.ep": p.ep, "parallel.pp": p.pp,
+        "schedule.micro_batch": s.micro_batch, "parallel.ep": p.ep, "parallel.pp": p.pp, "parallel.tp": p.tp,
     }
     for name, value in positive.items():
         if value < 1:
@@ -302,17 +316,15 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     elif p.ep != 1:
         raise ConfigError(f"arch={m.arch!r} has no experts; EP must be 1, got {p.ep}")
-    if p.pp != 1:
-        raise ConfigError(f"pipeline parallelism is not available in this trainer yet (PP={p.pp}); use --pp 1")
     if world_size is not None:
         if p.dp == 0:
-            if world_size % (p.pp * p.ep):
-                raise ConfigError(f"world size {world_size} is not divisible by PP x EP = {p.pp} x {p.ep}")
-            p.dp = world_size // (p.pp * p.ep)
-        if p.pp * p.dp * p.ep != world_size:
-            raise ConfigError(
-                f"world size {world_size} != PP x DP x EP = {p.pp} x {p.dp} x {p.ep}"
-            )
+            if world_size % (p.pp * p.ep * p.tp):
+                axes = f"PP x EP = {p.pp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
+                raise ConfigError(f"world size {world_size} is not divisible by {axes}")
+            p.dp = world_size // (p.pp * p.ep * p.tp)
+        if p.pp * p.dp * p.ep * p.tp != world_size:
+            axes = f"PP x DP x EP = {p.pp} x {p.dp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
+            raise ConfigError(f"world size {world_size} != {axes}")
     dp = p.dp or 1
     data_ranks = dp * p.ep
     if s.global_batch % (data_ranks * s.micro_batch):
@@ -320,4 +332,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"global batch {s.global_batch} is not divisible by DP x EP x micro batch = "
             f"{dp} x {p.ep} x {s.micro_batch} (every DP x EP rank reads its own micro-batches)"
         )
+    from .parallelism.checks import check_parallel
+
+    check_parallel(cfg)
     return cfg
