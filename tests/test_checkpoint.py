@@ -77,7 +77,7 @@ def test_model_writes_cover_every_segment_exactly_once(pp: int, dp: int, ep: int
         dense = [ck.Segment(f"s{pp_rank}.w{i}", f"s{pp_rank}.w{i}", None, (i % 7 + 1, 3)) for i in range(90)]
         per = experts // ep
         ex = [ck.Segment(f"s{pp_rank}.experts.gate_up_proj/{e}", f"s{pp_rank}.experts.gate_up_proj",
-                         e - ep_rank * per, (4, 2)) for e in range(ep_rank * per, (ep_rank + 1) * per)]
+                         e - ep_rank * per, (4, 2), inner=True) for e in range(ep_rank * per, (ep_rank + 1) * per)]
         return dense[:5] + ex + dense[5:]
     written: dict[str, int] = {}
     per_rank = []
@@ -99,6 +99,28 @@ def test_model_writes_cover_every_segment_exactly_once(pp: int, dp: int, ep: int
     assert max(writers) <= total / len(writers) + 3 * 7  # balanced within a few segments
     bound = ck.checkpoint_bytes(0, total, pp=pp, dp=dp, ep=ep, weight_bytes=1)
     assert max(writers) == pytest.approx(bound["rank_writer"] - bound["rank_other"], abs=3 * 7)
+
+
+def test_tensor_parallel_weights_are_keyed_by_tp_rank() -> None:
+    """Under TP (innermost, where EP sits), a split weight is distinct on every TP rank: it gets its
+    own key and is written by that rank's shard; replicated weights keep their plain name."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
+    model[0].weight.tp_split = True
+    keys = {}
+    for r in range(8):  # PP 1 x DP 4 x TP 2
+        lay = SimpleNamespace(rank=r, pp=1, dp=4, ep=1, tp=2, tp_rank=r % 2)
+        c = ck.coords_of(lay)
+        assert (c.ep, c.ep_rank, c.dp_rank) == (2, r % 2, r // 2)
+        segs = ck.model_segments(model, tp_rank=ck.tp_rank_of(lay))
+        assert [s.key for s in segs] == [f"0.weight/tp{r % 2}", "0.bias", "1.weight", "1.bias"]
+        for s in ck.model_writes(segs, c):
+            assert s.key not in keys
+            keys[s.key] = r
+    assert set(keys) == {"0.weight/tp0", "0.weight/tp1", "0.bias", "1.weight", "1.bias"}
+    assert keys["0.weight/tp1"] % 2 == 1  # written by a TP-rank-1 process
+    assert ck.tp_rank_of(SimpleNamespace(rank=0, pp=1, dp=1, ep=2)) is None  # no TP: plain names
 
 
 # ============================================================================ single process
@@ -378,7 +400,7 @@ def test_dp_scattered_writes_and_resume_on_a_different_layout(tmp_path: Path) ->
     saved = toy.assemble(toy.load_dumps(src / "dump"))
     slot = src / "checkpoints" / "slot-A"
     meta = json.loads((slot / "meta.json").read_text())
-    assert meta["layout"] == {"world": 4, "pp": 1, "dp": 2, "ep": 2} and meta["step"] == 3
+    assert meta["layout"] == {"world": 4, "pp": 1, "dp": 2, "ep": 2, "tp": 1} and meta["step"] == 3
 
     # who wrote what: model shard (ep 0) by rank 0 = (dp 0, ep 0), shard (ep 1) by rank 3 = (dp 1, ep 1)
     md = ck._storage_reader(slot).read_metadata()

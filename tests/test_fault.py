@@ -59,6 +59,11 @@ def test_poison_is_off_by_default_and_makes_gradients_nan(monkeypatch) -> None:
     loss = fault.maybe_poison((w * 2).sum(), step=0, rank=0)
     loss.backward()
     assert torch.isnan(loss) and torch.isnan(w.grad).all()
+    # after backward (any schedule): the gradient buffers are poisoned in place
+    g = torch.ones(4)
+    assert torch.isnan(fault.maybe_poison(torch.tensor(1.0), 0, 0, [g])) and torch.isnan(g).all()
+    assert torch.equal(fault.maybe_poison(torch.tensor(1.0), 1, 0, [g.fill_(1.0)]), torch.tensor(1.0))
+    assert torch.equal(g, torch.ones(4))
 
 
 def test_check_step_single_process_records_and_raises(tmp_path: Path, monkeypatch) -> None:

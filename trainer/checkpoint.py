@@ -106,10 +106,26 @@ class Coords:
 
 
 def coords_of(layout: Any) -> Coords:
-    """Coords from anything with ``rank``, ``pp``, ``dp`` and ``ep`` attributes (None: one process)."""
+    """Coords from anything with ``rank``, ``pp``, ``dp`` and ``ep`` attributes (None: one process).
+
+    Under tensor parallelism (a layout with ``tp > 1``; TP sits innermost, where EP does for MoE
+    models) the TP axis plays EP's part: TP-split weights are owned by their TP rank."""
     if layout is None:
         return Coords()
-    return Coords(rank=int(layout.rank), pp=int(layout.pp), dp=int(layout.dp), ep=int(layout.ep))
+    inner = int(getattr(layout, "tp", 1) or 1)
+    return Coords(rank=int(layout.rank), pp=int(layout.pp), dp=int(layout.dp),
+                  ep=inner if inner > 1 else int(layout.ep))
+
+
+def _tp_size(layout: Any) -> int:
+    return int(getattr(layout, "tp", 1) or 1) if layout is not None else 1
+
+
+def tp_rank_of(layout: Any) -> int | None:
+    """This rank's TP index when the layout is tensor-parallel, else None."""
+    if layout is not None and int(getattr(layout, "tp", 1) or 1) > 1:
+        return int(layout.tp_rank)
+    return None
 
 
 def layout_rank(pp_rank: int, dp_rank: int, ep_rank: int, *, dp: int, ep: int) -> int:
@@ -190,6 +206,9 @@ class Segment:
     local_index: int | None
     """Index along dim 0 of the local parameter (expert slices), None for a whole weight."""
     shape: tuple[int, ...]
+    inner: bool = False
+    """Held by one inner-axis rank only (an expert slice under EP, a TP-split weight under TP),
+    rather than replicated over that axis."""
 
     @property
     def numel(self) -> int:
@@ -218,32 +237,37 @@ def expert_ids(model: nn.Module, name: str, local_experts: int) -> list[int]:
 
 
 def param_segments(model: nn.Module, name: str, p: torch.Tensor,
-                   is_expert: Callable[[str], bool] = is_expert_name) -> list[Segment]:
+                   is_expert: Callable[[str], bool] = is_expert_name, tp_rank: int | None = None) -> list[Segment]:
+    """A weight's checkpoint segments: one per global expert for merged expert weights; under TP a
+    split weight is keyed ``<param>/tp<r>`` (a checkpoint then loads at the same TP size only)."""
     if is_expert(name) and p.dim() >= 2:
         ids = expert_ids(model, name, p.shape[0])
-        return [Segment(f"{name}/{e}", name, i, tuple(p.shape[1:])) for i, e in enumerate(ids)]
+        return [Segment(f"{name}/{e}", name, i, tuple(p.shape[1:]), inner=True) for i, e in enumerate(ids)]
+    if tp_rank is not None and getattr(p, "tp_split", False):
+        return [Segment(f"{name}/tp{tp_rank}", name, None, tuple(p.shape), inner=True)]
     return [Segment(name, name, None, tuple(p.shape))]
 
 
-def model_segments(model: nn.Module, is_expert: Callable[[str], bool] = is_expert_name) -> list[Segment]:
+def model_segments(model: nn.Module, is_expert: Callable[[str], bool] = is_expert_name,
+                   tp_rank: int | None = None) -> list[Segment]:
     """Checkpoint segments of the model's trainable weights, in parameter order."""
     out: list[Segment] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            out.extend(param_segments(model, name, p, is_expert))
+            out.extend(param_segments(model, name, p, is_expert, tp_rank))
     return out
 
 
 def model_writes(segments: Sequence[Segment], coords: Coords) -> list[Segment]:
     """The model segments this rank writes under the DP-scattered plan.
 
-    Segments belong to the model-parallel shard of their EP rank (non-expert ones: the EP rank
-    :func:`balance` gives them). The shard's writers are its :func:`shard_chunks` DP replicas
+    Segments belong to the model-parallel shard of their EP (or TP) rank; replicated ones to the
+    EP rank :func:`balance` gives them. The shard's writers are its :func:`shard_chunks` DP replicas
     (:func:`chunk_writer_dp`), each writing one size-balanced chunk."""
     c = coords
-    dense = [s for s in segments if not s.is_expert]
+    dense = [s for s in segments if not s.inner]
     dense_ep = iter(balance([s.numel for s in dense], c.ep))
-    mine = [s for s in segments if s.is_expert or next(dense_ep) == c.ep_rank]  # this rank's shard
+    mine = [s for s in segments if s.inner or next(dense_ep) == c.ep_rank]  # this rank's shard
     chunk = balance([s.numel for s in mine], shard_chunks(c.pp, c.dp, c.ep))
     return [s for s, j in zip(mine, chunk)
             if chunk_writer_dp(c.pp_rank, c.ep_rank, j, pp=c.pp, dp=c.dp, ep=c.ep) == c.dp_rank]
@@ -477,10 +501,11 @@ class _OptSegment:
     """First element in the bucket's (unpadded) flat buffer."""
 
 
-def _bucket_segments(model: nn.Module, bucket: Any, is_expert: Callable[[str], bool]) -> list[_OptSegment]:
+def _bucket_segments(model: nn.Module, bucket: Any, is_expert: Callable[[str], bool],
+                     tp_rank: int | None = None) -> list[_OptSegment]:
     out = []
     for name, off, p in zip(bucket.names, bucket.offsets, bucket.params):
-        segs = param_segments(model, name, p, is_expert)
+        segs = param_segments(model, name, p, is_expert, tp_rank)
         step = segs[0].numel
         for k, s in enumerate(segs):
             out.append(_OptSegment(s, off + k * step))
@@ -493,7 +518,8 @@ def _global_rank(group: Any, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str], bool],
+                      tp_rank: int | None = None) -> dict[str, torch.Tensor]:
     """Unsharded fp32 states of the weights this rank writes, assembling weights that straddle
     shard boundaries on the rank holding their first element (collective over every shard group)."""
     out: dict[str, torch.Tensor] = {}
@@ -506,7 +532,7 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
         full: dict[int, torch.Tensor] = {}
         sends: dict[int, list[tuple[int, int]]] = {}
         recvs: dict[int, list[tuple[int, int, int]]] = {}
-        segs = _bucket_segments(model, b, is_expert)
+        segs = _bucket_segments(model, b, is_expert, tp_rank)
         for i, os_ in enumerate(segs):
             if i % R != j:
                 continue  # an identical replica (another EP rank, or another rank of a replicated state) writes it
@@ -550,7 +576,7 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
     return out
 
 
-def _optimizer_reads(model: nn.Module, optimizer: Any, is_expert: Callable[[str], bool]
+def _optimizer_reads(model: nn.Module, optimizer: Any, is_expert: Callable[[str], bool], tp_rank: int | None = None
                      ) -> tuple[dict[str, torch.Tensor], list[tuple[Any, int, int, int, str]]]:
     """Tensors to load (the unsharded states of every weight overlapping this rank's shards) and
     where each piece goes: ``(bucket, shard offset, segment offset, length, key suffix)``."""
@@ -559,7 +585,7 @@ def _optimizer_reads(model: nn.Module, optimizer: Any, is_expert: Callable[[str]
     for b in optimizer.buckets:
         g, S = _group_rank(b.spec.shard_group), b.shard_numel
         lo_me, hi_me = g * S, min(b.numel, (g + 1) * S)
-        for os_ in _bucket_segments(model, b, is_expert):
+        for os_ in _bucket_segments(model, b, is_expert, tp_rank):
             start, end = os_.offset, os_.offset + os_.seg.numel
             lo, hi = max(start, lo_me), min(end, hi_me)
             if lo >= hi:
@@ -674,7 +700,7 @@ def _own_files(tmp: Path, rank: int) -> list[Path]:
 
 
 def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coords: Coords,
-               tensors: dict[str, torch.Tensor], rank_state: Any, meta: dict[str, Any]) -> SaveStats:
+               tensors: dict[str, torch.Tensor], rank_state: Any, meta: dict[str, Any], tp_size: int = 1) -> SaveStats:
     """Collectively write one checkpoint directory ``root/name`` atomically (see the module docstring)."""
     t0 = time.perf_counter()
     final, tmp = root / name, root / f"{name}.tmp"
@@ -737,7 +763,8 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
                 files[md.name] = {"sha256": sha256_file(md), "size": md.stat().st_size}
             meta_all = {
                 "format": FORMAT_VERSION, "kind": kind, "step": step, "index": index,
-                "layout": {"world": coords.world, "pp": coords.pp, "dp": coords.dp, "ep": coords.ep},
+                "layout": {"world": coords.world, "pp": coords.pp, "dp": coords.dp, "ep": coords.ep,
+                           "tp": tp_size},
                 "time": time.time(), "host": socket.gethostname(), **meta,
             }
             meta_bytes = _json_bytes(meta_all)
@@ -765,10 +792,10 @@ def _write_manifest(tmp: Path, files: dict[str, Any]) -> int:
 
 
 def _model_tensors(model: nn.Module, coords: Coords, dtype: torch.dtype | None,
-                   is_expert: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+                   is_expert: Callable[[str], bool], tp_rank: int | None = None) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     out = {}
-    for s in model_writes(model_segments(model, is_expert), coords):
+    for s in model_writes(model_segments(model, is_expert, tp_rank), coords):
         t = _segment_tensor(params, s).detach()
         out[f"model/{s.key}"] = (t.to(dtype) if dtype is not None and t.dtype != dtype else t).contiguous()
     return out
@@ -781,15 +808,15 @@ def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Modul
 
     ``meta``: JSON-able, global (the step's data position, the config...), written by rank 0;
     ``rank_extra``: anything picklable, per rank, restored only when the layout is unchanged."""
-    coords = coords_of(layout)
-    tensors = _model_tensors(model, coords, None, is_expert)
-    tensors.update(_optimizer_writes(model, optimizer, is_expert))
+    coords, tp = coords_of(layout), tp_rank_of(layout)
+    tensors = _model_tensors(model, coords, None, is_expert, tp)
+    tensors.update(_optimizer_writes(model, optimizer, is_expert, tp))
     slot = SLOTS[index % 2]
     rank_state = {"rng": capture_rng(), "extra": rank_extra}
     meta_all = {"slot": slot, "optimizer": {"kind": type(optimizer).__name__, "steps": optimizer_steps(optimizer)},
                 "meta": meta or {}}
     return _write_dir(Path(root), f"slot-{slot}", step=step, index=index, kind="full", coords=coords,
-                      tensors=tensors, rank_state=rank_state, meta=meta_all)
+                      tensors=tensors, rank_state=rank_state, meta=meta_all, tp_size=_tp_size(layout))
 
 
 def save_model(root: str | os.PathLike, *, step: int, model: nn.Module, layout: Any = None,
@@ -800,9 +827,10 @@ def save_model(root: str | os.PathLike, *, step: int, model: nn.Module, layout: 
     if dtype is not None and dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)} or None, got {dtype!r}")
     coords = coords_of(layout)
-    tensors = _model_tensors(model, coords, _DTYPE_NAMES[dtype] if dtype else None, is_expert)
+    tensors = _model_tensors(model, coords, _DTYPE_NAMES[dtype] if dtype else None, is_expert, tp_rank_of(layout))
     return _write_dir(Path(root), f"model-step-{step:08d}", step=step, index=step, kind="model", coords=coords,
-                      tensors=tensors, rank_state=None, meta={"dtype": dtype, "meta": meta or {}})
+                      tensors=tensors, rank_state=None, meta={"dtype": dtype, "meta": meta or {}},
+                      tp_size=_tp_size(layout))
 
 
 # ============================================================================ reading
@@ -828,7 +856,7 @@ def find_latest(root: str | os.PathLike) -> CheckpointInfo | None:
 
 
 @torch.no_grad()
-def load_model(path: str | os.PathLike, model: nn.Module, *, verify_first: bool = True,
+def load_model(path: str | os.PathLike, model: nn.Module, *, layout: Any = None, verify_first: bool = True,
                is_expert: Callable[[str], bool] = is_expert_name) -> CheckpointInfo:
     """Load model weights (only) from a full or model-only checkpoint into ``model`` (collective).
     Any DP size and any EP size dividing E can read it; a different model gives a clear error."""
@@ -842,11 +870,12 @@ def load_model(path: str | os.PathLike, model: nn.Module, *, verify_first: bool 
             raise CheckpointError(f"cannot initialise from {path}: {reason}")
     info = read_info(path)
     params = dict(model.named_parameters())
+    segments = model_segments(model, is_expert, tp_rank_of(layout))
     want = {f"model/{s.key}": torch.empty(s.shape, dtype=params[s.param].dtype, device=params[s.param].device)
-            for s in model_segments(model, is_expert)}
+            for s in segments}
     _check_keys(path, want)
     _dcp_load(want, path)
-    for s in model_segments(model, is_expert):
+    for s in segments:
         _segment_tensor(params, s).copy_(want[f"model/{s.key}"])
     return info
 
@@ -860,7 +889,7 @@ def restore_full(info: CheckpointInfo, model: nn.Module, optimizer: Any, layout:
     if info.kind != "full":
         raise CheckpointError(f"{info.path} is a {info.kind}-only checkpoint; use it with --init-from")
     coords = coords_of(layout)
-    want, copies = _optimizer_reads(model, optimizer, is_expert)
+    want, copies = _optimizer_reads(model, optimizer, is_expert, tp_rank_of(layout))
     _check_keys(info.path, want)
     _dcp_load(want, info.path)
     for b, at, seg_at, n, key in copies:
@@ -871,7 +900,8 @@ def restore_full(info: CheckpointInfo, model: nn.Module, optimizer: Any, layout:
         b.step_t.fill_(float(steps.get(b.name, max(steps.values(), default=0))))
         b.publish()  # the weights are the master weights cast to the parameter dtype
     saved = info.meta["layout"]
-    same = (saved["pp"], saved["dp"], saved["ep"]) == (coords.pp, coords.dp, coords.ep)
+    same = ((saved["pp"], saved["dp"], saved["ep"], saved.get("tp", 1))
+            == (coords.pp, coords.dp, coords.ep, _tp_size(layout)))
     extra = None
     if same:
         state = torch.load(info.path / _rank_file(coords.rank), map_location="cpu", weights_only=False)

@@ -200,11 +200,16 @@ class Injection:
                 and (self.host is None or self.host == host_name()))
 
 
-def maybe_poison(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """``loss`` turned into NaN when ``$TRAINER_INJECT_NAN`` targets this step and rank (a test hook).
-    Done through arithmetic so the gradients become NaN too, as with a real numerical fault."""
+def maybe_poison(loss: torch.Tensor, step: int, rank: int, grads: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+    """``loss`` turned into NaN (and ``grads`` filled with NaN in place) when ``$TRAINER_INJECT_NAN``
+    targets this step and rank (a test hook). Done through arithmetic, so when it is called before
+    backward the gradients become NaN too, as with a real numerical fault; passing the gradient
+    buffers poisons them directly (any schedule, pipelines included)."""
     inj = Injection.from_env(NAN_ENV)
     if inj is not None and inj.hits(step, rank):
+        with torch.no_grad():
+            for g in grads:
+                g.fill_(float("nan"))
         return loss * float("nan")
     return loss
 

@@ -123,7 +123,7 @@ class Trainer:
             ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
             model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param)
         if ck.init_from:
-            load_model(ck.init_from, self.model, is_expert=is_expert_param)
+            load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_param)
             sync_master_from_model(self.optimizer)
         self.heartbeat = fault.Heartbeat(self.out_dir, lay.rank)
         self._local_loss = torch.zeros(())
@@ -201,7 +201,6 @@ class Trainer:
                 logits = self.model.lm_head(out.last_hidden_state)
             router_logits = getattr(out, "router_logits", None) if want_router else None
             loss, parts = self.micro_batch_loss(logits, labels, router_logits, global_targets)
-            loss = fault.maybe_poison(loss, self.step, lay.rank)
             loss.backward()
             self._local_loss = loss.detach() if acc is None else self._local_loss + loss.detach()
             acc = parts if acc is None else MicroLoss(acc.lm + parts.lm, acc.lb + parts.lb, acc.z + parts.z,
@@ -225,8 +224,9 @@ class Trainer:
         micro = self.loader.next_batch()
         parts = self.forward_backward(micro)
         # NaN/Inf on any rank stops every rank here, before the update (raises fault.SoftFailure)
-        fault.check_step(self.step, self._local_loss, [b.flat_grad for b in self.optimizer.buckets],
-                         out_dir=self.out_dir)
+        grads = [b.flat_grad for b in self.optimizer.buckets]
+        local_loss = fault.maybe_poison(self._local_loss, self.step, self.layout.rank, grads)  # test hook
+        fault.check_step(self.step, local_loss, grads, out_dir=self.out_dir)
         upd = self.optimizer_step()
         if self.device.type != "cpu":
             getattr(torch, self.device.type).synchronize()
