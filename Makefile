@@ -1,20 +1,28 @@
 # Two entry points that do all the set-up on a fresh machine:
 #   make run    the main job on a small embedded default
-#   make test   the test suite
+#   make test   the test suite (also builds .venv-xpu, Intel's Triton + ocloc, for the PVC compile gate)
 PY := .venv/bin/python
 
-.PHONY: venv run demo test bench
+.PHONY: venv xpu-venv run demo test bench compile-check
 
 venv:
 	bash scripts/setup_venv.sh
 
-run: demo
+xpu-venv:
+	bash scripts/setup_xpu_venv.sh
+
+run: venv
+	$(PY) -m trainer --preset tiny-moe
 
 demo: venv
 	$(PY) -m fastmoe_xpu.demo
 
-test: venv
-	$(PY) -m pytest -q tests
+test: venv xpu-venv
+	$(PY) -m pytest -q -rs tests
+
+compile-check: venv xpu-venv
+	$(PY) -m fastmoe_xpu.kernels.compile_check --target all
+	CC=g++ .venv-xpu/bin/python -m fastmoe_xpu.kernels.compile_check --target xpu
 
 bench: venv
 	$(PY) -m bench --preset tiny

@@ -3,6 +3,10 @@
 (1) router (softmax, top-k); (2) token counting with prefix sums; (3) index generation; (4) grouped
 GEMMs over the merged expert weights (gate/up, SiLU*up, down); (5) weighted output reduction.
 
+With an expert-parallel group of size EP, rank r holds experts ``[r*NR, (r+1)*NR)`` (NR = E/EP)
+and tokens reach them by allgather or all-to-all dispatch (:mod:`fastmoe_xpu.dist.dispatch`); the
+router is replicated.
+
 Legend: B batch, S sequence, T = B*S tokens, H hidden, I intermediate, E experts, K experts per
 token, NR local experts, R routed rows.
 """
@@ -13,12 +17,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .autograd import CombineFunction, ExpertMLPFunction
 from .device import resolve_backend
+from .dist.collectives import agree_on_inputs
+from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
+from .dist.env import check_group_device
+from .dist.sharding import EXPERT_IDS_NAME, expert_range
 from .kernels import get_ops
 from .routing import TopKRouter, forced_uniform_routing
+
+#: Token dispatch modes under expert parallelism.
+DISPATCH_MODES = ("allgather", "alltoall")
 
 #: Token block size of the counting stage (TBS in the paper).
 TOKEN_BLOCK_SIZE = 8
@@ -84,7 +96,8 @@ def _merge_v4_expert_keys(module, state_dict, prefix, local_metadata, strict, mi
     if prefix + "gate_up_proj" in state_dict or prefix + "0.gate_proj.weight" not in state_dict:
         return
     gate_up, down = [], []
-    n = module.num_experts
+    # An expert-parallel shard loading a full v4 dict merges all experts; _slice_full_experts cuts them.
+    n = getattr(module, "global_num_experts", module.num_experts)
     for e in range(n):
         keys = [f"{prefix}{e}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
         absent = [k for k in keys if k not in state_dict]
@@ -96,6 +109,28 @@ def _merge_v4_expert_keys(module, state_dict, prefix, local_metadata, strict, mi
         down.append(d)
     state_dict[prefix + "gate_up_proj"] = torch.stack(gate_up)
     state_dict[prefix + "down_proj"] = torch.stack(down)
+
+
+def _slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """On an expert-parallel shard: cut a full (all-expert) state dict to this shard's experts, and
+    refuse a shard saved for other experts."""
+    ids_key = prefix + EXPERT_IDS_NAME
+    mine = module.expert_ids
+    if ids_key in state_dict:
+        theirs = state_dict[ids_key]
+        if theirs.shape != mine.shape or not torch.equal(theirs.cpu(), mine.cpu()):
+            error_msgs.append(
+                f"{prefix}: the state dict holds experts {theirs.tolist()} but this expert-parallel shard holds "
+                f"{mine.tolist()}; gather a full state dict (gather_full_state_dict) and load that instead"
+            )
+        return
+    total = module.global_num_experts
+    full = [prefix + n for n in ("gate_up_proj", "down_proj") if prefix + n in state_dict]
+    if full and all(state_dict[k].shape[0] == total for k in full) and total != module.num_experts:
+        index = mine.to(device=state_dict[full[0]].device)
+        for k in full:
+            state_dict[k] = state_dict[k].index_select(0, index)
+        state_dict[ids_key] = mine.clone()
 
 
 def moe_experts_forward(
@@ -134,13 +169,39 @@ class FastSparseMoeBlock(nn.Module):
             ``"torch"`` or ``"triton"``.
         forced_uniform_routing: route every token to a fixed pattern that gives each expert the
             same number of tokens (for benchmarks free of routing imbalance).
+        ep_group: expert-parallel process group. Rank r of EP holds experts ``[r*NR, (r+1)*NR)``:
+            ``experts.gate_up_proj [NR, 2I, H]``, ``experts.down_proj [NR, H, I]`` and their global
+            ids in the buffer ``experts.expert_ids``; ``gate.weight [E, H]`` is replicated (keep it
+            identical across the group). Loading a full Hugging Face state dict keeps this rank's
+            slice. None: all experts here, no communication.
+        dispatch: ``"allgather"`` (every rank gathers all tokens, runs its experts on them, the
+            partial outputs are reduce-scattered; equal token counts per rank; no host
+            synchronisation besides the input check) or ``"alltoall"`` (tokens travel only to the
+            ranks holding their experts; counts are exchanged and read on the host; token counts
+            may differ). Both give the same numbers.
+        check_inputs: under expert parallelism, agree on every rank's token count and input
+            validity with one all-gather of two integers per rank before communicating, so that a
+            bad or mismatched input raises on every rank instead of hanging. It reads the result on
+            the host; allgather-dispatch training with fixed shapes may turn it off to save that
+            synchronisation (then mismatched inputs are the caller's problem).
     """
 
-    def __init__(self, config: Any, *, backend: str = "auto", forced_uniform_routing: bool = False) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        backend: str = "auto",
+        forced_uniform_routing: bool = False,
+        ep_group: dist.ProcessGroup | None = None,
+        dispatch: str = "allgather",
+        check_inputs: bool = True,
+    ) -> None:
         super().__init__()
         validate_config(config)
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.num_experts = config.num_experts
@@ -148,9 +209,21 @@ class FastSparseMoeBlock(nn.Module):
         self.norm_topk_prob = bool(config.norm_topk_prob)
         self.backend = backend
         self.forced_uniform_routing = bool(forced_uniform_routing)
-        self.expert_start = 0
+        self.ep_group = ep_group
+        self.dispatch = dispatch
+        self.check_inputs = bool(check_inputs)
+        self.ep_rank, self.ep_size = _ep_position(ep_group)
+        local_ids = expert_range(config.num_experts, self.ep_size, self.ep_rank)
+        self.num_local_experts = len(local_ids)
+        self.expert_start = local_ids.start
         self.gate = make_router(config)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.intermediate_size)
+        self.experts = Experts(self.num_local_experts, config.hidden_size, config.intermediate_size)
+        if ep_group is not None:
+            self.experts.global_num_experts = config.num_experts
+            self.experts.register_buffer(
+                EXPERT_IDS_NAME, torch.arange(local_ids.start, local_ids.stop, dtype=torch.int64)
+            )
+            self.experts.register_load_state_dict_pre_hook(_slice_full_experts)
         self.reset_parameters(getattr(config, "initializer_range", 0.02))
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -159,16 +232,32 @@ class FastSparseMoeBlock(nn.Module):
                 p.normal_(0.0, std)
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
             f"top_k={self.top_k}, backend={self.backend!r}, forced_uniform_routing={self.forced_uniform_routing}"
         )
+        if self.ep_group is not None:
+            text += (
+                f", ep_rank={self.ep_rank}/{self.ep_size}, local_experts=[{self.expert_start}, "
+                f"{self.expert_start + self.num_local_experts}), dispatch={self.dispatch!r}"
+            )
+        return text
 
     # ---------------------------------------------------------------- construction from HF
     @classmethod
-    def from_hf(cls, block: nn.Module, *, backend: str = "auto", forced_uniform_routing: bool = False) -> "FastSparseMoeBlock":
+    def from_hf(
+        cls,
+        block: nn.Module,
+        *,
+        backend: str = "auto",
+        forced_uniform_routing: bool = False,
+        ep_group: dist.ProcessGroup | None = None,
+        dispatch: str = "allgather",
+        check_inputs: bool = True,
+    ) -> "FastSparseMoeBlock":
         """Build from a transformers ``OlmoeSparseMoeBlock`` (v5 merged or v4 per-expert layout),
-        with the same weights. v5 parameters (and the router module itself) are shared, not copied."""
+        with the same weights. v5 parameters (and the router module itself) are shared, not copied;
+        with ``ep_group`` the block copies only this rank's experts (the full tensors can then be freed)."""
         gate = block.gate
         experts = block.experts
         if hasattr(experts, "gate_up_proj"):  # transformers v5
@@ -193,14 +282,24 @@ class FastSparseMoeBlock(nn.Module):
             norm_topk_prob=bool(norm), hidden_act="silu",
         )
         with torch.device("meta"):  # no memory or init work for weights replaced just below
-            new = cls(cfg, backend=backend, forced_uniform_routing=forced_uniform_routing)
+            new = cls(
+                cfg, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
+                dispatch=dispatch, check_inputs=check_inputs,
+            )
         if hasattr(gate, "top_k") and not isinstance(gate, nn.Linear):
             new.gate = gate  # v5 router: keep the very module (and any hooks on it)
         else:
             new.gate = TopKRouter(cfg).to(device=gate.weight.device)
             new.gate.weight = gate.weight
-        new.experts.gate_up_proj = w_gate_up
-        new.experts.down_proj = w_down
+        if ep_group is None:
+            new.experts.gate_up_proj = w_gate_up
+            new.experts.down_proj = w_down
+            return new
+        lo, hi = new.expert_start, new.expert_start + new.num_local_experts
+        for name, full in (("gate_up_proj", w_gate_up), ("down_proj", w_down)):
+            local = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+            setattr(new.experts, name, local)
+        setattr(new.experts, EXPERT_IDS_NAME, torch.arange(lo, hi, dtype=torch.int64, device=w_gate_up.device))
         return new
 
     # ---------------------------------------------------------------- forward
@@ -219,14 +318,19 @@ class FastSparseMoeBlock(nn.Module):
         if hidden_states.dtype != w.dtype:
             raise TypeError(f"hidden_states dtype {hidden_states.dtype} differs from the block's weights {w.dtype}")
 
-    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stage 1: ``(router_logits [T, E], top_k_weights [T, K], top_k_index [T, K])``."""
+    def route(
+        self, x_TH: torch.Tensor, token_offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage 1: ``(router_logits [T, E], top_k_weights [T, K], top_k_index [T, K])``.
+        ``token_offset``: where these tokens start in the EP group's batch (forced routing only)."""
         logits_TE, weights_TK, idx_TK = self.gate(x_TH)
         if self.forced_uniform_routing:
-            weights_TK, idx_TK = forced_uniform_routing(logits_TE, self.top_k, self.norm_topk_prob)
+            weights_TK, idx_TK = forced_uniform_routing(logits_TE, self.top_k, self.norm_topk_prob, token_offset)
         return logits_TE, weights_TK, idx_TK
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is not None and self.ep_size > 1:
+            return self._forward_expert_parallel(hidden_states)
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size)
@@ -238,19 +342,86 @@ class FastSparseMoeBlock(nn.Module):
         )
         return out_TH.view(shape)
 
+    def _forward_expert_parallel(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        group = self.ep_group
+        device = self.experts.gate_up_proj.device
+        # Checks that come out the same on every rank raise at once; a check that may fail on one
+        # rank only is shared through agree_on_inputs, so no rank is left waiting in a collective.
+        check_group_device(group, device)
+        backend = resolve_backend(self.backend, device)
+        local_error: Exception | None = None
+        try:
+            self._check_input(hidden_states)
+        except (TypeError, ValueError) as err:
+            local_error = err
+        num_tokens = hidden_states.numel() // self.hidden_size if local_error is None else -1
+        if self.check_inputs or self.dispatch == "alltoall":
+            sizes = agree_on_inputs(group, num_tokens, local_error, device)
+        elif local_error is not None:
+            raise local_error
+        else:
+            sizes = [num_tokens] * self.ep_size
+        if self.dispatch == "allgather" and len(set(sizes)) > 1:
+            raise ValueError(
+                f"allgather dispatch needs the same number of tokens on every EP rank, got {sizes} "
+                "(batch*sequence per rank); pad the batches to one length or use dispatch='alltoall'"
+            )
+        shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, self.hidden_size).contiguous()
+        _, weights_TK, idx_TK = self.route(x_TH, token_offset(sizes, group))
+
+        def local_experts(x_NH: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
+            return moe_experts_forward(
+                x_NH, w_NK, idx_NK, self.experts.gate_up_proj, self.experts.down_proj,
+                backend=backend, expert_start=self.expert_start,
+            )
+
+        if self.dispatch == "allgather":
+            out_TH = allgather_dispatch(x_TH, weights_TK, idx_TK, local_experts, group)
+        else:
+            out_TH = alltoall_dispatch(x_TH, weights_TK, idx_TK, local_experts, group, self.num_local_experts)
+        return out_TH.view(shape)
+
+
+def _ep_position(ep_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``ep_group``; ``(0, 1)`` without one."""
+    if ep_group is None:
+        return 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("ep_group given but torch.distributed is not initialised (see fastmoe_xpu.dist.init_distributed)")
+    rank = dist.get_rank(ep_group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of ep_group "
+            f"{dist.get_process_group_ranks(ep_group)}"
+        )
+    return rank, dist.get_world_size(ep_group)
+
 
 def _is_hf_olmoe_block(module: nn.Module) -> bool:
     return type(module).__name__ == "OlmoeSparseMoeBlock" and hasattr(module, "gate") and hasattr(module, "experts")
 
 
-def patch_olmoe(model: nn.Module, *, backend: str = "auto", forced_uniform_routing: bool = False) -> int:
+def patch_olmoe(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    forced_uniform_routing: bool = False,
+    ep_group: dist.ProcessGroup | None = None,
+    dispatch: str = "allgather",
+    check_inputs: bool = True,
+) -> int:
     """Replace every ``OlmoeSparseMoeBlock`` in ``model`` in place by a FastSparseMoeBlock with the
-    same weights; returns how many were replaced."""
+    same weights; returns how many were replaced. With ``ep_group`` each block keeps only this
+    rank's experts."""
     targets = [(name, m) for name, m in model.named_modules() if _is_hf_olmoe_block(m)]
     for name, block in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = FastSparseMoeBlock.from_hf(block, backend=backend, forced_uniform_routing=forced_uniform_routing)
+        new = FastSparseMoeBlock.from_hf(
+            block, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
+            dispatch=dispatch, check_inputs=check_inputs,
+        )
         new.train(block.training)
         setattr(parent, child, new)
     return len(targets)

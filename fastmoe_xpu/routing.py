@@ -42,23 +42,27 @@ def topk_routing(
     return weights_TK.to(logits_TE.dtype), idx_TK
 
 
-def uniform_routing_indices(num_tokens: int, num_experts: int, top_k: int, device) -> torch.Tensor:
+def uniform_routing_indices(
+    num_tokens: int, num_experts: int, top_k: int, device, token_offset: int = 0
+) -> torch.Tensor:
     """Forced uniform routing (FUR): token t's k-th expert is ``(t*K + k) mod E``.
 
     The K experts of a token are distinct (K <= E), and over any T with T*K divisible by E every
-    expert receives exactly T*K/E tokens, so benchmarks see no routing imbalance.
+    expert receives exactly T*K/E tokens, so benchmarks see no routing imbalance. ``token_offset``
+    numbers the tokens from there (a rank's place in an expert-parallel group's batch), so that
+    the pattern over the group is the one of the concatenated batch.
     """
-    slots = torch.arange(num_tokens * top_k, device=device, dtype=torch.int64)
+    slots = torch.arange(token_offset * top_k, (token_offset + num_tokens) * top_k, device=device, dtype=torch.int64)
     return (slots % num_experts).view(num_tokens, top_k)
 
 
 def forced_uniform_routing(
-    logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool
+    logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool, token_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights and indices of FUR: the fixed pattern of :func:`uniform_routing_indices`, weighted by
     the router's own probabilities of those experts, so the router still gets a gradient."""
     num_tokens, num_experts = logits_TE.shape
-    idx_TK = uniform_routing_indices(num_tokens, num_experts, top_k, logits_TE.device)
+    idx_TK = uniform_routing_indices(num_tokens, num_experts, top_k, logits_TE.device, token_offset)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     weights_TK = probs_TE.gather(1, idx_TK)
     if norm_topk_prob:

@@ -1,0 +1,211 @@
+"""Block sizes, warps and pipeline stages of every Triton kernel, per backend, in one place.
+
+Backends: ``"cuda"`` (NVIDIA, tuned for sm_90), ``"hip"`` (AMD, gfx942), ``"xpu"`` (Intel Data Center
+GPU Max, PVC) and ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU: small tiles so that tests
+exercise multi-tile paths quickly). The first config of each list is the one the launchers use;
+the others are alternatives that ``compile_check`` also compiles.
+
+Intel notes (from the Intel XPU backend's performance guidance): ``tl.dot`` operands that are
+plain strided tiles are loaded through block pointers so that the backend emits 2D block loads and
+DPAS; a gathered operand cannot be described by a block pointer and uses pointer loads.
+``grf_mode="large"`` gives each hardware thread 256 registers (the 3.3-era spelling; newer Intel
+builds also accept ``"256"``); with it, 32 warps (sub-groups of 16 lanes) per work-group and
+256-row tiles are the backend's usual GEMM shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+
+BACKENDS = ("cuda", "hip", "xpu", "interpreter")
+
+#: Kernel families; each launcher picks its config by one of these names.
+KERNELS = (
+    "count_tokens",
+    "cumsum_counts",
+    "build_indices",
+    "gate_up_fwd",
+    "grouped_mm_fwd",
+    "grouped_mm_bwd",
+    "silu_mul_bwd",
+    "combine_fwd",
+    "combine_bwd",
+)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration: tile constexprs, ``num_warps``, ``num_stages`` and backend options."""
+
+    name: str
+    meta: Mapping[str, int]
+    num_warps: int = 4
+    num_stages: int = 2
+    extra_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _c(name: str, warps: int, stages: int, extra: Mapping[str, Any] | None = None, **meta: int) -> KernelConfig:
+    return KernelConfig(name=name, meta=dict(meta), num_warps=warps, num_stages=stages, extra_options=dict(extra or {}))
+
+
+_XPU = {"grf_mode": "large"}
+
+CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
+    "cuda": {
+        "count_tokens": [_c("e64", 4, 1, BLOCK_E=64)],
+        "cumsum_counts": [_c("b2048", 8, 1, BLOCK=2048, BLOCK_E=256)],
+        "build_indices": [_c("default", 4, 1)],
+        # Two fp32 accumulators (gate and up) per program, so half the N tile of the plain GEMM.
+        "gate_up_fwd": [
+            _c("m128n64k64", 8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
+            _c("m64n64k64", 4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        ],
+        "grouped_mm_fwd": [
+            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m64n128k64", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
+        ],
+        "grouped_mm_bwd": [
+            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m64n128k32", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
+        ],
+        "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
+        "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
+        "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
+    },
+    "hip": {
+        # 8 warps: with 4, the all-pairs block reductions run out of scalar registers on gfx942.
+        "count_tokens": [_c("e64", 8, 1, BLOCK_E=64)],
+        "cumsum_counts": [_c("b2048", 8, 1, BLOCK=2048, BLOCK_E=256)],
+        "build_indices": [_c("default", 8, 1)],
+        "gate_up_fwd": [
+            _c("m128n64k64", 8, 2, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
+            _c("m64n64k64", 4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        ],
+        "grouped_mm_fwd": [
+            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
+        ],
+        "grouped_mm_bwd": [
+            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
+        ],
+        "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
+        "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
+        "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
+    },
+    "xpu": {
+        "count_tokens": [_c("e64", 4, 1, _XPU, BLOCK_E=64)],
+        "cumsum_counts": [_c("b2048", 8, 1, _XPU, BLOCK=2048, BLOCK_E=256)],
+        "build_indices": [_c("default", 4, 1, _XPU)],
+        # Defaults: the least-spilling config of each GEMM in the PVC compile gate (docs/xpu.md);
+        # 256x256 tiles and two 256x128 fp32 accumulators spill there.
+        "gate_up_fwd": [
+            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
+            _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
+        ],
+        "grouped_mm_fwd": [
+            _c("m128n256k32", 32, 2, _XPU, BLOCK_M=128, BLOCK_N=256, BLOCK_K=32),
+            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
+        ],
+        "grouped_mm_bwd": [
+            _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
+            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
+        ],
+        "silu_mul_bwd": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
+        "combine_fwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
+        "combine_bwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
+    },
+    "interpreter": {
+        "count_tokens": [_c("e4", 1, 1, BLOCK_E=4)],
+        "cumsum_counts": [_c("b16", 1, 1, BLOCK=16, BLOCK_E=4)],
+        "build_indices": [_c("default", 1, 1)],
+        "gate_up_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "grouped_mm_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
+        "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
+        "combine_bwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
+    },
+}
+
+
+def _block_ptr_available() -> bool:
+    """Block pointers exist up to the Triton releases that still take ``boundary_check`` in
+    ``tl.load`` (Intel's XPU builds keep them; upstream removed them in favour of descriptors)."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return "boundary_check" in inspect.signature(tl.load).parameters
+
+
+#: Whether a backend loads ``tl.dot`` operands through block pointers (Intel's 2D block IO).
+_WANTS_BLOCK_PTR = {"cuda": False, "hip": False, "xpu": True, "interpreter": False}
+
+_override: str | None = None
+
+
+def backend_for(device: torch.device) -> str:
+    """The config table for tensors on ``device``; ``FASTMOE_TRITON_CONFIGS`` or :func:`use` override."""
+    forced = _override or os.environ.get("FASTMOE_TRITON_CONFIGS", "").strip().lower() or None
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"unknown Triton config table {forced!r} (expected one of {BACKENDS})")
+        return forced
+    dev = torch.device(device)
+    if dev.type == "xpu":
+        return "xpu"
+    if dev.type == "cuda":
+        return "hip" if getattr(torch.version, "hip", None) else "cuda"
+    return "interpreter"
+
+
+@contextlib.contextmanager
+def use(backend: str) -> Iterator[None]:
+    """Run launchers with ``backend``'s configs (tests run every table under the interpreter)."""
+    global _override
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown Triton config table {backend!r} (expected one of {BACKENDS})")
+    previous, _override = _override, backend
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def configs(backend: str, kernel: str) -> list[KernelConfig]:
+    """Every config of ``kernel`` on ``backend``, the default first."""
+    if backend not in CONFIGS:
+        raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
+    if kernel not in CONFIGS[backend]:
+        raise ValueError(f"unknown kernel {kernel!r} (expected one of {KERNELS})")
+    return CONFIGS[backend][kernel]
+
+
+def get_config(backend: str, kernel: str) -> KernelConfig:
+    return configs(backend, kernel)[0]
+
+
+def uses_block_ptr(backend: str) -> bool:
+    """Whether launchers pass ``BLOCK_PTR=True``: on for xpu; ``FASTMOE_TRITON_BLOCK_PTR=0|1``
+    overrides (e.g. to run the XPU path under the interpreter of a Triton that still has them)."""
+    env = os.environ.get("FASTMOE_TRITON_BLOCK_PTR", "").strip()
+    wanted = env not in ("0", "false", "False") if env else _WANTS_BLOCK_PTR[backend]
+    return wanted and _block_ptr_available()
+
+
+def dot_precision(backend: str, dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision``: TF32 for fp32 operands only where PyTorch itself allows it
+    for matmuls (so fp32 results match ``torch.mm``), and never on AMD, which lacks TF32 in Triton."""
+    if dtype != torch.float32 or backend == "hip":
+        return "ieee"
+    if backend == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    if backend == "xpu" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"

@@ -1,0 +1,159 @@
+"""Soft-failure detection, fault-injection hooks, heartbeats and the supervisor's decisions."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import _ft_toy as toy
+from trainer import fault
+from trainer.launch import Supervisor, main as launch_main
+
+
+# ============================================================================ detection (one process)
+@pytest.mark.parametrize("loss,grads,expected", [
+    (1.0, [torch.ones(3)], None),                                      # all finite
+    (float("nan"), [torch.ones(3)], "loss"),                           # NaN loss
+    (torch.tensor(2.0), [torch.tensor([1.0, float("inf")])], "gradients"),  # Inf in one gradient
+    (float("-inf"), [torch.tensor([float("nan")])], "loss and gradients"),  # both
+    (None, [], None),                                                  # nothing to check
+    (1.0, [None, torch.zeros(0)], None),                               # missing and empty gradients
+    (torch.tensor(1.0, dtype=torch.bfloat16), [torch.full((2,), float("nan"), dtype=torch.bfloat16)], "gradients"),  # bf16
+    (1.0, [torch.tensor([3e38, 3e38])], "gradients"),                  # finite, but the sum overflows fp32
+    (1.0, [torch.tensor([3e38, -3e38, 1.0])], None),                   # large values that cancel are fine
+    (1.0, [torch.full((70000,), 1e-3, dtype=torch.bfloat16)], None),   # bf16 summed in fp32 (no bf16 overflow)
+])
+def test_local_nonfinite(loss, grads, expected) -> None:
+    assert fault.local_nonfinite(loss, grads) == expected
+
+
+@pytest.mark.parametrize("spec,step,rank,host,hits", [
+    ("step=5", 5, 3, "h9", True),               # no filter: every rank at that step
+    ("step=5", 4, 0, "h0", False),              # another step
+    ("step=5,rank=1", 5, 1, "h0", True),        # rank filter
+    ("step=5,rank=1", 5, 0, "h0", False),
+    ("step=2,host=h1", 2, 0, "h1", True),       # host filter follows the machine, not the rank
+    ("step=2,host=h1", 2, 0, "h2", False),      # ... so the spare that replaces h1 is not hit
+    (" step=2 , rank=0 , host=h0 ", 2, 0, "h0", True),  # whitespace
+])
+def test_injection_spec(monkeypatch, spec: str, step: int, rank: int, host: str, hits: bool) -> None:
+    monkeypatch.setenv(fault.HOST_ENV, host)
+    assert fault.Injection.parse(spec).hits(step, rank) is hits
+
+
+@pytest.mark.parametrize("spec", ["rank=1", "step=x", "step=1,colour=red", "step"])
+def test_injection_spec_errors(spec: str) -> None:
+    with pytest.raises(ValueError):
+        fault.Injection.parse(spec)
+
+
+def test_poison_is_off_by_default_and_makes_gradients_nan(monkeypatch) -> None:
+    monkeypatch.delenv(fault.NAN_ENV, raising=False)
+    w = torch.ones(3, requires_grad=True)
+    loss = fault.maybe_poison((w * 2).sum(), step=0, rank=0)
+    assert torch.isfinite(loss)
+    monkeypatch.setenv(fault.NAN_ENV, "step=0")
+    loss = fault.maybe_poison((w * 2).sum(), step=0, rank=0)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(w.grad).all()
+    # after backward (any schedule): the gradient buffers are poisoned in place
+    g = torch.ones(4)
+    assert torch.isnan(fault.maybe_poison(torch.tensor(1.0), 0, 0, [g])) and torch.isnan(g).all()
+    assert torch.equal(fault.maybe_poison(torch.tensor(1.0), 1, 0, [g.fill_(1.0)]), torch.tensor(1.0))
+    assert torch.equal(g, torch.ones(4))
+
+
+def test_check_step_single_process_records_and_raises(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(fault.HOST_ENV, "node7")
+    fault.check_step(3, torch.tensor(1.0), [torch.ones(2)], out_dir=tmp_path)
+    assert fault.read_failures(tmp_path) == []
+    with pytest.raises(fault.SoftFailure, match="step 4 on rank"):
+        fault.check_step(4, torch.tensor(float("nan")), [torch.ones(2)], out_dir=tmp_path)
+    (rec,) = fault.read_failures(tmp_path)
+    assert (rec["step"], rec["rank"], rec["host"], rec["what"], rec["loss"]) == (4, 0, "node7", "loss", "nan")
+
+
+def test_heartbeat_files(tmp_path: Path) -> None:
+    hb = fault.Heartbeat(tmp_path, rank=3)
+    hb.beat(0, "startup")
+    hb.beat(1, "done", completed=True)
+    beats = fault.read_heartbeats(tmp_path)
+    assert set(beats) == {3}
+    assert (beats[3]["step"], beats[3]["phase"], beats[3]["new_steps"]) == (1, "done", 1)
+    assert beats[3]["mtime"] > 0
+
+
+# ============================================================================ two ranks on gloo
+def test_nan_on_one_rank_stops_every_rank_before_the_update(tmp_path: Path) -> None:
+    """Rank 1's loss turns NaN at step 2 (the third step): both ranks exit with the soft-failure
+    code, rank 1 alone is recorded, and the weights and optimizer states at exit equal those the
+    step-2 checkpoint holds, i.e. the bad step changed nothing."""
+    run = tmp_path / "run"
+    codes = toy.spawn(2, ["--out", str(run), "--steps", "4", "--interval", "2", "--dump", str(run / "dump")],
+                      env={fault.NAN_ENV: "step=2,rank=1", fault.HOST_ENV: "hostX"})
+    assert codes == [fault.EXIT_SOFT_FAILURE] * 2, (run / "spawn-rank-0.log").read_text()[-2000:]
+    (rec,) = fault.read_failures(run)
+    assert (rec["step"], rec["rank"], rec["host"], rec["what"]) == (2, 1, "hostX", "loss and gradients")
+    got = toy.assemble(toy.load_dumps(run / "dump"))
+    want = toy.read_checkpoint(run / "checkpoints" / "slot-A")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+# ============================================================================ supervisor decisions
+def _sup(tmp_path: Path, code: str, **kw) -> Supervisor:
+    return Supervisor(hosts=kw.pop("hosts", ["h0", "h1"]), spares=kw.pop("spares", ["h2"]), nproc_per_node=1,
+                      max_restarts=kw.pop("max_restarts", 2), out=tmp_path, kill_grace=1.0,
+                      command=[sys.executable, "-c", code], **kw)
+
+
+def _events(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "launcher.jsonl").read_text().splitlines()]
+
+
+def test_fatal_exit_codes_are_not_retried(tmp_path: Path) -> None:
+    code = f"import sys; sys.exit({fault.EXIT_CHECKPOINT_FAILURE})"
+    assert _sup(tmp_path, code).run() == fault.EXIT_CHECKPOINT_FAILURE
+    kinds = [e["event"] for e in _events(tmp_path)]
+    assert kinds == ["start", "failure", "stopped", "give_up"]
+
+
+def test_crashing_rank_is_replaced_until_spares_run_out(tmp_path: Path) -> None:
+    # rank 1 always crashes: h1 is replaced by h2, then h2 fails and no spare is left
+    code = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
+    assert _sup(tmp_path, code, max_restarts=5).run() == 1
+    ev = _events(tmp_path)
+    fails = [e for e in ev if e["event"] == "failure"]
+    assert [(f["hosts"], f["rank"], f["returncode"], f["kind"]) for f in fails] == [
+        (["h1"], 1, 3, "exit"), (["h2"], 1, 3, "exit")]
+    assert [e for e in ev if e["event"] == "replace"][0]["spare"] == "h2"
+    assert "no spare is left" in ev[-1]["reason"]
+
+
+def test_restart_limit(tmp_path: Path) -> None:
+    code = "import os, sys; sys.exit(3 if os.environ['RANK'] == '0' else 0)"
+    assert _sup(tmp_path, code, max_restarts=0).run() == 1
+    assert "restart limit 0 reached" in _events(tmp_path)[-1]["reason"]
+
+
+def test_silent_rank_counts_as_hung(tmp_path: Path) -> None:
+    # both ranks beat once; rank 0 keeps beating, rank 1 goes silent
+    code = ("import os, time, sys; sys.path.insert(0, %r); from trainer.fault import Heartbeat; "
+            "r = int(os.environ['RANK']); hb = Heartbeat(%r, r); hb.beat(0)\n"
+            "for i in range(200):\n    time.sleep(0.1)\n    (hb.beat(i) if r == 0 else None)"
+            % (str(Path(__file__).resolve().parent.parent), str(tmp_path)))
+    sup = _sup(tmp_path, code, max_restarts=0, heartbeat_timeout=1.5)
+    assert sup.run() == 1
+    (fail,) = [e for e in _events(tmp_path) if e["event"] == "failure"]
+    assert (fail["kind"], fail["rank"], fail["hosts"]) == ("hang", 1, ["h1"])
+
+
+def test_launcher_cli_errors(tmp_path: Path, capsys) -> None:
+    assert launch_main(["--hosts", "a,a", "--out", str(tmp_path), "--", "--steps", "1"]) == 2
+    assert "distinct" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch_main(["--hosts", "a", "--", "--steps", "1"])  # no --out anywhere

@@ -1,0 +1,192 @@
+"""Command line: ``python -m trainer --preset NAME [overrides...]`` (under torchrun for many processes).
+
+Every config field is an option named ``--section.field`` (``--optim.lr 1e-3``,
+``--model.moe_impl hf``, ``--logging.tensorboard/--no-logging.tensorboard``); the common ones also
+have short aliases (``--lr``, ``--steps``, ``--dp``, ...). A config error prints one line and exits
+with status 2 before any work.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from typing import Any, Sequence
+
+from .config import ConfigError, TrainConfig, field_docs, section_classes, validate
+from .presets import PRESETS, get_preset
+
+#: Short aliases of frequently changed fields.
+ALIASES: dict[str, str] = {
+    "steps": "schedule.steps",
+    "lr": "optim.lr",
+    "min-lr": "schedule.min_lr",
+    "warmup": "schedule.warmup_steps",
+    "global-batch": "schedule.global_batch",
+    "micro-batch": "schedule.micro_batch",
+    "context": "data.context",
+    "data": "data.path",
+    "out": "logging.out",
+    "dp": "parallel.dp",
+    "ep": "parallel.ep",
+    "pp": "parallel.pp",
+    "tp": "parallel.tp",
+    "ac": "parallel.ac",
+    "broadcast": "parallel.broadcast",
+    "pp-schedule": "parallel.pp_schedule",
+    "init-from": "model.init_from",
+    "device": "parallel.device",
+    "moe-impl": "model.moe_impl",
+    "optimizer": "optim.name",
+    "grad-reduce-dtype": "optim.grad_reduce_dtype",
+    "param-dtype": "model.param_dtype",
+    "peak-tflops": "logging.peak_tflops",
+    "seed": "seed",
+}
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """{field: (scalar type, whether None is allowed)} of a config dataclass."""
+    out = {}
+    for name, annotation in typing.get_type_hints(cls).items():
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            out[name] = (args[0], True)
+        else:
+            out[name] = (annotation, False)
+    return out
+
+
+def _parse_value(raw: str, typ: type, optional: bool, name: str) -> Any:
+    if optional and raw.lower() in ("none", "null", ""):
+        return None
+    try:
+        return typ(raw)
+    except ValueError:
+        raise ConfigError(f"--{name} expects {typ.__name__}, got {raw!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--preset", default="tiny-moe", help=f"one of: {', '.join(PRESETS)}")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--list-presets", action="store_true", help="list presets with parameter counts and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the layout, parameters and memory per rank for --world ranks and exit (no model built)")
+    p.add_argument("--world", type=int, default=None, help="world size for --dry-run (default: this launch's)")
+    reverse = {v: k for k, v in ALIASES.items()}
+    top_docs = field_docs(TrainConfig)
+    for name in ("seed",):
+        flags = [f"--{name}"]
+        p.add_argument(*flags, dest=name, default=None, metavar="INT", help=top_docs.get(name, ""))
+    for section, cls in section_classes().items():
+        docs = field_docs(cls)
+        types_ = _field_types(cls)
+        group = p.add_argument_group(section, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            typ, optional = types_[f.name]
+            flags = [f"--{key}"]
+            if key in reverse:
+                flags.append(f"--{reverse[key]}")
+            help_text = docs.get(f.name, "")
+            if typ is bool:
+                group.add_argument(*flags, dest=key, default=None, action=argparse.BooleanOptionalAction,
+                                   help=help_text)
+            else:
+                group.add_argument(*flags, dest=key, default=None, metavar=typ.__name__.upper(), help=help_text)
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    """Parse ``argv`` into a config (preset, then overrides); raises ConfigError on bad values."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = get_preset(args.preset)
+    if args.seed is not None:
+        cfg.seed = _parse_value(args.seed, int, False, "seed")
+    for section, cls in section_classes().items():
+        sub = getattr(cfg, section)
+        types_ = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            raw = getattr(args, key)
+            if raw is None:
+                continue
+            typ, optional = types_[f.name]
+            value = raw if typ is bool else _parse_value(raw, typ, optional, key)
+            setattr(sub, f.name, value)
+    return cfg, args
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.3f}M"
+
+
+def list_presets() -> str:
+    from .model import param_counts
+
+    rows = ["preset           arch   layers hidden heads  I      E    K  total        active"]
+    for name, fn in PRESETS.items():
+        c = fn()
+        m = c.model
+        pc = param_counts(m, m.vocab_size or 258)
+        experts = str(m.num_experts) if m.is_moe else "-"
+        k = str(m.top_k) if m.is_moe else "-"
+        rows.append(f"{name:16s} {m.arch:6s} {m.num_layers:6d} {m.hidden_size:6d} {m.num_heads:5d} "
+                    f"{m.intermediate_size:6d} {experts:>4s} {k:>2s}  {_human(pc.total):>9s}  {_human(pc.active):>9s}")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .parallel import env_world_size
+
+    try:
+        cfg, args = config_from_args(argv)
+        if args.list_presets:
+            print(list_presets())
+            return 0
+        if args.dry_run:
+            from .parallelism.plan import plan_from_config
+
+            print(plan_from_config(cfg, args.world or env_world_size()))
+            return 0
+        validate(cfg, env_world_size())
+        if args.print_config:
+            print(cfg.to_json())
+            return 0
+        from .parallelism.trainer import ParallelTrainer
+
+        trainer = ParallelTrainer(cfg)
+    except (ConfigError, ValueError) as e:
+        # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    from .checkpoint import CheckpointError
+    from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
+
+    try:
+        history = trainer.fit()
+    except SoftFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SOFT_FAILURE
+    except CheckpointError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_CHECKPOINT_FAILURE
+    if trainer.layout.is_main and history:
+        h = history
+        print(json.dumps({"steps": len(h), "loss_first": round(h[0]["loss"], 4), "loss_last": round(h[-1]["loss"], 4),
+                          "out": cfg.logging.out}))
+    if trainer.layout.distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0

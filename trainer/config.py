@@ -1,0 +1,338 @@
+"""Training configuration: nested dataclasses, one docstring per field.
+
+Presets (``trainer.presets``) fill these in; the CLI (``trainer.cli``) overrides single fields on
+top (``--optim.lr 1e-3`` or the short alias ``--lr 1e-3``). No file is ever executed as config.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the CLI prints its message as one line and exits non-zero."""
+
+
+@dataclass
+class ModelConfig:
+    """The network: transformers' OlmoeForCausalLM (``arch="olmoe"``) or OlmoForCausalLM (``"olmo"``)."""
+
+    arch: str = "olmoe"
+    """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM) or ``"olmo"`` (dense OlmoForCausalLM)."""
+    num_layers: int = 2
+    """Decoder layers (L)."""
+    hidden_size: int = 64
+    """Model width (H in the paper's table); must equal num_heads * head_dim."""
+    num_heads: int = 4
+    """Attention heads."""
+    head_dim: int = 16
+    """Size of one attention head (Q in the MFU formula)."""
+    intermediate_size: int = 128
+    """Intermediate size of one expert (MoE) or of the MLP (dense)."""
+    num_experts: int = 8
+    """Experts per MoE layer (E); ignored for ``arch="olmo"``."""
+    top_k: int = 2
+    """Experts chosen per token (K)."""
+    norm_topk_prob: bool = False
+    """Renormalise the K routing weights to sum to 1 (OLMoE does not)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes the tokenizer's size from the data manifest."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation."""
+    moe_impl: str = "fastmoe"
+    """``"fastmoe"`` (FastSparseMoeBlock patched in) or ``"hf"`` (transformers' own block, for comparison)."""
+    moe_backend: str = "auto"
+    """Kernel backend of FastSparseMoeBlock: ``"auto"``, ``"torch"`` or ``"triton"``."""
+    ep_dispatch: str = "allgather"
+    """Token exchange under EP: ``"allgather"`` (the paper's choice) or ``"alltoall"``."""
+    ep_check_inputs: bool = False
+    """Agree on every rank's token count before each EP exchange (one small all-gather and host sync per layer);
+    the trainer's micro-batches have equal shapes everywhere, so this is off by default."""
+    forced_uniform_routing: bool = False
+    """Route every token to a fixed pattern that loads experts evenly (benchmarks only)."""
+    load_balancing_coef: float = 0.01
+    """Weight of the load-balancing loss in the total loss."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss in the total loss."""
+    param_dtype: str = "fp32"
+    """Dtype of the model's weights and gradients: ``"fp32"`` or ``"bf16"`` (fp32 master weights stay in the optimizer)."""
+    init_from: str | None = None
+    """Model weights file (safetensors or torch.save state dict) read by rank 0 only and sent to every rank."""
+    autocast: str = "auto"
+    """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch == "olmoe"
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    path: str | None = None
+    """A preprocessed data set (its manifest.json or directory); None prepares the embedded default corpus."""
+    cache_dir: str | None = None
+    """Where the embedded corpus is preprocessed to; None: ``$FASTMOE_DATA_CACHE`` or ``~/.cache/fastmoe_xpu/data``."""
+    verify: bool = True
+    """Check every shard's sha256 against the manifest before training."""
+    context: int = 64
+    """Tokens per training instance (C)."""
+    seed: int = 0
+    """Seed of the global shuffle of training instances."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the way its states are sharded."""
+
+    name: str = "epso"
+    """``"adamw"`` (states replicated), ``"sharded"`` (ZeRO-1 over DP) or ``"epso"`` (non-expert states over DP x EP, expert states over DP)."""
+    lr: float = 4e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.99
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to every parameter."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this after warmup; 0 disables clipping."""
+    grad_reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced (and reduce-scattered) in: ``"fp32"`` or ``"bf16"``."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Steps, batch sizes and the learning-rate schedule."""
+
+    steps: int = 300
+    """Optimizer steps to train."""
+    global_batch: int = 16
+    """Instances per optimizer step, over all data-parallel ranks (tokens per step = global_batch * context)."""
+    micro_batch: int = 8
+    """Instances per forward/backward on one rank; the rest is gradient accumulation."""
+    warmup_steps: int = 30
+    """Linear warmup from 0 to the peak learning rate; gradient clipping starts after it."""
+    min_lr: float = 4e-5
+    """Learning rate at the end of the cosine decay."""
+
+
+@dataclass
+class ParallelConfig:
+    """Process layout: world = PP x DP x EP, EP innermost."""
+
+    dp: int = 0
+    """Data-parallel size; 0 takes world / (PP * EP)."""
+    ep: int = 1
+    """Expert-parallel size (experts split across EP ranks; must divide num_experts)."""
+    pp: int = 1
+    """Pipeline-parallel size: contiguous layer stages, embedding on the first, norm + LM head on the last (PP outermost in the mesh)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule of torch.distributed.pipelining: ``"1f1b"`` or ``"gpipe"``."""
+    pp_meta_init: bool = False
+    """Build pipeline stages on the meta device and initialise only this rank's stage (for models too large for one host; weights then differ from a one-process run unless loaded with --init-from)."""
+    tp: int = 1
+    """Tensor-parallel size for the dense model: attention heads and MLP intermediate split, innermost in the mesh (EP must be 1)."""
+    ac: str = ""
+    """Selective activation checkpointing: any of ``norm``, ``attn``, ``moe`` (comma-separated), ``all`` or empty."""
+    broadcast: str = "none"
+    """Initial weights: ``"none"`` (every rank draws them from the seed), or rank 0's sent by ``"broadcast"`` or ``"all_reduce"`` (also how --model.init_from travels)."""
+    backend: str = "auto"
+    """torch.distributed backend: ``"auto"`` (nccl on CUDA, xccl or ccl on XPU, gloo on CPU; FASTMOE_DIST_BACKEND overrides) or a name."""
+    device: str = "auto"
+    """``"auto"`` (xpu, cuda or cpu), or an explicit device type."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming the full training state."""
+
+    interval: int = 0
+    """Save every this many steps (0: never)."""
+    dir: str | None = None
+    """Checkpoint directory; None means ``OUT/checkpoints``."""
+    resume: bool = True
+    """Resume from the checkpoint in ``dir`` when one exists."""
+    model_interval: int = 0
+    """Write a model-only checkpoint (kept, never rotated) every this many steps (0: never)."""
+    model_dtype: str = "bf16"
+    """Dtype of model-only checkpoints: ``"bf16"`` or ``"fp32"``."""
+    init_from: str | None = None
+    """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics, progress and plots."""
+
+    out: str = "out/run"
+    """Output directory (metrics.jsonl, loss.png, TensorBoard events, data, checkpoints)."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+    tensorboard: bool = True
+    """Write TensorBoard events when the tensorboard package is installed."""
+    plot: bool = True
+    """Write ``OUT/loss.png`` at the end."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0 looks the device up, or measures a matmul on unknown devices."""
+    spike_window: int = 20
+    """Steps in the running mean a gradient norm is compared with."""
+    spike_factor: float = 2.0
+    """A step is a gradient spike when its norm exceeds this times the running mean."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs."""
+
+    preset: str = "tiny-moe"
+    """Name of the preset this config started from."""
+    seed: int = 0
+    """Seed of the model initialisation (identical on every rank)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in sections:
+                raise ConfigError(f"unknown config key {key!r}")
+            sub = _SECTION_CLASSES.get(key)
+            if sub is not None:
+                known = {f.name for f in dataclasses.fields(sub)}
+                unknown = set(value) - known
+                if unknown:
+                    raise ConfigError(f"unknown field(s) {sorted(unknown)} in config section {key!r}")
+                kwargs[key] = sub(**value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+
+_SECTION_CLASSES: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal after each field)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def section_classes() -> dict[str, type]:
+    return dict(_SECTION_CLASSES)
+
+
+# ----------------------------------------------------------------------------- validation
+_CHOICES = {
+    ("model", "arch"): ("olmoe", "olmo"),
+    ("model", "moe_impl"): ("fastmoe", "hf"),
+    ("model", "moe_backend"): ("auto", "torch", "triton"),
+    ("model", "ep_dispatch"): ("allgather", "alltoall"),
+    ("model", "param_dtype"): ("fp32", "bf16"),
+    ("model", "autocast"): ("auto", "bf16", "none"),
+    ("optim", "name"): ("adamw", "sharded", "epso"),
+    ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+    ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
+    ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
+    ("checkpoint", "model_dtype"): ("bf16", "fp32"),
+}
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
+    """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
+    size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
+    m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
+    for (section, name), allowed in _CHOICES.items():
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"--{section}.{name} must be one of {list(allowed)}, got {value!r}")
+    positive = {
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size, "model.num_heads": m.num_heads,
+        "model.head_dim": m.head_dim, "model.intermediate_size": m.intermediate_size,
+        "data.context": cfg.data.context, "schedule.steps": s.steps, "schedule.global_batch": s.global_batch,
+        "schedule.micro_batch": s.micro_batch, "parallel.ep": p.ep, "parallel.pp": p.pp, "parallel.tp": p.tp,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {value}")
+    if m.vocab_size < 0:
+        raise ConfigError(f"--model.vocab_size must be >= 0 (0: from the data), got {m.vocab_size}")
+    if p.dp < 0:
+        raise ConfigError(f"--parallel.dp must be >= 0 (0: world / (pp * ep)), got {p.dp}")
+    if s.warmup_steps < 0:
+        raise ConfigError(f"--schedule.warmup_steps must be >= 0, got {s.warmup_steps}")
+    if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
+        raise ConfigError(f"Adam betas must lie in [0, 1), got ({o.beta1}, {o.beta2})")
+    if o.lr < 0 or s.min_lr < 0 or o.grad_clip < 0 or o.weight_decay < 0:
+        raise ConfigError("--optim.lr, --schedule.min_lr, --optim.grad_clip and --optim.weight_decay must be >= 0")
+    if m.num_heads * m.head_dim != m.hidden_size:
+        raise ConfigError(
+            f"hidden_size={m.hidden_size} must equal num_heads * head_dim = {m.num_heads} * {m.head_dim}"
+        )
+    if m.is_moe:
+        if m.num_experts < 1 or not 1 <= m.top_k <= m.num_experts:
+            raise ConfigError(f"need 1 <= top_k <= num_experts, got top_k={m.top_k}, num_experts={m.num_experts}")
+        if m.num_experts % p.ep:
+            raise ConfigError(f"num_experts={m.num_experts} is not divisible by EP={p.ep}")
+        if p.ep > 1 and m.moe_impl != "fastmoe":
+            raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
+    elif p.ep != 1:
+        raise ConfigError(f"arch={m.arch!r} has no experts; EP must be 1, got {p.ep}")
+    if world_size is not None:
+        if p.dp == 0:
+            if world_size % (p.pp * p.ep * p.tp):
+                axes = f"PP x EP = {p.pp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
+                raise ConfigError(f"world size {world_size} is not divisible by {axes}")
+            p.dp = world_size // (p.pp * p.ep * p.tp)
+        if p.pp * p.dp * p.ep * p.tp != world_size:
+            axes = f"PP x DP x EP = {p.pp} x {p.dp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
+            raise ConfigError(f"world size {world_size} != {axes}")
+    dp = p.dp or 1
+    data_ranks = dp * p.ep
+    if s.global_batch % (data_ranks * s.micro_batch):
+        raise ConfigError(
+            f"global batch {s.global_batch} is not divisible by DP x EP x micro batch = "
+            f"{dp} x {p.ep} x {s.micro_batch} (every DP x EP rank reads its own micro-batches)"
+        )
+    from .parallelism.checks import check_parallel
+
+    check_parallel(cfg)
+    return cfg

@@ -1,0 +1,149 @@
+"""Metrics: JSON lines, optional TensorBoard, gradient-spike detection, device peak FLOP/s, loss plot."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from typing import Any, Iterable
+
+import torch
+
+# Dense bf16 peak TFLOP/s of one device (one tile for Intel's Max 1550, which PyTorch sees as two devices).
+KNOWN_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("Max 1550", 416.0),
+    ("MI300X", 1307.0),
+    ("MI250X", 191.5),
+)
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
+                          seconds: float = 0.25) -> float:
+    """A short dense-matmul benchmark: the achievable ceiling on a device with no known peak."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        iters += 1
+        if device.type != "cpu":
+            getattr(torch, device.type).synchronize()
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return 2 * n ** 3 * iters / dt / 1e12
+
+
+def device_peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float, str]:
+    """(peak TFLOP/s of one device, where the number came from)."""
+    if override > 0:
+        return override, "configured"
+    if device.type in ("cuda", "xpu"):
+        name = getattr(torch, device.type).get_device_name(device)
+        for key, tflops in KNOWN_PEAK_TFLOPS:
+            if key.lower() in name.lower():
+                return tflops, f"table ({name})"
+    return measure_matmul_tflops(device), "measured fp32 matmul"
+
+
+class SpikeDetector:
+    """Flags a gradient norm above ``factor`` times the mean of the previous ``window`` norms."""
+
+    def __init__(self, window: int = 20, factor: float = 2.0) -> None:
+        if window < 1 or factor <= 0:
+            raise ValueError(f"spike window must be >= 1 and factor > 0, got {window}, {factor}")
+        self.window = window
+        self.factor = factor
+        self.history: deque[float] = deque(maxlen=window)
+        self.count = 0
+
+    def update(self, grad_norm: float) -> tuple[bool, float]:
+        """(is this a spike, the running mean it was compared with); non-finite norms are spikes."""
+        mean = sum(self.history) / len(self.history) if self.history else float("nan")
+        full = len(self.history) == self.window
+        spike = (not math.isfinite(grad_norm)) or (full and grad_norm > self.factor * mean)
+        if spike:
+            self.count += 1
+        if math.isfinite(grad_norm):
+            self.history.append(grad_norm)
+        return spike, mean
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque(state["history"], maxlen=self.window)
+        self.count = int(state["count"])
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``OUT/metrics.jsonl`` (and TensorBoard scalars)."""
+
+    def __init__(self, out_dir: str, *, tensorboard: bool = True, append: bool = False) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception:  # tensorboard is optional
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+
+    @property
+    def tensorboard_enabled(self) -> bool:
+        return self._tb is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> str:
+    """Loss and LM loss against step (log-scale y), with gradient spikes marked; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = list(records)
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, [r["loss"] for r in records], label="loss", lw=1.2)
+    if records and "lm_loss" in records[0]:
+        ax.plot(steps, [r["lm_loss"] for r in records], label="lm loss", lw=1.0, alpha=0.8)
+    spikes = [r for r in records if r.get("grad_spike")]
+    if spikes:
+        ax.scatter([r["step"] for r in spikes], [r["loss"] for r in spikes], color="red", s=12, zorder=3,
+                   label=f"gradient spikes ({len(spikes)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,310 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining`` (1F1B by default, GPipe, Interleaved 1F1B).
+
+The decoder layers are split into contiguous stages (:func:`trainer.parallelism.plan.split_layers`):
+the first stage also holds the embedding, the last the final norm and the LM head. A stage is the
+transformers model pruned in place (:class:`StageModel`), so its parameter names are exactly the
+full model's (``model.layers.7.mlp.experts.gate_up_proj``): state dicts, expert markers and the
+model broadcast work unchanged.
+
+MoE router losses without extra communication. The load-balancing loss of a micro-batch is
+``E * sum_e (C_e / R) * (P_e / R)`` with ``C`` the top-k counts and ``P`` the router probabilities,
+both summed over *all* layers, and the z-loss is the mean over layers of ``mean_t lse(logits_t)^2``.
+Neither splits into per-stage terms, so each stage adds its layers' ``C`` (no gradient), ``P`` and
+z-sum (with gradient) to running totals that travel with the hidden states as extra activations.
+The last stage computes the losses from the totals; the gradient of ``P`` and of the z-sum flows
+back through the pipeline's ordinary activation-gradient sends, so every router receives exactly
+the gradient of the single-process loss. The accumulation runs in layer order, the same order as
+``fastmoe_xpu.load_balancing_loss`` and ``router_z_loss``.
+
+Stage inputs/outputs: first stage ``input_ids [B, S]``; between stages
+``(hidden [B, S, H], counts_E, probs_E, zsum_1)`` (MoE) or ``(hidden,)`` (dense); the last stage
+returns ``(logits [B, S, V], counts_E, probs_E, zsum_1)`` for the loss function.
+
+Legend: B micro-batch, S sequence, H hidden, V vocabulary, E experts, L layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .plan import split_layers
+
+IGNORE_INDEX = -100
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
+
+
+def _schedule_class(name: str) -> type:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    classes = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved1f1b": ScheduleInterleaved1F1B}
+    try:
+        return classes[name]
+    except KeyError:
+        raise ValueError(f"pipeline schedule must be one of {list(classes)}, got {name!r}") from None
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """Stages a rank runs: ``pp_rank``, ``pp_rank + pp``, ... (``virtual`` of them; the loop order
+    of interleaved schedules)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+class StageModel(nn.Module):
+    """One pipeline stage of a transformers OLMoE/OLMo causal LM, pruned in place.
+
+    Children are named as in the full model (``model.embed_tokens``, ``model.layers.<i>``,
+    ``model.norm``, ``lm_head``); layers outside the stage, the embedding (except on the first
+    stage) and the norm and head (except on the last) are dropped."""
+
+    def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, layers: range | None = None) -> None:
+        super().__init__()
+        base = causal_lm.model
+        self.config = causal_lm.config
+        total = len(base.layers)
+        layers = layers if layers is not None else split_layers(total, num_stages)[stage]
+        self.stage, self.num_stages, self.layer_ids = stage, num_stages, layers
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.is_moe = hasattr(self.config, "num_experts") and self.config.model_type == "olmoe"
+        self.num_layers_total = total
+        base.layers = nn.ModuleDict({str(i): base.layers[i] for i in layers})
+        if not self.is_first:
+            base.embed_tokens = None
+        if not self.is_last:
+            base.norm = None
+        self.model = base
+        self.lm_head = causal_lm.lm_head if self.is_last else None
+        self._captured: list[torch.Tensor] | None = None
+        self._hooks = []
+        if self.is_moe:
+            for layer in base.layers.values():
+                self._hooks.append(layer.mlp.gate.register_forward_hook(self._capture_router))
+
+    def _capture_router(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Only the stage's own forward counts; activation-checkpoint recomputation in backward
+        # calls the router again and must not add anything.
+        if self._captured is not None:
+            self._captured.append(output[0] if isinstance(output, tuple) else output)
+
+    def _router_totals(self, logits: Sequence[torch.Tensor], counts_E: torch.Tensor, probs_E: torch.Tensor,
+                       zsum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        K, E = self.config.num_experts_per_tok, self.config.num_experts
+        for logits_TE in logits:
+            probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+            with torch.no_grad():
+                idx_TK = torch.topk(probs_TE, K, dim=-1).indices
+                ones = torch.ones(idx_TK.numel(), dtype=torch.float32, device=idx_TK.device)
+                counts_E = counts_E + torch.zeros(E, dtype=torch.float32, device=idx_TK.device).scatter_add_(
+                    0, idx_TK.reshape(-1), ones)
+            probs_E = probs_E + probs_TE.sum(0)
+            zsum = zsum + torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+        return counts_E, probs_E, zsum
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.model
+        if self.is_first:
+            (input_ids,) = inputs
+            hidden = base.embed_tokens(input_ids)
+            rest: tuple[torch.Tensor, ...] = ()
+            if self.is_moe:
+                E = self.config.num_experts
+                rest = (torch.zeros(E, device=hidden.device), torch.zeros(E, device=hidden.device),
+                        torch.zeros(1, device=hidden.device))
+        else:
+            hidden, *rest_list = inputs
+            rest = tuple(rest_list)
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        position_embeddings = base.rotary_emb(hidden, position_ids)
+        self._captured = [] if self.is_moe else None
+        try:
+            for layer in base.layers.values():
+                hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=mask,
+                               position_ids=position_ids, past_key_values=None, use_cache=False)
+            captured = self._captured
+        finally:
+            self._captured = None
+        if self.is_moe:
+            rest = self._router_totals(captured or [], *rest)
+        if self.is_last:
+            hidden = self.lm_head(base.norm(hidden))
+        return (hidden, *rest)
+
+
+@torch.no_grad()
+def materialize(stage: nn.Module, device: torch.device | str, *, seed: int, std: float | None = None) -> nn.Module:
+    """Allocate a stage built on the ``meta`` device on ``device`` and initialise it like
+    transformers does (normal(0, std) for linear, embedding, router and expert weights, ones for
+    norm weights, rotary frequencies recomputed, ``expert_ids`` restored), drawing from ``seed``.
+
+    This is how a stage of a model too large for one host comes to exist: only the stage's own
+    parameters are ever allocated. (Identical weights to a one-process run come from
+    :func:`trainer.parallelism.broadcast.load_and_broadcast` instead.)"""
+    cfg = getattr(stage, "config", None)
+    std = std if std is not None else getattr(cfg, "initializer_range", 0.02)
+    stage.to_empty(device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal_(t: torch.Tensor) -> None:
+        t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(t.dtype))
+
+    for name, module in stage.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            normal_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif "RMSNorm" in kind or "LayerNorm" in kind:
+            if getattr(module, "weight", None) is not None:
+                module.weight.fill_(1.0)
+        elif "RotaryEmbedding" in kind and hasattr(module, "inv_freq"):
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            module.inv_freq.copy_(fresh.inv_freq)
+            if hasattr(module, "original_inv_freq"):
+                module.original_inv_freq.copy_(fresh.original_inv_freq)
+        elif kind.endswith("TopKRouter") or kind == "TopKRouter":
+            normal_(module.weight)
+        elif hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            normal_(module.gate_up_proj)
+            normal_(module.down_proj)
+            ids = getattr(module, "expert_ids", None)
+            if isinstance(ids, torch.Tensor):
+                block = stage.get_submodule(name.rpartition(".")[0])
+                start = int(getattr(block, "expert_start", 0))
+                ids.copy_(torch.arange(start, start + ids.numel(), device=ids.device))
+    return stage
+
+
+@dataclass
+class LossParts:
+    """Detached parts of one micro-batch's loss (already scaled like the loss)."""
+
+    lm: torch.Tensor
+    lb: torch.Tensor
+    z: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+@dataclass
+class MoeLossConfig:
+    """How the last stage turns its outputs into the loss (the trainer's recipe)."""
+
+    num_layers: int
+    num_experts: int = 0
+    top_k: int = 0
+    load_balancing_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    global_targets: float = 1.0
+    """Target tokens in the global batch: the cross-entropy sum is divided by it."""
+    micro_batches_global: int = 1
+    """Micro-batches in the global batch: router losses are averaged over them."""
+    parts: list[LossParts] = field(default_factory=list)
+
+
+def pipeline_loss(outputs: Any, labels: torch.Tensor, cfg: MoeLossConfig) -> tuple[torch.Tensor, LossParts]:
+    """The trainer's micro-batch loss from the last stage's outputs: summed cross-entropy over the
+    global target count, plus the router losses from the carried totals over the global number of
+    micro-batches."""
+    if isinstance(outputs, torch.Tensor):
+        outputs = (outputs,)
+    logits = outputs[0]
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = ce / cfg.global_targets
+    zero = torch.zeros((), device=logits.device)
+    lb = z = zero
+    tpe = torch.zeros(cfg.num_experts, device=logits.device)
+    if len(outputs) == 4:
+        counts_E, probs_E, zsum = outputs[1], outputs[2], outputs[3]
+        rows = float(labels.numel() * cfg.num_layers)
+        lb = cfg.num_experts * torch.sum((counts_E / rows) * (probs_E / rows)) / cfg.micro_batches_global
+        z = zsum.reshape(()) / cfg.num_layers / cfg.micro_batches_global
+        loss = loss + cfg.load_balancing_coef * lb + cfg.z_loss_coef * z
+        tpe = counts_E.detach()
+    return loss, LossParts(ce.detach() / cfg.global_targets, lb.detach(), z.detach(), tpe)
+
+
+class Pipeline:
+    """This rank's stages of a pipeline and the schedule that runs them.
+
+    ``build(stage)`` returns the full model, pruned here to the stage: either real weights
+    (identical on every rank, e.g. built from one seed) or built under ``torch.device("meta")``,
+    in which case only the stage is allocated and initialised (:func:`materialize`, from
+    ``meta_seed + stage``; load real weights with :mod:`trainer.parallelism.broadcast`). ``step(input_ids, labels)`` runs one batch of this rank's micro-batches through the
+    schedule and leaves the gradients in the stage parameters' ``.grad``; on the last stage it
+    returns the per-micro-batch :class:`LossParts`."""
+
+    def __init__(self, build: Callable[[int], nn.Module], *, pp_rank: int, pp: int, group: Any, device: torch.device,
+                 n_microbatches: int, schedule: str = "1f1b", virtual: int = 1,
+                 loss_cfg: MoeLossConfig | None = None,
+                 prepare: Callable[[StageModel], None] | None = None, meta_seed: int = 0) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+        if virtual < 1 or (virtual > 1) != (schedule == "interleaved1f1b"):
+            raise ValueError(f"schedule {schedule!r} runs {'several' if schedule == 'interleaved1f1b' else 'one'} "
+                             f"stage(s) per rank; got virtual={virtual}")
+        num_stages = pp * virtual
+        if schedule in ("1f1b", "interleaved1f1b") and n_microbatches < pp:
+            raise ValueError(f"{schedule} needs at least as many micro-batches as pipeline ranks: "
+                             f"{n_microbatches} < PP={pp} (raise the global batch or lower the micro-batch)")
+        self.pp, self.pp_rank, self.virtual, self.num_stages = pp, pp_rank, virtual, num_stages
+        self.n_microbatches = n_microbatches
+        self.loss_cfg = loss_cfg
+        self.modules: list[StageModel] = []
+        stages = []
+        for sid in stage_ids(pp_rank, pp, virtual):
+            full = build(sid)
+            mod = StageModel(full, sid, num_stages)
+            if any(p.is_meta for p in mod.parameters()):
+                materialize(mod, device, seed=meta_seed + sid)
+            else:
+                mod = mod.to(device)
+            if prepare is not None:
+                prepare(mod)
+            self.modules.append(mod)
+            stages.append(PipelineStage(mod, sid, num_stages, device, group=group))
+        self.stages = stages
+        self.is_last = any(m.is_last for m in self.modules)
+        self.is_first = any(m.is_first for m in self.modules)
+        cls = _schedule_class(schedule)
+        loss_fn = self._loss if loss_cfg is not None else None
+        if schedule == "interleaved1f1b":
+            self.schedule = cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _loss(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        loss, parts = pipeline_loss(outputs, labels, self.loss_cfg)  # type: ignore[arg-type]
+        self.loss_cfg.parts.append(parts)  # type: ignore[union-attr]
+        return loss
+
+    def parameters(self):
+        for m in self.modules:
+            yield from m.parameters()
+
+    def named_parameters(self):
+        for m in self.modules:
+            yield from m.named_parameters()
+
+    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[LossParts]:
+        """Forward and backward of ``n_microbatches`` micro-batches (split along dim 0)."""
+        if self.loss_cfg is not None:
+            self.loss_cfg.parts.clear()
+        args = (input_ids,) if self.is_first else ()
+        kwargs: dict[str, Any] = {}
+        if self.is_last:
+            kwargs["target"] = labels
+        self.schedule.step(*args, **kwargs)
+        if not self.is_last or self.loss_cfg is None:
+            return []
+        # The first step also calls the loss once for shape inference; keep the real micro-batches.
+        return list(self.loss_cfg.parts[-self.n_microbatches:])
