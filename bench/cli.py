@@ -14,7 +14,8 @@ from .cases import DTYPES, make_case
 from .measure import set_clock
 from .presets import PRESETS, resolve_presets
 from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names
-from .report import MODES, derive, format_case, format_summary, run_header, write_chart, write_csv, write_json
+from .report import (MODES, derive, format_case, format_markdown, format_summary, run_header, write_chart,
+                     write_csv, write_json)
 from .runner import run_case
 
 
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# load average at end: {header['machine']['load_average_at_end']}")
     write_json(out_dir / "results.json", header, results)
     write_csv(out_dir / "results.csv", header, results, fast_names)
-    wrote = [out_dir / "results.json", out_dir / "results.csv"]
+    (out_dir / "results.md").write_text(format_markdown(header, results, mode, fast) + "\n", encoding="utf-8")
+    wrote = [out_dir / "results.json", out_dir / "results.csv", out_dir / "results.md"]
     if not args.no_chart and write_chart(out_dir / f"chart_{mode}.png", header, results, mode):
         wrote.append(out_dir / f"chart_{mode}.png")
     print("# wrote " + ", ".join(str(w) for w in wrote))

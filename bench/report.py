@@ -318,3 +318,81 @@ def write_chart(path: Path, header: dict, results: list[dict], mode: str) -> boo
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> str:
+    """The run as Markdown: a summary in the paper's Table 3 layout, then one table per case."""
+    mach = header["machine"]
+    out = [f"Measured {header['date_utc']} with `{header['command']}`  ",
+           f"{mach['cpu_model']}, {mach['usable_cpus']} CPUs, {mach['torch_threads']} torch threads, "
+           f"torch {mach['torch']}, transformers {mach['transformers']}; clock: {header['settings'].get('clock', 'wall')}; "
+           f"load average at start {_load(mach.get('load_average_at_start'))}, at end "
+           f"{_load(mach.get('load_average_at_end'))}.", ""]
+    others = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
+    out.append(f"{fast} {MODE_TITLE[mode]} speedup (min over rounds / median of same-round ratios):")
+    out.append("")
+    out.append("| preset | rows per expert | vs " + " | vs ".join(others) + " | x GEMM-only bound | bound % of ceiling |")
+    out.append("|---|---:|" + "---:|" * len(others) + "---:|---:|")
+    for r in results:
+        m = r["metrics"].get(mode)
+        if m is None:
+            continue
+        sp = m["speedup"].get(fast, {})
+        cells = []
+        for o in others:
+            s = sp.get(o)
+            if s is None:
+                cells.append(r["providers"].get(o, {}).get("status", "-"))
+                continue
+            star = " *" if r["providers"][o].get("budget_limited") else ""
+            pr = f"{s['paired']:.2f}x" if s["paired"] is not None else "-"
+            cells.append(f"{s['min']:.2f}x / {pr}{star}")
+        q = m["providers"].get(fast)
+        xb = "-" if q is None else f"{q['x_bound']:.2f} / " + (
+            f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-")
+        out.append(f"| {r['case']['preset']['name']} | {r['case']['rows_per_expert']['mean']:.0f} | "
+                   + " | ".join(cells) + f" | {xb} | {100 * m['bound']['frac_ceiling']:.0f}% |")
+    out += ["", "\\* fewer rounds than asked (time budget): see the case's note.", ""]
+    for r in results:
+        m = r["metrics"].get(mode)
+        if m is None:
+            continue
+        out.append(f"**{case_title(r)}**; ceiling {m['ceiling_gflops']:.0f} GFLOP/s, "
+                   f"GEMM-only bound {m['bound']['gflops']:.0f} GFLOP/s ({100 * m['bound']['frac_ceiling']:.0f}% of it)")
+        out.append("")
+        out.append("| provider | median ms | spread | min ms | GFLOP/s | % ceiling | x bound (min / paired) | "
+                   f"{fast} speedup (min / paired) | saved for backward MB | rounds | correct vs hf_v4 |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        b = r["bound"][mode]
+        out.append(f"| GEMM-only bound | {1e3 * b['median_s']:.1f} | {100 * b['spread']:.0f}% | {1e3 * b['min_s']:.1f} | "
+                   f"{m['bound']['gflops']:.1f} | {100 * m['bound']['frac_ceiling']:.0f}% | 1.00 | | | {b['n']} | |")
+        sp = m["speedup"].get(fast, {})
+        for name, p in r["providers"].items():
+            if p.get("status") != "ok":
+                out.append(f"| {name} | skipped: {p.get('reason', '')} | | | | | | | | | |")
+                continue
+            q = m["providers"].get(name)
+            if q is None:
+                continue
+            s = sp.get(name)
+            s_txt = "" if s is None else f"{s['min']:.2f}x / " + (f"{s['paired']:.2f}x" if s["paired"] is not None else "-")
+            xp = f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-"
+            corr = p.get("correct")
+            if name == "hf_v4" or corr is None:
+                c_txt = "reference"
+            else:
+                worst = max(corr["max_rel_error"].values()) if corr["max_rel_error"] else 0.0
+                c_txt = f"{'ok' if corr['ok'] else 'FAIL'} ({worst:.0e})"
+            star = " *" if p.get("budget_limited") else ""
+            out.append(f"| {name} | {1e3 * q['median_s']:.1f} | {100 * q['spread']:.0f}% | {1e3 * q['min_s']:.1f} | "
+                       f"{q['gflops']:.1f} | {100 * q['frac_ceiling']:.0f}% | {q['x_bound']:.2f} / {xp} | {s_txt} | "
+                       f"{_mb(p.get('saved_bytes'))} | {p.get('rounds', 0)}{star} | {c_txt} |")
+        for name, p in r["providers"].items():
+            if p.get("budget_note"):
+                out.append(f"\n\\* {name}: {p['budget_note']}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _load(v) -> str:
+    return "-" if not v else "/".join(f"{x:.1f}" for x in v)

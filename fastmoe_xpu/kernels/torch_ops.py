@@ -5,6 +5,11 @@ Every function here has the same name and signature as its Triton counterpart in
 device-to-host read, so this backend sizes its outputs exactly (RT routed rows) where the Triton
 backend allocates the worst case (T*K rows) and leaves rows past RT unspecified.
 
+Written for the CPU's memory system: each pass over routed rows happens once, a piece of rows at a
+time while it is in cache (gather + GEMM + SiLU*up together, the elementwise backward in pieces,
+the reductions as one ``embedding_bag``); big buffers come from a cache that keeps them mapped
+between training steps (:class:`_CpuBufferCache`); weight gradients are never zero-filled.
+
 Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, TH token blocks,
 RT routed rows on this rank (sum of the local experts' token counts), R >= RT rows allocated.
 """
@@ -95,7 +100,9 @@ class _CpuBufferCache:
     MIN_BYTES = 1 << 20  # smaller blocks come from glibc's heap, which recycles them already
 
     def __init__(self) -> None:
-        self.enabled = os.environ.get("FASTMOE_CPU_CACHE", "1").strip() not in ("0", "false", "off")
+        # The use count is what makes reuse safe; without it (an older torch) nothing is cached.
+        self.enabled = hasattr(torch._C, "_storage_Use_Count") and os.environ.get(
+            "FASTMOE_CPU_CACHE", "1").strip().lower() not in ("0", "false", "off")
         self.max_idle = int(float(os.environ.get("FASTMOE_CPU_CACHE_IDLE_MB", "4096")) * 2**20)
         self.pool: dict[int, list[torch.UntypedStorage]] = {}
         self.lock = threading.Lock()
@@ -159,10 +166,6 @@ def _groups(bounds: list[int]) -> list[tuple[int, int, int]]:
     return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
 
 
-def _max_rows(bounds: list[int]) -> int:
-    return max((bounds[e + 1] - bounds[e] for e in range(len(bounds) - 1)), default=0)
-
-
 #: Bytes of the widest operand of one piece of a gather or elementwise pass. A piece stays in the
 #: last-level cache between the op that writes it and the ops that read it, and pieces are few:
 #: every op is a parallel region, and on a loaded machine each one can cost a scheduler time slice.
@@ -188,9 +191,8 @@ def _expert_pieces(bounds: list[int], min_rows: int) -> list[list[tuple[int, int
 
 def _silu_mul(gate_up_R2I: torch.Tensor, out_RI: torch.Tensor) -> None:
     inter = out_RI.shape[1]
-    tmp = _empty(out_RI.shape, out_RI)
-    torch._C._nn.silu(gate_up_R2I[:, :inter], out=tmp)
-    torch.mul(tmp, gate_up_R2I[:, inter:], out=out_RI)
+    torch._C._nn.silu(gate_up_R2I[:, :inter], out=out_RI)
+    out_RI.mul_(gate_up_R2I[:, inter:])
 
 
 def gate_up_fwd(
@@ -256,32 +258,28 @@ def down_bwd(
 def silu_mul_bwd(gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor) -> torch.Tensor:
     """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``.
 
-    ``d_up = dh * silu(gate)``; ``d_gate = dh * up * sig * (1 + gate - silu(gate))`` with
-    ``sig = sigmoid(gate)``, computed in fp32 a piece of rows at a time, so the temporaries stay in cache.
+    ``d_gate = silu'(gate) * (dh * up)`` (ATen's fused ``silu_backward``), ``d_up = dh * silu(gate)``:
+    four passes, a piece of rows at a time so that they hit the cache; bf16 is computed in fp32.
     """
     rt, inter = dh_RI.shape
     out_R2I = _empty((rt, 2 * inter), dh_RI)
     exact = dh_RI.dtype == torch.float32
     step = max(1, min(rt, _piece_rows(inter)))
-    sig_buf = _empty((step, inter), dh_RI, torch.float32)
-    silu_buf = _empty((step, inter), dh_RI, torch.float32)
+    tmp_buf = _empty((step, inter), dh_RI, torch.float32)
+    low_buf = None if exact else _empty((step, 2 * inter), dh_RI, torch.float32)
     for s in range(0, rt, step):
         t = min(rt, s + step)
         gate = gate_up_R2I[s:t, :inter].float()
         up = gate_up_R2I[s:t, inter:].float()
         dh = dh_RI[s:t].float()
-        sig = torch.sigmoid(gate, out=sig_buf[: t - s])
-        silu = torch.mul(gate, sig, out=silu_buf[: t - s])
-        if exact:
-            torch.mul(silu, dh, out=out_R2I[s:t, inter:])
-        else:
-            out_R2I[s:t, inter:].copy_(silu * dh)
-        silu.neg_().add_(gate).add_(1.0)
-        sig.mul_(silu).mul_(up)
-        if exact:
-            torch.mul(sig, dh, out=out_R2I[s:t, :inter])
-        else:
-            out_R2I[s:t, :inter].copy_(sig.mul_(dh))
+        tmp = tmp_buf[: t - s]
+        res = out_R2I[s:t] if exact else low_buf[: t - s]
+        torch.mul(dh, up, out=tmp)
+        torch.ops.aten.silu_backward.grad_input(tmp, gate, grad_input=res[:, :inter])
+        torch._C._nn.silu(gate, out=tmp)
+        torch.mul(tmp, dh, out=res[:, inter:])
+        if not exact:
+            out_R2I[s:t].copy_(res)
     return out_R2I
 
 
@@ -388,10 +386,10 @@ def combine_bwd(
         g = torch.index_select(dout_TH, 0, token_of_row[s:t], out=buf[: t - s])
         y = y_RH[s:t]
         if exact:
-            torch.bmm(y.unsqueeze(1), g.unsqueeze(2), out=dw_row[s:t].view(t - s, 1, 1))
+            torch.linalg.vecdot(y, g, out=dw_row[s:t])
             torch.mul(g, w_row[s:t, None], out=dy_RH[s:t])
         else:
-            dw_row[s:t] = torch.bmm(y.float().unsqueeze(1), g.float().unsqueeze(2)).view(-1)
+            torch.linalg.vecdot(y.float(), g.float(), out=dw_row[s:t])
             dy_RH[s:t] = (g.float() * w_row[s:t, None]).to(dy_RH.dtype)
     dweights_TK.view(-1)[flat] = dw_row[out_idx].to(weights_TK.dtype)
     return dy_RH, dweights_TK
