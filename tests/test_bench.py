@@ -38,6 +38,10 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
     rows = list(csv.DictReader(line for line in (tmp_path / "results.csv").open() if not line.startswith("#")))
     assert {r["provider"] for r in rows} >= {"gemm_bound", "hf_v4", "fastmoe/torch", "fastmoe/triton"}
     assert (tmp_path / "chart_fwdbwd.png").stat().st_size > 1000
+    md = (tmp_path / "results.md").read_text()
+    assert md.startswith("Measured ") and "| tiny |" in md and "| tiny-ep |" in md
+    assert f"{sp:.2f}x" in md  # the last case's speedup over hf_v4, as in the JSON
+    assert "fastmoe/triton | skipped" in md
     assert "fastmoe/torch forward+backward speedup" in printed and "skipped" in printed
 
 

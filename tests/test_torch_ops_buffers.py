@@ -97,3 +97,41 @@ def test_outputs_held_by_the_caller_survive_later_calls():
     gu2, _ = ops.gate_up_fwd(x * 3, inp, ctok, wgu.detach())
     assert gu1.data_ptr() != gu2.data_ptr()
     assert torch.equal(gu1, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("expert_start,num_local", [(0, 8), (3, 2)])  # all slots local; an EP slice
+def test_row_sums_match_embedding_bag_and_ignore_stale_buffers(monkeypatch, dtype, expert_start, num_local):
+    """combine_fwd's sparse-CSR product (fp32/fp64 on the CPU) writes into a recycled buffer:
+    it must equal the embedding_bag path bit for bit-ish, tokens without local rows must come out
+    as exact zeros, and NaN left in the buffer by its previous user must not leak in."""
+    T, H, E, K = 1000, 300, 8, 3  # [T, H] fp32 output > 1 MiB: it comes from the buffer cache
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    _, pcum, _, cexp, ctok = ops.count_tokens(idx, expert_start, num_local, 8)
+    _, out_idx, sel = ops.build_indices(idx, pcum, cexp, expert_start, num_local, 8)
+    y = torch.randn(int(ctok[-1]), H, generator=g).to(dtype)
+    w = torch.rand(T, K, generator=g).to(dtype)
+    tol = torch.float32 if dtype == torch.float64 else dtype  # fp64: held to fp32's (tighter) table
+    results = {}
+    for csr in (True, False):
+        monkeypatch.setattr(ops, "_CSR_ENABLED", csr)
+        for weights in (w, None):
+            stale = ops._empty((T, H), y)
+            stale.fill_(float("nan"))
+            del stale  # idle again: the next [T, H] buffer of this size class is this one
+            results[csr, weights is None] = ops.combine_fwd(y, weights, out_idx, sel, cexp)
+    for unweighted in (False, True):
+        got, want = results[True, unweighted], results[False, unweighted]
+        assert not got.isnan().any()
+        assert_close(got, want, tol, f"csr vs embedding_bag (unweighted={unweighted})")
+        no_rows = (cexp[1:] == cexp[:-1])
+        assert (expert_start, num_local) == (0, 8) or no_rows.any()
+        assert torch.equal(got[no_rows], torch.zeros_like(got[no_rows]))
+    # the reference: the sum written out slot by slot
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for i in range(int(cexp[t]), int(cexp[t + 1])):
+            k = int(sel[i])
+            ref[t] += float(w[t, k]) * y[int(out_idx[i])].double()
+    assert_close(results[True, False], ref.to(dtype), tol, "csr vs slot-by-slot sum")

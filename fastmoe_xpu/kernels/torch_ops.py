@@ -7,7 +7,7 @@ backend allocates the worst case (T*K rows) and leaves rows past RT unspecified.
 
 Written for the CPU's memory system: each pass over routed rows happens once, a piece of rows at a
 time while it is in cache (gather + GEMM + SiLU*up together, the elementwise backward in pieces,
-the reductions as one ``embedding_bag``); big buffers come from a cache that keeps them mapped
+the reductions as one sparse-CSR product or ``embedding_bag``); big buffers come from a cache that keeps them mapped
 between training steps (:class:`_CpuBufferCache`); weight gradients are never zero-filled.
 
 Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, TH token blocks,
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -316,6 +317,35 @@ def _slot_tokens(cum_expert_counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(T, device=cum_expert_counts.device), counts)
 
 
+#: Dtypes whose weighted row sums run as a sparse CSR x dense product into a cached buffer
+#: (MKL's sparse BLAS on x86); others use ``embedding_bag``, which allocates its output.
+_CSR_DTYPES = (torch.float32, torch.float64)
+
+
+def _csr_row_sums(y_RH: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
+                  T: int) -> torch.Tensor:
+    """``out [T, H]``, ``out[t] = sum over i in [crow[t], crow[t+1]) of values[i] * y[col[i]]``.
+
+    ``torch.addmm(out, S, y, beta=0, out=out)`` with ``S`` the ``[T, R]`` CSR matrix of the slots:
+    one pass over ``y``, written into a buffer from the cache. At the EP slices' [T, H] outputs
+    (hundreds of MB, most tokens without a local row), a fresh output cost more in page faults
+    than the sums themselves.
+    """
+    out = _empty((T, y_RH.shape[1]), y_RH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta state"
+        S = torch.sparse_csr_tensor(crow, col, values, size=(T, y_RH.shape[0]), check_invariants=False)
+    return torch.addmm(out, S, y_RH, beta=0, out=out)
+
+
+def _use_csr(y_RH: torch.Tensor) -> bool:
+    return y_RH.device.type == "cpu" and y_RH.dtype in _CSR_DTYPES and _CSR_ENABLED
+
+
+_CSR_ENABLED = torch.backends.mkl.is_available() and os.environ.get(
+    "FASTMOE_CPU_CSR", "1").strip().lower() not in ("0", "false", "off")
+
+
 def combine_fwd(
     y_RH: torch.Tensor,
     weights_TK: torch.Tensor | None,
@@ -326,8 +356,10 @@ def combine_fwd(
     """``out[t] = sum over slots i of t of weights[t, sel[i]] * y[output_indices[i]]`` (``[T, H]``);
     ``weights_TK=None`` sums unweighted (the input gradient's reduction).
 
-    One ``embedding_bag`` (a bag per token, its slots as indices, the routing weights as
-    per-sample weights): the rows are read once and summed in place, with no gathered copy.
+    The slots of token t are ``[cum_expert_counts[t], cum_expert_counts[t+1])``: a CSR matrix
+    (rows: tokens, columns: rows of ``y``, values: routing weights) times ``y`` for fp32/fp64 on
+    the CPU (:func:`_csr_row_sums`), otherwise one ``embedding_bag`` (a bag per token, the weights
+    as per-sample weights). Either way the rows are read once, with no gathered copy.
     """
     T = cum_expert_counts.numel() - 1
     H = y_RH.shape[1]
@@ -335,17 +367,22 @@ def combine_fwd(
     if n_slots == 0:
         return y_RH.new_zeros(T, H)
     out_idx = output_indices[:n_slots]
-    if weights_TK is not None and n_slots == weights_TK.numel():
-        # Every slot is local (no expert parallelism): a fixed [T, K] layout, slots in k order.
-        K = weights_TK.shape[1]
-        return F.embedding_bag(out_idx.view(T, K), y_RH, mode="sum",
-                               per_sample_weights=weights_TK.to(y_RH.dtype).view(T, K))
-    offsets = cum_expert_counts[:-1].to(out_idx.dtype)
+    K = weights_TK.shape[1] if weights_TK is not None else 0
+    all_local = weights_TK is not None and n_slots == weights_TK.numel()
     slot_w = None
     if weights_TK is not None:
-        K = weights_TK.shape[1]
-        flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
-        slot_w = weights_TK.reshape(-1)[flat].to(y_RH.dtype)
+        if all_local:  # no expert parallelism: a fixed [T, K] layout, slots in k order
+            slot_w = weights_TK.reshape(-1).to(y_RH.dtype)
+        else:
+            flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+            slot_w = weights_TK.reshape(-1)[flat].to(y_RH.dtype)
+    if _use_csr(y_RH):
+        if slot_w is None:
+            slot_w = torch.ones(n_slots, dtype=y_RH.dtype, device=y_RH.device)
+        return _csr_row_sums(y_RH, cum_expert_counts.to(out_idx.dtype), out_idx, slot_w.contiguous(), T)
+    if all_local:
+        return F.embedding_bag(out_idx.view(T, K), y_RH, mode="sum", per_sample_weights=slot_w.view(T, K))
+    offsets = cum_expert_counts[:-1].to(out_idx.dtype)
     return F.embedding_bag(out_idx, y_RH, offsets, mode="sum", per_sample_weights=slot_w)
 
 
