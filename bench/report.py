@@ -139,6 +139,51 @@ def case_title(result: dict) -> str:
             f"[{r['min']}..{r['max']}]; {c['dtype']} on {c['device']}")
 
 
+SUMMARY_BASELINES = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
+
+
+def _pair(a: float, b: float | None, sep: str, unit: str = "") -> str:
+    """``"a<unit><sep>b<unit>"``, ``-`` for a missing paired value."""
+    return f"{a:.2f}{unit}{sep}" + (f"{b:.2f}{unit}" if b is not None else "-")
+
+
+def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
+    """One row per contestant of a case (the bound first), as strings both tables print."""
+    m = result["metrics"][mode]
+    b = result["bound"][mode]
+    rows = [dict(name="gemm_bound", median=f"{1e3 * b['median_s']:.1f}", spread=100 * b["spread"],
+                 min=f"{1e3 * b['min_s']:.1f}", gflops=f"{m['bound']['gflops']:.1f}",
+                 ceil=100 * m["bound"]["frac_ceiling"], x_bound=1.0, x_paired="1.00", speedup="", saved="",
+                 rounds=str(b["n"]), star="", correct="")]
+    sp = m["speedup"].get(fast, {})
+    for name, p in result["providers"].items():
+        if p.get("status") != "ok":
+            rows.append(dict(name=name, skipped=p.get("reason", "")))
+            continue
+        q = m["providers"].get(name)
+        if q is None:
+            continue
+        s = sp.get(name)
+        corr = p.get("correct")
+        if name == "hf_v4" or corr is None:
+            c_txt = "reference" if name == "hf_v4" else "-"
+        else:
+            worst = max(corr["max_rel_error"].values()) if corr["max_rel_error"] else 0.0
+            c_txt = f"{'ok' if corr['ok'] else 'FAIL'} ({worst:.1e})"
+        rows.append(dict(
+            name=name, median=f"{1e3 * q['median_s']:.1f}", spread=100 * q["spread"], min=f"{1e3 * q['min_s']:.1f}",
+            gflops=f"{q['gflops']:.1f}", ceil=100 * q["frac_ceiling"], x_bound=q["x_bound"],
+            x_paired=f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-",
+            speedup=_pair(s["min"], s["paired"], sep, "x") if s else ("-" if name == fast else ""),
+            saved=_mb(p.get("saved_bytes")), rounds=str(p.get("rounds", 0)),
+            star=" *" if p.get("budget_limited") else "", correct=c_txt))
+    return rows
+
+
+def _budget_notes(result: dict) -> list[tuple[str, str]]:
+    return [(name, p["budget_note"]) for name, p in result["providers"].items() if p.get("budget_note")]
+
+
 def format_case(result: dict, mode: str, fast: str) -> str:
     m = result["metrics"][mode]
     lines = [f"{case_title(result)} -- {MODE_TITLE[mode]}",
@@ -148,70 +193,47 @@ def format_case(result: dict, mode: str, fast: str) -> str:
            f"{'x bound':>8} {'%bound':>6} {'paired':>7} {'speedup (min | paired)':>23} {'saved MB':>9} "
            f"{'rounds':>6}  correct")
     lines += [hdr, "  " + "-" * (len(hdr) - 2)]
-    b = result["bound"][mode]
-    lines.append(f"  {'gemm_bound':<18} {1e3 * b['median_s']:>10.1f} {100 * b['spread']:>6.1f}% {1e3 * b['min_s']:>10.1f} "
-                 f"{m['bound']['gflops']:>8.1f} {100 * m['bound']['frac_ceiling']:>5.0f}% {1.0:>8.2f} {100:>5.0f}% {1.0:>7.2f}")
-    sp = m["speedup"].get(fast, {})
-    for name, p in result["providers"].items():
-        if p.get("status") != "ok":
-            lines.append(f"  {name:<18} skipped: {p.get('reason', '')}")
+    for r in _case_rows(result, mode, fast, " | "):
+        if "skipped" in r:
+            lines.append(f"  {r['name']:<18} skipped: {r['skipped']}")
             continue
-        q = m["providers"].get(name)
-        if q is None:
-            continue
-        s = sp.get(name)
-        if s:
-            s_txt = f"{s['min']:.2f}x | " + (f"{s['paired']:.2f}x" if s["paired"] is not None else "  -  ")
-        else:
-            s_txt = "-" if name == fast else ""
-        xp = f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-"
-        corr = p.get("correct")
-        if corr is None:
-            c_txt = "reference" if name == "hf_v4" else "-"
-        else:
-            worst = max(corr["max_rel_error"].values()) if corr["max_rel_error"] else 0.0
-            c_txt = f"{'ok' if corr['ok'] else 'FAIL'} ({worst:.1e})"
-            if name == "hf_v4":
-                c_txt = "reference"
-        flag = " *" if p.get("budget_limited") else ""
-        lines.append(f"  {name:<18} {1e3 * q['median_s']:>10.1f} {100 * q['spread']:>6.1f}% {1e3 * q['min_s']:>10.1f} "
-                     f"{q['gflops']:>8.1f} {100 * q['frac_ceiling']:>5.0f}% {q['x_bound']:>8.2f} {100 / q['x_bound']:>5.0f}% {xp:>7} {s_txt:>23} "
-                     f"{_mb(p.get('saved_bytes')):>9} {p.get('rounds', 0):>5}{flag}  {c_txt}")
-    for name, p in result["providers"].items():
-        if p.get("budget_note"):
-            lines.append(f"  * {name}: {p['budget_note']}")
+        lines.append(f"  {r['name']:<18} {r['median']:>10} {r['spread']:>6.1f}% {r['min']:>10} {r['gflops']:>8} "
+                     f"{r['ceil']:>5.0f}% {r['x_bound']:>8.2f} {100 / r['x_bound']:>5.0f}% {r['x_paired']:>7} "
+                     f"{r['speedup']:>23} {r['saved']:>9} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
+    lines += [f"  * {name}: {note}" for name, note in _budget_notes(result)]
     return "\n".join(lines)
 
 
-def format_summary(results: list[dict], mode: str, fast: str) -> str:
-    """The paper's Table 3 layout: one row per layer, fastmoe's speedup over each baseline."""
-    others = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
-    hdr = (f"{'preset':<20} {'rows/exp':>8} " + " ".join(f"{'vs ' + o:>20}" for o in others)
-           + f" {'x bound':>13} {'bound %ceil':>11}")
-    lines = [f"{fast} {MODE_TITLE[mode]} speedup, min over interleaved rounds | median of same-round ratios "
-             "(>1: fastmoe is faster)", hdr, "-" * len(hdr)]
+def _summary_rows(results: list[dict], mode: str, fast: str, sep: str, star: str) -> list[tuple[dict, list[str], str]]:
+    """Per case with this mode: ``(result, speedup cell per baseline, fastmoe's x-bound cell)``."""
+    out = []
     for r in results:
         m = r["metrics"].get(mode)
         if m is None:
             continue
         sp = m["speedup"].get(fast, {})
         cells = []
-        for o in others:
+        for o in SUMMARY_BASELINES:
             s = sp.get(o)
             if s is None:
-                st = r["providers"].get(o, {})
-                cells.append("skipped" if st.get("status") == "skipped" else "-")
+                cells.append("skipped" if r["providers"].get(o, {}).get("status") == "skipped" else "-")
             else:
-                star = "*" if r["providers"][o].get("budget_limited") else ""
-                pr = f"{s['paired']:.2f}x" if s["paired"] is not None else "-"
-                cells.append(f"{s['min']:.2f}x | {pr}{star}")
+                cells.append(_pair(s["min"], s["paired"], sep, "x") + (star if r["providers"][o].get("budget_limited") else ""))
         q = m["providers"].get(fast)
-        xb = "-"
-        if q:
-            xb = f"{q['x_bound']:.2f} | " + (f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-")
+        out.append((r, cells, "-" if not q else _pair(q["x_bound"], q["x_bound_paired"], sep)))
+    return out
+
+
+def format_summary(results: list[dict], mode: str, fast: str) -> str:
+    """The paper's Table 3 layout: one row per layer, fastmoe's speedup over each baseline."""
+    hdr = (f"{'preset':<20} {'rows/exp':>8} " + " ".join(f"{'vs ' + o:>20}" for o in SUMMARY_BASELINES)
+           + f" {'x bound':>13} {'bound %ceil':>11}")
+    lines = [f"{fast} {MODE_TITLE[mode]} speedup, min over interleaved rounds | median of same-round ratios "
+             "(>1: fastmoe is faster)", hdr, "-" * len(hdr)]
+    for r, cells, xb in _summary_rows(results, mode, fast, " | ", "*"):
         lines.append(f"{r['case']['preset']['name']:<20} {r['case']['rows_per_expert']['mean']:>8.0f} "
                      + " ".join(f"{c:>20}" for c in cells)
-                     + f" {xb:>13} {100 * m['bound']['frac_ceiling']:>10.0f}%")
+                     + f" {xb:>13} {100 * r['metrics'][mode]['bound']['frac_ceiling']:>10.0f}%")
     lines.append("* fewer rounds than asked (time budget); a kept cold call pairs with no round")
     return "\n".join(lines)
 
@@ -328,30 +350,13 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
            f"torch {mach['torch']}, transformers {mach['transformers']}; clock: {header['settings'].get('clock', 'wall')}; "
            f"load average at start {_load(mach.get('load_average_at_start'))}, at end "
            f"{_load(mach.get('load_average_at_end'))}.", ""]
-    others = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
     out.append(f"{fast} {MODE_TITLE[mode]} speedup (min over rounds / median of same-round ratios):")
     out.append("")
-    out.append("| preset | rows per expert | vs " + " | vs ".join(others) + " | x GEMM-only bound | bound % of ceiling |")
-    out.append("|---|---:|" + "---:|" * len(others) + "---:|---:|")
-    for r in results:
-        m = r["metrics"].get(mode)
-        if m is None:
-            continue
-        sp = m["speedup"].get(fast, {})
-        cells = []
-        for o in others:
-            s = sp.get(o)
-            if s is None:
-                cells.append(r["providers"].get(o, {}).get("status", "-"))
-                continue
-            star = " *" if r["providers"][o].get("budget_limited") else ""
-            pr = f"{s['paired']:.2f}x" if s["paired"] is not None else "-"
-            cells.append(f"{s['min']:.2f}x / {pr}{star}")
-        q = m["providers"].get(fast)
-        xb = "-" if q is None else f"{q['x_bound']:.2f} / " + (
-            f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-")
+    out.append("| preset | rows per expert | vs " + " | vs ".join(SUMMARY_BASELINES) + " | x GEMM-only bound | bound % of ceiling |")
+    out.append("|---|---:|" + "---:|" * len(SUMMARY_BASELINES) + "---:|---:|")
+    for r, cells, xb in _summary_rows(results, mode, fast, " / ", " *"):
         out.append(f"| {r['case']['preset']['name']} | {r['case']['rows_per_expert']['mean']:.0f} | "
-                   + " | ".join(cells) + f" | {xb} | {100 * m['bound']['frac_ceiling']:.0f}% |")
+                   + " | ".join(cells) + f" | {xb} | {100 * r['metrics'][mode]['bound']['frac_ceiling']:.0f}% |")
     out += ["", "\\* fewer rounds than asked (time budget): see the case's note.", ""]
     for r in results:
         m = r["metrics"].get(mode)
@@ -363,33 +368,16 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
         out.append("| provider | median ms | spread | min ms | GFLOP/s | % ceiling | x bound (min / paired) | "
                    f"{fast} speedup (min / paired) | saved for backward MB | rounds | correct vs hf_v4 |")
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-        b = r["bound"][mode]
-        out.append(f"| GEMM-only bound | {1e3 * b['median_s']:.1f} | {100 * b['spread']:.0f}% | {1e3 * b['min_s']:.1f} | "
-                   f"{m['bound']['gflops']:.1f} | {100 * m['bound']['frac_ceiling']:.0f}% | 1.00 | | | {b['n']} | |")
-        sp = m["speedup"].get(fast, {})
-        for name, p in r["providers"].items():
-            if p.get("status") != "ok":
-                out.append(f"| {name} | skipped: {p.get('reason', '')} | | | | | | | | | |")
+        for row in _case_rows(r, mode, fast, " / "):
+            name = "GEMM-only bound" if row["name"] == "gemm_bound" else row["name"]
+            if "skipped" in row:
+                out.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
                 continue
-            q = m["providers"].get(name)
-            if q is None:
-                continue
-            s = sp.get(name)
-            s_txt = "" if s is None else f"{s['min']:.2f}x / " + (f"{s['paired']:.2f}x" if s["paired"] is not None else "-")
-            xp = f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-"
-            corr = p.get("correct")
-            if name == "hf_v4" or corr is None:
-                c_txt = "reference"
-            else:
-                worst = max(corr["max_rel_error"].values()) if corr["max_rel_error"] else 0.0
-                c_txt = f"{'ok' if corr['ok'] else 'FAIL'} ({worst:.0e})"
-            star = " *" if p.get("budget_limited") else ""
-            out.append(f"| {name} | {1e3 * q['median_s']:.1f} | {100 * q['spread']:.0f}% | {1e3 * q['min_s']:.1f} | "
-                       f"{q['gflops']:.1f} | {100 * q['frac_ceiling']:.0f}% | {q['x_bound']:.2f} / {xp} | {s_txt} | "
-                       f"{_mb(p.get('saved_bytes'))} | {p.get('rounds', 0)}{star} | {c_txt} |")
-        for name, p in r["providers"].items():
-            if p.get("budget_note"):
-                out.append(f"\n\\* {name}: {p['budget_note']}")
+            speedup = "" if row["speedup"] == "-" else row["speedup"]
+            out.append(f"| {name} | {row['median']} | {row['spread']:.0f}% | {row['min']} | {row['gflops']} | "
+                       f"{row['ceil']:.0f}% | {row['x_bound']:.2f} / {row['x_paired']} | {speedup} | {row['saved']} | "
+                       f"{row['rounds']}{row['star']} | {row['correct']} |")
+        out += [f"\n\\* {name}: {note}" for name, note in _budget_notes(r)]
         out.append("")
     return "\n".join(out)
 
