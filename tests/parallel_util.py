@@ -2,23 +2,19 @@
 
 Processes come from a ``forkserver`` that has imported torch and transformers once, so each run
 pays no import cost (a fresh ``spawn`` costs several seconds of imports per process on a small
-machine). ``run_workers(fn, world, *args)`` returns the W return values in rank order; a rank that
-raises or hangs makes it raise with that rank's traceback.
+machine). ``run_workers(fn, world, *args)`` is :func:`fastmoe_xpu.dist.testing.run_distributed` on
+that server: the W return values in rank order; a rank that raises or hangs makes it raise with
+that rank's traceback.
 """
 from __future__ import annotations
 
-import importlib
 import os
-import pickle
-import queue as queue_mod
-import socket
 import sys
-import time
-import traceback
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from fastmoe_xpu.dist.testing import run_distributed
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PRELOAD = ["torch", "torch.distributed", "transformers.models.olmoe.modeling_olmoe",
@@ -37,74 +33,11 @@ def _context():
     return _CTX
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, target: tuple[str, str], args: tuple, result_q: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        fn: Any = importlib.import_module(target[0])
-        for part in target[1].split("."):
-            fn = getattr(fn, part)
-        value = fn(*args)
-        result_q.put((rank, True, pickle.dumps(value)))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        result_q.put((rank, False, traceback.format_exc()))
-
-
 def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """``fn(*args)`` on ``world`` gloo processes (``fn`` importable by module and name)."""
-    ctx = _context()
-    result_q = ctx.Queue()
-    port = free_port()
-    target = (fn.__module__, fn.__qualname__)
-    procs = [ctx.Process(target=_entry, args=(r, world, port, target, args, result_q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) + len(failures) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world)) - set(results) - set(failures))
-                raise TimeoutError(f"ranks {missing} gave no result within {timeout_s:.0f} s")
-            try:
-                rank, ok, payload = result_q.get(timeout=min(remaining, 1.0))
-            except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and r not in results and r not in failures:
-                        failures[r] = f"process exited with code {p.exitcode} before reporting"
-                continue
-            if ok:
-                results[rank] = pickle.loads(payload)
-            else:
-                failures[rank] = payload
-            if failures:
-                break  # the others are probably stuck in a collective with the failed rank
-        for p in procs:
-            p.join(timeout=max(min(deadline - time.monotonic(), 30.0), 1.0))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    if failures:
-        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-        raise RuntimeError(f"{len(failures)} of {world} ranks failed\n{detail}")
-    return [results[r] for r in range(world)]
+    """``fn(*args)`` on ``world`` gloo processes (``fn`` importable by module and name), forked from
+    the preloaded server; the first failed rank ends the run."""
+    return run_distributed(fn, world, *args, timeout_s=timeout_s, comm_timeout_s=120.0, context=_context(),
+                           fail_fast=True)
 
 
 # ----------------------------------------------------------------------------- tiny models

@@ -4,7 +4,8 @@
 would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port),
 calls :func:`fastmoe_xpu.dist.init_distributed` in each, then ``fn(*args)``, and returns the W
 return values in rank order. A process that raises, dies or outlives ``timeout_s`` makes it raise
-with that rank's traceback; leftover processes are terminated.
+with that rank's traceback; leftover processes are terminated. ``context`` swaps the start method
+(a ``forkserver`` context that preloads torch saves each process seconds of imports).
 """
 from __future__ import annotations
 
@@ -62,13 +63,17 @@ def run_distributed(
     env: dict[str, str] | None = None,
     timeout_s: float = 240.0,
     comm_timeout_s: float = 60.0,
+    context: Any = None,
+    fail_fast: bool = False,
 ) -> list[Any]:
     """``fn(*args)`` on ``world_size`` gloo processes; returns their results in rank order.
 
     ``fn`` must be importable by name (a module-level function). ``env`` is set in each child
-    before anything else is imported there.
+    before anything else is imported there. ``context``: a multiprocessing context (default
+    ``spawn``). ``fail_fast``: raise at the first failed rank instead of waiting for the others'
+    results (they are usually stuck in a collective with it).
     """
-    ctx = mp.get_context("spawn")
+    ctx = context if context is not None else mp.get_context("spawn")
     result_q = ctx.Queue()
     port = free_port()
     target = (fn.__module__, fn.__qualname__)
@@ -102,8 +107,10 @@ def run_distributed(
                 results[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
+            if failures and fail_fast:
+                break
         for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+            p.join(timeout=max(min(deadline - time.monotonic(), 30.0) if fail_fast else deadline - time.monotonic(), 1.0))
     finally:
         for p in procs:
             if p.is_alive():
