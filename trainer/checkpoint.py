@@ -64,6 +64,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .parallel import MeshPosition
+
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
 META = "meta.json"
@@ -80,7 +82,7 @@ class CheckpointError(RuntimeError):
 
 # ============================================================================ layout and writers
 @dataclass(frozen=True)
-class Coords:
+class Coords(MeshPosition):
     """Position of one rank in the PP x DP x EP mesh (EP innermost), as ``trainer.parallel.Layout``."""
 
     rank: int = 0
@@ -91,18 +93,6 @@ class Coords:
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.ep
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.ep)
-
-    @property
-    def dp_rank(self) -> int:
-        return (self.rank // self.ep) % self.dp
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank % self.ep
 
 
 def coords_of(layout: Any) -> Coords:

@@ -22,8 +22,24 @@ import torch.distributed as dist
 from .config import ConfigError, ParallelConfig
 
 
+class MeshPosition:
+    """The indices of ``self.rank`` in a PP x DP x EP mesh, EP innermost (reads ``rank``, ``dp``, ``ep``)."""
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.dp * self.ep)
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.ep) % self.dp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+
 @dataclass
-class Layout:
+class Layout(MeshPosition):
     """Where this process sits in the PP x DP x EP mesh, and its process groups."""
 
     world: int = 1
@@ -37,18 +53,6 @@ class Layout:
     dp_group: Any = None
     dpep_group: Any = None
     world_group: Any = None
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.ep)
-
-    @property
-    def dp_rank(self) -> int:
-        return (self.rank // self.ep) % self.dp
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank % self.ep
 
     @property
     def data_rank(self) -> int:
