@@ -8,51 +8,15 @@ import pytest
 import torch
 
 from tests.parallel_util import run_workers
+from tests.trainer_util import RTOL, assert_states_close, data_cache, one_thread  # noqa: F401 (fixtures)
+from tests.trainer_util import small_cfg as _small_cfg
 from trainer.config import ConfigError, TrainConfig, validate
-from trainer.presets import get_preset
 from trainer.train import Trainer
-
-# As in the trainer's own layout tests: losses to 1e-5 relative; weights to 1e-5 relative in norm and
-# 1e-5 absolute per element (Adam turns summation-order rounding of a ~0 gradient into ~1e-6).
-RTOL, ATOL = 1e-5, 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
 
 
 def small_cfg(data_cache: str, out: str, preset: str = "tiny-moe", **over) -> TrainConfig:
     """4 steps of 8 instances x 16 tokens in micro-batches of 2, clipping active from step 2."""
-    cfg = get_preset(preset)
-    cfg.data.context = 16
-    cfg.data.cache_dir = data_cache
-    cfg.schedule.steps, cfg.schedule.global_batch, cfg.schedule.micro_batch = 4, 8, 2
-    cfg.schedule.warmup_steps = 2
-    cfg.optim.grad_clip = 0.5
-    cfg.logging.out = out
-    cfg.logging.progress = cfg.logging.plot = cfg.logging.tensorboard = False
-    cfg.logging.peak_tflops = 1.0
-    for key, value in over.items():
-        section, name = key.split("__")
-        setattr(getattr(cfg, section), name, value)
-    return cfg
-
-
-def assert_states_close(a: dict, b: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-        if a[k].dtype.is_floating_point and b[k].norm() > 0:
-            rel = float((a[k].double() - b[k].double()).norm() / b[k].double().norm())
-            assert rel <= rtol, f"{k}: relative difference {rel:.2e} in norm"
+    return _small_cfg(data_cache, out, preset, steps=4, **over)
 
 
 def _worker(data_cache: str, out: str, preset: str, over: dict) -> dict:
