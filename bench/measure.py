@@ -125,6 +125,18 @@ def saved_bytes(prov: Provider, case: Case) -> int:
     return sum(seen.values())
 
 
+def page_faults() -> int | None:
+    """Minor page faults of this process so far (``getrusage``); None where it is not available.
+
+    A fresh page the kernel maps and zeroes on first touch is a minor fault: what an implementation
+    that allocates big buffers every step pays on the CPU beyond its arithmetic."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_fn(fn: Callable[[], None], device: torch.device) -> float:
     synchronize(device)
     t0 = _clock()

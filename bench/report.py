@@ -123,6 +123,12 @@ def derive(result: dict, fast_names: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------- printed tables
+def _faults(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1000:.0f}k" if n >= 10_000 else str(n)
+
+
 def _mb(n: int | None) -> str:
     if n is None:
         return "-"
@@ -154,7 +160,8 @@ def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
     rows = [dict(name="gemm_bound", median=f"{1e3 * b['median_s']:.1f}", spread=100 * b["spread"],
                  min=f"{1e3 * b['min_s']:.1f}", gflops=f"{m['bound']['gflops']:.1f}",
                  ceil=100 * m["bound"]["frac_ceiling"], x_bound=1.0, x_paired="1.00", speedup="", saved="",
-                 rounds=str(b["n"]), star="", correct="")]
+                 faults=_faults(result["bound"].get("page_faults_per_call")), rounds=str(b["n"]), star="",
+                 correct="")]
     sp = m["speedup"].get(fast, {})
     for name, p in result["providers"].items():
         if p.get("status") != "ok":
@@ -175,7 +182,8 @@ def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
             gflops=f"{q['gflops']:.1f}", ceil=100 * q["frac_ceiling"], x_bound=q["x_bound"],
             x_paired=f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-",
             speedup=_pair(s["min"], s["paired"], sep, "x") if s else ("-" if name == fast else ""),
-            saved=_mb(p.get("saved_bytes")), rounds=str(p.get("rounds", 0)),
+            saved=_mb(p.get("saved_bytes")), faults=_faults(p.get("page_faults_per_call")),
+            rounds=str(p.get("rounds", 0)),
             star=" *" if p.get("budget_limited") else "", correct=c_txt))
     return rows
 
@@ -191,7 +199,7 @@ def format_case(result: dict, mode: str, fast: str) -> str:
              f"GEMM-only bound {m['bound']['gflops']:.1f} GFLOP/s = {100 * m['bound']['frac_ceiling']:.0f}% of it"]
     hdr = (f"  {'provider':<18} {'median ms':>10} {'spread':>7} {'min ms':>10} {'GFLOP/s':>8} {'%ceil':>6} "
            f"{'x bound':>8} {'%bound':>6} {'paired':>7} {'speedup (min | paired)':>23} {'saved MB':>9} "
-           f"{'rounds':>6}  correct")
+           f"{'faults':>7} {'rounds':>6}  correct")
     lines += [hdr, "  " + "-" * (len(hdr) - 2)]
     for r in _case_rows(result, mode, fast, " | "):
         if "skipped" in r:
@@ -199,7 +207,7 @@ def format_case(result: dict, mode: str, fast: str) -> str:
             continue
         lines.append(f"  {r['name']:<18} {r['median']:>10} {r['spread']:>6.1f}% {r['min']:>10} {r['gflops']:>8} "
                      f"{r['ceil']:>5.0f}% {r['x_bound']:>8.2f} {100 / r['x_bound']:>5.0f}% {r['x_paired']:>7} "
-                     f"{r['speedup']:>23} {r['saved']:>9} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
+                     f"{r['speedup']:>23} {r['saved']:>9} {r['faults']:>7} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
     lines += [f"  * {name}: {note}" for name, note in _budget_notes(result)]
     return "\n".join(lines)
 
@@ -247,7 +255,7 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
     cols = ["preset", "mode", "provider", "status", "reason", "rounds", "median_ms", "min_ms", "max_ms", "spread",
             "gflops", "frac_ceiling", "x_bound", "x_bound_paired"] + [f"speedup_of_{f}" for f in fast_names] + [
             f"speedup_of_{f}_paired" for f in fast_names] + [
-            "saved_mb", "correct", "max_rel_error", "budget_limited", "note"]
+            "saved_mb", "page_faults_per_call", "correct", "max_rel_error", "budget_limited", "note"]
     mach = header["machine"]
     with path.open("w", newline="", encoding="utf-8") as fh:
         fh.write(f"# {header['date_utc']} {header['command']}\n")
@@ -263,7 +271,8 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
                 w.writerow({"preset": pname, "mode": mode, "provider": "gemm_bound", "status": "ok",
                             "rounds": b["n"], "median_ms": 1e3 * b["median_s"], "min_ms": 1e3 * b["min_s"],
                             "max_ms": 1e3 * b["max_s"], "spread": b["spread"], "gflops": m["bound"]["gflops"],
-                            "frac_ceiling": m["bound"]["frac_ceiling"], "x_bound": 1.0})
+                            "frac_ceiling": m["bound"]["frac_ceiling"], "x_bound": 1.0,
+                            "page_faults_per_call": r["bound"].get("page_faults_per_call")})
                 for name, p in r["providers"].items():
                     row = {"preset": pname, "mode": mode, "provider": name, "status": p.get("status"),
                            "reason": p.get("reason", ""), "note": p.get("note", "")}
@@ -277,6 +286,7 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
                                    frac_ceiling=q["frac_ceiling"], x_bound=q["x_bound"],
                                    x_bound_paired=q["x_bound_paired"],
                                    saved_mb=p.get("saved_bytes", 0) / 2**20,
+                                   page_faults_per_call=p.get("page_faults_per_call"),
                                    correct=corr.get("ok", "reference" if name == "hf_v4" else ""),
                                    max_rel_error=max(errs.values()) if errs else "",
                                    budget_limited=bool(p.get("budget_limited")))
@@ -366,17 +376,17 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
                    f"GEMM-only bound {m['bound']['gflops']:.0f} GFLOP/s ({100 * m['bound']['frac_ceiling']:.0f}% of it)")
         out.append("")
         out.append("| provider | median ms | spread | min ms | GFLOP/s | % ceiling | x bound (min / paired) | "
-                   f"{fast} speedup (min / paired) | saved for backward MB | rounds | correct vs hf_v4 |")
-        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+                   f"{fast} speedup (min / paired) | saved for backward MB | page faults per call | rounds | correct vs hf_v4 |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for row in _case_rows(r, mode, fast, " / "):
             name = "GEMM-only bound" if row["name"] == "gemm_bound" else row["name"]
             if "skipped" in row:
-                out.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
+                out.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | | |")
                 continue
             speedup = "" if row["speedup"] == "-" else row["speedup"]
             out.append(f"| {name} | {row['median']} | {row['spread']:.0f}% | {row['min']} | {row['gflops']} | "
                        f"{row['ceil']:.0f}% | {row['x_bound']:.2f} / {row['x_paired']} | {speedup} | {row['saved']} | "
-                       f"{row['rounds']}{row['star']} | {row['correct']} |")
+                       f"{row['faults']} | {row['rounds']}{row['star']} | {row['correct']} |")
         out += [f"\n\\* {name}: {note}" for name, note in _budget_notes(r)]
         out.append("")
     return "\n".join(out)

@@ -8,6 +8,10 @@ providers' cold call also gives their outputs and gradients for the correctness 
 A provider whose cold call shows it cannot fit ``rounds`` calls into ``budget_s`` runs fewer
 rounds; one whose cold call alone exceeds the budget keeps that cold call as its only sample.
 Both are flagged in the results (``budget_limited``) rather than stalling the run.
+
+Each timed call also counts the process's minor page faults (median per call in the results):
+fresh memory the kernel maps page by page, the cost that separates implementations which
+allocate their big buffers every step from those which do not, and a large part of the spread.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 from .bounds import DenseCeiling, GemmBound
 from .cases import Case
-from .measure import compare, saved_bytes, stats, time_fn, timed_call
+from .measure import compare, page_faults, saved_bytes, stats, time_fn, timed_call
 from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
 
 CEILING = "dense_ceiling"
@@ -114,11 +118,15 @@ def run_case(
 
     del ref_out
     names = list(contestants)
+    faults: dict[str, list[int]] = {n: [] for n in contestants}
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             if r < allowed[name]:
+                f0 = page_faults()
                 samples[name].append(contestants[name]())
+                if f0 is not None:
+                    faults[name].append(page_faults() - f0)
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -137,11 +145,17 @@ def run_case(
             st["by_round"] = st.get("samples_s", []) if pairable else []
         return out
 
+    def median_faults(name: str) -> int | None:
+        f = sorted(faults[name])
+        return f[len(f) // 2] if f else None
+
     result["ceiling"] = {"size": ceiling_n, "flops": ceiling.flops, **stats([f for f, _ in samples[CEILING]])}
     result["bound"] = split(BOUND)
+    result["bound"]["page_faults_per_call"] = median_faults(BOUND)
     for name in providers:
         result["providers"][name].update(split(name))
         result["providers"][name]["rounds"] = len(samples[name])
+        result["providers"][name]["page_faults_per_call"] = median_faults(name)
     del providers, bound, ceiling
     gc.collect()
     return result

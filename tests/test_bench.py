@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.bounds import GemmBound
 from bench.cases import make_case
 from bench.cli import main
-from bench.measure import saved_bytes, timed_call
+from bench.measure import page_faults, saved_bytes, timed_call
 from bench.presets import PRESETS
 from bench.providers import build_provider
 from bench.runner import run_case
@@ -32,11 +32,13 @@ def test_cli_tiny_end_to_end(tmp_path, capsys):
             assert provs[name]["status"] == "ok"
             assert provs[name]["correct"]["ok"], (name, provs[name]["correct"])
             assert provs[name]["fwdbwd"]["n"] == 2
+            assert isinstance(provs[name]["page_faults_per_call"], int) and provs[name]["page_faults_per_call"] >= 0
         sp = c["metrics"]["fwdbwd"]["speedup"]["fastmoe/torch"]["hf_v4"]["min"]
         ratio = provs["hf_v4"]["fwdbwd"]["min_s"] / provs["fastmoe/torch"]["fwdbwd"]["min_s"]
         assert sp == pytest.approx(ratio)
     rows = list(csv.DictReader(line for line in (tmp_path / "results.csv").open() if not line.startswith("#")))
     assert {r["provider"] for r in rows} >= {"gemm_bound", "hf_v4", "fastmoe/torch", "fastmoe/triton"}
+    assert all(r["page_faults_per_call"] != "" for r in rows if r["status"] == "ok")
     assert (tmp_path / "chart_fwdbwd.png").stat().st_size > 1000
     md = (tmp_path / "results.md").read_text()
     assert md.startswith("Measured ") and "| tiny |" in md and "| tiny-ep |" in md
@@ -91,3 +93,10 @@ def test_timed_call_leaves_no_gradients_behind():
     assert f > 0 and b > 0
     assert got["dw_gate_up"].abs().sum() > 0
     assert all(p.grad is None for p in prov.params)
+
+
+def test_page_faults_count_fresh_memory():
+    before = page_faults()
+    fresh = torch.empty(64 << 18)  # 64 MiB: mapped afresh, each page faulted in on first touch
+    fresh.fill_(1.0)
+    assert page_faults() > before
