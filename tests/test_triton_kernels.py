@@ -400,6 +400,8 @@ def test_launchers_reject_bad_inputs():
         tops.down_fwd(torch.randn(8, 3), cum[:2], torch.randn(2, 8, 3))
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         tops.silu_mul_bwd(torch.zeros(4, 6, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="cum_token_counts must be int32"):
+        tops.silu_mul_bwd(torch.zeros(4, 6), torch.zeros(4, 3), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"weights \(3, 2\)"):
         tops.combine_fwd(torch.randn(8, 4), torch.rand(3, 2), idx, idx, torch.zeros(5, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"partial_cum_token_counts has shape \(5,\), expected \(3,\)"):
@@ -467,3 +469,24 @@ def test_block_pointer_path_under_triton_3_3():
         res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**base, **extra}, capture_output=True,
                              text=True, timeout=900)
         assert res.returncode == 0 and marker in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_bwd_computes_only_the_routed_rows(monkeypatch, dtype):
+    """With the row count (as the autograd Function passes it), rows past RT are neither read nor
+    written: under expert parallelism RT is about 1/EP of the T*K rows allocated."""
+    from fastmoe_xpu.kernels import grouped_gemm
+
+    R, I, rt = 50, 20, 19  # RT ends inside a BLOCK_R tile, and later tiles hold no routed row
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(R, 2 * I, generator=g).to(dtype)
+    dh = torch.randn(R, I, generator=g).to(dtype)
+    gate_up[rt:] = float("nan")  # never read
+    cum_token = torch.tensor([0, 7, 7, rt], dtype=torch.int32)  # 3 local experts, one empty
+    monkeypatch.setattr(grouped_gemm, "_alloc_rows", lambda like, rows, cols: torch.full((rows, cols), 7.0, dtype=like.dtype))
+    got = tops.silu_mul_bwd(gate_up, dh, cum_token)
+    assert_close(got[:rt], torch_ops.silu_mul_bwd(gate_up[:rt], dh[:rt]), dtype)
+    assert torch.equal(got[rt:], torch.full((R - rt, 2 * I), 7.0, dtype=dtype))  # untouched
+    everything = tops.silu_mul_bwd(gate_up, dh)  # without counts: all R rows
+    assert torch.isnan(everything[rt:]).all()
+    assert torch.equal(everything[:rt], got[:rt])

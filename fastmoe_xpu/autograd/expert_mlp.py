@@ -44,7 +44,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         ops = ctx.ops
         dy_RH = dy_RH.contiguous()
         dh_RI, dw_down = ops.down_bwd(dy_RH, h_RI, cum_token_counts, w_down_NHI)
-        d_gate_up_R2I = ops.silu_mul_bwd(gate_up_R2I, dh_RI)
+        d_gate_up_R2I = ops.silu_mul_bwd(gate_up_R2I, dh_RI, cum_token_counts)
         dx_rows_RH, dw_gate_up = ops.gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
         # Each token's rows are summed back in slot order: deterministic, no atomics. Unweighted,
         # so the selected-expert indices are not read (output_indices stands in for them).

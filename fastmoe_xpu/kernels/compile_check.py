@@ -129,8 +129,9 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     out.append(("grouped_mm_bwd[gather]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
                 {"GATHER": True, **gemm_flags}, bwd_aligned))
     out.append(("silu_mul_bwd", "silu_mul_bwd", grouped_gemm._silu_mul_bwd_kernel, {
-        "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "R": _I32, "I": _I32}, {},
-        ("gate_up_ptr", "dh_ptr", "d_gate_up_ptr", "I")))
+        "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,
+        "NR": _I32}, {"HAS_COUNTS": True},
+        ("gate_up_ptr", "dh_ptr", "d_gate_up_ptr", "cum_token_ptr", "I")))
     comb_sig = {"y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
                 "cum_expert_ptr": _P32, "out_ptr": act, "T": _I32, "H": _I32, "K": _I32}
     comb_aligned = ("y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "out_ptr", "H", "K")

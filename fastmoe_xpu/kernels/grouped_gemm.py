@@ -294,20 +294,30 @@ def _silu_mul_bwd_kernel(
     gate_up_ptr,
     dh_ptr,
     d_gate_up_ptr,
+    cum_token_ptr,
     R,
     I,
+    NR,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
 ):
     """``d_gate = dh * up * s * (1 + gate * (1 - s))`` with ``s = sigmoid(gate)``, ``d_up = dh * silu(gate)``.
 
     Grid ``(ceil(R/BLOCK_R), ceil(I/BLOCK_I))``; program ``(r, c)`` owns rows
     ``[r*BLOCK_R, (r+1)*BLOCK_R)`` and columns ``[c*BLOCK_I, (c+1)*BLOCK_I)`` of both halves. Reads
     ``gate_up [R, 2I]`` and ``dh [R, I]``; writes ``d_gate_up [R, 2I]`` in dh's dtype; fp32 math.
+    With ``HAS_COUNTS`` only the RT = ``cum_token_counts[NR]`` routed rows are computed (read on
+    the device: the grid stays the worst case, programs past RT exit at once).
     """
+    row_end = R
+    if HAS_COUNTS:
+        row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
+        if tl.program_id(0) * BLOCK_R >= row_end:
+            return
     offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = (offs_r[:, None] < R) & (offs_i[None, :] < I)
+    mask = (offs_r[:, None] < row_end) & (offs_i[None, :] < I)
     gu = offs_r[:, None] * 2 * I + offs_i[None, :]
     gate = tl.load(gate_up_ptr + gu, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + gu + I, mask=mask, other=0.0).to(tl.float32)
@@ -447,20 +457,36 @@ def down_bwd(
     return dh, dw
 
 
-def silu_mul_bwd(gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]`` in dh's dtype."""
+def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Output rows of ``silu_mul_bwd`` (rows past RT stay as allocated; a test fills them to see that)."""
+    return like.new_empty(rows, cols)
+
+
+def silu_mul_bwd(
+    gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor, cum_token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]`` in dh's dtype.
+
+    With ``cum_token_counts`` only the first RT = ``cum_token_counts[-1]`` rows are computed (the
+    rest are unspecified, as everywhere); without it, all R rows."""
     _check_float("silu_mul_bwd", gate_up=gate_up_R2I, dh=dh_RI)
     R, I = dh_RI.shape
     if gate_up_R2I.dim() != 2 or gate_up_R2I.shape[1] != 2 * I or gate_up_R2I.shape[0] < R:
         raise ValueError(f"silu_mul_bwd: gate_up {tuple(gate_up_R2I.shape)} does not fit dh {tuple(dh_RI.shape)} "
                          f"(expected at least [{R}, {2 * I}])")
-    d_gate_up = dh_RI.new_empty(R, 2 * I)
+    dev = dh_RI.device
+    if cum_token_counts is not None:
+        _check_index("silu_mul_bwd", dev, cum_token_counts=cum_token_counts)
+    d_gate_up = _alloc_rows(dh_RI, R, 2 * I)
     if R == 0 or I == 0:
         return d_gate_up
-    dev = dh_RI.device
     cfg = get_config(backend_for(dev), "silu_mul_bwd")
     grid = (triton.cdiv(R, cfg.meta["BLOCK_R"]), triton.cdiv(I, cfg.meta["BLOCK_I"]))
-    _launch.launch(_silu_mul_bwd_kernel, grid, (gate_up_R2I, dh_RI, d_gate_up, R, I), cfg, dev)
+    has_counts = cum_token_counts is not None
+    counts = cum_token_counts if has_counts else dh_RI  # an unread stand-in pointer without counts
+    nr = cum_token_counts.numel() - 1 if has_counts else 0
+    _launch.launch(_silu_mul_bwd_kernel, grid, (gate_up_R2I, dh_RI, d_gate_up, counts, R, I, nr), cfg, dev,
+                   HAS_COUNTS=has_counts)
     return d_gate_up
 
 

@@ -256,8 +256,11 @@ def down_bwd(
     return dh_RI, dw_NHI
 
 
-def silu_mul_bwd(gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor) -> torch.Tensor:
-    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``.
+def silu_mul_bwd(
+    gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor, cum_token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``. This backend's
+    row buffers hold exactly the RT routed rows, so ``cum_token_counts`` changes nothing here.
 
     ``d_gate = silu'(gate) * (dh * up)`` (ATen's fused ``silu_backward``), ``d_up = dh * silu(gate)``:
     four passes, a piece of rows at a time so that they hit the cache; bf16 is computed in fp32.
