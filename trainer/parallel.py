@@ -23,15 +23,21 @@ from .config import ConfigError, ParallelConfig
 
 
 class MeshPosition:
-    """The indices of ``self.rank`` in a PP x DP x EP mesh, EP innermost (reads ``rank``, ``dp``, ``ep``)."""
+    """The indices of ``self.rank`` in a PP x DP x inner mesh, the inner axis fastest (reads ``rank``,
+    ``dp``, ``ep``). The inner axis is EP; a layout whose inner axis is another (TP, with ``ep`` 1)
+    overrides :attr:`inner_size`."""
+
+    @property
+    def inner_size(self) -> int:
+        return self.ep
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.ep)
+        return self.rank // (self.dp * self.inner_size)
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.ep) % self.dp
+        return (self.rank // self.inner_size) % self.dp
 
     @property
     def ep_rank(self) -> int:

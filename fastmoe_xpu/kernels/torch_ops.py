@@ -323,6 +323,9 @@ def _slot_tokens(cum_expert_counts: torch.Tensor) -> torch.Tensor:
 #: Dtypes whose weighted row sums run as a sparse CSR x dense product into a cached buffer
 #: (MKL's sparse BLAS on x86); others use ``embedding_bag``, which allocates its output.
 _CSR_DTYPES = (torch.float32, torch.float64)
+#: ``FASTMOE_CPU_CSR=0`` (or a torch without MKL) keeps every dtype on ``embedding_bag``.
+_CSR_ENABLED = torch.backends.mkl.is_available() and os.environ.get(
+    "FASTMOE_CPU_CSR", "1").strip().lower() not in ("0", "false", "off")
 
 
 def _csr_row_sums(y_RH: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
@@ -343,10 +346,6 @@ def _csr_row_sums(y_RH: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, val
 
 def _use_csr(y_RH: torch.Tensor) -> bool:
     return y_RH.device.type == "cpu" and y_RH.dtype in _CSR_DTYPES and _CSR_ENABLED
-
-
-_CSR_ENABLED = torch.backends.mkl.is_available() and os.environ.get(
-    "FASTMOE_CPU_CSR", "1").strip().lower() not in ("0", "false", "off")
 
 
 def combine_fwd(

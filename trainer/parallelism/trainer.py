@@ -46,16 +46,8 @@ class TPLayout(Layout):
     tp_group: Any = None
 
     @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.tp)
-
-    @property
-    def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
-
-    @property
-    def ep_rank(self) -> int:
-        return 0
+    def inner_size(self) -> int:
+        return self.tp
 
     @property
     def tp_rank(self) -> int:
