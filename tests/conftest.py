@@ -3,6 +3,8 @@ import sys
 
 # Tests import the package from the checkout without an install step too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Shared helpers (tolerances, trainer_util, parallel_util) import by plain name from test subfolders too.
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 # Triton kernels run on CPU tensors under Triton's interpreter, which triton fixes when it is first
 # imported (torch._dynamo imports it while transformers loads): switch it on before any test module.
