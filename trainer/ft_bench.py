@@ -39,7 +39,7 @@ def _median_time(fn, repeats: int) -> float:
 def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     """Write/restore times and sizes of tiny-moe checkpoints in one process."""
     from .cli import config_from_args
-    from .train import Trainer
+    from .trainer import Trainer
 
     cfg, _ = config_from_args([*SMALL, "--steps", "3", "--out", str(out / "tiny"), "--no-checkpoint.resume"])
     t = Trainer(cfg)
@@ -89,7 +89,7 @@ def measure_recovery(out: Path, kill_step: int = 3) -> dict[str, Any]:
     """Run tiny-moe on two hosts of one rank each with a spare; kill -9 rank 1 inside step
     ``kill_step`` (after the step-2 checkpoint) and read the launcher's events."""
     run = out / "recovery"
-    cmd = [sys.executable, "-m", "trainer.launch", "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", f"{__package__.split('.')[0]}.launch", "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
            "--max-restarts", "1", "--out", str(run), "--", *SMALL, "--steps", "6", "--checkpoint.interval", "2"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     beat = None

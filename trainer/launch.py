@@ -336,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a rank may stay silent while writing a checkpoint")
     ap.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--out", default=None, help="run directory (default: the trainer's --out)")
-    ap.add_argument("--entry", default="trainer", help="python module (or .py script) to run on every rank")
+    # the trainer's own package, under whichever name it is installed
+    ap.add_argument("--entry", default=__package__.split(".")[0],
+                    help="python module (or .py script) to run on every rank")
     ap.add_argument("--resume-arg", default="--checkpoint.resume",
                     help="arguments appended to the trainer's so every attempt resumes from the newest checkpoint")
     ap.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")

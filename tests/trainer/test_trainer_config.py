@@ -13,7 +13,7 @@ from trainer.cli import EXIT_CONFIG_ERROR, config_from_args, main
 from trainer.config import ConfigError, TrainConfig, field_docs, section_classes, validate
 from trainer.presets import PRESETS, get_preset
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_every_field_has_a_docstring() -> None:
@@ -110,7 +110,7 @@ def test_missing_data_set_fails_before_training(capsys, tmp_path) -> None:
 
 def test_module_entry_point_exits_non_zero() -> None:
     env = dict(os.environ, PYTHONPATH=REPO)
-    p = subprocess.run([sys.executable, "-m", "trainer", "--preset", "nope"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", main.__module__.rpartition(".")[0], "--preset", "nope"], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=300)
     assert p.returncode == EXIT_CONFIG_ERROR
     assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "unknown preset 'nope'" in p.stderr

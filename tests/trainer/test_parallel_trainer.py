@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from tests.parallel_util import run_workers
-from tests.trainer_util import RTOL, assert_states_close, data_cache, one_thread  # noqa: F401 (fixtures)
-from tests.trainer_util import small_cfg as _small_cfg
+from parallel_util import run_workers
+from trainer_util import RTOL, assert_states_close, data_cache, one_thread  # noqa: F401 (fixtures)
+from trainer_util import small_cfg as _small_cfg
 from trainer.config import ConfigError, TrainConfig, validate
-from trainer.train import Trainer
+from trainer.trainer import Trainer
 
 
 def small_cfg(data_cache: str, out: str, preset: str = "tiny-moe", **over) -> TrainConfig:
@@ -21,9 +21,8 @@ def small_cfg(data_cache: str, out: str, preset: str = "tiny-moe", **over) -> Tr
 
 def _worker(data_cache: str, out: str, preset: str, over: dict) -> dict:
     from trainer.parallelism.tp import gather_tensor_parallel
-    from trainer.parallelism.trainer import ParallelTrainer
 
-    t = ParallelTrainer(small_cfg(data_cache, out, preset, **over))
+    t = Trainer(small_cfg(data_cache, out, preset, **over))
     hist = t.fit()
     lay = t.layout
     state = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
@@ -76,10 +75,8 @@ def test_parallel_trainer_equals_one_process(data_cache, tmp_path, preset, world
 
 
 def _init_worker(data_cache: str, out: str, path: str, method: str) -> dict:
-    from trainer.parallelism.trainer import ParallelTrainer
-
-    t = ParallelTrainer(small_cfg(data_cache, out, "tiny-moe", model__init_from=path, parallel__broadcast=method,
-                                  parallel__ep=2))
+    t = Trainer(small_cfg(data_cache, out, "tiny-moe", model__init_from=path, parallel__broadcast=method,
+                          parallel__ep=2))
     return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
 
 

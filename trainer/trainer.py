@@ -1,15 +1,28 @@
-"""The training loop: a :class:`Trainer` owns the layout, data, model, optimizer and metrics.
+"""The training loop: one :class:`Trainer` owns the layout, data, model, optimizer and metrics,
+and composes the parallelisms the config asks for.
 
-One step: every DP x EP rank takes its own micro-batches of the global batch; each micro-batch's
-loss is normalised over the *global* batch (cross-entropy summed, divided by the global count of
-target tokens; router losses divided by the global number of micro-batches), so gradients are
+One step: every data-parallel rank takes its own micro-batches of the global batch; each
+micro-batch's loss is normalised over the *global* batch (:mod:`trainer.loss`), so gradients are
 plain sums across ranks and the logged loss is the global-batch mean whatever the layout. Then the
 sharded optimizer reduces, clips (after warmup), updates and re-publishes the weights.
 
-The pieces are separate methods so that other schedules slot in: :meth:`forward_backward` (one
-rank's micro-batches: replaced by a pipeline schedule), :meth:`micro_batch_loss` (the loss of one
-micro-batch from the model's outputs), :meth:`optimizer_step`, and :meth:`state_dict` /
-:meth:`load_state_dict` (everything needed to resume exactly).
+The parts, each applied by a function of :mod:`trainer.parallelism` when the config asks for it:
+
+- ``--pp N`` (``parallel.pp``): this rank builds only its pipeline stage (the full model is never
+  allocated when ``--parallel.pp_meta_init``), runs its micro-batches through the chosen schedule
+  (``parallel.pp_schedule``: 1F1B by default, or GPipe), and the optimizer covers the stage's
+  parameters with the same DP / EP groups (which all lie within one stage).
+- ``--tp N`` (``parallel.tp``, dense model): attention heads and MLP columns split over the TP
+  ranks (innermost in the mesh, where EP sits for MoE models); TP ranks read the same data.
+- ``--ac norm,attn,moe`` (``parallel.ac``): selective activation checkpointing.
+- ``--broadcast broadcast|all_reduce`` (``parallel.broadcast``): replicas receive rank 0's initial
+  weights instead of drawing their own; with ``--init-from FILE`` (``model.init_from``) only rank 0
+  reads the file and every rank receives its part.
+
+The step is split into methods so that each part has one place: :meth:`build_model`,
+:meth:`build_optimizer`, :meth:`forward_backward` (one rank's micro-batches, plain or through the
+pipeline schedule), :meth:`optimizer_step`, and :meth:`state_dict` / :meth:`load_state_dict`
+(everything needed to resume exactly).
 """
 from __future__ import annotations
 
@@ -19,81 +32,47 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import fault
 from .checkpoint import CheckpointManager, load_model, sync_master_from_model
-from .config import ConfigError, ModelConfig, TrainConfig, validate
+from .config import ConfigError, TrainConfig, validate, validated_for
+from .layout import Layout, barrier, env_world_size, init_layout, init_tp_layout
+from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, is_expert_param, param_counts, torch_dtype
-from .optim import ZeroAdamW, build_optimizer, state_bytes_formula
-from .parallel import Layout, all_reduce_sum, barrier, env_world_size, init_layout
+from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula
+from .parallelism.ac import apply_activation_checkpointing
+from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
+from .parallelism.pipeline import Pipeline, parallelize_pipeline
+from .parallelism.tp import apply_tensor_parallel, tp_localize
 from .schedule import clipping_active, lr_at
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
-IGNORE_INDEX = -100
-
-
-@dataclass
-class MicroLoss:
-    """Detached sums of one rank's micro-batches, before the all-reduce over DP x EP."""
-
-    lm: torch.Tensor
-    """Cross-entropy summed over target tokens, divided by the global target count."""
-    lb: torch.Tensor
-    """Load-balancing loss divided by the global number of micro-batches."""
-    z: torch.Tensor
-    """Router z-loss divided by the global number of micro-batches."""
-    tokens_per_expert: torch.Tensor
-    """Routed token slots per expert (summed over layers) ``[E]``."""
-
-
-def micro_batch_loss(m: ModelConfig, logits: torch.Tensor, labels: torch.Tensor,
-                     router_logits: Sequence[torch.Tensor] | None, *, global_targets: float,
-                     micro_batches_global: int) -> tuple[torch.Tensor, MicroLoss]:
-    """The differentiable loss of one micro-batch, scaled so that its sum over every micro-batch
-    of every rank is the global-batch loss, and its detached parts.
-
-    ``logits [B, C, V]``, ``labels [B, C]`` (already shifted; ``-100`` is ignored), ``router_logits``
-    one ``[B*C, E]`` tensor per MoE layer. LM loss: summed cross-entropy / ``global_targets``. Router
-    losses (load balancing, z) are per micro-batch statistics, averaged over ``micro_batches_global``.
-    """
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=IGNORE_INDEX, reduction="sum")
-    loss = ce / global_targets
-    zero = torch.zeros((), device=logits.device)
-    lb = z = zero
-    tpe = torch.zeros(m.num_experts if m.is_moe else 0, device=logits.device)
-    if m.is_moe and router_logits:
-        from fastmoe_xpu import load_balancing_loss, router_z_loss
-
-        lb = load_balancing_loss(router_logits, m.num_experts, m.top_k) / micro_batches_global
-        z = router_z_loss(router_logits) / micro_batches_global
-        loss = loss + m.load_balancing_coef * lb + m.z_loss_coef * z
-        with torch.no_grad():
-            idx = torch.cat([r.topk(m.top_k, dim=-1).indices.reshape(-1) for r in router_logits])
-            tpe = torch.bincount(idx, minlength=m.num_experts).float()
-    return loss, MicroLoss(ce.detach() / global_targets, lb.detach(), z.detach(), tpe)
-
 
 class Trainer:
-    """Trains ``cfg`` on this process's share of the layout.
+    """Trains ``cfg`` on this process's share of the layout, with the parallelisms it names (see the
+    module doc; without any it is the plain data- and expert-parallel loop).
 
-    ``layout`` defaults to the one torchrun's environment describes (one process without it)."""
+    ``layout`` defaults to the one torchrun's environment describes (one process without it).
+    ``cfg`` is used as it is when :func:`trainer.config.validate` passed it for this world (the
+    CLI's), else a validated copy is."""
 
     def __init__(self, cfg: TrainConfig, layout: Layout | None = None) -> None:
-        cfg = copy.deepcopy(cfg)
         world = layout.world if layout is not None else env_world_size()
-        validate(cfg, world)
+        if not validated_for(cfg, world):
+            # a config built in code rather than by the CLI: check a copy, the caller's stays as it was
+            cfg = validate(copy.deepcopy(cfg), world)
         self.cfg = cfg
-        self.layout = layout if layout is not None else init_layout(cfg.parallel)
+        if layout is None:
+            layout = init_tp_layout(cfg) if cfg.parallel.tp > 1 else init_layout(cfg.parallel)
+        self.layout = layout
+        self.pipeline: Pipeline | None = None
         lay = self.layout
         m, s = cfg.model, cfg.schedule
         self.device = lay.device
@@ -139,17 +118,76 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ setup
     def build_model(self) -> nn.Module:
-        """This rank's model (its experts only under EP), identical weights on every replica."""
+        """This rank's model (its pipeline stage under PP, its experts under EP, its TP shard under
+        TP), identical weights on every replica."""
         cfg, lay = self.cfg, self.layout
-        return build_model(cfg.model, cfg.data.context, seed=cfg.seed, device=self.device,
+        p = cfg.parallel
+        tp = getattr(lay, "tp", 1)
+
+        def prepare(module: nn.Module) -> None:
+            if tp > 1:
+                apply_tensor_parallel(module, lay.tp_group, rank=lay.tp_rank, tp=tp)
+            apply_activation_checkpointing(module, p.ac)
+
+        if p.pp > 1:
+            self.pipeline = parallelize_pipeline(cfg, lay, self.device,
+                                                 lambda stage: self._full_model(meta=p.pp_meta_init), prepare)
+            model: nn.Module = self.pipeline.modules[0]
+            model.to(dtype=torch_dtype(cfg.model.param_dtype))
+        else:
+            model = self._full_model()
+            prepare(model)
+        self._synchronise_weights(model)
+        return model
+
+    def _full_model(self, *, meta: bool = False) -> nn.Module:
+        cfg, lay = self.cfg, self.layout
+        device = torch.device("meta") if meta else self.device
+        if meta:
+            with torch.device("meta"):
+                return build_model(cfg.model, cfg.data.context, seed=cfg.seed, device=device,
+                                   ep_group=lay.ep_group, ep_size=lay.ep)
+        return build_model(cfg.model, cfg.data.context, seed=cfg.seed, device=device,
                            ep_group=lay.ep_group, ep_size=lay.ep)
 
+    def _synchronise_weights(self, model: nn.Module) -> None:
+        """``--init-from``: rank 0 reads the file, every rank receives its part. ``--broadcast``
+        without a file: every replica takes its group's first rank's initial weights."""
+        cfg, lay = self.cfg, self.layout
+        method = cfg.parallel.broadcast
+        path = cfg.model.init_from
+        if path:
+            if not lay.distributed:
+                load_and_broadcast_local(model, path)
+                return
+            tp = getattr(lay, "tp", 1)
+            load_and_broadcast(model, path, group=None, method="broadcast" if method == "none" else method,
+                               localize=tp_localize(lay.tp_rank, tp) if tp > 1 else None)
+        elif method != "none" and lay.dpep_group is not None:
+            broadcast_replicas(model, group=lay.dpep_group, expert_group=lay.dp_group, method=method,
+                               is_expert=is_expert_param)
+
     def build_optimizer(self) -> ZeroAdamW:
-        o = self.cfg.optim
-        return build_optimizer(
-            o.name, self.model, self.layout, is_expert=is_expert_param, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
-        )
+        o, lay = self.cfg.optim, self.layout
+        tp = getattr(lay, "tp", 1)
+        if tp == 1:
+            return build_optimizer(
+                o.name, self.model, lay, is_expert=is_expert_param, betas=(o.beta1, o.beta2), eps=o.eps,
+                weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
+            )
+        # TP-split weights are distinct on every TP rank; replicated ones (embedding, LM head) are
+        # equal there, gradients included, so only TP rank 0 counts them in global norms.
+        split, replicated = [], []
+        for name, prm in self.model.named_parameters():
+            if prm.requires_grad:
+                (split if getattr(prm, "tp_split", False) else replicated).append((name, prm))
+        sharded = o.name != "adamw"
+        specs = [BucketSpec("tp_split", split, lay.dp_group if sharded else None,
+                            None if sharded else lay.dp_group, True),
+                 BucketSpec("tp_replicated", replicated, lay.dp_group if sharded else None,
+                            None if sharded else lay.dp_group, lay.tp_rank == 0)]
+        return ZeroAdamW(specs, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                         grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype), norm_group=lay.world_group)
 
     def _prepare_data(self) -> str:
         d = self.cfg.data
@@ -178,18 +216,16 @@ class Trainer:
     # ------------------------------------------------------------------------------ one step
     def micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor,
                          router_logits: Sequence[torch.Tensor] | None, global_targets: float) -> tuple[torch.Tensor, MicroLoss]:
-        """The loss of one micro-batch (see :func:`micro_batch_loss`)."""
+        """The loss of one micro-batch (see :func:`trainer.loss.micro_batch_loss`)."""
         return micro_batch_loss(self.cfg.model, logits, labels, router_logits, global_targets=global_targets,
                                 micro_batches_global=self.micro_batches_global)
 
     def forward_backward(self, micro_batches: Sequence[Any]) -> MicroLoss:
-        """Forward and backward over this rank's micro-batches; gradients accumulate in the
-        optimizer's flat buffers. Returns the global sums (all-reduced over DP x EP)."""
-        lay = self.layout
-        targets = torch.tensor([float(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches))],
-                               device=self.device)
-        all_reduce_sum(targets, lay.dpep_group)
-        global_targets = max(float(targets.item()), 1.0)
+        """Forward and backward over this rank's micro-batches (through the pipeline schedule under
+        PP); gradients accumulate in the optimizer's flat buffers. Returns the global sums."""
+        global_targets = global_target_count(micro_batches, self.layout.dpep_group, self.device)
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(micro_batches, global_targets)
         acc: MicroLoss | None = None
         want_router = self.cfg.model.is_moe
         for mb in micro_batches:
@@ -203,12 +239,26 @@ class Trainer:
             loss, parts = self.micro_batch_loss(logits, labels, router_logits, global_targets)
             loss.backward()
             self._local_loss = loss.detach() if acc is None else self._local_loss + loss.detach()
-            acc = parts if acc is None else MicroLoss(acc.lm + parts.lm, acc.lb + parts.lb, acc.z + parts.z,
-                                                      acc.tokens_per_expert + parts.tokens_per_expert)
+            acc = parts if acc is None else acc + parts
         assert acc is not None  # micro_batches is never empty (validated batch sizes)
-        flat = torch.cat([acc.lm.reshape(1), acc.lb.reshape(1), acc.z.reshape(1), acc.tokens_per_expert])
-        all_reduce_sum(flat, lay.dpep_group)
-        return MicroLoss(flat[0], flat[1], flat[2], flat[3:])
+        # the sums over DP x EP
+        m = self.cfg.model
+        return all_reduce_loss([acc], m.num_experts if m.is_moe else 0, self.layout.dpep_group, self.device)
+
+    def _pipeline_forward_backward(self, micro_batches: Sequence[Any], global_targets: float) -> MicroLoss:
+        lay, m, pipe = self.layout, self.cfg.model, self.pipeline
+        assert pipe is not None and pipe.loss_cfg is not None
+        lc = pipe.loss_cfg
+        lc.global_targets = global_targets
+        lc.micro_batches_global = self.micro_batches_global
+        input_ids = torch.cat([mb[0] for mb in micro_batches]).to(self.device)
+        labels = torch.cat([mb[1] for mb in micro_batches]).to(self.device)
+        with self._autocast():
+            parts = pipe.step(input_ids if pipe.is_first else None, labels if pipe.is_last else None)
+        counts = getattr(lay, "tp_rank", 0) == 0  # TP ranks compute the same loss: count it once
+        # parts is empty except on the last stage, whose DP x EP ranks hold the global sums
+        return all_reduce_loss(parts if counts else [], m.num_experts if m.is_moe else 0, lay.world_group,
+                               self.device)
 
     def optimizer_step(self) -> dict[str, Any]:
         s, o = self.cfg.schedule, self.cfg.optim
@@ -403,6 +453,3 @@ class Trainer:
         self.spikes.load_state_dict(state["spikes"])
 
 
-def train(cfg: TrainConfig, layout: Layout | None = None) -> list[dict[str, Any]]:
-    """Build a :class:`Trainer` for ``cfg`` and run it to the end; returns the metric records."""
-    return Trainer(cfg, layout).fit()

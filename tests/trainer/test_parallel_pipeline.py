@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel_util import run_workers, tiny_model
-from tests.tolerances import assert_close
+from parallel_util import run_workers, tiny_model
+from tolerances import assert_close
 
 STEPS = 3
 MB, SEQ = 2, 12  # micro-batch and sequence length
@@ -50,7 +50,8 @@ def _pp_worker(arch: str, pp: int, dp: int, ep: int, schedule: str, virtual: int
 
     from fastmoe_xpu.dist import ParallelMesh
     from trainer.parallelism.ac import apply_activation_checkpointing
-    from trainer.parallelism.pipeline import MoeLossConfig, Pipeline
+    from trainer.loss import MoeLossConfig
+    from trainer.parallelism.pipeline import Pipeline
 
     mesh = ParallelMesh(pp=pp, dp=dp, ep=ep, device_type="cpu")
     n_global = n_micro * dp * ep  # every DP x EP rank reads its own micro-batches

@@ -145,7 +145,7 @@ def test_silent_rank_counts_as_hung(tmp_path: Path) -> None:
     code = ("import os, time, sys; sys.path.insert(0, %r); from trainer.fault import Heartbeat; "
             "r = int(os.environ['RANK']); hb = Heartbeat(%r, r); hb.beat(0)\n"
             "for i in range(200):\n    time.sleep(0.1)\n    (hb.beat(i) if r == 0 else None)"
-            % (str(Path(__file__).resolve().parent.parent), str(tmp_path)))
+            % (str(Path(__file__).resolve().parents[2]), str(tmp_path)))
     sup = _sup(tmp_path, code, max_restarts=0, heartbeat_timeout=1.5)
     assert sup.run() == 1
     (fail,) = [e for e in _events(tmp_path) if e["event"] == "failure"]

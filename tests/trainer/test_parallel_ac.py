@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel_util import tiny_model
-from tests.tolerances import assert_close
+from parallel_util import tiny_model
+from tolerances import assert_close
 from trainer.parallelism.ac import (
     apply_activation_checkpointing,
     checkpointed_modules,

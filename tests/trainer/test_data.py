@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import trainer.data.preprocess as preprocess  # run by module name, whichever the package has
 from trainer.data import (
     ShardedLoader,
     ensure_default_dataset,
@@ -23,7 +24,7 @@ from trainer.data import (
     tokenizer_from_description,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS = 256
 
 
@@ -360,7 +361,7 @@ def test_default_dataset_is_built_once_and_reused(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.data.preprocess", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", preprocess.__name__, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

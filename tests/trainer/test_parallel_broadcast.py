@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.parallel_util import run_workers, tiny_model
+from parallel_util import run_workers, tiny_model
 
 class FileGuard:
     """Count accesses to ``path``; raise PermissionError on them when ``forbid``."""

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from tests.parallel_util import tiny_model
+from parallel_util import tiny_model
 from trainer.parallelism.ac import apply_activation_checkpointing, remove_activation_checkpointing, saved_bytes
 from trainer.parallelism.plan import (
     ModelShape,
@@ -166,7 +166,7 @@ def _ep_formula_worker() -> list[tuple[tuple[str, ...], int, int]]:
 def test_activation_formula_under_expert_parallelism():
     """EP=2 with forced uniform routing (so each rank computes exactly T*K rows): the gathered
     tokens, routing weights and prefix sums over EP*T tokens are where the formula says."""
-    from tests.parallel_util import run_workers
+    from parallel_util import run_workers
 
     for rank_rows in run_workers(_ep_formula_worker, 2):
         for combo, measured, want in rank_rows:

@@ -145,7 +145,7 @@ def test_state_bytes_formula_values() -> None:
 
 # ------------------------------------------------------------------------------------------ 4 processes
 def _dp_ep_worker(dp: int, ep: int, steps: int) -> dict:
-    from trainer.parallel import build_layout
+    from trainer.layout import build_layout
 
     lay = build_layout(1, dp, ep, torch.device("cpu"))
     out = {}

@@ -15,8 +15,9 @@ import torch
 
 import _ft_toy as toy
 from trainer import fault
+from trainer import launch as launch_module  # run by module name, whichever the package has
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS, INTERVAL = 8, 2
 
 
@@ -30,7 +31,7 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 def _launch(out: Path, *extra_trainer: str, env: dict[str, str] | None = None,
             launcher: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", launch_module.__name__, "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
            "--max-restarts", "2", "--kill-grace", "2", "--entry", str(REPO / "tests" / "_ft_toy.py"),
            "--out", str(out), *launcher, "--", "--steps", str(STEPS), "--interval", str(INTERVAL),
            "--dump", str(out / "dump"), *extra_trainer]

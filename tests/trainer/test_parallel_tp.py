@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel_util import run_workers, tiny_model
-from tests.tolerances import assert_close
+from parallel_util import run_workers, tiny_model
+from tolerances import assert_close
 
 STEPS = 4
 

@@ -17,9 +17,11 @@ from trainer.metrics import SpikeDetector, read_metrics
 from trainer.model import build_model, param_counts
 from trainer.presets import get_preset
 from trainer.schedule import clipping_active, lr_at
-from trainer.train import ShardedLoader, Trainer, ensure_default_dataset, load_manifest, micro_batch_loss
+from trainer.data import ShardedLoader, ensure_default_dataset, load_manifest
+from trainer.loss import micro_batch_loss
+from trainer.trainer import Trainer
 
-from tests.trainer_util import RTOL, assert_states_close, data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
+from trainer_util import RTOL, assert_states_close, data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
 def model_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}

@@ -17,8 +17,9 @@ import torch
 import _ft_toy as toy
 from trainer import checkpoint as ck
 from trainer import fault
+from trainer import launch as launch_module  # run by module name, whichever the package has
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # tiny-moe with one layer, 8 instances of 16 tokens per step, warmup 1 step: quick, still MoE with EPSO
 SMALL = ["--preset", "tiny-moe", "--model.num_layers", "1", "--context", "16", "--global-batch", "8",
          "--micro-batch", "4", "--warmup", "1", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
@@ -54,7 +55,7 @@ def _saved_weights(saved: dict[str, torch.Tensor], model) -> dict[str, torch.Ten
 def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch, small) -> None:
     """The loss turns NaN in step index 2: fit raises SoftFailure with the weights still equal to
     the step-2 checkpoint's, and the host is recorded."""
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     out = tmp_path / "run"
     monkeypatch.setenv(fault.NAN_ENV, "step=2")
@@ -72,7 +73,7 @@ def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch, small) -> 
 
 
 def test_init_from_a_model_only_checkpoint(tmp_path: Path, small) -> None:
-    from trainer.train import Trainer
+    from trainer.trainer import Trainer
 
     src = Trainer(_config(small, tmp_path / "src", "--steps", "2", "--checkpoint.model_interval", "2"))
     src.fit()
@@ -89,7 +90,7 @@ def test_kill9_of_one_rank_relaunches_on_a_spare_and_ends_with_uninterrupted_wei
     steps, interval = "6", "2"
 
     def launch(out: Path, *launcher: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "trainer.launch", "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
+        cmd = [sys.executable, "-m", launch_module.__name__, "--hosts", "h0,h1", "--spares", "h2", "--nproc-per-node", "1",
                "--max-restarts", "1", "--kill-grace", "2", "--out", str(out), *launcher, "--", *small,
                "--steps", steps, "--checkpoint.interval", interval]
         env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -1,4 +1,5 @@
-"""Process layout: world = PP x DP x EP with EP innermost, and the process groups the trainer uses.
+"""Process layout: world = PP x DP x EP with EP innermost (or PP x DP x TP for a tensor-parallel
+dense model, TP innermost), and the process groups the trainer uses.
 
 Global rank ``r = (pp_rank * DP + dp_rank) * EP + ep_rank``. Ranks that differ only in ``ep_rank``
 share a node in the paper's layout (EP within a node), exchange tokens every MoE layer and hold
@@ -11,6 +12,7 @@ Groups (None when their size is 1, so that single-process runs make no collectiv
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, ParallelConfig
+from .config import ConfigError, ParallelConfig, TrainConfig
 
 
 class MeshPosition:
@@ -135,6 +137,56 @@ def build_layout(pp: int, dp: int, ep: int, device: torch.device) -> Layout:
     layout.dpep_group = mesh.dp_ep_group if dp * ep > 1 else None
     layout.world_group = dist.group.WORLD
     return layout
+
+
+@dataclass
+class TPLayout(Layout):
+    """The PP x DP x TP layout of a tensor-parallel dense run (TP innermost, where EP sits for MoE;
+    ``ep`` is 1): rank = (pp * DP + dp) * TP + tp. TP ranks share their data, so the data world is DP."""
+
+    tp: int = 1
+    tp_group: Any = None
+
+    @property
+    def inner_size(self) -> int:
+        return self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank
+
+    @property
+    def data_world(self) -> int:
+        return self.dp
+
+    def describe(self) -> str:
+        return (f"world={self.world} = PP {self.pp} x DP {self.dp} x TP {self.tp}; rank {self.rank} -> "
+                f"(pp {self.pp_rank}, dp {self.dp_rank}, tp {self.tp_rank}) on {self.device}")
+
+
+def init_tp_layout(cfg: TrainConfig) -> TPLayout:
+    """Start (or join) the process group and build the PP x DP x TP groups."""
+    p = cfg.parallel
+    inner = copy.deepcopy(p)
+    inner.ep, inner.tp = p.tp, 1  # the mesh's innermost axis carries TP
+    base = init_layout(inner)
+    mesh = base.mesh
+    lay = TPLayout(world=base.world, rank=base.rank, pp=p.pp, dp=p.dp, ep=1, device=base.device, mesh=mesh, tp=p.tp)
+    lay.tp_group = mesh.ep_group if mesh is not None else None
+    lay.dp_group = mesh.dp_group if (mesh is not None and p.dp > 1) else None
+    lay.dpep_group = lay.dp_group  # the data-parallel world: DP only, TP ranks read the same batch
+    lay.world_group = dist.group.WORLD if base.world > 1 else None
+    return lay
+
+
+def pp_group(layout: Layout) -> Any:
+    """The pipeline group of ``layout``'s mesh (None in one process)."""
+    mesh = layout.mesh
+    return getattr(mesh, "pp_group", None) if mesh is not None else None
 
 
 # ----------------------------------------------------------------------------- small collectives
