@@ -118,7 +118,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         reach = _Reach()
         reach.visit(item.function)
-        for defs in item._fixtureinfo.name2fixturedefs.values():
+        # pytest keeps the resolved fixtures of an item only on this attribute (no public accessor)
+        fixture_info = getattr(item, "_fixtureinfo", None)
+        for defs in (fixture_info.name2fixturedefs.values() if fixture_info is not None else ()):
             if defs and _in_suite(defs[-1].func):
                 reach.visit(defs[-1].func)
         module = item.module
