@@ -84,8 +84,9 @@ class _Reach:
                 self.launches = self.subprocess = True
             modules = [v for n in co.co_names if isinstance(v := glb.get(n), types.ModuleType)]
             for name in co.co_names:
-                # a global of the test's module, or an attribute of a module it references (toy.spawn)
-                candidates = [glb.get(name)] + [getattr(m, name, None) for m in modules]
+                # a global of the test's module, or an attribute of a module it references (toy.spawn);
+                # read from the module's dict, since a module-level __getattr__ may import or warn
+                candidates = [glb.get(name)] + [vars(m).get(name) for m in modules]
                 for obj in candidates:
                     if obj is None:
                         continue
