@@ -18,7 +18,7 @@ demo: venv
 	$(PY) -m fastmoe_xpu.demo
 
 test: venv xpu-venv
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs
 
 compile-check: venv xpu-venv
 	$(PY) -m fastmoe_xpu.kernels.compile_check --target all
