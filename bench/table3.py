@@ -127,14 +127,14 @@ def _min_ratio(base: list[float], ours: list[float]) -> tuple[float, float | Non
 
 # ---------------------------------------------------------------- the columns
 def fb_cell(name: str, m: Any, paper_ep: int, s: Scale, device: torch.device, dtype: str, budget_s: float,
-            log: Callable[[str], None]) -> tuple[dict, dict]:
+            progress: bool, log: Callable[[str], None]) -> tuple[dict, dict]:
     """FSMOE F+B: the layer benchmark on the preset's layer (local slice under EP)."""
     preset = Preset(f"{name}-layer", m.hidden_size, m.intermediate_size, m.num_experts, m.top_k,
                     s.fb_tokens_per_rank, fb_ep(paper_ep, s), f"{name} layer for Table 3")
     fast = default_fastmoe(device)
     case = make_case(preset, dtype=dtype, device=device, seed=0)
     res = run_case(case, [REFERENCE, "hf_v5_grouped_mm", fast], backward=True, rounds=s.rounds, budget_s=budget_s,
-                   ceiling_n=s.ceiling_n, progress=False, log=log)
+                   ceiling_n=s.ceiling_n, progress=progress, log=log)
     derive(res, [fast])
     del case
     gc.collect()
@@ -237,7 +237,7 @@ def run_table3(models: list[str], s: Scale, *, device: torch.device, dtype: str,
         d, paper_ep = dims[m]
         if "fsmoe_fb" in columns:
             log(f"{m}: FSMOE F+B (one layer)")
-            rows[m]["fsmoe_fb"], extra[m]["fb_case"] = fb_cell(m, d, paper_ep, s, device, dtype, budget_s, log)
+            rows[m]["fsmoe_fb"], extra[m]["fb_case"] = fb_cell(m, d, paper_ep, s, device, dtype, budget_s, progress, log)
             tick()
         if train:
             if device.type != "cpu":
