@@ -16,11 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
-from ._contract import check_count_inputs, num_blocks
-from .configs import backend_for, get_config
-
-INDEX_DTYPE = torch.int32
+from ..configs import backend_for, get_config
+from ..contract import INDEX_DTYPE, RowIndices, check_count_inputs, num_blocks
+from . import launch as _launch
 
 
 @triton.jit
@@ -77,8 +75,9 @@ def build_indices(
     expert_start: int,
     num_local: int,
     block_size: int = 8,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(input_indices [R], output_indices [R], selected_expert_indices [R])``, int32, with
+) -> RowIndices:
+    """Returns :class:`~fastmoe_xpu.kernels.contract.RowIndices` (``input_indices [R]``, ``output_indices [R]``,
+    ``selected_expert_indices [R]``), int32, with
     R = T*K (the worst case); entries past RT = ``partial_cum_token_counts[-1]`` are unspecified."""
     check_count_inputs(topk_idx_TK, expert_start, num_local, block_size)
     T, K = topk_idx_TK.shape
@@ -100,7 +99,7 @@ def build_indices(
     output_indices = torch.empty(R, dtype=INDEX_DTYPE, device=dev)
     selected = torch.empty(R, dtype=INDEX_DTYPE, device=dev)
     if T == 0:
-        return input_indices, output_indices, selected
+        return RowIndices(input_indices, output_indices, selected)
     block_k = triton.next_power_of_2(K)
     _launch.launch(
         _build_indices_fwd_kernel, (TH,),
@@ -109,4 +108,4 @@ def build_indices(
         get_config(backend_for(dev), "build_indices"), dev,
         BLOCK_K=block_k, BLOCK_J=triton.next_power_of_2(block_size) * block_k,
     )
-    return input_indices, output_indices, selected
+    return RowIndices(input_indices, output_indices, selected)
