@@ -63,13 +63,8 @@ class KernelBackend(Protocol):
         ...
 
     def build_indices(
-        self,
-        topk_idx_TK: torch.Tensor,
-        partial_cum_token_counts: torch.Tensor,
-        cum_expert_counts: torch.Tensor,
-        expert_start: int,
-        num_local: int,
-        block_size: int = 8,
+        self, topk_idx_TK: torch.Tensor, partial_cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
+        expert_start: int, num_local: int, block_size: int = 8,
     ) -> RowIndices:
         """Stage 3: rows and slots of every local (token, k) choice."""
         ...

@@ -12,6 +12,7 @@ keeps them mapped between training steps (:mod:`.buffers`); weight gradients are
 """
 from __future__ import annotations
 
+from ..contract import LAUNCHERS
 from .buffers import release_buffers
 from .combine import combine_bwd, combine_fwd
 from .counting import count_tokens
@@ -20,16 +21,4 @@ from .indices import build_indices
 
 NAME = "torch"
 
-__all__ = [
-    "NAME",
-    "count_tokens",
-    "build_indices",
-    "gate_up_fwd",
-    "down_fwd",
-    "down_bwd",
-    "silu_mul_bwd",
-    "gate_up_bwd",
-    "combine_fwd",
-    "combine_bwd",
-    "release_buffers",
-]
+__all__ = ["NAME", *LAUNCHERS, "release_buffers"]

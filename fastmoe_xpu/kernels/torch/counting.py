@@ -13,9 +13,8 @@ from ..contract import INDEX_DTYPE, TokenCounts, check_count_inputs, num_blocks
 def count_tokens(
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, block_size: int = 8
 ) -> TokenCounts:
-    """Stage 2's :class:`~fastmoe_xpu.kernels.contract.TokenCounts` (``partial_token_counts [NR*TH]``,
-    ``partial_cum_token_counts [NR*TH+1]``, ``expert_counts [T]``, ``cum_expert_counts [T+1]``,
-    ``cum_token_counts [NR+1]``), all int32."""
+    """Stage 2's :class:`~fastmoe_xpu.kernels.contract.TokenCounts`: one ``bincount`` over
+    (local expert, token block) keys, then ``cumsum``s."""
     check_count_inputs(topk_idx_TK, expert_start, num_local, block_size)
     T, K = topk_idx_TK.shape
     TH = num_blocks(T, block_size)

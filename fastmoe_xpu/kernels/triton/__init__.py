@@ -11,6 +11,7 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR local expert
 """
 from __future__ import annotations
 
+from ..contract import LAUNCHERS
 from .combine import combine_bwd, combine_fwd
 from .counting import count_tokens
 from .grouped_gemm import down_bwd, down_fwd, gate_up_bwd, gate_up_fwd, silu_mul_bwd
@@ -18,15 +19,4 @@ from .indices import build_indices
 
 NAME = "triton"
 
-__all__ = [
-    "NAME",
-    "count_tokens",
-    "build_indices",
-    "gate_up_fwd",
-    "down_fwd",
-    "down_bwd",
-    "silu_mul_bwd",
-    "gate_up_bwd",
-    "combine_fwd",
-    "combine_bwd",
-]
+__all__ = ["NAME", *LAUNCHERS]

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..configs import backend_for, get_config
-from ..contract import INDEX_DTYPE, RowIndices, check_count_inputs, num_blocks
+from ..contract import INDEX_DTYPE, RowIndices, check_count_inputs, check_index, num_blocks
 from . import launch as _launch
 
 
@@ -88,10 +88,8 @@ def build_indices(
         if t.dim() != 1 or t.numel() != n:
             raise ValueError(f"build_indices: {name} has shape {tuple(t.shape)}, expected ({n},) for "
                              f"topk_idx {tuple(topk_idx_TK.shape)}, {num_local} local experts, block size {block_size}")
-        if t.dtype != INDEX_DTYPE:
-            raise TypeError(f"build_indices: {name} must be int32, got {t.dtype}")
-        if t.device != dev:
-            raise ValueError(f"build_indices: {name} on {t.device} but topk_idx on {dev}")
+    check_index("build_indices", dev, partial_cum_token_counts=partial_cum_token_counts,
+                cum_expert_counts=cum_expert_counts)
     if not topk_idx_TK.is_contiguous():
         raise ValueError(f"build_indices: topk_idx {tuple(topk_idx_TK.shape)} must be contiguous")
     R = T * K
