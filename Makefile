@@ -24,8 +24,8 @@ test: venv xpu-venv
 	$(PY) -m pytest -q -rs
 
 compile-check: venv xpu-venv
-	$(PY) -m fastmoe_xpu.kernels.compile_check --target all
-	CC=g++ .venv-xpu/bin/python -m fastmoe_xpu.kernels.compile_check --target xpu
+	$(PY) -m fastmoe_xpu.tools.compile_check --target all
+	CC=g++ .venv-xpu/bin/python -m fastmoe_xpu.tools.compile_check --target xpu
 
 bench: venv
 	$(PY) -m bench --preset tiny
