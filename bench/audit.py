@@ -1,6 +1,6 @@
 """Count kernel launches and host synchronisations of one MoE layer, forward and backward.
 
-``python -m fastmoe_xpu.tools.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
+``python -m bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
 on the Triton backend (the CPU runs it under ``TRITON_INTERPRET=1``), our block on the torch
 backend and the transformers-v4-style reference block: Triton launches, other device ops
 dispatched by PyTorch, and host synchronisations, per phase.
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels.triton import launch as _launch
+from fastmoe_xpu.kernels.triton import launch as _launch
 
 _SYNC_OPS = {
     "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2",
@@ -147,11 +147,9 @@ def _olmoe_like(experts: int, top_k: int, hidden: int, inter: int) -> SimpleName
 def compare(experts: int = 64, top_k: int = 8, tokens: int = 32, hidden: int = 16, inter: int = 16,
             seed: int = 0) -> list[dict[str, Any]]:
     """Audit our block (Triton and torch backends) and the v4-style reference on one input."""
-    # The baseline is the benchmark's (bench/baselines.py, a folder of the repository checkout, not of
-    # the package): imported here only, so auditing a layer needs no bench.
-    from bench.baselines import HFv4SparseMoeBlock
+    from fastmoe_xpu.block import FastSparseMoeBlock
 
-    from ..block import FastSparseMoeBlock
+    from .baselines import HFv4SparseMoeBlock
 
     torch.manual_seed(seed)
     cfg = _olmoe_like(experts, top_k, hidden, inter)
