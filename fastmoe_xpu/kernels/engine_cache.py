@@ -31,6 +31,8 @@ from .. import settings
 
 FORMAT = 1
 FILE_NAME = "gemm_engines.json"
+#: Engine names an entry may hold (every gemm_engine value that names one engine).
+KNOWN_ENGINES = tuple(e for e in settings.GEMM_ENGINES if e not in ("auto", "native"))
 
 
 def cache_path() -> Path:
@@ -60,8 +62,6 @@ def entry_key(device_name: str, key: Any) -> str:
 
 def _load(path: Path) -> dict[str, Any]:
     """The file's entries; {} (with a warning) when it is unreadable, corrupt or of another format."""
-    from .engines import ENGINES
-
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -82,7 +82,7 @@ def _load(path: Path) -> dict[str, Any]:
         return {}
     entries = {}
     for k, v in data["entries"].items():
-        if isinstance(v, dict) and v.get("engine") in ENGINES:
+        if isinstance(v, dict) and v.get("engine") in KNOWN_ENGINES:
             entries[k] = v
         else:
             warnings.warn(f"gemm engine cache {path}: stale entry {k!r} ({v!r}) ignored", RuntimeWarning, stacklevel=3)
