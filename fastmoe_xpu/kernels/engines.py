@@ -323,3 +323,14 @@ def describe(choices: Mapping[tuple[str, ShapeKey], str] | None = None) -> list[
     items = (choices if choices is not None else _CHOSEN).items()
     return [f"{name} {key.backend} {key.dtype} H={key.hidden} I={key.intermediate} NR={key.local_experts} "
             f"rows<={key.rows_bucket or 'any'}: {engine}" for (name, key), engine in items]
+
+
+def chosen_for(backend: str, device: torch.device | str, dtype: torch.dtype,
+               shape: tuple[int, int, int, int]) -> str | None:
+    """The in-process auto choice for these shapes without expert parallelism (None if none yet)."""
+    options = candidates(backend, device, dtype)
+    if len(options) == 1:
+        return options[0]
+    H, I, NR, rows = shape
+    key = ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR), rows_bucket(rows))
+    return _CHOSEN.get((device_name(device), key))
