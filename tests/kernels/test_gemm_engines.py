@@ -98,6 +98,36 @@ def test_engine_matches_reference(device, engine, T, K, E, start, num_local, H, 
                     f"{engines.unavailable_reason(engine, _backends(device)[0], device, dtype)}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_on_the_device_with_every_engine(device, dtype):
+    """The whole block (router included) on the test device with each engine its default backend
+    can run (compiled Triton on a GPU), against the same weights on the CPU's loop engine in fp32."""
+    torch.manual_seed(0)
+    ref = FastSparseMoeBlock(_cfg(40, 24, 6, 2), backend="torch", gemm_engine="loop")
+    x = torch.randn(2, 13, 40)
+    g = torch.randn(2, 13, 40)
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    want.backward(g)
+    backend = "triton" if device.type != "cpu" else "torch"
+    ran = []
+    for engine in engines.ENGINES:
+        if engines.unavailable_reason(engine, backend, device, dtype) or (engine == "triton" and device.type == "cpu"):
+            continue
+        block = FastSparseMoeBlock(_cfg(40, 24, 6, 2), backend=backend, gemm_engine=engine)
+        block.load_state_dict(ref.state_dict())
+        block.to(device=device, dtype=dtype)
+        xx = x.to(device=device, dtype=dtype).detach().clone().requires_grad_()
+        out = block(xx)
+        out.backward(g.to(device=device, dtype=dtype))
+        assert_close(out.cpu(), want, dtype, f"{engine} output")
+        assert_close(xx.grad.cpu(), xr.grad, dtype, f"{engine} dx")
+        for name, p in ref.named_parameters():
+            assert_close(dict(block.named_parameters())[name].grad.cpu(), p.grad, dtype, f"{engine} d{name}")
+        ran.append(engine)
+    assert ran, f"no engine runs {backend} on {device} in {dtype}"
+
+
 def test_grouped_mm_runs_on_this_cpu_for_float_dtypes():
     """What torch 2.13 offers on the CPU, measured here: grouped_mm for fp32, bf16 and fp16, not fp64
     (so the engine is a real candidate here, and fp64 blocks keep the loop)."""
