@@ -362,10 +362,17 @@ class Trainer:
         if ck.due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
             ck.save(self.step, self.model, self.optimizer,
-                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict()})
+                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict(),
+                          **self._export_meta()})
         if ck.model_due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
-            ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset})
+            ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset, **self._export_meta()})
+
+    def _export_meta(self) -> dict[str, Any]:
+        """What ``python -m trainer.export`` needs beside the weights: the config and the tokenizer
+        (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
+        return {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
+                "data_manifest": self.manifest_path}
 
     def _write_run_info(self) -> None:
         cfg, lay = self.cfg, self.layout
