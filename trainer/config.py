@@ -205,6 +205,10 @@ class EvalConfig:
     """Evaluate the validation split every this many steps (0: at the last step only)."""
     enabled: bool = True
     """Evaluate the validation split (when the data set keeps one) at the intervals and at the last step."""
+    instances: int = 512
+    """Validation instances evaluated (the first of the split, the same on every layout; 0: all of them)."""
+    micro_batch: int = 32
+    """Validation instances per forward pass on one rank."""
     moe_health: bool = True
     """Log per-layer MoE health (expert load, router entropy, per-layer losses) and plot it at the end."""
     export_hf: str | None = None
@@ -325,6 +329,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         raise ConfigError(f"--model.vocab_size must be >= 0 (0: from the data), got {m.vocab_size}")
     if p.dp < 0:
         raise ConfigError(f"--parallel.dp must be >= 0 (0: world / (pp * ep)), got {p.dp}")
+    if cfg.eval.instances < 0 or cfg.eval.micro_batch < 1:
+        raise ConfigError(f"--eval.instances must be >= 0 and --eval.micro_batch >= 1, got {cfg.eval.instances} "
+                          f"and {cfg.eval.micro_batch}")
     if cfg.eval.interval < 0 or cfg.eval.sample_tokens < 0:
         raise ConfigError(f"--eval.interval and --eval.sample_tokens must be >= 0, got {cfg.eval.interval} and "
                           f"{cfg.eval.sample_tokens}")

@@ -82,8 +82,10 @@ def evaluate(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
     """Validation loss of ``trainer``'s current weights on ``rows`` (collective over the world)."""
     lay, cfg = trainer.layout, trainer.cfg
     device = trainer.device
+    if cfg.eval.instances:
+        rows = rows[:cfg.eval.instances]
     n = rows.shape[0]
-    batches = rank_batches(rows, lay.data_rank, lay.data_world, cfg.schedule.micro_batch)
+    batches = rank_batches(rows, lay.data_rank, lay.data_world, cfg.eval.micro_batch)
     ce_N = torch.zeros(n, dtype=torch.float64, device=device)
     tok_N = torch.zeros(n, dtype=torch.float64, device=device)
     counts = getattr(lay, "tp_rank", 0) == 0  # TP ranks compute the same numbers: count them once

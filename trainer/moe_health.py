@@ -74,7 +74,7 @@ class MoeHealth:
         """The step's per-layer statistics summed over ``group`` (one all-reduce, one host read);
         resets the buffer. Lists are indexed by layer."""
         all_reduce_sum(self.buf, group)
-        b = self.buf.cpu()
+        b = self.buf.to("cpu", copy=True)  # a copy: on the CPU .cpu() would alias the buffer zeroed next
         self.buf.zero_()
         E, K = self.E, self.K
         out: dict[str, list[Any]] = {k: [] for k in (
