@@ -352,6 +352,9 @@ class Trainer:
         from .moe_health import MoeHealth
 
         cfg = self.cfg
+        if cfg.eval.export_hf and os.path.exists(cfg.eval.export_hf) and not cfg.eval.overwrite:
+            # refused before training, not after it
+            raise ConfigError(f"--eval.export_hf {cfg.eval.export_hf} exists; pass --eval.overwrite to replace it")
         self.val_rows = load_validation(load_manifest(self.manifest_path), verify=cfg.data.verify) \
             if cfg.eval.enabled else None
         self.eval_history: list[dict[str, Any]] = []

@@ -215,3 +215,12 @@ def test_export_gathers_expert_and_pipeline_checkpoints(data_cache, tmp_path, ov
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, _trainer_logits(one, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_existing_export_directory_is_refused_before_training(data_cache, tmp_path):
+    from trainer.config import ConfigError
+
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(ConfigError, match="exists; pass --eval.overwrite"):
+        Trainer(small_cfg(data_cache, str(tmp_path / "run"), eval__export_hf=str(tmp_path / "hf")))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

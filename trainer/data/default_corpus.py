@@ -64,10 +64,10 @@ def ensure_default_dataset(
     shards: int = 1,
     tokenizer: str = "byte",
     progress: bool = True,
-    valid: float = 0,
+    valid: float = 0.05,
 ) -> str:
     """Preprocess the default corpus once into `out_dir/default-c{context}-s{seed}-{key}/` and return
-    its manifest path; later calls with the same parameters (and the same corpus text) reuse it.
+    its manifest path (holding out `valid` of the instances as the validation split); later calls with the same parameters (and the same corpus text) reuse it.
 
     Safe to call from every rank at once: each builds in a private folder and renames it into
     place; a loser of the race discards its copy and uses the winner's, which is identical."""
