@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from fastmoe_xpu.kernels.compile_xpu import XpuResult, analyse_ttgir, count_dots, least_spilling, parse_igc_asm
+from fastmoe_xpu.tools.compile_xpu import XpuResult, analyse_ttgir, count_dots, least_spilling, parse_igc_asm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 XPU_PYTHON = ROOT / ".venv-xpu" / "bin" / "python"
 SKIP_REASON = ".venv-xpu does not exist: run scripts/setup_xpu_venv.sh to build it (Intel's Triton build + ocloc)"
 
@@ -125,14 +125,14 @@ def test_least_spilling(rows: list[tuple[str, str, int, bool]], want: dict[str, 
 def xpu_check(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     out = tmp_path_factory.mktemp("xpu") / "xpu.json"
     # compile_xpu directly: the same run as `compile_check --target xpu`, which forwards to it.
-    return _run_xpu("fastmoe_xpu.kernels.compile_xpu", [], out)
+    return _run_xpu("fastmoe_xpu.tools.compile_xpu", [], out)
 
 
 @needs_xpu_venv
 def test_probe_gate_tells_dpas_gemm_from_fma_dot(tmp_path: Path) -> None:
     # The gate's own check: a block-pointer bf16 GEMM must pass with DPAS and 2D block loads, and an
     # fp32 IEEE dot (no DPAS on PVC) must be reported as missing DPAS; exit 0 means both verdicts held.
-    proc, data = _run_xpu("fastmoe_xpu.kernels.compile_xpu", ["--probe"], tmp_path / "probe.json")
+    proc, data = _run_xpu("fastmoe_xpu.tools.compile_xpu", ["--probe"], tmp_path / "probe.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_kernel: dict[str, list[dict[str, Any]]] = {}
     for r in data["results"]:
@@ -149,7 +149,7 @@ def test_probe_gate_tells_dpas_gemm_from_fma_dot(tmp_path: Path) -> None:
 
 @needs_xpu_venv
 def test_every_kernel_compiles_for_pvc_with_dpas(xpu_check: tuple[subprocess.CompletedProcess, dict[str, Any]]) -> None:
-    from fastmoe_xpu.kernels.compile_check import kernel_specs
+    from fastmoe_xpu.tools.kernel_specs import kernel_specs
 
     proc, data = xpu_check
     assert data, f"no JSON from the XPU compile check (exit {proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -16,11 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
-from ._contract import check_count_inputs, num_blocks
-from .configs import backend_for, get_config
-
-INDEX_DTYPE = torch.int32
+from ..configs import backend_for, get_config
+from ..contract import INDEX_DTYPE, RowIndices, check_count_inputs, check_index, num_blocks
+from . import launch as _launch
 
 
 @triton.jit
@@ -77,8 +75,9 @@ def build_indices(
     expert_start: int,
     num_local: int,
     block_size: int = 8,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(input_indices [R], output_indices [R], selected_expert_indices [R])``, int32, with
+) -> RowIndices:
+    """Returns :class:`~fastmoe_xpu.kernels.contract.RowIndices` (``input_indices [R]``, ``output_indices [R]``,
+    ``selected_expert_indices [R]``), int32, with
     R = T*K (the worst case); entries past RT = ``partial_cum_token_counts[-1]`` are unspecified."""
     check_count_inputs(topk_idx_TK, expert_start, num_local, block_size)
     T, K = topk_idx_TK.shape
@@ -89,10 +88,8 @@ def build_indices(
         if t.dim() != 1 or t.numel() != n:
             raise ValueError(f"build_indices: {name} has shape {tuple(t.shape)}, expected ({n},) for "
                              f"topk_idx {tuple(topk_idx_TK.shape)}, {num_local} local experts, block size {block_size}")
-        if t.dtype != INDEX_DTYPE:
-            raise TypeError(f"build_indices: {name} must be int32, got {t.dtype}")
-        if t.device != dev:
-            raise ValueError(f"build_indices: {name} on {t.device} but topk_idx on {dev}")
+    check_index("build_indices", dev, partial_cum_token_counts=partial_cum_token_counts,
+                cum_expert_counts=cum_expert_counts)
     if not topk_idx_TK.is_contiguous():
         raise ValueError(f"build_indices: topk_idx {tuple(topk_idx_TK.shape)} must be contiguous")
     R = T * K
@@ -100,7 +97,7 @@ def build_indices(
     output_indices = torch.empty(R, dtype=INDEX_DTYPE, device=dev)
     selected = torch.empty(R, dtype=INDEX_DTYPE, device=dev)
     if T == 0:
-        return input_indices, output_indices, selected
+        return RowIndices(input_indices, output_indices, selected)
     block_k = triton.next_power_of_2(K)
     _launch.launch(
         _build_indices_fwd_kernel, (TH,),
@@ -109,4 +106,4 @@ def build_indices(
         get_config(backend_for(dev), "build_indices"), dev,
         BLOCK_K=block_k, BLOCK_J=triton.next_power_of_2(block_size) * block_k,
     )
-    return input_indices, output_indices, selected
+    return RowIndices(input_indices, output_indices, selected)

@@ -3,9 +3,9 @@
 Run it with the interpreter of ``.venv-xpu`` (``scripts/setup_xpu_venv.sh`` builds it; Intel's
 Triton build installs a module named ``triton`` too, so it has a venv of its own)::
 
-    .venv-xpu/bin/python -m fastmoe_xpu.kernels.compile_check --target xpu
+    .venv-xpu/bin/python -m fastmoe_xpu.tools.compile_check --target xpu
 
-For every ``KernelSpec`` of ``compile_check.kernel_specs("xpu")`` (every kernel, every XPU config):
+For every ``KernelSpec`` of ``kernel_specs.kernel_specs("xpu")`` (every kernel, every XPU config):
 
 1. ``triton.compile`` for ``GPUTarget("xpu", PVC_PROPERTIES, 16)`` down to SPIR-V;
 2. the TTGIR must give every ``tt.dot`` of the TTIR a ``#triton_intel_gpu.dpas`` result encoding
@@ -296,7 +296,7 @@ def require_intel_triton() -> None:
     if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.intel") is None:
         raise RuntimeError(
             "Intel's Triton build (triton-xpu) is not importable from this interpreter; build .venv-xpu with "
-            "scripts/setup_xpu_venv.sh and run .venv-xpu/bin/python -m fastmoe_xpu.kernels.compile_check --target xpu"
+            "scripts/setup_xpu_venv.sh and run .venv-xpu/bin/python -m fastmoe_xpu.tools.compile_check --target xpu"
         )
     if shutil.which("ocloc") is None:
         raise RuntimeError("ocloc not found: scripts/setup_xpu_venv.sh installs it (Debian package intel-opencl-icd)")
@@ -457,7 +457,7 @@ def load_specs(probe: bool) -> list[Any]:
         from .xpu_probe import probe_specs
 
         return probe_specs()
-    from .compile_check import kernel_specs
+    from .kernel_specs import kernel_specs
 
     return list(kernel_specs("xpu"))
 

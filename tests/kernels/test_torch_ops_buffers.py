@@ -3,15 +3,17 @@ import pytest
 import torch
 
 from fastmoe_xpu.block import moe_experts_forward
-from fastmoe_xpu.kernels import torch_ops as ops
-from tests.tolerances import assert_close
+from fastmoe_xpu import settings
+from fastmoe_xpu.kernels import torch as ops
+from fastmoe_xpu.kernels.torch import buffers
+from tolerances import assert_close
 
 MB = 1 << 20
 
 
 @pytest.fixture
 def cache():
-    c = ops._CpuBufferCache()
+    c = buffers._CpuBufferCache()
     c.enabled = True
     return c
 
@@ -115,12 +117,13 @@ def test_row_sums_match_embedding_bag_and_ignore_stale_buffers(monkeypatch, dtyp
     tol = torch.float32 if dtype == torch.float64 else dtype  # fp64: held to fp32's (tighter) table
     results = {}
     for csr in (True, False):
-        monkeypatch.setattr(ops, "_CSR_ENABLED", csr)
-        for weights in (w, None):
-            stale = ops._empty((T, H), y)
-            stale.fill_(float("nan"))
-            del stale  # idle again: the next [T, H] buffer of this size class is this one
-            results[csr, weights is None] = ops.combine_fwd(y, weights, out_idx, sel, cexp)
+        monkeypatch.setattr(ops.combine, "_MKL", csr)
+        with settings.override(cpu_csr=csr):
+            for weights in (w, None):
+                stale = buffers.cached_empty((T, H), y)
+                stale.fill_(float("nan"))
+                del stale  # idle again: the next [T, H] buffer of this size class is this one
+                results[csr, weights is None] = ops.combine_fwd(y, weights, out_idx, sel, cexp)
     for unweighted in (False, True):
         got, want = results[True, unweighted], results[False, unweighted]
         assert not got.isnan().any()
@@ -135,3 +138,37 @@ def test_row_sums_match_embedding_bag_and_ignore_stale_buffers(monkeypatch, dtyp
             k = int(sel[i])
             ref[t] += float(w[t, k]) * y[int(out_idx[i])].double()
     assert_close(results[True, False], ref.to(dtype), tol, "csr vs slot-by-slot sum")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * __import__("os").sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_release_buffers_returns_idle_memory():
+    """fastmoe_xpu.release_buffers() empties the process-wide pool: its idle buffers go back to the
+    operating system (glibc unmaps allocations this large at free), buffers in use stay valid."""
+    import fastmoe_xpu
+
+    if not buffers._CACHE.enabled:
+        pytest.skip("the CPU buffer cache is off here (FASTMOE_CPU_CACHE=0 or an older torch)")
+    fastmoe_xpu.release_buffers()
+    held = buffers.cached_empty((8 * MB,), torch.empty(0))  # 32 MiB, stays in use
+    held.fill_(2.0)
+    idle = buffers.cached_empty((16 * MB,), torch.empty(0))  # 64 MiB, touched then idle
+    idle.fill_(1.0)
+    del idle
+    assert buffers._CACHE.idle_bytes() >= 64 * MB
+    before = _rss_bytes()
+    freed = fastmoe_xpu.release_buffers()
+    assert freed >= 64 * MB
+    assert buffers._CACHE.idle_bytes() == 0
+    assert before - _rss_bytes() >= 48 * MB  # the pages really left the process
+    assert torch.equal(held, torch.full_like(held, 2.0))  # the buffer in use is untouched
+
+
+def test_idle_bound_is_a_setting():
+    with settings.override(cpu_cache_idle_mb=3.0):
+        c = buffers._CpuBufferCache(enabled=True)
+    assert c.max_idle == 3 * MB

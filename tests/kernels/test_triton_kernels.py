@@ -28,12 +28,14 @@ pytest.importorskip("triton")
 from fastmoe_xpu import FastSparseMoeBlock, reference  # noqa: E402
 from fastmoe_xpu.autograd import CombineFunction, ExpertMLPFunction  # noqa: E402
 from fastmoe_xpu.block import moe_experts_forward  # noqa: E402
-from fastmoe_xpu.kernels import configs, torch_ops  # noqa: E402
-from fastmoe_xpu.kernels import triton_ops as tops  # noqa: E402
-from fastmoe_xpu.kernels.audit import audit_layer  # noqa: E402
-from tests.tolerances import assert_close  # noqa: E402
+from fastmoe_xpu import settings  # noqa: E402
+from fastmoe_xpu.kernels import configs  # noqa: E402
+from fastmoe_xpu.kernels import torch as torch_ops  # noqa: E402
+from fastmoe_xpu.kernels import triton as tops  # noqa: E402
+from bench.audit import audit_layer  # noqa: E402
+from tolerances import assert_close  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Row buffers are allocated for the worst case and rows past RT hold uninitialised memory; the
 # elementwise SiLU backward runs over all of them (its contract has no row count), and numpy warns
@@ -76,7 +78,8 @@ def _clean_triton_env():
         mp.delenv("FASTMOE_TRITON_CONFIGS", raising=False)
         mp.delenv("FASTMOE_TRITON_BLOCK_PTR", raising=False)
         _bf16_as_on_gpus(mp)
-        yield
+        with settings.reloaded():
+            yield
 
 
 def make_routing(T: int, K: int, E: int, pattern: str, seed: int = 0) -> torch.Tensor:
@@ -450,7 +453,7 @@ def test_block_pointer_path_under_triton_3_3():
     compile_all = textwrap.dedent("""
         import triton
         assert triton.__version__.startswith("3.3"), triton.__version__
-        from fastmoe_xpu.kernels import compile_check as cc
+        from fastmoe_xpu.tools import compile_check as cc
         cuda = {s.name: s for s in cc.kernel_specs("cuda") if s.is_default}
         for spec in list(cuda.values()) + [s for s in cc.kernel_specs("xpu") if s.is_default]:
             if spec.constexprs.get("BLOCK_PTR"):
@@ -475,7 +478,7 @@ def test_block_pointer_path_under_triton_3_3():
 def test_silu_mul_bwd_computes_only_the_routed_rows(monkeypatch, dtype):
     """With the row count (as the autograd Function passes it), rows past RT are neither read nor
     written: under expert parallelism RT is about 1/EP of the T*K rows allocated."""
-    from fastmoe_xpu.kernels import grouped_gemm
+    from fastmoe_xpu.kernels.triton import grouped_gemm
 
     R, I, rt = 50, 20, 19  # RT ends inside a BLOCK_R tile, and later tiles hold no routed row
     g = torch.Generator().manual_seed(3)

@@ -18,11 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
-from ._contract import check_count_inputs, num_blocks
-from .configs import backend_for, get_config
-
-INDEX_DTYPE = torch.int32
+from ..configs import backend_for, get_config
+from ..contract import INDEX_DTYPE, TokenCounts, check_count_inputs, num_blocks
+from . import launch as _launch
 
 
 @triton.jit
@@ -136,9 +134,10 @@ def _cumsum_counts_fwd_kernel(
 
 def count_tokens(
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, block_size: int = 8
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(partial_token_counts [NR*TH], partial_cum_token_counts [NR*TH+1],
-    expert_counts [T], cum_expert_counts [T+1], cum_token_counts [NR+1])``, all int32."""
+) -> TokenCounts:
+    """Stage 2's :class:`~fastmoe_xpu.kernels.contract.TokenCounts` (``partial_token_counts [NR*TH]``,
+    ``partial_cum_token_counts [NR*TH+1]``, ``expert_counts [T]``, ``cum_expert_counts [T+1]``,
+    ``cum_token_counts [NR+1]``), all int32."""
     check_count_inputs(topk_idx_TK, expert_start, num_local, block_size)
     if not topk_idx_TK.is_contiguous():
         raise ValueError(f"count_tokens: topk_idx {tuple(topk_idx_TK.shape)} must be contiguous")
@@ -147,7 +146,7 @@ def count_tokens(
     dev = topk_idx_TK.device
     if T == 0:
         zeros = lambda n: torch.zeros(n, dtype=INDEX_DTYPE, device=dev)
-        return zeros(0), zeros(1), zeros(0), zeros(1), zeros(num_local + 1)
+        return TokenCounts(zeros(0), zeros(1), zeros(0), zeros(1), zeros(num_local + 1))
     backend = backend_for(dev)
     partial = torch.empty(num_local * TH, dtype=INDEX_DTYPE, device=dev)
     expert_counts = torch.empty(T, dtype=INDEX_DTYPE, device=dev)
@@ -172,4 +171,4 @@ def count_tokens(
          block_size, tokens_per_chunk),
         cfg, dev, BLOCK=block,
     )
-    return partial, partial_cum, expert_counts, cum_expert, cum_token
+    return TokenCounts(partial, partial_cum, expert_counts, cum_expert, cum_token)

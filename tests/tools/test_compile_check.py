@@ -2,7 +2,7 @@
 
 Compiling needs compiled-mode kernels, which a process that imported triton under
 ``TRITON_INTERPRET=1`` (the suite's setting) does not have, so the compiles run in a subprocess
-(``python -m fastmoe_xpu.kernels.compile_check`` drops the variable before importing triton). The
+(``python -m fastmoe_xpu.tools.compile_check`` drops the variable before importing triton). The
 in-process tests only inspect :func:`kernel_specs`.
 """
 from __future__ import annotations
@@ -21,9 +21,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from fastmoe_xpu.kernels import combine, compile_check, configs, counting, grouped_gemm, indices  # noqa: E402
+from fastmoe_xpu.kernels import configs  # noqa: E402
+from fastmoe_xpu.kernels.triton import combine, counting, grouped_gemm, indices  # noqa: E402
+from fastmoe_xpu.tools import compile_check  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = (counting, indices, grouped_gemm, combine)
 
 
@@ -68,11 +70,11 @@ def test_kernel_specs_cover_every_kernel_and_config(target):
 
 
 def test_compile_check_defaults_compile_without_spills(tmp_path):
-    """``python -m fastmoe_xpu.kernels.compile_check --defaults-only`` for sm_90 and gfx942."""
+    """``python -m fastmoe_xpu.tools.compile_check --defaults-only`` for sm_90 and gfx942."""
     out = tmp_path / "rows.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(
-        [sys.executable, "-m", "fastmoe_xpu.kernels.compile_check", "--target", "all", "--defaults-only",
+        [sys.executable, "-m", "fastmoe_xpu.tools.compile_check", "--target", "all", "--defaults-only",
          "--json", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
     )

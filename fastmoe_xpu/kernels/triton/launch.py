@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .configs import KernelConfig
+from ..configs import KernelConfig
 
 
 def _check_runnable(kernel: Any, device: torch.device) -> None:

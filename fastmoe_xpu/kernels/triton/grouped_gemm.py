@@ -31,11 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
-from ._contract import check_gemm_inputs
-from .configs import backend_for, dot_precision, get_config, uses_block_ptr
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from ..configs import backend_for, dot_precision, get_config, uses_block_ptr
+from ..contract import check_float, check_gemm_inputs, check_index
+from . import launch as _launch
 
 
 @triton.jit
@@ -331,31 +329,6 @@ def _silu_mul_bwd_kernel(
 
 
 # ---------------------------------------------------------------- launchers
-def _check_float(op: str, **tensors: torch.Tensor) -> None:
-    dev = None
-    for name, t in tensors.items():
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {name} {tuple(t.shape)} must be contiguous")
-        if dev is None:
-            dev = t.device
-        elif t.device != dev:
-            raise ValueError(f"{op}: {name} on {t.device}, expected {dev}")
-
-
-def _check_index(op: str, device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.dim() != 1:
-            raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{op}: {name} must be int32, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{op}: {name} on {t.device}, expected {device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous")
-
-
 #: Row-tile programs per expert, as a multiple of the fair share ``R / NR`` rows: routing up to this
 #: imbalanced runs fully parallel; an expert with more rows loops (grid-stride) over its extra tiles.
 ROW_SLACK = 2
@@ -374,8 +347,8 @@ def gate_up_fwd(
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
     ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
-    _check_float("gate_up_fwd", x=x_TH, w_gate_up=w_gate_up_N2IH)
-    _check_index("gate_up_fwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    check_float("gate_up_fwd", None, x=x_TH, w_gate_up=w_gate_up_N2IH)
+    check_index("gate_up_fwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
     T, H = x_TH.shape
     NR, two_i, _ = w_gate_up_N2IH.shape
     if two_i % 2:
@@ -435,8 +408,8 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
 def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
     """``y [R, H] = h @ w_down[e]^T`` per expert group; rows past RT unspecified."""
     check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
-    _check_float("down_fwd", h=h_RI, w_down=w_down_NHI)
-    _check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
+    check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
+    check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
     return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)
 
 
@@ -444,8 +417,8 @@ def down_bwd(
     dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
-    _check_float("down_bwd", dy=dy_RH, h=h_RI, w_down=w_down_NHI)
-    _check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
+    check_float("down_bwd", None, dy=dy_RH, h=h_RI, w_down=w_down_NHI)
+    check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
     NR, H, I = w_down_NHI.shape
     if dy_RH.dim() != 2 or dy_RH.shape[1] != H or h_RI.dim() != 2 or h_RI.shape != (dy_RH.shape[0], I):
         raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and h {tuple(h_RI.shape)} do not fit "
@@ -469,14 +442,14 @@ def silu_mul_bwd(
 
     With ``cum_token_counts`` only the first RT = ``cum_token_counts[-1]`` rows are computed (the
     rest are unspecified, as everywhere); without it, all R rows."""
-    _check_float("silu_mul_bwd", gate_up=gate_up_R2I, dh=dh_RI)
+    check_float("silu_mul_bwd", None, gate_up=gate_up_R2I, dh=dh_RI)
     R, I = dh_RI.shape
     if gate_up_R2I.dim() != 2 or gate_up_R2I.shape[1] != 2 * I or gate_up_R2I.shape[0] < R:
         raise ValueError(f"silu_mul_bwd: gate_up {tuple(gate_up_R2I.shape)} does not fit dh {tuple(dh_RI.shape)} "
                          f"(expected at least [{R}, {2 * I}])")
     dev = dh_RI.device
     if cum_token_counts is not None:
-        _check_index("silu_mul_bwd", dev, cum_token_counts=cum_token_counts)
+        check_index("silu_mul_bwd", dev, cum_token_counts=cum_token_counts)
     d_gate_up = _alloc_rows(dh_RI, R, 2 * I)
     if R == 0 or I == 0:
         return d_gate_up
@@ -500,8 +473,8 @@ def gate_up_bwd(
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
     (the gather fused into the weight-gradient loads; zero for empty experts)."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
-    _check_float("gate_up_bwd", d_gate_up=d_gate_up_R2I, x=x_TH, w_gate_up=w_gate_up_N2IH)
-    _check_index("gate_up_bwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    check_float("gate_up_bwd", None, d_gate_up=d_gate_up_R2I, x=x_TH, w_gate_up=w_gate_up_N2IH)
+    check_index("gate_up_bwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
     NR, two_i, H = w_gate_up_N2IH.shape
     if d_gate_up_R2I.dim() != 2 or d_gate_up_R2I.shape[1] != two_i or d_gate_up_R2I.shape[0] > input_indices.shape[0]:
         raise ValueError(f"gate_up_bwd: d_gate_up {tuple(d_gate_up_R2I.shape)} does not fit gate_up_proj "

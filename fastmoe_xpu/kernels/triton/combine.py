@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
-from .configs import backend_for, get_config
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from ..configs import backend_for, get_config
+from ..contract import check_float, check_index
+from . import launch as _launch
 
 
 @triton.jit
@@ -117,29 +116,6 @@ def _combine_bwd_kernel(
 
 
 # ---------------------------------------------------------------- launchers
-def _check_slots(op: str, device: torch.device, output_indices: torch.Tensor, selected_expert_indices: torch.Tensor,
-                 cum_expert_counts: torch.Tensor) -> None:
-    for name, t in (("output_indices", output_indices), ("selected_expert_indices", selected_expert_indices),
-                    ("cum_expert_counts", cum_expert_counts)):
-        if t.dim() != 1:
-            raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{op}: {name} must be int32, got {t.dtype}")
-        if t.device != device:
-            raise ValueError(f"{op}: {name} on {t.device}, expected {device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous")
-
-
-def _check_float(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{op}: {name} on {t.device}, expected {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{op}: {name} {tuple(t.shape)} must be contiguous")
-
-
 def combine_fwd(
     y_RH: torch.Tensor,
     weights_TK: torch.Tensor | None,
@@ -152,13 +128,14 @@ def combine_fwd(
     dev = y_RH.device
     if y_RH.dim() != 2:
         raise ValueError(f"combine_fwd: y must be [R, H], got {tuple(y_RH.shape)}")
-    _check_float("combine_fwd", "y", y_RH, dev)
-    _check_slots("combine_fwd", dev, output_indices, selected_expert_indices, cum_expert_counts)
+    check_float("combine_fwd", dev, y=y_RH)
+    check_index("combine_fwd", dev, output_indices=output_indices, selected_expert_indices=selected_expert_indices,
+                cum_expert_counts=cum_expert_counts)
     T = cum_expert_counts.numel() - 1
     H = y_RH.shape[1]
     K = 1
     if weights_TK is not None:
-        _check_float("combine_fwd", "weights", weights_TK, dev)
+        check_float("combine_fwd", dev, weights=weights_TK)
         if weights_TK.dim() != 2 or weights_TK.shape[0] != T:
             raise ValueError(f"combine_fwd: weights {tuple(weights_TK.shape)} do not match "
                              f"cum_expert_counts of {T} tokens (expected [{T}, K])")
@@ -190,10 +167,11 @@ def combine_bwd(
     rows no slot points at are unspecified."""
     dev = dout_TH.device
     for name, t in (("dout", dout_TH), ("y", y_RH), ("weights", weights_TK)):
-        _check_float("combine_bwd", name, t, dev)
+        check_float("combine_bwd", dev, **{name: t})
         if t.dim() != 2:
             raise ValueError(f"combine_bwd: {name} must be 2-D, got {tuple(t.shape)}")
-    _check_slots("combine_bwd", dev, output_indices, selected_expert_indices, cum_expert_counts)
+    check_index("combine_bwd", dev, output_indices=output_indices, selected_expert_indices=selected_expert_indices,
+                cum_expert_counts=cum_expert_counts)
     T, K = weights_TK.shape
     H = dout_TH.shape[1]
     if dout_TH.shape[0] != T or cum_expert_counts.numel() != T + 1 or y_RH.shape[1] != H:

@@ -1,4 +1,4 @@
-"""Probe kernels for the Intel XPU compile gate (:mod:`fastmoe_xpu.kernels.compile_xpu`).
+"""Probe kernels for the Intel XPU compile gate (:mod:`fastmoe_xpu.tools.compile_xpu`).
 
 They are not part of the MoE pipeline. ``compile_xpu --probe`` compiles them to show that the
 toolchain works and that the gate tells a GEMM that reaches DPAS from one that does not:

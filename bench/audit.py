@@ -1,13 +1,13 @@
 """Count kernel launches and host synchronisations of one MoE layer, forward and backward.
 
-``python -m fastmoe_xpu.kernels.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
+``python -m bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
 on the Triton backend (the CPU runs it under ``TRITON_INTERPRET=1``), our block on the torch
 backend and the transformers-v4-style reference block: Triton launches, other device ops
 dispatched by PyTorch, and host synchronisations, per phase.
 
 What counts:
 
-* a Triton launch is a call of :func:`fastmoe_xpu.kernels._launch.launch`;
+* a Triton launch is a call of :func:`fastmoe_xpu.kernels.triton.launch.launch`;
 * a device op is an ATen op seen by a ``TorchDispatchMode`` outside Triton launches, except views
   and ``empty`` allocations (which launch no kernel);
 * a host synchronisation is an op that makes the host wait for device values:
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _launch
+from fastmoe_xpu.kernels.triton import launch as _launch
 
 _SYNC_OPS = {
     "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2",
@@ -147,8 +147,9 @@ def _olmoe_like(experts: int, top_k: int, hidden: int, inter: int) -> SimpleName
 def compare(experts: int = 64, top_k: int = 8, tokens: int = 32, hidden: int = 16, inter: int = 16,
             seed: int = 0) -> list[dict[str, Any]]:
     """Audit our block (Triton and torch backends) and the v4-style reference on one input."""
-    from ..block import FastSparseMoeBlock
-    from ..reference import HFv4SparseMoeBlock
+    from fastmoe_xpu.block import FastSparseMoeBlock
+
+    from .baselines import HFv4SparseMoeBlock
 
     torch.manual_seed(seed)
     cfg = _olmoe_like(experts, top_k, hidden, inter)
