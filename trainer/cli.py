@@ -44,6 +44,7 @@ ALIASES: dict[str, str] = {
     "param-dtype": "model.param_dtype",
     "peak-tflops": "logging.peak_tflops",
     "seed": "seed",
+    "export-hf": "eval.export_hf",
 }
 
 EXIT_CONFIG_ERROR = 2
