@@ -176,19 +176,25 @@ class Injection:
     step: int
     rank: int | None = None
     host: str | None = None
+    once: str | None = None
+    """A marker file: the fault fires only while it does not exist, and creates it (so a rank-keyed
+    fault hits one node once, and the spare that takes the rank over is spared)."""
 
     @classmethod
     def parse(cls, spec: str) -> "Injection":
         fields: dict[str, str] = {}
         for part in spec.split(","):
             key, sep, value = part.strip().partition("=")
-            if not sep or key not in ("step", "rank", "host"):
-                raise ValueError(f"bad fault-injection spec {spec!r}: expected 'step=N[,rank=R][,host=H]'")
+            if not sep or key not in ("step", "rank", "host", "once"):
+                raise ValueError(f"bad fault-injection spec {spec!r}: expected 'step=N[,rank=R][,host=H][,once=FILE]'")
             fields[key] = value
         if "step" not in fields:
             raise ValueError(f"bad fault-injection spec {spec!r}: 'step=N' is required")
-        return cls(step=int(fields["step"]), rank=int(fields["rank"]) if "rank" in fields else None,
-                   host=fields.get("host"))
+        try:
+            return cls(step=int(fields["step"]), rank=int(fields["rank"]) if "rank" in fields else None,
+                       host=fields.get("host"), once=fields.get("once"))
+        except ValueError:
+            raise ValueError(f"bad fault-injection spec {spec!r}: step and rank must be integers") from None
 
     @classmethod
     def from_env(cls, name: str) -> "Injection | None":
@@ -196,8 +202,16 @@ class Injection:
         return cls.parse(spec) if spec else None
 
     def hits(self, step: int, rank: int) -> bool:
-        return (step == self.step and (self.rank is None or self.rank == rank)
-                and (self.host is None or self.host == host_name()))
+        if not (step == self.step and (self.rank is None or self.rank == rank)
+                and (self.host is None or self.host == host_name())):
+            return False
+        if self.once is None:
+            return True
+        try:  # O_EXCL: exactly one process wins, even among ranks of several nodes
+            os.close(os.open(self.once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return True
+        except FileExistsError:
+            return False
 
 
 def maybe_poison(loss: torch.Tensor, step: int, rank: int, grads: Iterable[torch.Tensor] = ()) -> torch.Tensor:
@@ -222,6 +236,23 @@ def maybe_hang(step: int, rank: int) -> None:
             time.sleep(3600)
 
 
+def check_out_dir(path: str | os.PathLike) -> None:
+    """Raise ValueError (one line naming the path and the reason) unless ``path`` is, or can be
+    made, a writable directory. Called before any model is built, so a bad ``--out`` costs nothing
+    and is not retried by the launcher (exit 2)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, (NotADirectoryError, FileExistsError)):
+            reason = "a path component is a regular file, not a directory"
+        raise ValueError(f"output directory {str(p)!r} cannot be written: {reason}") from None
+
+
 # ============================================================================ heartbeat
 class Heartbeat:
     """Per-rank liveness file ``OUT/heartbeat/rank-<r>.json``, rewritten atomically on every beat."""
@@ -233,12 +264,18 @@ class Heartbeat:
         self.rank = rank
         self.host = host_name()
         self.new_steps = 0
+        from .watchdog import Watchdog
+
+        # under trainer.launch: a thread that turns a stall into an exit the node agent acts on
+        self.watchdog = Watchdog.from_env(out_dir, rank, self.host)
 
     def beat(self, step: int, phase: str = "step", *, completed: bool = False, **extra: Any) -> None:
         """Record liveness; ``completed`` counts a step finished by this process (the launcher
         measures recovery time to the first one after a relaunch)."""
         if completed:
             self.new_steps += 1
+        if self.watchdog is not None:
+            self.watchdog.progress(step, phase)
         record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "phase": phase,
                   "time": time.time(), "new_steps": self.new_steps, **extra}
         tmp = self.path.with_suffix(".tmp")
