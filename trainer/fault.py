@@ -4,8 +4,8 @@ Soft failure: before every optimizer step each rank checks its local loss and gr
 NaN/Inf; one all-reduce of a flag tells every rank whether anyone saw one, so all ranks stop
 *before* the update and no weight changes. The bad ranks append a line each to
 ``OUT/failures.jsonl`` (step, rank, host, what was bad) and every process exits with
-:data:`EXIT_SOFT_FAILURE`, which tells ``trainer.launch`` to replace those hosts and resume from
-the newest valid checkpoint.
+:data:`EXIT_SOFT_FAILURE`; under ``trainer.launch`` the named node leaves the job, a spare takes
+its place and the run resumes from the newest valid checkpoint.
 
 Exit codes (documented in docs/fault.md):
 
@@ -14,12 +14,12 @@ Exit codes (documented in docs/fault.md):
 2     bad configuration or input (not retried)
 75    :data:`EXIT_SOFT_FAILURE`: NaN/Inf caught before the update; ``failures.jsonl`` names hosts
 76    :data:`EXIT_CHECKPOINT_FAILURE`: a checkpoint could not be written (disk full, read-only
-      directory); the previous checkpoint is intact; not retried (a relaunch would fail the same way)
+      directory) or checkpoints exist and none is valid; not retried (a relaunch would fail the same way)
+77    ``trainer.watchdog.EXIT_HANG``: no step progress within ``--heartbeat-timeout``; stacks dumped
 ====  =========================================================================================
 
 Heartbeats: every rank rewrites ``OUT/heartbeat/rank-<r>.json`` (step, phase, time, pid, host)
-each step; the launcher treats a rank whose file stops changing for ``--heartbeat-timeout``
-seconds as hung.
+each step and feeds the in-worker watchdog (``trainer.watchdog``) when the launcher asked for one.
 
 Test hooks, off unless the environment variable is set (the launcher passes them through):
 
