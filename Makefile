@@ -1,5 +1,7 @@
-# Two entry points that do all the set-up on a fresh machine:
+# Entry points that do all the set-up on a fresh machine:
 #   make run    the main job on a small embedded default
+#   make demo   the drop-in check on a small model, then the first honest number: the Mula-7B-A1B layer
+#               against transformers and its GEMM-only bound, the published figure beside (under a minute)
 #   make test   the test suite (also builds .venv-xpu, Intel's Triton + ocloc, for the PVC compile gate)
 PY := .venv/bin/python
 
@@ -15,14 +17,15 @@ run: venv
 	$(PY) -m trainer --preset tiny-moe
 
 demo: venv
-	$(PY) -m fastmoe_xpu.demo
+	$(PY) -m fastmoe_xpu.demo --steps 3
+	$(PY) -m bench --demo --out bench_out/demo
 
 test: venv xpu-venv
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs
 
 compile-check: venv xpu-venv
-	$(PY) -m fastmoe_xpu.kernels.compile_check --target all
-	CC=g++ .venv-xpu/bin/python -m fastmoe_xpu.kernels.compile_check --target xpu
+	$(PY) -m fastmoe_xpu.tools.compile_check --target all
+	CC=g++ .venv-xpu/bin/python -m fastmoe_xpu.tools.compile_check --target xpu
 
 bench: venv
 	$(PY) -m bench --preset tiny

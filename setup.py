@@ -1,19 +1,24 @@
+"""Metadata, console scripts and pytest configuration live in pyproject.toml; this file only maps the
+repository's folders to installed package names.
+
+The checkout keeps its top-level folders ``trainer/`` and ``bench/``; installed, they become
+``fastmoe_trainer`` and ``fastmoe_bench`` so that no module named ``trainer`` or ``bench`` lands in
+site-packages, where it would shadow (or be shadowed by) anything else of that name. The packages are
+found here rather than listed in pyproject.toml because a static list would go stale whenever a
+subpackage is added.
+"""
 from setuptools import find_packages, setup
 
-setup(
-    name="fastmoe_xpu",
-    version="0.1.0",
-    description="Fast Mixture-of-Experts training for Intel GPUs (XPU), CUDA GPUs and the CPU",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    packages=find_packages(include=["fastmoe_xpu", "fastmoe_xpu.*", "trainer", "trainer.*", "bench", "bench.*"]),
-    install_requires=["torch>=2.5", "numpy"],
-    extras_require={
-        "triton": ["triton>=3.1"],
-        "hf": ["transformers>=4.46"],
-        "test": ["pytest", "pytest-benchmark", "transformers>=4.46", "triton>=3.1"],
-        "trainer": ["transformers>=4.46", "tokenizers", "tqdm", "matplotlib", "pyarrow"],
-        "bench": ["transformers>=4.46", "matplotlib", "tqdm"],
-    },
-)
+# installed name -> folder in the repository
+PACKAGE_DIRS = {"fastmoe_xpu": "fastmoe_xpu", "fastmoe_trainer": "trainer", "fastmoe_bench": "bench"}
+
+
+def _packages() -> list[str]:
+    found = []
+    for name, folder in PACKAGE_DIRS.items():
+        for pkg in find_packages(include=[folder, f"{folder}.*"]):
+            found.append(name + pkg[len(folder):])
+    return found
+
+
+setup(packages=_packages(), package_dir=PACKAGE_DIRS)

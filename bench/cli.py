@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="fwdbwd", choices=[*MODES, "stages"],
                     help="fwd: forward only; bwd / fwdbwd: forward and backward (both reported, "
                          "the table shows the chosen one); stages: fastmoe launcher by launcher")
-    ap.add_argument("--rounds", type=int, default=5, help="timed interleaved rounds (after one cold call)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed interleaved rounds (after one cold call; default 5, --table3 3, --quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton "
@@ -52,6 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    t3 = ap.add_argument_group("Table 3", "the published speedup table, layer to training step (bench/table3.py)")
+    t3.add_argument("--table3", action="store_true",
+                    help="measure the five Table-3 columns for the four Mula models, the published rows beside")
+    t3.add_argument("--demo", action="store_true",
+                    help="a first number in well under a minute: the F+B column at the Mula-7B-A1B layer, with "
+                         "the bound and the published figure")
+    t3.add_argument("--quick", action="store_true", help="with --table3: tiny sizes, one round (tests)")
+    t3.add_argument("--models", dest="table3_models", nargs="+", metavar="NAME",
+                    help="with --table3: a subset of mula-7b-a1b mula-20b-a2b mula-100b-a7b mula-220b-a10b")
+    t3.add_argument("--layers", type=int, default=None, help="with --table3: layers of the scaled models (default 2)")
+    t3.add_argument("--train-experts", type=int, default=None,
+                    help="with --table3: experts of the scaled training models (default 16)")
+    t3.add_argument("--fb-tokens-per-rank", type=int, default=None,
+                    help="with --table3: tokens per rank of the F+B layer (default 256; x EP under EP)")
+    t3.add_argument("--context", type=int, default=None, help="with --table3: tokens per training instance (default 64)")
+    t3.add_argument("--blocks", type=int, default=None,
+                    help="with --table3: alternating sharded/epso blocks on the DP x EP processes (default 2)")
+    t3.add_argument("--dist-timeout", type=float, default=1800.0,
+                    help="with --table3: seconds the DP x EP processes may take in all")
     return ap
 
 
@@ -65,9 +85,17 @@ def _check_device(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_device(args.device)
+    if args.table3 or args.demo:
+        from .table3 import main_table3, run_demo
+
+        try:
+            return run_demo(args) if args.demo else main_table3(args)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     set_clock(args.clock)
+    args.rounds = 5 if args.rounds is None else args.rounds
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     presets = resolve_presets(args.preset)

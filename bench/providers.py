@@ -1,6 +1,6 @@
 """Providers: the same expert layer computed four ways, built from one :class:`~bench.cases.Case`.
 
-- ``hf_v4``: transformers-4-style block (``reference.HFv4SparseMoeBlock``): a ``ModuleList`` of
+- ``hf_v4``: transformers-4-style block (``bench.baselines.HFv4SparseMoeBlock``): a ``ModuleList`` of
   per-expert MLPs looped with masks, ``index_add_`` to combine.
 - ``hf_v5_eager`` / ``hf_v5_grouped_mm``: transformers v5's own ``OlmoeExperts`` with
   ``config._experts_implementation`` set to ``"eager"`` or ``"grouped_mm"`` (v5's default);
@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 from fastmoe_xpu.block import moe_experts_forward
-from fastmoe_xpu.reference import HFv4SparseMoeBlock
 
+from .baselines import HFv4SparseMoeBlock
 from .cases import Case
 
 HF_PROVIDERS = ("hf_v4", "hf_v5_eager", "hf_v5_grouped_mm")
@@ -198,9 +198,9 @@ def _fastmoe(case: Case, backend: str) -> Provider:
                 "interpreter, which is a correctness tool, not a benchmark"
             )
         try:
-            importlib.import_module("fastmoe_xpu.kernels.triton_ops")
+            importlib.import_module("fastmoe_xpu.kernels.triton")
         except Exception as exc:
-            raise ProviderSkipped(f"fastmoe_xpu.kernels.triton_ops not importable: {exc}") from None
+            raise ProviderSkipped(f"fastmoe_xpu.kernels.triton not importable: {exc}") from None
     elif backend != "torch":
         raise ValueError(f"unknown fastmoe backend {backend!r}")
     w_gu, w_d = case.w_gate_up_N2IH, case.w_down_NHI

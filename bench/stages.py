@@ -45,9 +45,10 @@ def _pipeline(case: Case, ops) -> dict[str, Callable[[], object]]:
         st["count"] = ops.count_tokens(idx, 0, NR, TOKEN_BLOCK_SIZE)
 
     def indices():
-        _, pcum, _, cexp, ctok = st["count"]
-        st["cexp"], st["ctok"] = cexp, ctok
-        st["ii"], st["oi"], st["sel"] = ops.build_indices(idx, pcum, cexp, 0, NR, TOKEN_BLOCK_SIZE)
+        counts = st["count"]
+        st["cexp"], st["ctok"] = counts.cum_expert_counts, counts.cum_token_counts
+        rows = ops.build_indices(idx, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, NR, TOKEN_BLOCK_SIZE)
+        st["ii"], st["oi"], st["sel"] = rows.input_indices, rows.output_indices, rows.selected_expert_indices
 
     def gate_up_fwd():
         st["gu"], st["h"] = ops.gate_up_fwd(x, st["ii"], st["ctok"], w_gu)
@@ -65,7 +66,8 @@ def _pipeline(case: Case, ops) -> dict[str, Callable[[], object]]:
         st["dh"], st["dwd"] = ops.down_bwd(st["dy"], st["h"], st["ctok"], w_d)
 
     def silu_mul_bwd():
-        st["dgu"] = ops.silu_mul_bwd(st["gu"], st["dh"])
+        # with the counts, as ExpertMLPFunction calls it: the Triton kernel then computes only the RT routed rows
+        st["dgu"] = ops.silu_mul_bwd(st["gu"], st["dh"], st["ctok"])
 
     def gate_up_bwd():
         st["dxr"], st["dwgu"] = ops.gate_up_bwd(st["dgu"], x, st["ii"], st["ctok"], w_gu)

@@ -26,6 +26,7 @@ from .dist.collectives import agree_on_inputs
 from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
 from .dist.env import check_group_device
 from .dist.sharding import EXPERT_IDS_NAME, expert_range
+from .integrations.v4_keys import merge_v4_expert_keys
 from .kernels import get_ops
 from .routing import TopKRouter, forced_uniform_routing
 
@@ -85,30 +86,10 @@ class Experts(nn.Module):
         self.intermediate_dim = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.register_load_state_dict_pre_hook(_merge_v4_expert_keys)
+        self.register_load_state_dict_pre_hook(merge_v4_expert_keys)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
-
-
-def _merge_v4_expert_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """Turn ``{prefix}{e}.{gate,up,down}_proj.weight`` (transformers v4) into the merged tensors."""
-    if prefix + "gate_up_proj" in state_dict or prefix + "0.gate_proj.weight" not in state_dict:
-        return
-    gate_up, down = [], []
-    # An expert-parallel shard loading a full v4 dict merges all experts; _slice_full_experts cuts them.
-    n = getattr(module, "global_num_experts", module.num_experts)
-    for e in range(n):
-        keys = [f"{prefix}{e}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
-        absent = [k for k in keys if k not in state_dict]
-        if absent:
-            error_msgs.append(f"transformers-v4 expert keys incomplete: missing {absent}")
-            return
-        g, u, d = (state_dict.pop(k) for k in keys)
-        gate_up.append(torch.cat([g, u], dim=0))
-        down.append(d)
-    state_dict[prefix + "gate_up_proj"] = torch.stack(gate_up)
-    state_dict[prefix + "down_proj"] = torch.stack(down)
 
 
 def _slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -149,14 +130,17 @@ def moe_experts_forward(
     ops = get_ops(backend)
     num_local = w_gate_up_N2IH.shape[0]
     with torch.no_grad():
-        _, partial_cum, _, cum_expert, cum_token = ops.count_tokens(topk_idx_TK, expert_start, num_local, block_size)
-        input_idx, output_idx, selected = ops.build_indices(
-            topk_idx_TK, partial_cum, cum_expert, expert_start, num_local, block_size
+        counts = ops.count_tokens(topk_idx_TK, expert_start, num_local, block_size)
+        rows = ops.build_indices(
+            topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts, expert_start, num_local, block_size
         )
     y_RH = ExpertMLPFunction.apply(
-        x_TH, w_gate_up_N2IH, w_down_NHI, input_idx, output_idx, cum_token, cum_expert, ops
+        x_TH, w_gate_up_N2IH, w_down_NHI, rows.input_indices, rows.output_indices, counts.cum_token_counts,
+        counts.cum_expert_counts, ops,
     )
-    return CombineFunction.apply(y_RH, weights_TK, output_idx, selected, cum_expert, ops)
+    return CombineFunction.apply(
+        y_RH, weights_TK, rows.output_indices, rows.selected_expert_indices, counts.cum_expert_counts, ops
+    )
 
 
 class FastSparseMoeBlock(nn.Module):
@@ -396,32 +380,3 @@ def _ep_position(ep_group: dist.ProcessGroup | None) -> tuple[int, int]:
             f"{dist.get_process_group_ranks(ep_group)}"
         )
     return rank, dist.get_world_size(ep_group)
-
-
-def _is_hf_olmoe_block(module: nn.Module) -> bool:
-    return type(module).__name__ == "OlmoeSparseMoeBlock" and hasattr(module, "gate") and hasattr(module, "experts")
-
-
-def patch_olmoe(
-    model: nn.Module,
-    *,
-    backend: str = "auto",
-    forced_uniform_routing: bool = False,
-    ep_group: dist.ProcessGroup | None = None,
-    dispatch: str = "allgather",
-    check_inputs: bool = True,
-) -> int:
-    """Replace every ``OlmoeSparseMoeBlock`` in ``model`` in place by a FastSparseMoeBlock with the
-    same weights; returns how many were replaced. With ``ep_group`` each block keeps only this
-    rank's experts."""
-    targets = [(name, m) for name, m in model.named_modules() if _is_hf_olmoe_block(m)]
-    for name, block in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        new = FastSparseMoeBlock.from_hf(
-            block, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
-            dispatch=dispatch, check_inputs=check_inputs,
-        )
-        new.train(block.training)
-        setattr(parent, child, new)
-    return len(targets)

@@ -1,4 +1,4 @@
-"""Plain-PyTorch references of every stage and of the whole block (tests and bench import them).
+"""Plain-PyTorch references of every stage and of the whole block (tests import them).
 
 These are written for clarity, not speed: stages 2 and 3 follow the algorithm statement line by
 line with Python loops, stage 4 and 5 use autograd through ordinary ops.
@@ -8,20 +8,18 @@ TH token blocks, RT routed rows on this rank.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels.contract import INDEX_DTYPE, RowIndices, TokenCounts
 from .routing import topk_routing
-
-IDX = torch.int32
 
 
 # ---------------------------------------------------------------- stage 2
-def reference_count_tokens(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, block_size: int = 8):
-    """``(partial_token_counts, partial_cum_token_counts, expert_counts, cum_expert_counts, cum_token_counts)``."""
+def reference_count_tokens(
+    topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, block_size: int = 8
+) -> TokenCounts:
+    """Stage 2 by the algorithm's definition, as the launchers' :class:`TokenCounts`."""
     idx = topk_idx_TK.tolist()
     T = len(idx)
     TH = (T + block_size - 1) // block_size
@@ -41,8 +39,8 @@ def reference_count_tokens(topk_idx_TK: torch.Tensor, expert_start: int, num_loc
     for c in expert_counts:
         cum_expert.append(cum_expert[-1] + c)
     cum_token = [partial_cum[n * TH] for n in range(num_local + 1)]
-    as_t = lambda v: torch.tensor(v, dtype=IDX)
-    return as_t(partial), as_t(partial_cum), as_t(expert_counts), as_t(cum_expert), as_t(cum_token)
+    as_t = lambda v: torch.tensor(v, dtype=INDEX_DTYPE)
+    return TokenCounts(as_t(partial), as_t(partial_cum), as_t(expert_counts), as_t(cum_expert), as_t(cum_token))
 
 
 # ---------------------------------------------------------------- stage 3
@@ -53,8 +51,8 @@ def reference_build_indices(
     expert_start: int,
     num_local: int,
     block_size: int = 8,
-):
-    """``(input_indices [RT], output_indices [RT], selected_expert_indices [RT])``."""
+) -> RowIndices:
+    """Stage 3 by the algorithm's definition: :class:`RowIndices` with RT entries each."""
     idx = topk_idx_TK.tolist()
     T = len(idx)
     TH = (T + block_size - 1) // block_size
@@ -78,7 +76,8 @@ def reference_build_indices(
             selected[o] = k
             counter[ln][b] += 1
             o += 1
-    return torch.tensor(input_indices, dtype=IDX), torch.tensor(output_indices, dtype=IDX), torch.tensor(selected, dtype=IDX)
+    as_t = lambda v: torch.tensor(v, dtype=INDEX_DTYPE)
+    return RowIndices(as_t(input_indices), as_t(output_indices), as_t(selected))
 
 
 # ---------------------------------------------------------------- stage 4
@@ -131,76 +130,3 @@ def reference_moe_forward(x_TH, gate_weight_EH, w_gate_up_E2IH, w_down_EHI, top_
     """The whole block on ``[T, H]``: router then experts."""
     weights_TK, idx_TK = topk_routing(F.linear(x_TH, gate_weight_EH), top_k, norm_topk_prob)
     return reference_experts_forward(x_TH, weights_TK, idx_TK, w_gate_up_E2IH, w_down_EHI)
-
-
-class _V4Expert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class HFv4SparseMoeBlock(nn.Module):
-    """transformers-4-style OLMoE block: a ``ModuleList`` of per-expert MLPs looped with masks.
-
-    The baseline the published speedups were measured against; its state dict uses the v4 keys
-    (``gate.weight``, ``experts.{e}.gate_proj.weight``, ...). ``forward`` returns ``[B, S, H]``.
-    """
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = bool(config.norm_topk_prob)
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            _V4Expert(config.hidden_size, config.intermediate_size) for _ in range(config.num_experts)
-        )
-
-    @torch.no_grad()
-    def load_merged(self, gate_weight_EH, w_gate_up_E2IH, w_down_EHI) -> "HFv4SparseMoeBlock":
-        """Copy v5-layout weights in (gate rows first, then up)."""
-        self.gate.weight.copy_(gate_weight_EH)
-        inter = w_down_EHI.shape[2]
-        for e, m in enumerate(self.experts):
-            m.gate_proj.weight.copy_(w_gate_up_E2IH[e, :inter])
-            m.up_proj.weight.copy_(w_gate_up_E2IH[e, inter:])
-            m.down_proj.weight.copy_(w_down_EHI[e])
-        return self
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        batch_size, sequence_length, hidden_dim = hidden_states.shape
-        hidden_states = hidden_states.view(-1, hidden_dim)
-        router_logits = self.gate(hidden_states)
-        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
-        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
-        routing_weights = routing_weights.to(hidden_states.dtype)
-        final_hidden_states = self.experts_forward(hidden_states, routing_weights, selected_experts)
-        self.last_router_logits = router_logits
-        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
-
-    def experts_forward(
-        self,
-        hidden_states: torch.Tensor,
-        routing_weights: torch.Tensor,
-        selected_experts: torch.Tensor,
-        num_experts: int | None = None,
-    ) -> torch.Tensor:
-        """The expert loop alone, on ``[T, H]`` with given routing ``[T, K]``. ``num_experts`` (default
-        ``self.num_experts``) is the global expert count when ``self.experts`` holds only the first
-        ``len(self.experts)`` of them (a rank's local slice); the result is then that slice's partial sum."""
-        hidden_dim = hidden_states.shape[-1]
-        final_hidden_states = torch.zeros_like(hidden_states)
-        expert_mask = F.one_hot(selected_experts, num_classes=num_experts or self.num_experts).permute(2, 1, 0)
-        for expert_idx in range(len(self.experts)):
-            idx, top_x = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
-            current_hidden_states = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
-            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
-        return final_hidden_states

@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.fastmoe-installed
-want="$(cat setup.py scripts/setup_venv.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml setup.py scripts/setup_venv.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
   .venv/bin/pip install -q --disable-pip-version-check -e ".[test,trainer,bench]"

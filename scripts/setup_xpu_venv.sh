@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-xpu: Intel's Triton build (triton-xpu) and the offline compiler for Intel GPUs, so
-# that `python -m fastmoe_xpu.kernels.compile_check --target xpu` can compile every kernel for
+# that `python -m fastmoe_xpu.tools.compile_check --target xpu` can compile every kernel for
 # Ponte Vecchio (PVC) on a machine without an Intel GPU.
 #
 # Idempotent: a second run installs nothing new and takes a few seconds.

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fastmoe_xpu import FastSparseMoeBlock
-from fastmoe_xpu.reference import HFv4SparseMoeBlock, reference_moe_forward
+from bench.baselines import HFv4SparseMoeBlock
+from fastmoe_xpu.reference import reference_moe_forward
 from tests.tolerances import assert_close
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the HF parity tests")

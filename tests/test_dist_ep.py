@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastmoe_xpu import FastSparseMoeBlock, patch_olmoe
+from fastmoe_xpu import FastSparseMoeBlock, patch_olmoe, settings
 from fastmoe_xpu.dist import (
     ParallelMesh,
     all_to_all_autograd,
@@ -45,7 +45,7 @@ from fastmoe_xpu.dist.comm_bytes import (
     worst_case_remote_rows,
 )
 from fastmoe_xpu.dist.testing import run_distributed
-from fastmoe_xpu.reference import HFv4SparseMoeBlock
+from bench.baselines import HFv4SparseMoeBlock
 from tolerances import assert_close
 
 
@@ -510,14 +510,14 @@ def test_distributed_case(world: int, name: str) -> None:
 
 def _triton_ops_present() -> bool:
     return importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
-        "fastmoe_xpu.kernels.triton_ops") is not None
+        "fastmoe_xpu.kernels.triton") is not None
 
 
 @pytest.mark.parametrize("name", list(TRITON_CASES))
 def test_distributed_triton_interpreter(name: str) -> None:
     if not _triton_ops_present():
-        print("skipping: fastmoe_xpu.kernels.triton_ops (or triton) is not installed")
-        pytest.skip("fastmoe_xpu.kernels.triton_ops (or triton) is not installed")
+        print("skipping: fastmoe_xpu.kernels.triton (or triton) is not installed")
+        pytest.skip("fastmoe_xpu.kernels.triton (or triton) is not installed")
     _assert_case("TRITON_CASES", 2, name)
 
 
@@ -589,18 +589,20 @@ def test_choose_backend(monkeypatch, device, xccl, oneccl, nccl, forced, want):
     monkeypatch.setattr(dist_env, "_oneccl_importable", lambda: oneccl)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
     monkeypatch.setenv(dist_env.BACKEND_ENV, forced)
-    assert choose_backend(device) == want
+    with settings.reloaded():
+        assert choose_backend(device) == want
 
 
 def test_choose_backend_errors(monkeypatch):
     monkeypatch.delenv(dist_env.BACKEND_ENV, raising=False)
     monkeypatch.setattr(dist_env, "_xccl_available", lambda: False)
     monkeypatch.setattr(dist_env, "_oneccl_importable", lambda: False)
-    with pytest.raises(RuntimeError, match="no communication backend for xpu"):
-        choose_backend("xpu")
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
-    with pytest.raises(RuntimeError, match="no NCCL"):
-        choose_backend("cuda")
+    with settings.reloaded():
+        with pytest.raises(RuntimeError, match="no communication backend for xpu"):
+            choose_backend("xpu")
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+        with pytest.raises(RuntimeError, match="no NCCL"):
+            choose_backend("cuda")
 
 
 def test_oneccl_probe_imports_the_bindings(monkeypatch):

@@ -1,6 +1,6 @@
 """trainer: pretraining of OLMoE / OLMo models with FastSparseMoE, sharded AdamW and EPSO.
 
-Entry points: ``python -m trainer --preset tiny-moe`` (trainer.cli), :class:`trainer.train.Trainer`,
+Entry points: ``python -m trainer --preset tiny-moe`` (trainer.cli), :class:`trainer.trainer.Trainer`,
 the configs in :mod:`trainer.config` and presets in :mod:`trainer.presets`. Submodules are imported
 on use so that ``python -m trainer.data.preprocess`` starts without torch or transformers.
 """

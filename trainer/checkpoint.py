@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .parallel import MeshPosition
+from .layout import MeshPosition
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -83,7 +83,7 @@ class CheckpointError(RuntimeError):
 # ============================================================================ layout and writers
 @dataclass(frozen=True)
 class Coords(MeshPosition):
-    """Position of one rank in the PP x DP x EP mesh (EP innermost), as ``trainer.parallel.Layout``."""
+    """Position of one rank in the PP x DP x EP mesh (EP innermost), as ``trainer.layout.Layout``."""
 
     rank: int = 0
     pp: int = 1

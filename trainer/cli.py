@@ -148,7 +148,7 @@ def list_presets() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .parallel import env_world_size
+    from .layout import env_world_size
 
     try:
         cfg, args = config_from_args(argv)
@@ -160,13 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(plan_from_config(cfg, args.world or env_world_size()))
             return 0
-        validate(cfg, env_world_size())
+        validate(cfg, env_world_size())  # the only check: the Trainer takes the validated config as it is
         if args.print_config:
             print(cfg.to_json())
             return 0
-        from .parallelism.trainer import ParallelTrainer
+        from .trainer import Trainer
 
-        trainer = ParallelTrainer(cfg)
+        trainer = Trainer(cfg)
     except (ConfigError, ValueError) as e:
         # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -13,6 +13,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from .parallelism.ac_spec import parse_ac
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the CLI prints its message as one line and exits non-zero."""
@@ -334,7 +336,41 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"global batch {s.global_batch} is not divisible by DP x EP x micro batch = "
             f"{dp} x {p.ep} x {s.micro_batch} (every DP x EP rank reads its own micro-batches)"
         )
-    from .parallelism.checks import check_parallel
-
     check_parallel(cfg)
+    if world_size is not None:
+        # the Trainer takes a config validated for its world as it is, without a copy or a second check
+        cfg._validated_world = world_size  # type: ignore[attr-defined]
     return cfg
+
+
+def validated_for(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether :func:`validate` passed ``cfg`` for ``world_size`` (edits after it are not noticed:
+    validate last)."""
+    return getattr(cfg, "_validated_world", None) == world_size
+
+
+def check_parallel(cfg: TrainConfig) -> None:
+    """The pipeline, tensor-parallel and activation-checkpointing checks of :func:`validate`; raise
+    :class:`ConfigError` naming the offending values."""
+    m, p, s = cfg.model, cfg.parallel, cfg.schedule
+    try:
+        parse_ac(p.ac)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if p.pp > 1:
+        if m.num_layers < p.pp:
+            raise ConfigError(f"{m.num_layers} layers cannot fill PP={p.pp} pipeline stages (one layer each at least)")
+        dp = p.dp or 1
+        micro = s.global_batch // (dp * p.ep * s.micro_batch)
+        if p.pp_schedule == "1f1b" and micro < p.pp:
+            raise ConfigError(
+                f"1F1B needs at least PP={p.pp} micro-batches per rank, got global batch {s.global_batch} / "
+                f"(DP x EP x micro batch = {dp} x {p.ep} x {s.micro_batch}) = {micro}; raise --global-batch, "
+                f"lower --micro-batch or use --parallel.pp_schedule gpipe")
+    if p.tp > 1:
+        if m.is_moe:
+            raise ConfigError(f"tensor parallelism (TP={p.tp}) covers the dense model's attention and MLP; "
+                              f"arch={m.arch!r} uses expert parallelism (--ep) instead")
+        if m.num_heads % p.tp or m.intermediate_size % p.tp:
+            raise ConfigError(f"TP={p.tp} must divide the heads ({m.num_heads}) and the intermediate size "
+                              f"({m.intermediate_size})")

@@ -39,7 +39,7 @@ def _median_time(fn, repeats: int) -> float:
 def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     """Write/restore times and sizes of tiny-moe checkpoints in one process."""
     from .cli import config_from_args
-    from .train import Trainer
+    from .trainer import Trainer
 
     cfg, _ = config_from_args([*SMALL, "--steps", "3", "--out", str(out / "tiny"), "--no-checkpoint.resume"])
     t = Trainer(cfg)

@@ -433,7 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's polls")
     ap.add_argument("--timeout", type=float, default=None, help="--local-nodes: give up after this many seconds")
     ap.add_argument("--out", default=None, help="run directory (default: the trainer's --out)")
-    ap.add_argument("--entry", default="trainer", help="python module (or .py script) every rank runs")
+    # the trainer's own package, under whichever name it is installed
+    ap.add_argument("--entry", default=__package__.split(".")[0],
+                    help="python module (or .py script) to run on every rank")
     ap.add_argument("--resume-arg", default="--checkpoint.resume",
                     help="arguments appended to the trainer's so every start resumes from the newest checkpoint")
     ap.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")

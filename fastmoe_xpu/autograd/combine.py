@@ -4,9 +4,9 @@ Legend: T tokens, H hidden, K experts per token, R routed rows.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
+
+from ..kernels.contract import KernelBackend
 
 
 class CombineFunction(torch.autograd.Function):
@@ -20,7 +20,7 @@ class CombineFunction(torch.autograd.Function):
         output_indices: torch.Tensor,
         selected_expert_indices: torch.Tensor,
         cum_expert_counts: torch.Tensor,
-        ops: ModuleType,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         out_TH = ops.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
         ctx.save_for_backward(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)

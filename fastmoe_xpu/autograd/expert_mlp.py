@@ -4,9 +4,9 @@ Legend: T tokens, H hidden, I intermediate, NR local experts, R routed rows.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
+
+from ..kernels.contract import KernelBackend
 
 
 class ExpertMLPFunction(torch.autograd.Function):
@@ -26,7 +26,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         output_indices: torch.Tensor,
         cum_token_counts: torch.Tensor,
         cum_expert_counts: torch.Tensor,
-        ops: ModuleType,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         gate_up_R2I, h_RI = ops.gate_up_fwd(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
         y_RH = ops.down_fwd(h_RI, cum_token_counts, w_down_NHI)

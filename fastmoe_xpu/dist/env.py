@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from ..device import accelerator_type
 
 #: Environment variable that forces the communication backend (e.g. ``gloo``, ``ccl``, ``xccl``).
@@ -110,7 +111,7 @@ def choose_backend(device_type: str | None = None) -> str:
     when ``oneccl_bindings_for_pytorch`` imports (importing it registers the backend); cuda:
     ``nccl``; cpu: ``gloo``.
     """
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    forced = settings.get().dist_backend
     if forced:
         if forced == "ccl":
             _oneccl_importable()  # registers "ccl" with torch.distributed if it is installed

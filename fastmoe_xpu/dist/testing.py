@@ -36,6 +36,11 @@ def _entry(rank: int, world: int, port: int, target: tuple[str, str], args: tupl
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if any(k.startswith("FASTMOE_") for k in env):
+        # A preloaded server process may have read the switches already: read them again.
+        from .. import settings
+
+        settings.reload()
     try:
         import torch
         import torch.distributed as dist

@@ -1,12 +1,14 @@
-"""Launchers of stages 2-5, one contract for two backends.
+"""Launchers of stages 2-5: one typed contract (:mod:`.contract`), two backends.
 
-``get_ops("torch")`` returns :mod:`fastmoe_xpu.kernels.torch_ops` (plain PyTorch, the CPU backend);
-``get_ops("triton")`` returns :mod:`fastmoe_xpu.kernels.triton_ops` (Triton kernels, xpu/cuda, or
-the CPU under ``TRITON_INTERPRET=1``). Both modules export the same functions:
+``get_ops("torch")`` returns :mod:`fastmoe_xpu.kernels.torch` (plain PyTorch, the CPU backend);
+``get_ops("triton")`` returns :mod:`fastmoe_xpu.kernels.triton` (Triton kernels: xpu/cuda, or the
+CPU under ``TRITON_INTERPRET=1``). Both are typed as :class:`.contract.KernelBackend`, whose
+methods list every launcher:
 
 ========================  ======================================================================
 ``count_tokens``          stage 2: per-block counts of local experts and their prefix sums
-``build_indices``         stage 3: ``input_indices``, ``output_indices``, ``selected_expert_indices``
+                          (:class:`.contract.TokenCounts`)
+``build_indices``         stage 3: rows and slots (:class:`.contract.RowIndices`)
 ``gate_up_fwd``           stage 4: gathered grouped GEMM with ``gate_up_proj``, then SiLU*up
 ``down_fwd``              stage 4: grouped GEMM with ``down_proj``
 ``down_bwd``              stage 4 backward: input and weight gradients of the down GEMM
@@ -16,18 +18,24 @@ the CPU under ``TRITON_INTERPRET=1``). Both modules export the same functions:
 ``combine_bwd``           stage 5 backward: row gradients and router-weight gradients
 ========================  ======================================================================
 
-Metadata is int32. Row buffers have ``R >= RT`` rows, RT = ``cum_token_counts[-1]``; rows past RT
-are unspecified and never read.
+``configs.py`` holds the Triton tiles per device; which backend and table run is decided by
+:func:`fastmoe_xpu.device.choose_kernels`.
 """
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from .contract import KernelBackend
 
 
-def get_ops(backend: str) -> ModuleType:
+def get_ops(backend: str) -> KernelBackend:
+    """The launchers of ``backend`` (``"torch"`` or ``"triton"``). Imported on first use, so that
+    triton stays optional and is imported only where its kernels run."""
+    # The imports stay inside the branches: "triton" needs the triton package, "torch" never does.
     if backend == "torch":
-        return importlib.import_module(".torch_ops", __name__)
+        from . import torch as torch_backend
+
+        return torch_backend
     if backend == "triton":
-        return importlib.import_module(".triton_ops", __name__)
+        from . import triton as triton_backend
+
+        return triton_backend
     raise ValueError(f"unknown kernel backend {backend!r} (expected 'torch' or 'triton')")

@@ -15,14 +15,15 @@ builds also accept ``"256"``); with it, 32 warps (sub-groups of 16 lanes) per wo
 from __future__ import annotations
 
 import contextlib
-import inspect
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
-BACKENDS = ("cuda", "hip", "xpu", "interpreter")
+from .. import settings
+from ..device import choose_kernels
+
+BACKENDS = settings.CONFIG_TABLES
 
 #: Kernel families; each launcher picks its config by one of these names.
 KERNELS = (
@@ -134,48 +135,17 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
 }
 
 
-def _block_ptr_available() -> bool:
-    """Block pointers exist up to the Triton releases that still take ``boundary_check`` in
-    ``tl.load`` (Intel's XPU builds keep them; upstream removed them in favour of descriptors)."""
-    try:
-        import triton.language as tl
-    except ImportError:
-        return False
-    return "boundary_check" in inspect.signature(tl.load).parameters
-
-
-#: Whether a backend loads ``tl.dot`` operands through block pointers (Intel's 2D block IO).
-_WANTS_BLOCK_PTR = {"cuda": False, "hip": False, "xpu": True, "interpreter": False}
-
-_override: str | None = None
-
-
 def backend_for(device: torch.device) -> str:
-    """The config table for tensors on ``device``; ``FASTMOE_TRITON_CONFIGS`` or :func:`use` override."""
-    forced = _override or os.environ.get("FASTMOE_TRITON_CONFIGS", "").strip().lower() or None
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"unknown Triton config table {forced!r} (expected one of {BACKENDS})")
-        return forced
-    dev = torch.device(device)
-    if dev.type == "xpu":
-        return "xpu"
-    if dev.type == "cuda":
-        return "hip" if getattr(torch.version, "hip", None) else "cuda"
-    return "interpreter"
+    """The config table for Triton kernels on ``device``, as :func:`fastmoe_xpu.device.choose_kernels`
+    decides it (``FASTMOE_TRITON_CONFIGS`` or :func:`use` override the device's table)."""
+    return choose_kernels(device, "triton").config_table
 
 
-@contextlib.contextmanager
-def use(backend: str) -> Iterator[None]:
+def use(backend: str) -> contextlib.AbstractContextManager[Any]:
     """Run launchers with ``backend``'s configs (tests run every table under the interpreter)."""
-    global _override
     if backend not in BACKENDS:
         raise ValueError(f"unknown Triton config table {backend!r} (expected one of {BACKENDS})")
-    previous, _override = _override, backend
-    try:
-        yield
-    finally:
-        _override = previous
+    return settings.override(triton_configs=backend)
 
 
 def configs(backend: str, kernel: str) -> list[KernelConfig]:
@@ -192,11 +162,9 @@ def get_config(backend: str, kernel: str) -> KernelConfig:
 
 
 def uses_block_ptr(backend: str) -> bool:
-    """Whether launchers pass ``BLOCK_PTR=True``: on for xpu; ``FASTMOE_TRITON_BLOCK_PTR=0|1``
-    overrides (e.g. to run the XPU path under the interpreter of a Triton that still has them)."""
-    env = os.environ.get("FASTMOE_TRITON_BLOCK_PTR", "").strip()
-    wanted = env not in ("0", "false", "False") if env else _WANTS_BLOCK_PTR[backend]
-    return wanted and _block_ptr_available()
+    """Whether launchers using config table ``backend`` pass ``BLOCK_PTR=True`` (on for xpu;
+    ``FASTMOE_TRITON_BLOCK_PTR=0|1`` overrides), as :func:`fastmoe_xpu.device.choose_kernels` decides."""
+    return choose_kernels("cpu", "triton", config_table=backend).block_ptr
 
 
 def dot_precision(backend: str, dtype: torch.dtype) -> str:

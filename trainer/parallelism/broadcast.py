@@ -225,3 +225,16 @@ def state_digest(model: nn.Module) -> list[tuple[str, str]]:
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         out.append((name, hashlib.sha256(raw.numpy().tobytes()).hexdigest()))
     return out
+
+
+@torch.no_grad()
+def load_and_broadcast_local(model: nn.Module, path: str) -> None:
+    """One process: load the file's weights into ``model`` (the same reading rules as the broadcast)."""
+    sd = merge_v4_experts(read_state_dict(path))
+    local = model.state_dict(keep_vars=True)
+    missing = [n for n, _ in model.named_parameters() if n not in sd]
+    if missing:
+        raise ValueError(f"the model file provides no {missing[:5]}")
+    for name, t in sd.items():
+        if name in local:
+            local[name].data.copy_(t)

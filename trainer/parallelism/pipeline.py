@@ -18,22 +18,23 @@ the gradient of the single-process loss. The accumulation runs in layer order, t
 
 Stage inputs/outputs: first stage ``input_ids [B, S]``; between stages
 ``(hidden [B, S, H], counts_E, probs_E, zsum_1)`` (MoE) or ``(hidden,)`` (dense); the last stage
-returns ``(logits [B, S, V], counts_E, probs_E, zsum_1)`` for the loss function.
+returns ``(logits [B, S, V], counts_E, probs_E, zsum_1)`` for the loss function
+(:func:`trainer.loss.pipeline_loss`, the trainer's one loss recipe).
 
 Legend: B micro-batch, S sequence, H hidden, V vocabulary, E experts, L layers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..config import TrainConfig
+from ..layout import Layout, pp_group
+from ..loss import MicroLoss, MoeLossConfig, pipeline_loss
 from .plan import split_layers
 
-IGNORE_INDEX = -100
 SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
 
 
@@ -182,55 +183,6 @@ def materialize(stage: nn.Module, device: torch.device | str, *, seed: int, std:
     return stage
 
 
-@dataclass
-class LossParts:
-    """Detached parts of one micro-batch's loss (already scaled like the loss)."""
-
-    lm: torch.Tensor
-    lb: torch.Tensor
-    z: torch.Tensor
-    tokens_per_expert: torch.Tensor
-
-
-@dataclass
-class MoeLossConfig:
-    """How the last stage turns its outputs into the loss (the trainer's recipe)."""
-
-    num_layers: int
-    num_experts: int = 0
-    top_k: int = 0
-    load_balancing_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    global_targets: float = 1.0
-    """Target tokens in the global batch: the cross-entropy sum is divided by it."""
-    micro_batches_global: int = 1
-    """Micro-batches in the global batch: router losses are averaged over them."""
-    parts: list[LossParts] = field(default_factory=list)
-
-
-def pipeline_loss(outputs: Any, labels: torch.Tensor, cfg: MoeLossConfig) -> tuple[torch.Tensor, LossParts]:
-    """The trainer's micro-batch loss from the last stage's outputs: summed cross-entropy over the
-    global target count, plus the router losses from the carried totals over the global number of
-    micro-batches."""
-    if isinstance(outputs, torch.Tensor):
-        outputs = (outputs,)
-    logits = outputs[0]
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=IGNORE_INDEX, reduction="sum")
-    loss = ce / cfg.global_targets
-    zero = torch.zeros((), device=logits.device)
-    lb = z = zero
-    tpe = torch.zeros(cfg.num_experts, device=logits.device)
-    if len(outputs) == 4:
-        counts_E, probs_E, zsum = outputs[1], outputs[2], outputs[3]
-        rows = float(labels.numel() * cfg.num_layers)
-        lb = cfg.num_experts * torch.sum((counts_E / rows) * (probs_E / rows)) / cfg.micro_batches_global
-        z = zsum.reshape(()) / cfg.num_layers / cfg.micro_batches_global
-        loss = loss + cfg.load_balancing_coef * lb + cfg.z_loss_coef * z
-        tpe = counts_E.detach()
-    return loss, LossParts(ce.detach() / cfg.global_targets, lb.detach(), z.detach(), tpe)
-
-
 class Pipeline:
     """This rank's stages of a pipeline and the schedule that runs them.
 
@@ -239,7 +191,7 @@ class Pipeline:
     in which case only the stage is allocated and initialised (:func:`materialize`, from
     ``meta_seed + stage``; load real weights with :mod:`trainer.parallelism.broadcast`). ``step(input_ids, labels)`` runs one batch of this rank's micro-batches through the
     schedule and leaves the gradients in the stage parameters' ``.grad``; on the last stage it
-    returns the per-micro-batch :class:`LossParts`."""
+    returns the per-micro-batch :class:`trainer.loss.MicroLoss`."""
 
     def __init__(self, build: Callable[[int], nn.Module], *, pp_rank: int, pp: int, group: Any, device: torch.device,
                  n_microbatches: int, schedule: str = "1f1b", virtual: int = 1,
@@ -295,7 +247,7 @@ class Pipeline:
         for m in self.modules:
             yield from m.named_parameters()
 
-    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[LossParts]:
+    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[MicroLoss]:
         """Forward and backward of ``n_microbatches`` micro-batches (split along dim 0)."""
         if self.loss_cfg is not None:
             self.loss_cfg.parts.clear()
@@ -308,3 +260,18 @@ class Pipeline:
             return []
         # The first step also calls the loss once for shape inference; keep the real micro-batches.
         return list(self.loss_cfg.parts[-self.n_microbatches:])
+
+
+def parallelize_pipeline(cfg: TrainConfig, layout: Layout, device: torch.device, build: Callable[[int], nn.Module],
+                         prepare: Callable[[nn.Module], None]) -> Pipeline:
+    """This rank's stage(s) of the model ``build`` returns, each passed through ``prepare`` (TP,
+    activation checkpointing), run by the schedule ``cfg`` names with the trainer's loss."""
+    p, m = cfg.parallel, cfg.model
+    return Pipeline(
+        build, pp_rank=layout.pp_rank, pp=p.pp, group=pp_group(layout), device=device,
+        n_microbatches=cfg.schedule.global_batch // (layout.data_world * cfg.schedule.micro_batch),
+        schedule=p.pp_schedule,
+        loss_cfg=MoeLossConfig(num_layers=m.num_layers, num_experts=m.num_experts if m.is_moe else 0,
+                               top_k=m.top_k if m.is_moe else 0,
+                               load_balancing_coef=m.load_balancing_coef, z_loss_coef=m.z_loss_coef),
+        prepare=prepare, meta_seed=cfg.seed)

@@ -1,0 +1,3 @@
+"""Integrations with other libraries: ``transformers`` (:func:`.transformers.patch_olmoe`) and its v4
+checkpoint keys (:mod:`.v4_keys`). Nothing is imported here, so that loading one part never
+imports the others (``block.py`` uses ``v4_keys``; ``transformers`` uses ``block.py``)."""

@@ -1,0 +1,133 @@
+"""Stage 5 in plain PyTorch: weighted row sums as one sparse-CSR product or ``embedding_bag``.
+
+Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, TH token blocks,
+RT routed rows on this rank (sum of the local experts' token counts), R >= RT rows allocated.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ... import settings
+from .buffers import cached_empty, piece_rows
+
+
+def _slot_tokens(cum_expert_counts: torch.Tensor) -> torch.Tensor:
+    T = cum_expert_counts.numel() - 1
+    counts = (cum_expert_counts[1:] - cum_expert_counts[:-1]).to(torch.int64)
+    return torch.repeat_interleave(torch.arange(T, device=cum_expert_counts.device), counts)
+
+
+#: Dtypes whose weighted row sums run as a sparse CSR x dense product into a cached buffer
+#: (MKL's sparse BLAS on x86); others use ``embedding_bag``, which allocates its output.
+_CSR_DTYPES = (torch.float32, torch.float64)
+#: Without MKL (or with ``FASTMOE_CPU_CSR=0``, ``settings.cpu_csr``) every dtype stays on ``embedding_bag``.
+_MKL = torch.backends.mkl.is_available()
+
+
+def _csr_row_sums(y_RH: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
+                  T: int) -> torch.Tensor:
+    """``out [T, H]``, ``out[t] = sum over i in [crow[t], crow[t+1]) of values[i] * y[col[i]]``.
+
+    ``torch.addmm(out, S, y, beta=0, out=out)`` with ``S`` the ``[T, R]`` CSR matrix of the slots:
+    one pass over ``y``, written into a buffer from the cache. At the EP slices' [T, H] outputs
+    (hundreds of MB, most tokens without a local row), a fresh output cost more in page faults
+    than the sums themselves.
+    """
+    out = cached_empty((T, y_RH.shape[1]), y_RH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta state"
+        S = torch.sparse_csr_tensor(crow, col, values, size=(T, y_RH.shape[0]), check_invariants=False)
+    return torch.addmm(out, S, y_RH, beta=0, out=out)
+
+
+def _use_csr(y_RH: torch.Tensor) -> bool:
+    return y_RH.device.type == "cpu" and y_RH.dtype in _CSR_DTYPES and _MKL and settings.get().cpu_csr
+
+
+def combine_fwd(
+    y_RH: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> torch.Tensor:
+    """``out[t] = sum over slots i of t of weights[t, sel[i]] * y[output_indices[i]]`` (``[T, H]``);
+    ``weights_TK=None`` sums unweighted (the input gradient's reduction).
+
+    The slots of token t are ``[cum_expert_counts[t], cum_expert_counts[t+1])``: a CSR matrix
+    (rows: tokens, columns: rows of ``y``, values: routing weights) times ``y`` for fp32/fp64 on
+    the CPU (:func:`_csr_row_sums`), otherwise one ``embedding_bag`` (a bag per token, the weights
+    as per-sample weights). Either way the rows are read once, with no gathered copy.
+    """
+    T = cum_expert_counts.numel() - 1
+    H = y_RH.shape[1]
+    n_slots = int(cum_expert_counts[-1]) if T else 0
+    if n_slots == 0:
+        return y_RH.new_zeros(T, H)
+    out_idx = output_indices[:n_slots]
+    K = weights_TK.shape[1] if weights_TK is not None else 0
+    all_local = weights_TK is not None and n_slots == weights_TK.numel()
+    slot_w = None
+    if weights_TK is not None:
+        if all_local:  # no expert parallelism: a fixed [T, K] layout, slots in k order
+            slot_w = weights_TK.reshape(-1).to(y_RH.dtype)
+        else:
+            flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+            slot_w = weights_TK.reshape(-1)[flat].to(y_RH.dtype)
+    if _use_csr(y_RH):
+        if slot_w is None:
+            slot_w = torch.ones(n_slots, dtype=y_RH.dtype, device=y_RH.device)
+        return _csr_row_sums(y_RH, cum_expert_counts.to(out_idx.dtype), out_idx, slot_w.contiguous(), T)
+    if all_local:
+        return F.embedding_bag(out_idx.view(T, K), y_RH, mode="sum", per_sample_weights=slot_w.view(T, K))
+    offsets = cum_expert_counts[:-1].to(out_idx.dtype)
+    return F.embedding_bag(out_idx, y_RH, offsets, mode="sum", per_sample_weights=slot_w)
+
+
+def combine_bwd(
+    dout_TH: torch.Tensor,
+    y_RH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dy[row] = weights[t, k] * dout[t]`` and ``dweights[t, k] = dot(y[row], dout[t])`` for each
+    slot (t, k, row); weights of non-local slots get zero gradient here.
+
+    Walks the rows in order (each row's token and weight found through the inverse of
+    ``output_indices``), a piece at a time: the piece's ``dout`` rows are gathered into cache once
+    and serve both the dot products and the scaled copy into ``dy``.
+    """
+    T, K = weights_TK.shape
+    H = dout_TH.shape[1]
+    n_slots = int(cum_expert_counts[-1]) if T else 0
+    dy_RH = cached_empty((y_RH.shape[0], H), dout_TH)
+    dweights_TK = torch.zeros(T, K, dtype=weights_TK.dtype, device=weights_TK.device)
+    if n_slots == 0:
+        return dy_RH, dweights_TK
+    out_idx = output_indices[:n_slots].to(torch.int64)
+    flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+    token_of_row = torch.empty_like(flat)
+    token_of_row[out_idx] = flat // K
+    w_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
+    w_row[out_idx] = weights_TK.reshape(-1)[flat].float()
+    dw_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
+    step = piece_rows(H)
+    buf = cached_empty((min(step, n_slots), H), dout_TH)
+    exact = dout_TH.dtype == torch.float32 and y_RH.dtype == torch.float32
+    for s in range(0, n_slots, step):
+        t = min(n_slots, s + step)
+        g = torch.index_select(dout_TH, 0, token_of_row[s:t], out=buf[: t - s])
+        y = y_RH[s:t]
+        if exact:
+            torch.linalg.vecdot(y, g, out=dw_row[s:t])
+            torch.mul(g, w_row[s:t, None], out=dy_RH[s:t])
+        else:
+            torch.linalg.vecdot(y.float(), g.float(), out=dw_row[s:t])
+            dy_RH[s:t] = (g.float() * w_row[s:t, None]).to(dy_RH.dtype)
+    dweights_TK.view(-1)[flat] = dw_row[out_idx].to(weights_TK.dtype)
+    return dy_RH, dweights_TK

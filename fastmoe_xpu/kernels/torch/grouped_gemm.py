@@ -1,0 +1,156 @@
+"""Stage 4 in plain PyTorch: grouped GEMMs over merged expert weights, a piece of rows at a time.
+
+Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, TH token blocks,
+RT routed rows on this rank (sum of the local experts' token counts), R >= RT rows allocated.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..contract import check_gemm_inputs
+from .buffers import cached_empty, piece_rows
+
+
+def _bounds(cum_token_counts: torch.Tensor) -> list[int]:
+    return cum_token_counts.tolist()
+
+
+def _groups(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """``(expert, first row, end row)`` of every local expert, empty ones included."""
+    return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)]
+
+
+def _expert_pieces(bounds: list[int], min_rows: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive experts grouped into pieces of at least ``min_rows`` rows (the last may be short)."""
+    pieces: list[list[tuple[int, int, int]]] = [[]]
+    rows = 0
+    for g in _groups(bounds):
+        if rows >= min_rows:
+            pieces.append([])
+            rows = 0
+        pieces[-1].append(g)
+        rows += g[2] - g[1]
+    return pieces
+
+
+def _silu_mul(gate_up_R2I: torch.Tensor, out_RI: torch.Tensor) -> None:
+    inter = out_RI.shape[1]
+    torch._C._nn.silu(gate_up_R2I[:, :inter], out=out_RI)
+    out_RI.mul_(gate_up_R2I[:, inter:])
+
+
+def gate_up_fwd(
+    x_TH: torch.Tensor,
+    input_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_gate_up_N2IH: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
+    ``h [R, I] = silu(gate) * up``.
+
+    A piece of consecutive experts at a time: their rows are gathered into a cached buffer, each
+    expert's GEMM reads its part, and SiLU*up runs on the piece's fresh GEMM output, so the gathered
+    ``[R, H]`` input never exists whole and ``gate_up`` is not read back from memory.
+    """
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
+    bounds = _bounds(cum_token_counts)
+    rt = bounds[-1]
+    two_i = w_gate_up_N2IH.shape[1]
+    gate_up_R2I = cached_empty((rt, two_i), x_TH)
+    h_RI = cached_empty((rt, two_i // 2), x_TH)
+    pieces = _expert_pieces(bounds, piece_rows(x_TH.shape[1]))
+    buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
+    for piece in pieces:
+        p0, p1 = piece[0][1], piece[-1][2]
+        if p1 == p0:
+            continue
+        rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
+        for e, s, t in piece:
+            if t > s:
+                torch.mm(rows[s - p0:t - p0], w_gate_up_N2IH[e].t(), out=gate_up_R2I[s:t])
+        _silu_mul(gate_up_R2I[p0:p1], h_RI[p0:p1])
+    return gate_up_R2I, h_RI
+
+
+def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
+    """``y [R, H] = h @ w_down[e]^T`` per expert group."""
+    check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
+    bounds = _bounds(cum_token_counts)
+    y_RH = cached_empty((bounds[-1], w_down_NHI.shape[1]), h_RI)
+    for e, s, t in _groups(bounds):
+        if t > s:
+            torch.mm(h_RI[s:t], w_down_NHI[e].t(), out=y_RH[s:t])
+    return y_RH
+
+
+def down_bwd(
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
+    bounds = _bounds(cum_token_counts)
+    dh_RI = cached_empty((bounds[-1], w_down_NHI.shape[2]), dy_RH)
+    dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
+    for e, s, t in _groups(bounds):
+        if t == s:
+            dw_NHI[e].zero_()
+            continue
+        torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
+        torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
+    return dh_RI, dw_NHI
+
+
+def silu_mul_bwd(
+    gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor, cum_token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]``. This backend's
+    row buffers hold exactly the RT routed rows, so ``cum_token_counts`` changes nothing here.
+
+    ``d_gate = silu'(gate) * (dh * up)`` (ATen's fused ``silu_backward``), ``d_up = dh * silu(gate)``:
+    four passes, a piece of rows at a time so that they hit the cache; bf16 is computed in fp32.
+    """
+    rt, inter = dh_RI.shape
+    out_R2I = cached_empty((rt, 2 * inter), dh_RI)
+    exact = dh_RI.dtype == torch.float32
+    step = max(1, min(rt, piece_rows(inter)))
+    tmp_buf = cached_empty((step, inter), dh_RI, torch.float32)
+    low_buf = None if exact else cached_empty((step, 2 * inter), dh_RI, torch.float32)
+    for s in range(0, rt, step):
+        t = min(rt, s + step)
+        gate = gate_up_R2I[s:t, :inter].float()
+        up = gate_up_R2I[s:t, inter:].float()
+        dh = dh_RI[s:t].float()
+        tmp = tmp_buf[: t - s]
+        res = out_R2I[s:t] if exact else low_buf[: t - s]
+        torch.mul(dh, up, out=tmp)
+        torch.ops.aten.silu_backward.grad_input(tmp, gate, grad_input=res[:, :inter])
+        torch._C._nn.silu(gate, out=tmp)
+        torch.mul(tmp, dh, out=res[:, inter:])
+        if not exact:
+            out_R2I[s:t].copy_(res)
+    return out_R2I
+
+
+def gate_up_bwd(
+    d_gate_up_R2I: torch.Tensor,
+    x_TH: torch.Tensor,
+    input_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_gate_up_N2IH: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``;
+    the expert's input rows are gathered again into a small cached buffer, never stored."""
+    bounds = _bounds(cum_token_counts)
+    dx_rows_RH = cached_empty((bounds[-1], x_TH.shape[1]), x_TH)
+    dw_N2IH = cached_empty(w_gate_up_N2IH.shape, w_gate_up_N2IH)
+    pieces = _expert_pieces(bounds, piece_rows(x_TH.shape[1]))
+    buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
+    for piece in pieces:
+        p0, p1 = piece[0][1], piece[-1][2]
+        rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0]) if p1 > p0 else None
+        for e, s, t in piece:
+            if t == s:
+                dw_N2IH[e].zero_()
+                continue
+            torch.mm(d_gate_up_R2I[s:t], w_gate_up_N2IH[e], out=dx_rows_RH[s:t])
+            torch.mm(d_gate_up_R2I[s:t].t(), rows[s - p0:t - p0], out=dw_N2IH[e])
+    return dx_rows_RH, dw_N2IH

@@ -1,0 +1,190 @@
+"""Stage 5 in Triton: the (weighted) reduction of expert rows back to tokens, and its backward.
+
+Forward is deterministic: a program owns a block of tokens and a block of columns and walks each
+token's slots in k order, so every output element is summed by one program in a fixed order (no
+atomics). Backward walks the same slots: each slot's row gradient is written by exactly one
+program, and the router-weight gradients of a token are finished inside its program.
+
+Legend: T tokens, H hidden, K experts per token, R rows allocated (>= routed rows RT).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import backend_for, get_config
+from ..contract import check_float, check_index
+from . import launch as _launch
+
+
+@triton.jit
+def _combine_fwd_kernel(
+    y_ptr,
+    weights_ptr,
+    output_idx_ptr,
+    selected_ptr,
+    cum_expert_ptr,
+    out_ptr,
+    T,
+    H,
+    K,
+    WEIGHTED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[t] = sum_i w_i * y[output_indices[i]]`` over the slots i of token t, in slot order.
+
+    Grid ``(ceil(T/BLOCK_T), ceil(H/BLOCK_H))``; program ``(p, c)`` owns tokens
+    ``[p*BLOCK_T, (p+1)*BLOCK_T)`` and columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of ``out [T, H]``
+    (y's dtype, fp32 accumulation). Reads ``y [R, H]``, ``cum_expert_counts [T+1]`` int32,
+    ``output_indices [R]`` int32 and, when ``WEIGHTED``, ``selected_expert_indices [R]`` int32
+    and ``weights [T, K]`` (``w_i = weights[t, selected_expert_indices[i]]``; else ``w_i = 1``).
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = offs_t < T
+    h_mask = offs_h < H
+    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
+    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in range(0, tl.max(count, axis=0)):
+        has = j < count
+        row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+        y = tl.load(y_ptr + row[:, None] * H + offs_h[None, :], mask=has[:, None] & h_mask[None, :], other=0.0)
+        y = y.to(tl.float32)
+        if WEIGHTED:
+            k = tl.load(selected_ptr + first + j, mask=has, other=0)
+            w = tl.load(weights_ptr + offs_t.to(tl.int64) * K + k, mask=has, other=0.0).to(tl.float32)
+            y = y * w[:, None]
+        acc += y
+    tl.store(out_ptr + offs_t[:, None].to(tl.int64) * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    dout_ptr,
+    y_ptr,
+    weights_ptr,
+    output_idx_ptr,
+    selected_ptr,
+    cum_expert_ptr,
+    dy_ptr,
+    dweights_ptr,
+    T,
+    H,
+    K,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``dy[row_i] = w_i * dout[t]`` and ``dweights[t, k_i] = dot(y[row_i], dout[t])`` per slot i of t.
+
+    Grid ``(ceil(T/BLOCK_T),)``; program ``p`` owns tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``: their
+    rows of ``dy [R, H]`` (dout's dtype) and their rows of ``dweights [T, K]`` (weights' dtype,
+    zero where a choice is not local), looping over H ``BLOCK_H`` columns at a time with fp32 dot
+    products. Reads ``dout [T, H]``, ``y [R, H]``, ``weights [T, K]``, ``cum_expert_counts [T+1]``
+    int32, ``output_indices [R]`` int32, ``selected_expert_indices [R]`` int32; ``BLOCK_K >= K``.
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    offs_k = tl.arange(0, BLOCK_K)
+    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
+    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
+    n_slots = tl.max(count, axis=0)
+    tok = offs_t.to(tl.int64)
+    dw = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        dout = tl.load(dout_ptr + tok[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :],
+                       other=0.0).to(tl.float32)
+        for j in range(0, n_slots):
+            has = j < count
+            mask = has[:, None] & h_mask[None, :]
+            row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+            k = tl.load(selected_ptr + first + j, mask=has, other=0)
+            w = tl.load(weights_ptr + tok * K + k, mask=has, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + row[:, None] * H + offs_h[None, :], (w[:, None] * dout).to(dy_ptr.dtype.element_ty),
+                     mask=mask)
+            y = tl.load(y_ptr + row[:, None] * H + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+            part = tl.sum(y * dout, axis=1)
+            dw += tl.where((offs_k[None, :] == k[:, None]) & has[:, None], part[:, None], 0.0)
+    tl.store(dweights_ptr + tok[:, None] * K + offs_k[None, :], dw.to(dweights_ptr.dtype.element_ty),
+             mask=t_mask[:, None] & (offs_k[None, :] < K))
+
+
+# ---------------------------------------------------------------- launchers
+def combine_fwd(
+    y_RH: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> torch.Tensor:
+    """``out[t] = sum over slots i of t of weights[t, sel[i]] * y[output_indices[i]]`` (``[T, H]``);
+    ``weights_TK=None`` sums unweighted (the input gradient's reduction)."""
+    dev = y_RH.device
+    if y_RH.dim() != 2:
+        raise ValueError(f"combine_fwd: y must be [R, H], got {tuple(y_RH.shape)}")
+    check_float("combine_fwd", dev, y=y_RH)
+    check_index("combine_fwd", dev, output_indices=output_indices, selected_expert_indices=selected_expert_indices,
+                cum_expert_counts=cum_expert_counts)
+    T = cum_expert_counts.numel() - 1
+    H = y_RH.shape[1]
+    K = 1
+    if weights_TK is not None:
+        check_float("combine_fwd", dev, weights=weights_TK)
+        if weights_TK.dim() != 2 or weights_TK.shape[0] != T:
+            raise ValueError(f"combine_fwd: weights {tuple(weights_TK.shape)} do not match "
+                             f"cum_expert_counts of {T} tokens (expected [{T}, K])")
+        K = weights_TK.shape[1]
+    out = y_RH.new_empty(T, H)
+    if T <= 0 or H == 0:
+        return out
+    cfg = get_config(backend_for(dev), "combine_fwd")
+    grid = (triton.cdiv(T, cfg.meta["BLOCK_T"]), triton.cdiv(H, cfg.meta["BLOCK_H"]))
+    _launch.launch(
+        _combine_fwd_kernel, grid,
+        (y_RH, weights_TK if weights_TK is not None else y_RH, output_indices, selected_expert_indices,
+         cum_expert_counts, out, T, H, K),
+        cfg, dev, WEIGHTED=weights_TK is not None,
+    )
+    return out
+
+
+def combine_bwd(
+    dout_TH: torch.Tensor,
+    y_RH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dy[row] = weights[t, k] * dout[t]`` and ``dweights[t, k] = dot(y[row], dout[t])`` for each
+    slot (t, k, row); weights of non-local slots get zero gradient here. ``dy`` has y's R rows;
+    rows no slot points at are unspecified."""
+    dev = dout_TH.device
+    for name, t in (("dout", dout_TH), ("y", y_RH), ("weights", weights_TK)):
+        check_float("combine_bwd", dev, **{name: t})
+        if t.dim() != 2:
+            raise ValueError(f"combine_bwd: {name} must be 2-D, got {tuple(t.shape)}")
+    check_index("combine_bwd", dev, output_indices=output_indices, selected_expert_indices=selected_expert_indices,
+                cum_expert_counts=cum_expert_counts)
+    T, K = weights_TK.shape
+    H = dout_TH.shape[1]
+    if dout_TH.shape[0] != T or cum_expert_counts.numel() != T + 1 or y_RH.shape[1] != H:
+        raise ValueError(f"combine_bwd: dout {tuple(dout_TH.shape)}, y {tuple(y_RH.shape)}, weights "
+                         f"{tuple(weights_TK.shape)} and cum_expert_counts ({cum_expert_counts.numel()},) disagree")
+    dy = dout_TH.new_empty(y_RH.shape[0], H)
+    dweights = torch.empty(T, K, dtype=weights_TK.dtype, device=dev)
+    if T == 0:
+        return dy, dweights
+    cfg = get_config(backend_for(dev), "combine_bwd")
+    _launch.launch(
+        _combine_bwd_kernel, (triton.cdiv(T, cfg.meta["BLOCK_T"]),),
+        (dout_TH, y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, dy, dweights, T, H, K),
+        cfg, dev, BLOCK_K=triton.next_power_of_2(K),
+    )
+    return dy, dweights

@@ -1,0 +1,484 @@
+"""Stage 4 in Triton: grouped GEMMs over merged expert weights in transformers v5's layouts.
+
+``gate_up_proj [NR, 2I, H]`` and ``down_proj [NR, H, I]`` are read in place (no transposed copy):
+the forward multiplies by ``W_e^T`` by walking ``W_e`` along its contiguous H (or I) axis, the input
+gradient multiplies by ``W_e`` itself. Expert e owns rows ``cum_token_counts[e] ..
+cum_token_counts[e+1]`` of every row buffer.
+
+Kernels:
+
+* ``_gate_up_fwd_kernel``: ``x[input_indices]`` gathered inside the A loads (never materialised),
+  the gate and the up columns of the same output columns in two accumulators, SiLU*up in the
+  epilogue, writing both ``gate_up`` (saved for backward) and ``h``.
+* ``_grouped_mm_fwd_kernel``: ``out[rows_e] = A[rows_e] @ B_e`` with ``B_e = W_e^T`` (down
+  forward) or ``W_e`` (input gradients of both GEMMs).
+* ``_grouped_mm_bwd_kernel``: weight gradient ``dW_e = A[rows_e]^T @ B[rows_e]``, B optionally
+  gathered (``x[input_indices]`` for gate/up); experts without rows get zeros.
+* ``_silu_mul_bwd_kernel``: gradient of ``silu(gate) * up``.
+
+Every GEMM accumulates in fp32 whatever the operand dtype. Grids put the expert index on axis 2
+(the highest) and give each expert ``ROW_SLACK`` times its fair share ``R / NR`` of row tiles on
+axis 0; a grid-stride loop over row tiles keeps any larger group correct, and programs past their
+expert's rows exit at once: the row counts stay on the device, no host synchronisation. Row, token and expert offsets are
+int64. ``BLOCK_PTR`` (Intel) loads strided ``tl.dot`` operands and stores outputs through block
+pointers for 2D block IO; gathered rows always use pointer loads.
+
+Legend: T tokens, H hidden, I intermediate, NR local experts, R rows allocated (>= RT routed rows).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import backend_for, dot_precision, get_config, uses_block_ptr
+from ..contract import check_float, check_gemm_inputs, check_index
+from . import launch as _launch
+
+
+@triton.jit
+def _gate_up_fwd_kernel(
+    x_ptr,
+    input_idx_ptr,
+    cum_token_ptr,
+    w_ptr,
+    gate_up_ptr,
+    h_ptr,
+    H,
+    I,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``gate_up[r] = x[input_indices[r]] @ W_e^T`` and ``h[r] = silu(gate) * up``.
+
+    Grid ``(P, ceil(I/BLOCK_N), NR)`` with P row programs per expert (``_row_programs``); program
+    ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e's rows and output columns
+    ``[n*BLOCK_N, (n+1)*BLOCK_N)`` of the gate half, the same columns of the up half, and of ``h``. Reads ``x [T, H]``,
+    ``input_indices [R]`` int32, ``cum_token_counts [NR+1]`` int32, ``gate_up_proj [NR, 2I, H]``;
+    writes ``gate_up [R, 2I]`` and ``h [R, I]`` in x's dtype.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2)
+    row_start = tl.load(cum_token_ptr + e)
+    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    w_gate = w_ptr + e.to(tl.int64) * 2 * I * H
+    w_up = w_gate + tl.cast(I, tl.int64) * H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile_m in range(pid_m, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < n_rows
+        tok = tl.load(input_idx_ptr + row_start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        a_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_PTR:
+            # W_e^T viewed as [H, I] with H contiguous.
+            bg_ptr = tl.make_block_ptr(w_gate, shape=(H, I), strides=(1, H), offsets=(0, pid_n * BLOCK_N),
+                                       block_shape=(BLOCK_K, BLOCK_N), order=(0, 1))
+            bu_ptr = tl.make_block_ptr(w_up, shape=(H, I), strides=(1, H), offsets=(0, pid_n * BLOCK_N),
+                                       block_shape=(BLOCK_K, BLOCK_N), order=(0, 1))
+            for k0 in range(0, H, BLOCK_K):
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < H - k0), other=0.0)
+                bg = tl.load(bg_ptr, boundary_check=(0, 1), padding_option="zero")
+                bu = tl.load(bu_ptr, boundary_check=(0, 1), padding_option="zero")
+                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                bg_ptr = tl.advance(bg_ptr, (BLOCK_K, 0))
+                bu_ptr = tl.advance(bu_ptr, (BLOCK_K, 0))
+        else:
+            bg_ptrs = w_gate + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+            bu_ptrs = w_up + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+            for k0 in range(0, H, BLOCK_K):
+                k_mask = offs_k < H - k0
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                bg = tl.load(bg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                bu = tl.load(bu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                bg_ptrs += BLOCK_K
+                bu_ptrs += BLOCK_K
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        out_ty = h_ptr.dtype.element_ty
+        row0 = row_start.to(tl.int64)
+        if BLOCK_PTR:
+            g_out = tl.make_block_ptr(gate_up_ptr + row0 * 2 * I, shape=(n_rows, I), strides=(2 * I, 1),
+                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
+                                      order=(1, 0))
+            u_out = tl.make_block_ptr(gate_up_ptr + row0 * 2 * I + I, shape=(n_rows, I), strides=(2 * I, 1),
+                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
+                                      order=(1, 0))
+            h_out = tl.make_block_ptr(h_ptr + row0 * I, shape=(n_rows, I), strides=(I, 1),
+                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
+                                      order=(1, 0))
+            tl.store(g_out, acc_g.to(out_ty), boundary_check=(0, 1))
+            tl.store(u_out, acc_u.to(out_ty), boundary_check=(0, 1))
+            tl.store(h_out, h.to(out_ty), boundary_check=(0, 1))
+        else:
+            rows = row0 + offs_m
+            mask = m_mask[:, None] & n_mask[None, :]
+            gu_ptrs = gate_up_ptr + rows[:, None] * 2 * I + offs_n[None, :]
+            tl.store(gu_ptrs, acc_g.to(out_ty), mask=mask)
+            tl.store(gu_ptrs + I, acc_u.to(out_ty), mask=mask)
+            tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _grouped_mm_fwd_kernel(
+    a_ptr,
+    w_ptr,
+    cum_token_ptr,
+    out_ptr,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TRANS_W: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``out[r] = a[r] @ B_e`` for the rows r of each expert e.
+
+    ``TRANS_W``: ``B_e = W_e^T`` with ``W [NR, N, K]`` (forward); else ``B_e = W_e`` with
+    ``W [NR, K, N]`` (input gradient). Grid ``(P, ceil(N/BLOCK_N), NR)`` as above; program
+    ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e and output columns
+    ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``a [R, K]`` and ``cum_token_counts [NR+1]`` int32;
+    writes ``out [R, N]`` in a's dtype.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2)
+    row_start = tl.load(cum_token_ptr + e)
+    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    row0 = row_start.to(tl.int64)
+    w_e = w_ptr + e.to(tl.int64) * N * K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    out_ty = out_ptr.dtype.element_ty
+    for tile_m in range(pid_m, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_PTR:
+            a_bp = tl.make_block_ptr(a_ptr + row0 * K, shape=(n_rows, K), strides=(K, 1),
+                                     offsets=(tile_m * BLOCK_M, 0), block_shape=(BLOCK_M, BLOCK_K), order=(1, 0))
+            if TRANS_W:
+                b_bp = tl.make_block_ptr(w_e, shape=(K, N), strides=(1, K), offsets=(0, pid_n * BLOCK_N),
+                                         block_shape=(BLOCK_K, BLOCK_N), order=(0, 1))
+            else:
+                b_bp = tl.make_block_ptr(w_e, shape=(K, N), strides=(N, 1), offsets=(0, pid_n * BLOCK_N),
+                                         block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
+            for k0 in range(0, K, BLOCK_K):
+                a = tl.load(a_bp, boundary_check=(0, 1), padding_option="zero")
+                b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_bp = tl.advance(a_bp, (0, BLOCK_K))
+                b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+            o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
+                                     offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
+                                     order=(1, 0))
+            tl.store(o_bp, acc.to(out_ty), boundary_check=(0, 1))
+        else:
+            offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < n_rows
+            rows = row0 + offs_m
+            a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
+            if TRANS_W:
+                b_ptrs = w_e + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+                b_step = BLOCK_K
+            else:
+                b_ptrs = w_e + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
+                b_step = BLOCK_K * N
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += b_step
+            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ty),
+                     mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _grouped_mm_bwd_kernel(
+    a_ptr,
+    b_ptr,
+    idx_ptr,
+    cum_token_ptr,
+    dw_ptr,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Weight gradient ``dW_e = a[rows_e]^T @ b[src(rows_e)]`` with ``src(r) = idx[r]`` when
+    ``GATHER`` else ``r``.
+
+    Grid ``(ceil(M/BLOCK_M), ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns the tile
+    ``[m*BLOCK_M, (m+1)*BLOCK_M) x [n*BLOCK_N, (n+1)*BLOCK_N)`` of ``dW_e`` and reduces over all of
+    expert e's rows, ``BLOCK_K`` at a time (zero rows give a zero tile). Reads ``a [R, M]``,
+    ``b [R or T, N]``, ``idx [R]`` int32 (when ``GATHER``), ``cum_token_counts [NR+1]`` int32;
+    writes ``dW [NR, M, N]`` in a's dtype.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2)
+    row_start = tl.load(cum_token_ptr + e)
+    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    row0 = row_start.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_PTR:
+        # a[rows_e]^T viewed as [M, n_rows] with M contiguous.
+        at_bp = tl.make_block_ptr(a_ptr + row0 * M, shape=(M, n_rows), strides=(1, M),
+                                  offsets=(pid_m * BLOCK_M, 0), block_shape=(BLOCK_M, BLOCK_K), order=(0, 1))
+        if GATHER:
+            for k0 in range(0, n_rows, BLOCK_K):
+                k_mask = offs_k < n_rows - k0
+                src = tl.load(idx_ptr + row0 + k0 + offs_k, mask=k_mask, other=0).to(tl.int64)
+                b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                            other=0.0)
+                a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                at_bp = tl.advance(at_bp, (0, BLOCK_K))
+        else:
+            b_bp = tl.make_block_ptr(b_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
+                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
+            for k0 in range(0, n_rows, BLOCK_K):
+                a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
+                b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                at_bp = tl.advance(at_bp, (0, BLOCK_K))
+                b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+        dw_bp = tl.make_block_ptr(dw_ptr + e.to(tl.int64) * M * N, shape=(M, N), strides=(N, 1),
+                                  offsets=(pid_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
+                                  order=(1, 0))
+        tl.store(dw_bp, acc.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
+    else:
+        at_ptrs = a_ptr + (row0 + offs_k[None, :]) * M + offs_m[:, None]
+        for k0 in range(0, n_rows, BLOCK_K):
+            k_mask = offs_k < n_rows - k0
+            a = tl.load(at_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if GATHER:
+                src = tl.load(idx_ptr + row0 + k0 + offs_k, mask=k_mask, other=0).to(tl.int64)
+            else:
+                src = row0 + k0 + offs_k
+            b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            at_ptrs += BLOCK_K * M
+        dw_ptrs = dw_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(
+    gate_up_ptr,
+    dh_ptr,
+    d_gate_up_ptr,
+    cum_token_ptr,
+    R,
+    I,
+    NR,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+):
+    """``d_gate = dh * up * s * (1 + gate * (1 - s))`` with ``s = sigmoid(gate)``, ``d_up = dh * silu(gate)``.
+
+    Grid ``(ceil(R/BLOCK_R), ceil(I/BLOCK_I))``; program ``(r, c)`` owns rows
+    ``[r*BLOCK_R, (r+1)*BLOCK_R)`` and columns ``[c*BLOCK_I, (c+1)*BLOCK_I)`` of both halves. Reads
+    ``gate_up [R, 2I]`` and ``dh [R, I]``; writes ``d_gate_up [R, 2I]`` in dh's dtype; fp32 math.
+    With ``HAS_COUNTS`` only the RT = ``cum_token_counts[NR]`` routed rows are computed (read on
+    the device: the grid stays the worst case, programs past RT exit at once).
+    """
+    row_end = R
+    if HAS_COUNTS:
+        row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
+        if tl.program_id(0) * BLOCK_R >= row_end:
+            return
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_r[:, None] < row_end) & (offs_i[None, :] < I)
+    gu = offs_r[:, None] * 2 * I + offs_i[None, :]
+    gate = tl.load(gate_up_ptr + gu, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + gu + I, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs_r[:, None] * I + offs_i[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = dh * gate * sig
+    out_ty = d_gate_up_ptr.dtype.element_ty
+    tl.store(d_gate_up_ptr + gu, d_gate.to(out_ty), mask=mask)
+    tl.store(d_gate_up_ptr + gu + I, d_up.to(out_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- launchers
+#: Row-tile programs per expert, as a multiple of the fair share ``R / NR`` rows: routing up to this
+#: imbalanced runs fully parallel; an expert with more rows loops (grid-stride) over its extra tiles.
+ROW_SLACK = 2
+
+
+def _row_programs(R: int, num_experts: int, block_m: int) -> int:
+    return max(1, triton.cdiv(ROW_SLACK * triton.cdiv(R, num_experts), block_m))
+
+
+def gate_up_fwd(
+    x_TH: torch.Tensor,
+    input_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_gate_up_N2IH: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
+    ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
+    check_float("gate_up_fwd", None, x=x_TH, w_gate_up=w_gate_up_N2IH)
+    check_index("gate_up_fwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    T, H = x_TH.shape
+    NR, two_i, _ = w_gate_up_N2IH.shape
+    if two_i % 2:
+        raise ValueError(f"gate_up_fwd: gate_up_proj {tuple(w_gate_up_N2IH.shape)} must have an even dim 1 (2I)")
+    I = two_i // 2
+    R = input_indices.shape[0]
+    dev = x_TH.device
+    gate_up = x_TH.new_empty(R, two_i)
+    h = x_TH.new_empty(R, I)
+    if R == 0 or T == 0:
+        return gate_up, h
+    backend = backend_for(dev)
+    cfg = get_config(backend, "gate_up_fwd")
+    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
+    _launch.launch(
+        _gate_up_fwd_kernel, grid,
+        (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
+        cfg, dev, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, x_TH.dtype),
+    )
+    return gate_up, h
+
+
+def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool) -> torch.Tensor:
+    NR = w.shape[0]
+    N, K = (w.shape[1], w.shape[2]) if trans_w else (w.shape[2], w.shape[1])
+    R = a_RK.shape[0]
+    out = a_RK.new_empty(R, N)
+    if R == 0:
+        return out
+    dev = a_RK.device
+    backend = backend_for(dev)
+    cfg = get_config(backend, "grouped_mm_fwd")
+    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+    _launch.launch(
+        _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
+        TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
+    )
+    return out
+
+
+def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
+                      w_like: torch.Tensor) -> torch.Tensor:
+    NR, M, N = w_like.shape
+    dw = torch.empty_like(w_like)
+    dev = a_RM.device
+    backend = backend_for(dev)
+    cfg = get_config(backend, "grouped_mm_bwd")
+    grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+    _launch.launch(
+        _grouped_mm_bwd_kernel, grid,
+        (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), cfg, dev,
+        GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RM.dtype),
+    )
+    return dw
+
+
+def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
+    """``y [R, H] = h @ w_down[e]^T`` per expert group; rows past RT unspecified."""
+    check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
+    check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
+    check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
+    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)
+
+
+def down_bwd(
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
+    check_float("down_bwd", None, dy=dy_RH, h=h_RI, w_down=w_down_NHI)
+    check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
+    NR, H, I = w_down_NHI.shape
+    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or h_RI.dim() != 2 or h_RI.shape != (dy_RH.shape[0], I):
+        raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and h {tuple(h_RI.shape)} do not fit "
+                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {I}])")
+    if cum_token_counts.numel() != NR + 1:
+        raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
+    dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
+    return dh, dw
+
+
+def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Output rows of ``silu_mul_bwd`` (rows past RT stay as allocated; a test fills them to see that)."""
+    return like.new_empty(rows, cols)
+
+
+def silu_mul_bwd(
+    gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor, cum_token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gradient of ``silu(gate) * up`` with respect to ``[gate, up]``: ``[R, 2I]`` in dh's dtype.
+
+    With ``cum_token_counts`` only the first RT = ``cum_token_counts[-1]`` rows are computed (the
+    rest are unspecified, as everywhere); without it, all R rows."""
+    check_float("silu_mul_bwd", None, gate_up=gate_up_R2I, dh=dh_RI)
+    R, I = dh_RI.shape
+    if gate_up_R2I.dim() != 2 or gate_up_R2I.shape[1] != 2 * I or gate_up_R2I.shape[0] < R:
+        raise ValueError(f"silu_mul_bwd: gate_up {tuple(gate_up_R2I.shape)} does not fit dh {tuple(dh_RI.shape)} "
+                         f"(expected at least [{R}, {2 * I}])")
+    dev = dh_RI.device
+    if cum_token_counts is not None:
+        check_index("silu_mul_bwd", dev, cum_token_counts=cum_token_counts)
+    d_gate_up = _alloc_rows(dh_RI, R, 2 * I)
+    if R == 0 or I == 0:
+        return d_gate_up
+    cfg = get_config(backend_for(dev), "silu_mul_bwd")
+    grid = (triton.cdiv(R, cfg.meta["BLOCK_R"]), triton.cdiv(I, cfg.meta["BLOCK_I"]))
+    has_counts = cum_token_counts is not None
+    counts = cum_token_counts if has_counts else dh_RI  # an unread stand-in pointer without counts
+    nr = cum_token_counts.numel() - 1 if has_counts else 0
+    _launch.launch(_silu_mul_bwd_kernel, grid, (gate_up_R2I, dh_RI, d_gate_up, counts, R, I, nr), cfg, dev,
+                   HAS_COUNTS=has_counts)
+    return d_gate_up
+
+
+def gate_up_bwd(
+    d_gate_up_R2I: torch.Tensor,
+    x_TH: torch.Tensor,
+    input_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_gate_up_N2IH: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
+    (the gather fused into the weight-gradient loads; zero for empty experts)."""
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
+    check_float("gate_up_bwd", None, d_gate_up=d_gate_up_R2I, x=x_TH, w_gate_up=w_gate_up_N2IH)
+    check_index("gate_up_bwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    NR, two_i, H = w_gate_up_N2IH.shape
+    if d_gate_up_R2I.dim() != 2 or d_gate_up_R2I.shape[1] != two_i or d_gate_up_R2I.shape[0] > input_indices.shape[0]:
+        raise ValueError(f"gate_up_bwd: d_gate_up {tuple(d_gate_up_R2I.shape)} does not fit gate_up_proj "
+                         f"{tuple(w_gate_up_N2IH.shape)} and {input_indices.shape[0]} input indices")
+    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)
+    dw = _grouped_mm_wgrad(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
+    return dx_rows, dw

@@ -1,0 +1,45 @@
+"""The one place every Triton launcher goes through to start a kernel (tests count launches here)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..configs import KernelConfig
+
+
+def _check_runnable(kernel: Any, device: torch.device) -> None:
+    """CPU tensors need the interpreter, and ``@triton.jit`` decides between interpreter and
+    compiler when a module is imported: Triton's own library functions (``tl.sum``, ``tl.cdiv``...)
+    are fixed the moment ``triton`` is first imported."""
+    if device.type != "cpu":
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors run under the interpreter, but triton was imported before "
+            "TRITON_INTERPRET=1 was set: export TRITON_INTERPRET=1 before Python starts (or before the "
+            "first 'import triton'), or use backend='torch'"
+        )
+
+
+def launch(
+    kernel: Any,
+    grid: Sequence[int],
+    args: Sequence[Any],
+    config: KernelConfig,
+    device: torch.device,
+    **constexprs: Any,
+) -> None:
+    """``kernel[grid](*args, **config.meta, **constexprs)`` with the config's warps, stages and
+    backend options (``constexprs`` win over the config's tile sizes). Pure host work: nothing here
+    reads device memory."""
+    _check_runnable(kernel, device)
+    kernel[tuple(grid)](
+        *args,
+        **{**config.meta, **constexprs},
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **config.extra_options,
+    )

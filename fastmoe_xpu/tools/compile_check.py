@@ -1,0 +1,174 @@
+"""Compile every Triton kernel with every config for real GPU targets, without a GPU.
+
+``python -m fastmoe_xpu.tools.compile_check [--target cuda|hip|all] [--defaults-only] [--json PATH]``
+(``--target xpu`` hands over to :mod:`fastmoe_xpu.tools.compile_xpu`, run with ``.venv-xpu``).
+
+For each kernel (and each constexpr variant the launchers use, e.g. the down GEMM's ``TRANS_W``
+forward and input-gradient forms), each config of ``configs.py`` and each target it builds
+``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(...))`` and prints
+registers, spills and shared memory:
+
+* ``cuda`` = ``GPUTarget("cuda", 90, 32)`` (H100): registers and spill bytes from
+  ``cuobjdump --dump-resource-usage`` (shipped in Triton's ``backends/nvidia/bin``) on the cubin
+  (``REG``, ``LOCAL``); the compiled kernel's ``n_regs``/``n_spills`` metadata where that tool is
+  missing.
+* ``hip`` = ``GPUTarget("hip", "gfx942", 64)`` (MI300X): ``.vgpr_count``, ``.vgpr_spill_count`` and
+  ``.sgpr_spill_count`` from the amdgcn text.
+
+:func:`fastmoe_xpu.tools.kernel_specs.kernel_specs` is the shared description of what to compile
+(also used for Intel XPU by :mod:`fastmoe_xpu.tools.compile_xpu`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+# The specs must hold compiled-mode kernels: drop the interpreter switch before the kernel modules
+# are imported by this process (``python -m``); imported as a library, kernels are re-wrapped below.
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+
+from .kernel_specs import KernelSpec, kernel_specs  # noqa: E402
+
+TARGETS = ("cuda", "hip")
+
+#: Hardware limits to judge shared memory against (bytes per block / workgroup).
+SHARED_LIMIT = {"cuda": 232448, "hip": 65536, "xpu": 131072}
+
+
+# ---------------------------------------------------------------- compiling and reading resources
+def _gpu_target(target: str):
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32) if target == "cuda" else GPUTarget("hip", "gfx942", 64)
+
+
+def compile_spec(spec: KernelSpec, target: str):
+    import triton
+    from triton.compiler import ASTSource
+
+    arg_names = list(spec.fn.arg_names)
+    attrs = {(arg_names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible_by_16}
+    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    return triton.compile(src, target=_gpu_target(target), options=spec.options())
+
+
+def _cuobjdump() -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.access(path, os.X_OK) else shutil.which("cuobjdump")
+
+
+def cuda_resources(compiled) -> tuple[int | None, int | None]:
+    """``(registers, spill bytes)`` of an sm_90 kernel."""
+    tool = _cuobjdump()
+    if tool is not None:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    md = compiled.metadata
+    return getattr(md, "n_regs", None), getattr(md, "n_spills", None)
+
+
+def hip_resources(compiled) -> tuple[int | None, int | None]:
+    """``(VGPRs, VGPR + SGPR spill count)`` of a gfx942 kernel."""
+    text = compiled.asm["amdgcn"]
+    vgpr = re.search(r"\.vgpr_count:\s+(\d+)", text)
+    vspill = re.search(r"\.vgpr_spill_count:\s+(\d+)", text)
+    sspill = re.search(r"\.sgpr_spill_count:\s+(\d+)", text)
+    spills = None
+    if vspill or sspill:
+        spills = int(vspill.group(1) if vspill else 0) + int(sspill.group(1) if sspill else 0)
+    return (int(vgpr.group(1)) if vgpr else None), spills
+
+
+def run_check(targets: tuple[str, ...] = TARGETS, defaults_only: bool = False) -> list[dict[str, Any]]:
+    rows = []
+    for target in targets:
+        for spec in kernel_specs(target):
+            if defaults_only and not spec.is_default:
+                continue
+            t0 = time.time()
+            row: dict[str, Any] = {"kernel": spec.name, "config": spec.config_name, "target": target,
+                                   "default": spec.is_default, "num_warps": spec.num_warps,
+                                   "num_stages": spec.num_stages}
+            try:
+                compiled = compile_spec(spec, target)
+            except Exception as exc:  # a kernel that does not compile is a result, not a crash
+                row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                rows.append(row)
+                continue
+            regs, spills = cuda_resources(compiled) if target == "cuda" else hip_resources(compiled)
+            shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+            row.update(ok=True, registers=regs, spills=spills, shared=shared,
+                       shared_ok=shared <= SHARED_LIMIT[target], seconds=round(time.time() - t0, 2))
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ("kernel", "config", "target", "warps", "stages", "registers", "spills", "shared", "status")
+    lines = []
+    for r in rows:
+        if r["ok"]:
+            status = "ok" if r["spills"] in (0, None) and r["shared_ok"] else "SPILLS" if r["spills"] else "SHARED>LIMIT"
+            status += " (default)" if r["default"] else ""
+            vals = (r["kernel"], r["config"], r["target"], r["num_warps"], r["num_stages"], r["registers"],
+                    r["spills"], r["shared"], status)
+        else:
+            vals = (r["kernel"], r["config"], r["target"], r["num_warps"], r["num_stages"], "-", "-", "-",
+                    "FAILED: " + r["error"])
+        lines.append(tuple(str(v) for v in vals))
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*head), "-+-".join("-" * w for w in widths)]
+    out += [fmt.format(*l) for l in lines]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=("cuda", "hip", "all", "xpu"), default="all",
+                        help="xpu: Intel PVC through tools/compile_xpu.py (run it with .venv-xpu/bin/python)")
+    parser.add_argument("--defaults-only", action="store_true", help="compile only each kernel's default config")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args, rest = parser.parse_known_args(argv)
+    if args.target == "xpu":
+        from .compile_xpu import main as xpu_main
+
+        if args.defaults_only:
+            parser.error("--defaults-only is not available for --target xpu")
+        return xpu_main(rest + (["--json", args.json] if args.json else []))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    targets = TARGETS if args.target == "all" else (args.target,)
+    rows = run_check(targets, args.defaults_only)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    failed = [r for r in rows if not r["ok"]]
+    bad_defaults = [r for r in rows if r["ok"] and r["default"] and (r["spills"] or not r["shared_ok"])]
+    if failed or bad_defaults:
+        print(f"\n{len(failed)} failed, {len(bad_defaults)} default configs spill or exceed shared memory",
+              file=sys.stderr)
+        return 1
+    print(f"\n{len(rows)} kernels compiled, default configs without spills")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

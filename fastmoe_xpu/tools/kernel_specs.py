@@ -1,0 +1,134 @@
+"""What the compile gates compile: every Triton kernel variant x config, as a :class:`KernelSpec`.
+
+Shared by :mod:`fastmoe_xpu.tools.compile_check` (sm_90, gfx942) and
+:mod:`fastmoe_xpu.tools.compile_xpu` (Intel PVC), which import this file and never each other. The
+problem it describes is an OLMoE-sized layer: H=2048, I=1024, K=8, token block 8, bf16 activations
+and weights. The specs mirror how the launchers in ``kernels/triton`` call the kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..kernels.configs import configs
+from ..kernels.triton import combine, counting, grouped_gemm, indices
+
+@dataclass
+class KernelSpec:
+    """One kernel compile: ``triton.compile(ASTSource(fn, signature, constexprs), options)``."""
+
+    name: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    config_name: str
+    num_warps: int
+    num_stages: int
+    is_default: bool
+    extra_options: dict[str, Any]
+    #: Arguments the runtime would specialise as multiples of 16 (aligned pointers, model dims).
+    divisible_by_16: tuple[str, ...] = field(default_factory=tuple)
+
+    def options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **self.extra_options}
+
+
+_jit_cache: dict[int, Any] = {}
+
+
+def _jit(kernel: Any) -> Any:
+    """A compiled-mode JITFunction of ``kernel`` even when its module was imported under the
+    interpreter (the kernels call no other jit functions, so re-wrapping the Python function is
+    enough)."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        return kernel
+    key = id(kernel)
+    if key not in _jit_cache:
+        _jit_cache[key] = JITFunction(kernel.fn)
+    return _jit_cache[key]
+
+
+# Representative problem: OLMoE-1B-7B-like layer on one rank.
+H, I, K, TBS = 2048, 1024, 8, 8
+_P32, _P64, _I32 = "*i32", "*i64", "i32"
+
+
+def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str, Any], tuple[str, ...]]]:
+    """``(spec name, configs key, kernel, signature, constexprs without tiles, aligned args)``."""
+    block_ptr = target == "xpu"
+    act = "*bf16"
+    gemm_flags = {"BLOCK_PTR": block_ptr, "DOT_PRECISION": "ieee"}
+    out: list = []
+    out.append(("count_tokens", "count_tokens", counting._count_tokens_fwd_kernel, {
+        "topk_idx_ptr": _P64, "partial_ptr": _P32, "expert_counts_ptr": _P32, "block_totals_ptr": _P32,
+        "expert_totals_ptr": _P32, "T": _I32, "K": _I32, "TH": _I32, "expert_start": _I32, "num_local": _I32,
+        "block_size": _I32}, {"BLOCK_T": TBS, "BLOCK_K": K},
+        ("topk_idx_ptr", "partial_ptr", "expert_counts_ptr", "block_totals_ptr", "expert_totals_ptr")))
+    out.append(("cumsum_counts", "cumsum_counts", counting._cumsum_counts_fwd_kernel, {
+        "partial_ptr": _P32, "expert_totals_ptr": _P32, "expert_counts_ptr": _P32, "block_totals_ptr": _P32,
+        "partial_cum_ptr": _P32, "cum_token_ptr": _P32, "cum_expert_ptr": _P32, "T": _I32, "TH": _I32,
+        "num_local": _I32, "block_size": _I32, "tokens_per_chunk": _I32}, {},
+        ("partial_ptr", "expert_totals_ptr", "expert_counts_ptr", "block_totals_ptr", "partial_cum_ptr",
+         "cum_token_ptr", "cum_expert_ptr")))
+    out.append(("build_indices", "build_indices", indices._build_indices_fwd_kernel, {
+        "topk_idx_ptr": _P64, "partial_cum_ptr": _P32, "cum_expert_ptr": _P32, "input_idx_ptr": _P32,
+        "output_idx_ptr": _P32, "selected_ptr": _P32, "T": _I32, "K": _I32, "TH": _I32, "expert_start": _I32,
+        "num_local": _I32, "block_size": _I32}, {"BLOCK_K": K, "BLOCK_J": TBS * K},
+        ("topk_idx_ptr", "partial_cum_ptr", "cum_expert_ptr", "input_idx_ptr", "output_idx_ptr", "selected_ptr")))
+    out.append(("gate_up_fwd", "gate_up_fwd", grouped_gemm._gate_up_fwd_kernel, {
+        "x_ptr": act, "input_idx_ptr": _P32, "cum_token_ptr": _P32, "w_ptr": act, "gate_up_ptr": act, "h_ptr": act,
+        "H": _I32, "I": _I32}, dict(gemm_flags),
+        ("x_ptr", "input_idx_ptr", "cum_token_ptr", "w_ptr", "gate_up_ptr", "h_ptr", "H", "I")))
+    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
+    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "N", "K")
+    out.append(("grouped_mm_fwd[W^T]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
+                {"TRANS_W": True, **gemm_flags}, mm_aligned))
+    out.append(("grouped_mm_fwd[W]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
+                {"TRANS_W": False, **gemm_flags}, mm_aligned))
+    bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "dw_ptr": act, "M": _I32,
+               "N": _I32}
+    bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "dw_ptr", "M", "N")
+    out.append(("grouped_mm_bwd[rows]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
+                {"GATHER": False, **gemm_flags}, bwd_aligned))
+    out.append(("grouped_mm_bwd[gather]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
+                {"GATHER": True, **gemm_flags}, bwd_aligned))
+    out.append(("silu_mul_bwd", "silu_mul_bwd", grouped_gemm._silu_mul_bwd_kernel, {
+        "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,
+        "NR": _I32}, {"HAS_COUNTS": True},
+        ("gate_up_ptr", "dh_ptr", "d_gate_up_ptr", "cum_token_ptr", "I")))
+    comb_sig = {"y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
+                "cum_expert_ptr": _P32, "out_ptr": act, "T": _I32, "H": _I32, "K": _I32}
+    comb_aligned = ("y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "out_ptr", "H", "K")
+    out.append(("combine_fwd[weighted]", "combine_fwd", combine._combine_fwd_kernel, comb_sig, {"WEIGHTED": True},
+                comb_aligned))
+    out.append(("combine_fwd[sum]", "combine_fwd", combine._combine_fwd_kernel, comb_sig, {"WEIGHTED": False},
+                comb_aligned))
+    out.append(("combine_bwd", "combine_bwd", combine._combine_bwd_kernel, {
+        "dout_ptr": act, "y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
+        "cum_expert_ptr": _P32, "dy_ptr": act, "dweights_ptr": act, "T": _I32, "H": _I32, "K": _I32},
+        {"BLOCK_K": K},
+        ("dout_ptr", "y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dy_ptr",
+         "dweights_ptr", "H", "K")))
+    return out
+
+
+def kernel_specs(target: str) -> list[KernelSpec]:
+    """Every (kernel variant, config) to compile for ``target`` in ``"cuda"``, ``"hip"``, ``"xpu"``;
+    the config lists come from ``configs.py`` for that backend (``xpu`` variants load ``tl.dot``
+    operands through block pointers, as the XPU launchers do)."""
+    if target not in ("cuda", "hip", "xpu"):
+        raise ValueError(f"target must be 'cuda', 'hip' or 'xpu', got {target!r}")
+    specs = []
+    for name, key, kernel, signature, constexprs, aligned in _variants(target):
+        for i, cfg in enumerate(configs(target, key)):
+            cexpr = {**cfg.meta, **constexprs}
+            sig = dict(signature)
+            sig.update({k: "constexpr" for k in cexpr})
+            specs.append(KernelSpec(
+                name=name, fn=_jit(kernel), signature=sig, constexprs=cexpr, config_name=cfg.name,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, is_default=i == 0,
+                extra_options=dict(cfg.extra_options), divisible_by_16=tuple(aligned),
+            ))
+    return specs

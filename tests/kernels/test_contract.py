@@ -1,0 +1,36 @@
+"""Both kernel backends satisfy the launcher contract: every launcher, same parameter names and defaults."""
+import inspect
+
+import pytest
+
+from fastmoe_xpu.kernels import contract, get_ops
+
+
+def _params(fn, drop_self: bool) -> list[tuple[str, object]]:
+    params = list(inspect.signature(fn).parameters.values())
+    if drop_self:
+        params = params[1:]
+    return [(p.name, p.default) for p in params]
+
+
+def test_protocol_lists_every_launcher():
+    members = {n for n, v in vars(contract.KernelBackend).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert members == set(contract.LAUNCHERS)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backend_satisfies_the_contract(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ops = get_ops(backend)
+    assert ops.NAME == backend
+    for name in contract.LAUNCHERS:
+        fn = getattr(ops, name, None)
+        assert callable(fn), f"{backend} backend lacks {name}"
+        want = _params(getattr(contract.KernelBackend, name), drop_self=True)
+        assert _params(fn, drop_self=False) == want, f"{backend}.{name} differs from the contract"
+
+
+def test_get_ops_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        get_ops("cuda")

@@ -1,0 +1,495 @@
+"""Triton kernels of stages 2-5 under the Triton interpreter, against ``reference.py`` and the torch backend.
+
+``@triton.jit`` (Triton's own ``tl.sum``, ``tl.cdiv``... included) chooses interpreter or compiler
+when ``triton`` is first imported, so ``TRITON_INTERPRET=1`` is set here before anything imports
+triton; the suite's command exports it too (docs/triton.md), which keeps this right whichever test
+module pytest imports first. Shapes are tiny: the interpreter runs every program in Python.
+
+Legend: T tokens, H hidden, I intermediate, E experts, K experts per token, NR local experts,
+TBS token block size, RT routed rows on this rank.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first 'import triton' of this process
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fastmoe_xpu import FastSparseMoeBlock, reference  # noqa: E402
+from fastmoe_xpu.autograd import CombineFunction, ExpertMLPFunction  # noqa: E402
+from fastmoe_xpu.block import moe_experts_forward  # noqa: E402
+from fastmoe_xpu import settings  # noqa: E402
+from fastmoe_xpu.kernels import configs  # noqa: E402
+from fastmoe_xpu.kernels import torch as torch_ops  # noqa: E402
+from fastmoe_xpu.kernels import triton as tops  # noqa: E402
+from bench.audit import audit_layer  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Row buffers are allocated for the worst case and rows past RT hold uninitialised memory; the
+# elementwise SiLU backward runs over all of them (its contract has no row count), and numpy warns
+# when such garbage overflows exp(). Those rows are never read.
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+def _bf16_as_on_gpus(mp: pytest.MonkeyPatch) -> None:
+    """Make the interpreter's bfloat16 arithmetic what GPUs do. It stores bf16 as raw uint16 bits
+    and (1) its ``tl.dot`` multiplies those bits (triton-lang/triton#11584, "not supported yet"),
+    (2) its fp32 -> bf16 cast truncates where GPUs round to nearest even, which biases every sum of
+    rounded values. GPUs multiply bf16 operands exactly and accumulate in fp32, so widening the
+    operands to fp32 first gives the same products; the cast rounds through PyTorch."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = type(interpreter.interpreter_builder)
+    create_dot, cast_impl = builder.create_dot, builder.cast_impl
+
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    mp.setattr(builder, "create_dot", lambda self, a, b, d, *rest: create_dot(self, widen(a), widen(b), d, *rest))
+    mp.setattr(builder, "cast_impl", cast)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clean_triton_env():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        mp.delenv("FASTMOE_TRITON_CONFIGS", raising=False)
+        mp.delenv("FASTMOE_TRITON_BLOCK_PTR", raising=False)
+        _bf16_as_on_gpus(mp)
+        with settings.reloaded():
+            yield
+
+
+def make_routing(T: int, K: int, E: int, pattern: str, seed: int = 0) -> torch.Tensor:
+    """``[T, K]`` int64 expert choices, distinct within a token (as top-k gives)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(T):
+        if pattern == "one_expert":  # every token's first choice is expert 3
+            rest = [e for e in torch.randperm(E, generator=g).tolist() if e != 3]
+            rows.append([3] + rest[: K - 1])
+        elif pattern == "low_half":  # experts E/2 .. E-1 receive nothing
+            rows.append(torch.randperm(E // 2, generator=g)[:K].tolist())
+        else:
+            rows.append(torch.randperm(E, generator=g)[:K].tolist())
+    return torch.tensor(rows, dtype=torch.int64).reshape(T, K)
+
+
+# (T, K, E, expert_start, num_local, TBS, pattern)
+ROUTING_CASES = [
+    pytest.param(37, 3, 7, 0, 7, 8, "random", id="odd-T-prime-E-ragged-last-block"),
+    pytest.param(5, 2, 4, 0, 4, 8, "random", id="T-below-token-block"),
+    pytest.param(19, 1, 5, 0, 5, 8, "random", id="K1"),
+    pytest.param(11, 5, 5, 0, 5, 8, "random", id="K-equals-E"),
+    pytest.param(24, 2, 6, 0, 6, 8, "one_expert", id="all-tokens-to-one-expert"),
+    pytest.param(24, 2, 8, 0, 8, 8, "low_half", id="empty-experts"),
+    pytest.param(37, 3, 7, 3, 2, 8, "random", id="expert-parallel-start-3"),
+    pytest.param(30, 2, 6, 4, 2, 6, "random", id="expert-parallel-last-rank-TBS6"),
+    pytest.param(0, 2, 4, 0, 4, 8, "random", id="T0"),
+]
+
+
+def _stages_2_3(ops, idx, start, num_local, tbs):
+    counts = ops.count_tokens(idx, start, num_local, tbs)
+    indices = ops.build_indices(idx, counts[1], counts[3], start, num_local, tbs)
+    return counts, indices
+
+
+# ---------------------------------------------------------------- stages 2 and 3
+@pytest.mark.parametrize(
+    "start,num_local,expected",
+    [
+        # No expert parallelism: one rank holds experts 0..3.
+        (0, 4, dict(partial=[2, 1, 0, 1, 1, 1, 1, 1, 1, 0, 1, 2], cum_token=[0, 3, 6, 9, 12],
+                    expert_counts=[2] * 6, cum_expert=[0, 2, 4, 6, 8, 10, 12],
+                    input=[0, 1, 3, 1, 3, 5, 0, 2, 4, 2, 4, 5], output=[0, 6, 3, 1, 9, 7, 2, 4, 8, 10, 5, 11],
+                    selected=[0, 1] * 6)),
+        # EP=2, rank 0 (experts 0 and 1).
+        (0, 2, dict(partial=[2, 1, 0, 1, 1, 1], cum_token=[0, 3, 6], expert_counts=[1, 2, 0, 2, 0, 1],
+                    cum_expert=[0, 1, 3, 3, 5, 5, 6], input=[0, 1, 3, 1, 3, 5], output=[0, 3, 1, 2, 4, 5],
+                    selected=[0, 0, 1, 0, 1, 0])),
+        # EP=2, rank 1 (experts 2 and 3): local filtering with expert_start > 0.
+        (2, 2, dict(partial=[1, 1, 1, 0, 1, 2], cum_token=[0, 3, 6], expert_counts=[1, 0, 2, 0, 2, 1],
+                    cum_expert=[0, 1, 1, 3, 3, 5, 6], input=[0, 2, 4, 2, 4, 5], output=[0, 3, 1, 2, 4, 5],
+                    selected=[1, 0, 1, 0, 1, 1])),
+    ],
+    ids=["no-EP", "EP2-rank0", "EP2-rank1"],
+)
+def test_algorithm_worked_example(start, num_local, expected):
+    idx = torch.tensor([[0, 2], [1, 0], [3, 2], [0, 1], [2, 3], [1, 3]])
+    (partial, partial_cum, expert_counts, cum_expert, cum_token), (inp, out, sel) = _stages_2_3(
+        tops, idx, start, num_local, 2)
+    rt = expected["cum_token"][-1]
+    assert partial.tolist() == expected["partial"]
+    assert partial_cum.tolist() == [0] + torch.tensor(expected["partial"]).cumsum(0).tolist()
+    assert cum_token.tolist() == expected["cum_token"]
+    assert expert_counts.tolist() == expected["expert_counts"]
+    assert cum_expert.tolist() == expected["cum_expert"]
+    assert inp[:rt].tolist() == expected["input"]
+    assert out[:rt].tolist() == expected["output"]
+    assert sel[:rt].tolist() == expected["selected"]
+
+
+@pytest.mark.parametrize("T,K,E,start,num_local,tbs,pattern", ROUTING_CASES)
+def test_counting_and_indices_match_reference(T, K, E, start, num_local, tbs, pattern):
+    idx = make_routing(T, K, E, pattern)
+    counts, (inp, out, sel) = _stages_2_3(tops, idx, start, num_local, tbs)
+    ref_counts = reference.reference_count_tokens(idx, start, num_local, tbs)
+    for name, got, want in zip(("partial", "partial_cum", "expert_counts", "cum_expert", "cum_token"),
+                               counts, ref_counts):
+        assert got.dtype == torch.int32, name
+        assert torch.equal(got, want), name
+    rt = int(counts[4][-1])
+    ref_inp, ref_out, ref_sel = reference.reference_build_indices(idx, ref_counts[1], ref_counts[3], start,
+                                                                  num_local, tbs)
+    assert inp.shape == (T * K,)  # worst-case allocation, rows past RT unspecified
+    assert torch.equal(inp[:rt], ref_inp) and torch.equal(out[:rt], ref_out) and torch.equal(sel[:rt], ref_sel)
+    # Invariants: RT = local choices; rows sorted by expert then token (stable); slots round-trip.
+    local = (idx >= start) & (idx < start + num_local)
+    assert rt == int(local.sum()) == int(counts[3][-1])
+    bounds = counts[4].tolist()
+    for e in range(num_local):
+        rows = inp[bounds[e]:bounds[e + 1]]
+        assert torch.all(rows[1:] > rows[:-1])
+        assert bool((idx[rows.long()] == start + e).any(dim=1).all())
+    assert sorted(out[:rt].tolist()) == list(range(rt))
+    slot_token = torch.repeat_interleave(torch.arange(T), counts[2].long())
+    assert torch.equal(inp[out[:rt].long()].long(), slot_token)
+    assert torch.equal(idx[slot_token, sel[:rt].long()], idx[local])
+
+
+# ---------------------------------------------------------------- stage 4
+# (T, K, E, expert_start, num_local, H, I, pattern, dtype)
+MLP_CASES = [
+    pytest.param(37, 3, 7, 0, 7, 33, 21, "random", torch.float32, id="odd-H-I-prime-E"),
+    pytest.param(5, 2, 4, 0, 4, 16, 8, "random", torch.float32, id="T-below-block"),
+    pytest.param(19, 1, 5, 0, 5, 24, 40, "random", torch.float32, id="K1-I-above-H"),
+    pytest.param(24, 2, 6, 0, 6, 17, 9, "one_expert", torch.float32, id="all-tokens-to-one-expert"),
+    pytest.param(24, 2, 8, 0, 8, 20, 12, "low_half", torch.float32, id="empty-experts-zero-weight-grad"),
+    pytest.param(37, 3, 7, 3, 2, 33, 21, "random", torch.float32, id="expert-parallel-start-3"),
+    pytest.param(21, 2, 5, 0, 5, 32, 16, "random", torch.bfloat16, id="bf16-fp32-accumulation"),
+]
+
+
+@pytest.mark.parametrize("T,K,E,start,num_local,H,I,pattern,dtype", MLP_CASES)
+def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, dtype):
+    torch.manual_seed(0)
+    idx = make_routing(T, K, E, pattern)
+    counts, (inp, out, _) = _stages_2_3(tops, idx, start, num_local, 8)
+    cum_token, cum_expert = counts[4], counts[3]
+    rt = int(cum_token[-1])
+    x = torch.randn(T, H, dtype=dtype)
+    w_gu = (torch.randn(num_local, 2 * I, H) / H ** 0.5).to(dtype)
+    w_d = (torch.randn(num_local, H, I) / I ** 0.5).to(dtype)
+    dy = torch.randn(T * K, H, dtype=dtype)
+
+    # Reference: plain ops with autograd, in fp32.
+    xr, gur, dr = (t.float().requires_grad_() for t in (x, w_gu, w_d))
+    ref_gu, ref_h = reference.reference_gate_up(xr, inp, cum_token, gur)
+    ref_y = reference.reference_down(ref_h, cum_token, dr)
+    ref_y.backward(dy[:rt].float())
+
+    gate_up, h = tops.gate_up_fwd(x, inp, cum_token, w_gu)
+    y = tops.down_fwd(h, cum_token, w_d)
+    assert gate_up.shape == (T * K, 2 * I) and y.shape == (T * K, H)
+    assert_close(gate_up[:rt], ref_gu, dtype)
+    assert_close(h[:rt], ref_h, dtype)
+    assert_close(y[:rt], ref_y, dtype)
+
+    dh, dw_d = tops.down_bwd(dy, h, cum_token, w_d)
+    d_gate_up = tops.silu_mul_bwd(gate_up, dh)
+    dx_rows, dw_gu = tops.gate_up_bwd(d_gate_up, x, inp, cum_token, w_gu)
+    dx = tops.combine_fwd(dx_rows, None, out, out, cum_expert)
+    assert_close(dw_d, dr.grad, dtype)
+    assert_close(dw_gu, gur.grad, dtype)
+    assert_close(dx, xr.grad, dtype)
+    # The torch backend's SiLU*up backward on the same inputs.
+    assert_close(d_gate_up[:rt], torch_ops.silu_mul_bwd(gate_up[:rt], dh[:rt]), dtype)
+    if pattern == "low_half":
+        assert torch.count_nonzero(dw_gu[E // 2:]) == 0 and torch.count_nonzero(dw_d[E // 2:]) == 0
+
+
+def test_expert_mlp_function_with_triton_ops():
+    """ExpertMLPFunction and CombineFunction on the Triton launchers, against autograd through the
+    mask-based reference of stages 2-5 (expert parallelism: only experts 2..4 of 6 are local)."""
+    torch.manual_seed(1)
+    T, K, E, H, I, start, NR = 23, 3, 6, 18, 10, 2, 3
+    idx = make_routing(T, K, E, "random", seed=3)
+    x = torch.randn(T, H, requires_grad=True)
+    w = torch.rand(T, K, requires_grad=True)
+    w_gu = torch.randn(NR, 2 * I, H, requires_grad=True)
+    w_d = torch.randn(NR, H, I, requires_grad=True)
+    counts, (inp, out, sel) = _stages_2_3(tops, idx, start, NR, 8)
+    y = ExpertMLPFunction.apply(x, w_gu, w_d, inp, out, counts[4], counts[3], tops)
+    got = CombineFunction.apply(y, w, out, sel, counts[3], tops)
+    g = torch.randn(T, H)
+    grads = torch.autograd.grad(got, (x, w, w_gu, w_d), g)
+    want = reference.reference_experts_forward(x, w, idx, w_gu, w_d, expert_start=start)
+    ref_grads = torch.autograd.grad(want, (x, w, w_gu, w_d), g)
+    assert_close(got, want)
+    for a, b in zip(grads, ref_grads):
+        assert_close(a, b)
+
+
+# ---------------------------------------------------------------- stage 5
+# (T, K, E, expert_start, num_local, H, pattern)
+COMBINE_CASES = [
+    pytest.param(37, 3, 7, 0, 7, 33, "random", id="odd-H-all-local"),
+    pytest.param(5, 1, 4, 0, 4, 16, "random", id="K1-T-below-block"),
+    pytest.param(37, 3, 7, 3, 2, 20, "random", id="expert-parallel-tokens-without-slots"),
+    pytest.param(11, 5, 5, 0, 5, 9, "random", id="K-equals-E"),
+]
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("T,K,E,start,num_local,H,pattern", COMBINE_CASES)
+def test_combine_matches_reference(T, K, E, start, num_local, H, pattern, weighted):
+    torch.manual_seed(2)
+    idx = make_routing(T, K, E, pattern)
+    counts, (inp, out, sel) = _stages_2_3(tops, idx, start, num_local, 8)
+    cum_expert = counts[3]
+    rt = int(counts[4][-1])
+    y = torch.randn(T * K, H)
+    weights = torch.rand(T, K) if weighted else None
+    got = tops.combine_fwd(y, weights, out, sel, cum_expert)
+    yr = y[:rt].clone().requires_grad_()
+    wr = weights.clone().requires_grad_() if weighted else None
+    want = reference.reference_combine(yr, wr, out[:rt], sel[:rt], cum_expert)
+    assert_close(got, want)
+    if not weighted:
+        return
+    dout = torch.randn(T, H)
+    dy, dweights = tops.combine_bwd(dout, y, weights, out, sel, cum_expert)
+    want.backward(dout)
+    assert_close(dy[:rt], yr.grad)
+    assert_close(dweights, wr.grad)
+    if start > 0:  # choices of other ranks' experts get exactly zero here
+        non_local = (idx < start) | (idx >= start + num_local)
+        assert torch.count_nonzero(dweights[non_local]) == 0
+
+
+# ---------------------------------------------------------------- the whole block
+def _config(H: int, I: int, E: int, K: int, norm: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(hidden_size=H, intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                           norm_topk_prob=norm, hidden_act="silu")
+
+
+def _run_block(block: FastSparseMoeBlock, x: torch.Tensor, g: torch.Tensor):
+    xx = x.clone().requires_grad_()
+    out = block(xx)
+    out.backward(g)
+    return out.detach(), xx.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "table,shape,dtype",
+    [
+        pytest.param("interpreter", (2, 19, 33, 21, 7, 3), torch.float32, id="small-tiles-odd-H-I-prime-E"),
+        pytest.param("interpreter", (1, 9, 16, 8, 4, 4), torch.float32, id="small-tiles-K-equals-E"),
+        pytest.param("cuda", (2, 19, 33, 21, 7, 3), torch.float32, id="cuda-tiles-one-tile-per-expert"),
+        pytest.param("xpu", (1, 13, 24, 40, 5, 2), torch.float32, id="xpu-tiles-I-above-H"),
+        pytest.param("interpreter", (1, 21, 32, 16, 6, 2), torch.bfloat16, id="small-tiles-bf16"),
+        pytest.param("interpreter", (2, 0, 16, 8, 4, 2), torch.float32, id="T0-empty-batch"),
+    ],
+)
+def test_block_triton_backend_equals_torch_backend(table, shape, dtype):
+    B, S, H, I, E, K = shape
+    torch.manual_seed(0)
+    ref = FastSparseMoeBlock(_config(H, I, E, K), backend="torch").to(dtype)
+    tri = FastSparseMoeBlock(_config(H, I, E, K), backend="triton").to(dtype)
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(B, S, H, dtype=dtype)
+    g = torch.randn(B, S, H, dtype=dtype)
+    want = _run_block(ref, x, g)
+    with configs.use(table):
+        got = _run_block(tri, x, g)
+    assert_close(got[0], want[0], dtype)  # output
+    assert_close(got[1], want[1], dtype)  # input gradient
+    for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+        if S == 0:  # no tokens: every weight gradient is exactly zero (or absent on both backends)
+            assert (got[2][name] is None) == (want[2][name] is None), name
+            if got[2][name] is not None:
+                assert torch.count_nonzero(got[2][name]) == 0 and torch.count_nonzero(want[2][name]) == 0
+            continue
+        assert_close(got[2][name], want[2][name], dtype)
+
+
+def test_expert_parallel_ranks_sum_to_the_full_layer():
+    """Stages 2-5 on EP=3 ranks (2 experts each, expert_start 0, 2, 4) sum to the single-rank
+    layer, gradients of the router weights and of the input included."""
+    torch.manual_seed(4)
+    T, H, I, E, K = 17, 12, 10, 6, 2
+    x = torch.randn(T, H)
+    logits = torch.randn(T, E)
+    w_gu = torch.randn(E, 2 * I, H)
+    w_d = torch.randn(E, H, I)
+    weights, idx = torch.topk(torch.softmax(logits, -1), K)
+    g = torch.randn(T, H)
+
+    def run(parts):
+        xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = sum(moe_experts_forward(xs, ws, idx, w_gu[s:s + n], w_d[s:s + n], backend="triton", expert_start=s)
+                  for s, n in parts)
+        out.backward(g)
+        return out, xs.grad, ws.grad
+
+    full = run([(0, E)])
+    split = run([(0, 2), (2, 2), (4, 2)])
+    for a, b in zip(split, full):
+        assert_close(a, b)
+    want = reference.reference_experts_forward(x, weights, idx, w_gu, w_d)
+    assert_close(full[0], want)
+
+
+# ---------------------------------------------------------------- host syncs and launches
+def test_no_host_sync_and_launches_per_layer():
+    torch.manual_seed(5)
+    cfg = _config(16, 8, 8, 2)
+    block = FastSparseMoeBlock(cfg, backend="triton")
+    x = torch.randn(1, 12, 16)
+    audit = audit_layer(block, x)
+    fwd, bwd = audit.launches["forward"], audit.launches["backward"]
+    print(f"\nlaunches per layer: forward {sum(fwd.values())} Triton + {audit.total(audit.ops, 'forward')} other ops "
+          f"{dict(audit.ops['forward'])}; backward {sum(bwd.values())} Triton + "
+          f"{audit.total(audit.ops, 'backward')} other ops {dict(audit.ops['backward'])}")
+    assert audit.syncs["forward"] == [] and audit.syncs["backward"] == []
+    assert dict(fwd) == {"_count_tokens_fwd_kernel": 1, "_cumsum_counts_fwd_kernel": 1, "_build_indices_fwd_kernel": 1,
+                         "_gate_up_fwd_kernel": 1, "_grouped_mm_fwd_kernel": 1, "_combine_fwd_kernel": 1}
+    assert dict(bwd) == {"_combine_bwd_kernel": 1, "_grouped_mm_fwd_kernel": 2, "_grouped_mm_bwd_kernel": 2,
+                         "_silu_mul_bwd_kernel": 1, "_combine_fwd_kernel": 1}
+    # Besides the router, stages 2-5 add one memset (the per-expert totals of the counting stage).
+    assert audit.ops["forward"]["aten::zeros"] == 1
+    # The detector does detect: the torch backend reads counts on the host.
+    block.backend = "torch"
+    control = audit_layer(block, x)
+    assert len(control.syncs["forward"]) > 0 and len(control.syncs["backward"]) > 0
+
+
+# ---------------------------------------------------------------- launcher checks
+def test_launchers_reject_bad_inputs():
+    x = torch.randn(4, 8)
+    w = torch.randn(2, 6, 8)
+    idx = torch.zeros(8, dtype=torch.int32)
+    cum = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"\(4, 8\).*\(2, 6, 9\)|width 8"):
+        tops.gate_up_fwd(x, idx, cum, torch.randn(2, 6, 9))
+    with pytest.raises(TypeError, match="int32"):
+        tops.gate_up_fwd(x, idx.long(), cum, w)
+    with pytest.raises(ValueError, match="contiguous"):
+        tops.gate_up_fwd(torch.randn(8, 4).t(), idx, cum, w)
+    with pytest.raises(ValueError, match="cum_token_counts has 2 entries"):
+        tops.down_fwd(torch.randn(8, 3), cum[:2], torch.randn(2, 8, 3))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        tops.silu_mul_bwd(torch.zeros(4, 6, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="cum_token_counts must be int32"):
+        tops.silu_mul_bwd(torch.zeros(4, 6), torch.zeros(4, 3), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"weights \(3, 2\)"):
+        tops.combine_fwd(torch.randn(8, 4), torch.rand(3, 2), idx, idx, torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"partial_cum_token_counts has shape \(5,\), expected \(3,\)"):
+        tops.build_indices(torch.zeros(4, 2, dtype=torch.int64), torch.zeros(5, dtype=torch.int32),
+                           torch.zeros(5, dtype=torch.int32), 0, 2)
+    with pytest.raises(TypeError, match="integer"):
+        tops.count_tokens(torch.zeros(4, 2), 0, 2)
+
+
+# ---------------------------------------------------------------- Triton 3.3 (Intel's XPU build's API)
+_TRITON33 = os.environ.get("FASTMOE_TRITON33")
+
+
+@pytest.mark.skipif(not _TRITON33, reason="set FASTMOE_TRITON33 to a directory holding triton 3.3 (see docs/triton.md)")
+def test_block_pointer_path_under_triton_3_3():
+    """The XPU path (block pointers, removed from upstream Triton after 3.3) runs the whole block
+    correctly under Triton 3.3's interpreter, and every kernel compiles with 3.3 for sm_90 (block
+    pointer variants with the cuda tiles: the XPU tiles exceed an H100's shared memory)."""
+    run_block = textwrap.dedent("""
+        import torch
+        import triton, triton.runtime.interpreter as interp
+        assert triton.__version__.startswith("3.3"), triton.__version__
+        _orig = interp._patch_lang_tensor
+        def _patched(tensor):  # Triton 3.3's interpreter predates numpy 2's scalar conversion rules
+            _orig(tensor)
+            tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+        interp._patch_lang_tensor = _patched
+        from types import SimpleNamespace
+        from fastmoe_xpu import FastSparseMoeBlock
+        from fastmoe_xpu.kernels import configs
+        assert configs.uses_block_ptr("interpreter")
+        torch.manual_seed(0)
+        cfg = SimpleNamespace(hidden_size=33, intermediate_size=21, num_experts=7, num_experts_per_tok=3,
+                              norm_topk_prob=True, hidden_act="silu")
+        a = FastSparseMoeBlock(cfg, backend="torch"); b = FastSparseMoeBlock(cfg, backend="triton")
+        b.load_state_dict(a.state_dict())
+        x = torch.randn(2, 19, 33); g = torch.randn(2, 19, 33)
+        outs = []
+        for blk in (a, b):
+            xx = x.clone().requires_grad_(); y = blk(xx); y.backward(g)
+            outs.append([y, xx.grad] + [p.grad for p in blk.parameters()])
+        for u, v in zip(*outs):
+            torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-5)
+        print("interpreter ok")
+    """)
+    compile_all = textwrap.dedent("""
+        import triton
+        assert triton.__version__.startswith("3.3"), triton.__version__
+        from fastmoe_xpu.tools import compile_check as cc
+        cuda = {s.name: s for s in cc.kernel_specs("cuda") if s.is_default}
+        for spec in list(cuda.values()) + [s for s in cc.kernel_specs("xpu") if s.is_default]:
+            if spec.constexprs.get("BLOCK_PTR"):
+                ref = cuda[spec.name]
+                spec.constexprs = {**ref.constexprs, "BLOCK_PTR": True}
+                spec.num_warps, spec.num_stages, spec.extra_options = ref.num_warps, ref.num_stages, {}
+            elif "grf_mode" in spec.extra_options:
+                continue
+            cc.compile_spec(spec, "cuda")
+        print("compile ok")
+    """)
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    base["PYTHONPATH"] = os.pathsep.join([_TRITON33, str(REPO)])
+    for script, extra, marker in ((run_block, {"TRITON_INTERPRET": "1", "FASTMOE_TRITON_BLOCK_PTR": "1"},
+                                   "interpreter ok"), (compile_all, {}, "compile ok")):
+        res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**base, **extra}, capture_output=True,
+                             text=True, timeout=900)
+        assert res.returncode == 0 and marker in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_bwd_computes_only_the_routed_rows(monkeypatch, dtype):
+    """With the row count (as the autograd Function passes it), rows past RT are neither read nor
+    written: under expert parallelism RT is about 1/EP of the T*K rows allocated."""
+    from fastmoe_xpu.kernels.triton import grouped_gemm
+
+    R, I, rt = 50, 20, 19  # RT ends inside a BLOCK_R tile, and later tiles hold no routed row
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(R, 2 * I, generator=g).to(dtype)
+    dh = torch.randn(R, I, generator=g).to(dtype)
+    gate_up[rt:] = float("nan")  # never read
+    cum_token = torch.tensor([0, 7, 7, rt], dtype=torch.int32)  # 3 local experts, one empty
+    monkeypatch.setattr(grouped_gemm, "_alloc_rows", lambda like, rows, cols: torch.full((rows, cols), 7.0, dtype=like.dtype))
+    got = tops.silu_mul_bwd(gate_up, dh, cum_token)
+    assert_close(got[:rt], torch_ops.silu_mul_bwd(gate_up[:rt], dh[:rt]), dtype)
+    assert torch.equal(got[rt:], torch.full((R - rt, 2 * I), 7.0, dtype=dtype))  # untouched
+    everything = tops.silu_mul_bwd(gate_up, dh)  # without counts: all R rows
+    assert torch.isnan(everything[rt:]).all()
+    assert torch.equal(everything[:rt], got[:rt])

@@ -1,0 +1,62 @@
+"""fastmoe_xpu.settings: every FASTMOE_* switch parsed once, validated, and re-readable for tests."""
+import pytest
+import torch
+
+from fastmoe_xpu import settings
+from fastmoe_xpu.device import choose_kernels, resolve_backend
+from fastmoe_xpu.kernels import configs
+
+
+def test_defaults_without_variables():
+    s = settings.read({})
+    assert s == settings.Settings()
+    assert (s.cpu_cache, s.cpu_cache_idle_mb, s.cpu_csr, s.cpu_piece_mb) == (True, 4096.0, True, 4)
+
+
+def test_every_variable_is_read():
+    env = {
+        "FASTMOE_BACKEND": "Triton", "FASTMOE_TRITON_CONFIGS": "xpu", "FASTMOE_TRITON_BLOCK_PTR": "0",
+        "FASTMOE_CPU_CACHE": "off", "FASTMOE_CPU_CACHE_IDLE_MB": "512", "FASTMOE_CPU_CSR": "0",
+        "FASTMOE_CPU_PIECE_MB": "8", "FASTMOE_DIST_BACKEND": "GLOO", "FASTMOE_DATA_CACHE": "/tmp/d",
+    }
+    assert set(env) == set(settings.ENV_NAMES.values())
+    s = settings.read(env)
+    assert s == settings.Settings("triton", "xpu", False, False, 512.0, False, 8, "gloo", "/tmp/d")
+
+
+@pytest.mark.parametrize("name,value", [
+    ("FASTMOE_BACKEND", "cuda"),  # a device, not a kernel backend
+    ("FASTMOE_TRITON_CONFIGS", "sm90"),
+    ("FASTMOE_CPU_CSR", "maybe"),
+    ("FASTMOE_CPU_CACHE_IDLE_MB", "lots"),
+    ("FASTMOE_CPU_PIECE_MB", "-1"),
+])
+def test_bad_values_name_the_variable(name, value):
+    with pytest.raises(ValueError, match=name):
+        settings.read({name: value})
+
+
+def test_reloaded_and_override_restore_the_previous_settings(monkeypatch):
+    before = settings.get()
+    monkeypatch.setenv("FASTMOE_BACKEND", "torch")
+    with settings.reloaded() as s:
+        assert s.backend == "torch" and settings.get() is s
+    with settings.override(cpu_piece_mb=1):
+        assert settings.get().cpu_piece_mb == 1
+    assert settings.get() is before
+    with pytest.raises(TypeError, match="unknown setting"):
+        settings.override(no_such_switch=1)
+
+
+def test_one_decision_for_backend_table_and_block_pointers():
+    cpu = torch.device("cpu")
+    with settings.override(backend=None, triton_configs=None):
+        assert choose_kernels(cpu).backend == "torch"
+        assert choose_kernels(cpu, "triton").config_table == "interpreter"
+    with settings.override(backend="torch"):
+        assert resolve_backend("auto", cpu) == "torch"
+    with configs.use("hip"):
+        assert configs.backend_for(cpu) == "hip" == choose_kernels(cpu, "triton").config_table
+    with settings.override(triton_block_ptr=False):
+        assert not configs.uses_block_ptr("xpu")
+    assert not choose_kernels(cpu, "torch", config_table="xpu").block_ptr

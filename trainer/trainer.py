@@ -1,0 +1,458 @@
+"""The training loop: one :class:`Trainer` owns the layout, data, model, optimizer and metrics,
+and composes the parallelisms the config asks for.
+
+One step: every data-parallel rank takes its own micro-batches of the global batch; each
+micro-batch's loss is normalised over the *global* batch (:mod:`trainer.loss`), so gradients are
+plain sums across ranks and the logged loss is the global-batch mean whatever the layout. Then the
+sharded optimizer reduces, clips (after warmup), updates and re-publishes the weights.
+
+The parts, each applied by a function of :mod:`trainer.parallelism` when the config asks for it:
+
+- ``--pp N`` (``parallel.pp``): this rank builds only its pipeline stage (the full model is never
+  allocated when ``--parallel.pp_meta_init``), runs its micro-batches through the chosen schedule
+  (``parallel.pp_schedule``: 1F1B by default, or GPipe), and the optimizer covers the stage's
+  parameters with the same DP / EP groups (which all lie within one stage).
+- ``--tp N`` (``parallel.tp``, dense model): attention heads and MLP columns split over the TP
+  ranks (innermost in the mesh, where EP sits for MoE models); TP ranks read the same data.
+- ``--ac norm,attn,moe`` (``parallel.ac``): selective activation checkpointing.
+- ``--broadcast broadcast|all_reduce`` (``parallel.broadcast``): replicas receive rank 0's initial
+  weights instead of drawing their own; with ``--init-from FILE`` (``model.init_from``) only rank 0
+  reads the file and every rank receives its part.
+
+The step is split into methods so that each part has one place: :meth:`build_model`,
+:meth:`build_optimizer`, :meth:`forward_backward` (one rank's micro-batches, plain or through the
+pipeline schedule), :meth:`optimizer_step`, and :meth:`state_dict` / :meth:`load_state_dict`
+(everything needed to resume exactly).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import random
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from . import fault
+from .checkpoint import CheckpointManager, load_model, sync_master_from_model
+from .config import ConfigError, TrainConfig, validate, validated_for
+from .layout import Layout, barrier, env_world_size, init_layout, init_tp_layout
+from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
+from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
+from .model import build_model, flops_per_token, is_expert_param, param_counts, torch_dtype
+from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula
+from .parallelism.ac import apply_activation_checkpointing
+from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
+from .parallelism.pipeline import Pipeline, parallelize_pipeline
+from .parallelism.tp import apply_tensor_parallel, tp_localize
+from .schedule import clipping_active, lr_at
+
+from .data import ShardedLoader, ensure_default_dataset, load_manifest
+
+
+class Trainer:
+    """Trains ``cfg`` on this process's share of the layout, with the parallelisms it names (see the
+    module doc; without any it is the plain data- and expert-parallel loop).
+
+    ``layout`` defaults to the one torchrun's environment describes (one process without it).
+    ``cfg`` is used as it is when :func:`trainer.config.validate` passed it for this world (the
+    CLI's), else a validated copy is."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout | None = None) -> None:
+        # a bad --out fails here, in one line, before any process group or model exists
+        fault.check_out_dir(cfg.logging.out)
+        world = layout.world if layout is not None else env_world_size()
+        if not validated_for(cfg, world):
+            # a config built in code rather than by the CLI: check a copy, the caller's stays as it was
+            cfg = validate(copy.deepcopy(cfg), world)
+        self.cfg = cfg
+        if layout is None:
+            layout = init_tp_layout(cfg) if cfg.parallel.tp > 1 else init_layout(cfg.parallel)
+        self.layout = layout
+        self.pipeline: Pipeline | None = None
+        lay = self.layout
+        m, s = cfg.model, cfg.schedule
+        self.device = lay.device
+        self.out_dir = cfg.logging.out
+
+        # data first: a missing or corrupt data set fails here, before the model is built
+        self.manifest_path = self._prepare_data()
+        manifest = load_manifest(self.manifest_path)
+        if int(manifest["context"]) != cfg.data.context:
+            raise ConfigError(
+                f"data set {self.manifest_path} has context {manifest['context']}, config asks for {cfg.data.context}"
+            )
+        data_vocab = int(manifest["tokenizer"]["vocab_size"])
+        if m.vocab_size == 0:
+            m.vocab_size = data_vocab
+        elif m.vocab_size < data_vocab:
+            raise ConfigError(f"model vocab_size {m.vocab_size} is smaller than the tokenizer's {data_vocab}")
+        self.loader = ShardedLoader(self.manifest_path, s.global_batch, s.micro_batch,
+                                    dp_rank=lay.data_rank, dp_size=lay.data_world, verify=cfg.data.verify)
+
+        self.model = self.build_model()
+        self.model.train()
+        self.optimizer: ZeroAdamW = self.build_optimizer()
+        self.step = 0
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(
+            ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
+            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param,
+            allow_fresh_start=ck.allow_fresh_start, failures_dir=self.out_dir)
+        if ck.init_from:
+            load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_param)
+            sync_master_from_model(self.optimizer)
+        self.heartbeat = fault.Heartbeat(self.out_dir, lay.rank)
+        self._local_loss = torch.zeros(())
+        self.spikes = SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_factor)
+        self.counts = param_counts(m)
+        self.flops_per_token = flops_per_token(m, cfg.data.context)
+        self.micro_batches_global = s.global_batch // s.micro_batch
+        self.tokens_per_step = s.global_batch * cfg.data.context
+        self._autocast_dtype = self._resolve_autocast()
+        self.peak_tflops, self.peak_source = (0.0, "")
+        self.writer: MetricsWriter | None = None
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------ setup
+    def build_model(self) -> nn.Module:
+        """This rank's model (its pipeline stage under PP, its experts under EP, its TP shard under
+        TP), identical weights on every replica."""
+        cfg, lay = self.cfg, self.layout
+        p = cfg.parallel
+        tp = getattr(lay, "tp", 1)
+
+        def prepare(module: nn.Module) -> None:
+            if tp > 1:
+                apply_tensor_parallel(module, lay.tp_group, rank=lay.tp_rank, tp=tp)
+            apply_activation_checkpointing(module, p.ac)
+
+        if p.pp > 1:
+            self.pipeline = parallelize_pipeline(cfg, lay, self.device,
+                                                 lambda stage: self._full_model(meta=p.pp_meta_init), prepare)
+            model: nn.Module = self.pipeline.modules[0]
+            model.to(dtype=torch_dtype(cfg.model.param_dtype))
+        else:
+            model = self._full_model()
+            prepare(model)
+        self._synchronise_weights(model)
+        return model
+
+    def _full_model(self, *, meta: bool = False) -> nn.Module:
+        cfg, lay = self.cfg, self.layout
+        device = torch.device("meta") if meta else self.device
+        if meta:
+            with torch.device("meta"):
+                return build_model(cfg.model, cfg.data.context, seed=cfg.seed, device=device,
+                                   ep_group=lay.ep_group, ep_size=lay.ep)
+        return build_model(cfg.model, cfg.data.context, seed=cfg.seed, device=device,
+                           ep_group=lay.ep_group, ep_size=lay.ep)
+
+    def _synchronise_weights(self, model: nn.Module) -> None:
+        """``--init-from``: rank 0 reads the file, every rank receives its part. ``--broadcast``
+        without a file: every replica takes its group's first rank's initial weights."""
+        cfg, lay = self.cfg, self.layout
+        method = cfg.parallel.broadcast
+        path = cfg.model.init_from
+        if path:
+            if not lay.distributed:
+                load_and_broadcast_local(model, path)
+                return
+            tp = getattr(lay, "tp", 1)
+            load_and_broadcast(model, path, group=None, method="broadcast" if method == "none" else method,
+                               localize=tp_localize(lay.tp_rank, tp) if tp > 1 else None)
+        elif method != "none" and lay.dpep_group is not None:
+            broadcast_replicas(model, group=lay.dpep_group, expert_group=lay.dp_group, method=method,
+                               is_expert=is_expert_param)
+
+    def build_optimizer(self) -> ZeroAdamW:
+        o, lay = self.cfg.optim, self.layout
+        tp = getattr(lay, "tp", 1)
+        if tp == 1:
+            return build_optimizer(
+                o.name, self.model, lay, is_expert=is_expert_param, betas=(o.beta1, o.beta2), eps=o.eps,
+                weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
+            )
+        # TP-split weights are distinct on every TP rank; replicated ones (embedding, LM head) are
+        # equal there, gradients included, so only TP rank 0 counts them in global norms.
+        split, replicated = [], []
+        for name, prm in self.model.named_parameters():
+            if prm.requires_grad:
+                (split if getattr(prm, "tp_split", False) else replicated).append((name, prm))
+        sharded = o.name != "adamw"
+        specs = [BucketSpec("tp_split", split, lay.dp_group if sharded else None,
+                            None if sharded else lay.dp_group, True),
+                 BucketSpec("tp_replicated", replicated, lay.dp_group if sharded else None,
+                            None if sharded else lay.dp_group, lay.tp_rank == 0)]
+        return ZeroAdamW(specs, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                         grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype), norm_group=lay.world_group)
+
+    def _prepare_data(self) -> str:
+        d = self.cfg.data
+        if d.path is not None:
+            return d.path
+        # rank 0 builds the embedded corpus; the others wait and reuse it
+        path = None
+        if self.layout.is_main:
+            path = ensure_default_dataset(d.cache_dir, d.context, d.seed, progress=self.cfg.logging.progress)
+        barrier(self.layout)
+        if path is None:
+            path = ensure_default_dataset(d.cache_dir, d.context, d.seed, progress=False)
+        return path
+
+    def _resolve_autocast(self) -> torch.dtype | None:
+        a = self.cfg.model.autocast
+        if a == "none" or (a == "auto" and self.device.type == "cpu"):
+            return None
+        return torch.bfloat16
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+    # ------------------------------------------------------------------------------ one step
+    def micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor,
+                         router_logits: Sequence[torch.Tensor] | None, global_targets: float) -> tuple[torch.Tensor, MicroLoss]:
+        """The loss of one micro-batch (see :func:`trainer.loss.micro_batch_loss`)."""
+        return micro_batch_loss(self.cfg.model, logits, labels, router_logits, global_targets=global_targets,
+                                micro_batches_global=self.micro_batches_global)
+
+    def forward_backward(self, micro_batches: Sequence[Any]) -> MicroLoss:
+        """Forward and backward over this rank's micro-batches (through the pipeline schedule under
+        PP); gradients accumulate in the optimizer's flat buffers. Returns the global sums."""
+        global_targets = global_target_count(micro_batches, self.layout.dpep_group, self.device)
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(micro_batches, global_targets)
+        acc: MicroLoss | None = None
+        want_router = self.cfg.model.is_moe
+        for mb in micro_batches:
+            input_ids = mb[0].to(self.device, non_blocking=True)
+            labels = mb[1].to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.model.model(input_ids=input_ids, output_router_logits=want_router, use_cache=False) \
+                    if want_router else self.model.model(input_ids=input_ids, use_cache=False)
+                logits = self.model.lm_head(out.last_hidden_state)
+            router_logits = getattr(out, "router_logits", None) if want_router else None
+            loss, parts = self.micro_batch_loss(logits, labels, router_logits, global_targets)
+            loss.backward()
+            self._local_loss = loss.detach() if acc is None else self._local_loss + loss.detach()
+            acc = parts if acc is None else acc + parts
+        assert acc is not None  # micro_batches is never empty (validated batch sizes)
+        # the sums over DP x EP
+        m = self.cfg.model
+        return all_reduce_loss([acc], m.num_experts if m.is_moe else 0, self.layout.dpep_group, self.device)
+
+    def _pipeline_forward_backward(self, micro_batches: Sequence[Any], global_targets: float) -> MicroLoss:
+        lay, m, pipe = self.layout, self.cfg.model, self.pipeline
+        assert pipe is not None and pipe.loss_cfg is not None
+        lc = pipe.loss_cfg
+        lc.global_targets = global_targets
+        lc.micro_batches_global = self.micro_batches_global
+        input_ids = torch.cat([mb[0] for mb in micro_batches]).to(self.device)
+        labels = torch.cat([mb[1] for mb in micro_batches]).to(self.device)
+        with self._autocast():
+            parts = pipe.step(input_ids if pipe.is_first else None, labels if pipe.is_last else None)
+        counts = getattr(lay, "tp_rank", 0) == 0  # TP ranks compute the same loss: count it once
+        # parts is empty except on the last stage, whose DP x EP ranks hold the global sums
+        return all_reduce_loss(parts if counts else [], m.num_experts if m.is_moe else 0, lay.world_group,
+                               self.device)
+
+    def optimizer_step(self) -> dict[str, Any]:
+        s, o = self.cfg.schedule, self.cfg.optim
+        lr = lr_at(self.step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
+        clip = o.grad_clip if (o.grad_clip > 0 and clipping_active(self.step, s.warmup_steps)) else None
+        norms = self.optimizer.step(lr, clip)
+        return {"lr": lr, "clip": clip, **norms}
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step on the next global batch; returns its metrics record."""
+        m = self.cfg.model
+        t0 = time.perf_counter()
+        micro = self.loader.next_batch()
+        parts = self.forward_backward(micro)
+        # NaN/Inf on any rank stops every rank here, before the update (raises fault.SoftFailure)
+        grads = [b.flat_grad for b in self.optimizer.buckets]
+        local_loss = fault.maybe_poison(self._local_loss, self.step, self.layout.rank, grads)  # test hook
+        fault.check_step(self.step, local_loss, grads, out_dir=self.out_dir)
+        upd = self.optimizer_step()
+        if self.device.type != "cpu":
+            getattr(torch, self.device.type).synchronize()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        lm, lb, z = (float(parts.lm), float(parts.lb), float(parts.z))
+        loss = lm + (m.load_balancing_coef * lb + m.z_loss_coef * z if m.is_moe else 0.0)
+        spike, running = self.spikes.update(upd["grad_norm"])
+        tok_s = self.tokens_per_step / dt
+        rec: dict[str, Any] = {
+            "step": self.step, "loss": loss, "lm_loss": lm, "lb_loss": lb, "z_loss": z, "lr": upd["lr"],
+            "grad_norm": upd["grad_norm"], "grad_norm_mean": running, "grad_clipped": bool(
+                upd["clip"] is not None and upd["grad_norm"] > upd["clip"]),
+            "grad_spike": spike, "grad_spikes": self.spikes.count, "param_norm": upd["param_norm"],
+            "tokens": self.step * self.tokens_per_step, "step_time_s": dt, "tokens_per_s": tok_s,
+        }
+        if self.peak_tflops > 0:
+            rec["mfu"] = self.flops_per_token * tok_s / (self.layout.world * self.peak_tflops * 1e12)
+        if m.is_moe:
+            tpe = (parts.tokens_per_expert / m.num_layers).tolist()
+            rec["tokens_per_expert"] = tpe
+            mean = sum(tpe) / len(tpe)
+            rec["expert_load_max_over_mean"] = max(tpe) / mean if mean > 0 else 0.0
+        return rec
+
+    # ------------------------------------------------------------------------------ the run
+    def fit(self, steps: int | None = None) -> list[dict[str, Any]]:
+        """Train until step ``steps`` (default: the config's), writing metrics on rank 0."""
+        cfg, lay = self.cfg, self.layout
+        total = cfg.schedule.steps if steps is None else steps
+        if cfg.checkpoint.resume and self.step == 0:
+            self.resume()
+        if lay.is_main:
+            self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
+            self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0)
+            self._write_run_info()
+        bar = None
+        if lay.is_main and cfg.logging.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc=cfg.preset, unit="step", dynamic_ncols=True)
+        try:
+            while self.step < total:
+                fault.maybe_hang(self.step, lay.rank)
+                self.heartbeat.beat(self.step, "start")
+                rec = self.train_step()
+                self.heartbeat.beat(self.step, "done", completed=True)
+                self.history.append(rec)
+                if self.writer is not None:
+                    self.writer.write(rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    spikes=rec["grad_spikes"])
+                self.save_checkpoints()
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.writer is not None:
+                self.writer.close()
+        if lay.is_main:
+            self._write_summary()
+        return self.history
+
+    def resume(self) -> bool:
+        """Continue from the newest valid full checkpoint, if any: weights, optimizer shards and
+        steps, data position, spike history, and (same layout) RNG states. Returns whether it did."""
+        res = self.checkpoints.restore(self.model, self.optimizer)
+        if res is None:
+            return False
+        meta = res.meta
+        self.step = res.info.step
+        self.loader.load_state_dict(meta["data"])
+        self.spikes.load_state_dict(meta["spikes"])
+        if self.layout.is_main:
+            print(f"resumed from {res.info.path} at step {self.step} ({res.seconds:.2f}s"
+                  f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
+        return True
+
+    def save_checkpoints(self) -> None:
+        """The full checkpoint and/or model-only checkpoint due at this step (collective)."""
+        ck = self.checkpoints
+        if ck.due(self.step):
+            self.heartbeat.beat(self.step, "checkpoint")
+            ck.save(self.step, self.model, self.optimizer,
+                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict()})
+        if ck.model_due(self.step):
+            self.heartbeat.beat(self.step, "checkpoint")
+            ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset})
+
+    def _write_run_info(self) -> None:
+        cfg, lay = self.cfg, self.layout
+        info = {
+            "config": cfg.to_dict(),
+            "layout": {"world": lay.world, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "device": str(self.device)},
+            "data": self.manifest_path,
+            "params": {"total": self.counts.total, "active": self.counts.active, "embedding": self.counts.embedding,
+                       "expert": self.counts.expert},
+            "flops_per_token": self.flops_per_token,
+            "peak_tflops_per_device": self.peak_tflops, "peak_source": self.peak_source,
+            "optimizer_state_bytes_rank0": self.optimizer.state_bytes(),
+            "optimizer_state_bytes_formula": self.state_bytes_formula(),
+            "tensorboard": bool(self.writer and self.writer.tensorboard_enabled),
+        }
+        with open(os.path.join(self.out_dir, "run.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+
+    def _write_summary(self) -> None:
+        h = self.history
+        if not h:
+            return
+        timed = h[1:] if len(h) > 1 else h  # the first step pays one-off costs
+        summary = {
+            "steps": self.step, "loss_first": h[0]["loss"], "loss_last": h[-1]["loss"],
+            "loss_min": min(r["loss"] for r in h), "grad_spikes": self.spikes.count,
+            "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
+            "wall_s": sum(r["step_time_s"] for r in h),
+        }
+        if "mfu" in h[-1]:
+            summary["mfu_mean"] = sum(r["mfu"] for r in timed) / len(timed)
+        with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        if self.cfg.logging.plot:
+            lay = self.layout
+            title = f"{self.cfg.preset} (PP {lay.pp} x DP {lay.dp} x EP {lay.ep}, {self.device.type})"
+            plot_loss(h, os.path.join(self.out_dir, "loss.png"), title=title)
+
+    # ------------------------------------------------------------------------------ accounting
+    def local_param_counts(self) -> tuple[int, int]:
+        """(non-expert, expert) parameters this rank holds."""
+        dense = sum(p.numel() for n, p in self.model.named_parameters() if not is_expert_param(n))
+        expert = sum(p.numel() for n, p in self.model.named_parameters() if is_expert_param(n))
+        return dense, expert
+
+    def state_bytes_formula(self) -> int:
+        dense, expert = self.local_param_counts()
+        return state_bytes_formula(self.cfg.optim.name, dense, expert, self.layout.dp, self.layout.ep)
+
+    # ------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank needs to continue exactly: weights, optimizer shards, step, data
+        position, RNG states, spike history."""
+        lay = self.layout
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                               "python": random.getstate()}
+        if self.device.type in ("cuda", "xpu"):
+            rng[self.device.type] = getattr(torch, self.device.type).get_rng_state(self.device)
+        return {
+            "step": self.step,
+            "layout": {"world": lay.world, "rank": lay.rank, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep},
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": rng,
+            "spikes": self.spikes.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        lay = self.layout
+        want = {"world": lay.world, "rank": lay.rank, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep}
+        if state["layout"] != want:
+            raise ValueError(f"state was saved by layout {state['layout']}, this process is {want}")
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["data"])
+        self.step = int(state["step"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if self.device.type in rng:
+            getattr(torch, self.device.type).set_rng_state(rng[self.device.type], self.device)
+        self.spikes.load_state_dict(state["spikes"])
+
+
