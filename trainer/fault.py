@@ -43,13 +43,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+# the shared records live in a leaf module (the watchdog writes them too); re-exported here
+from .records import FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats  # noqa: F401
+from .watchdog import Watchdog
+
 EXIT_SOFT_FAILURE = 75
 EXIT_CHECKPOINT_FAILURE = 76
 HOST_ENV = "TRAINER_HOST"
 NAN_ENV = "TRAINER_INJECT_NAN"
 HANG_ENV = "TRAINER_INJECT_HANG"
-FAILURES_FILE = "failures.jsonl"
-HEARTBEAT_DIR = "heartbeat"
 
 
 def host_name() -> str:
@@ -86,18 +88,6 @@ def local_nonfinite(loss: torch.Tensor | float | None, tensors: Iterable[torch.T
     bad_loss, bad_grad = flags.tolist()
     parts = [name for name, bad in (("loss", bad_loss), ("gradients", bad_grad)) if bad]
     return " and ".join(parts) or None
-
-
-def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON line durably (one ``write`` on an O_APPEND descriptor: lines from many
-    processes do not interleave)."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_step(step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor | None], *,
@@ -153,19 +143,6 @@ def _record(out_dir: str | os.PathLike, step: int, rank: int, reason: str, loss:
         "time": time.time(), "kind": "nonfinite", "step": step, "rank": rank, "host": host_name(),
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(), "what": reason, "loss": loss_v,
     })
-
-
-def read_failures(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(out_dir) / FAILURES_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line of a process killed mid-write
-    return out
 
 
 # ============================================================================ injection hooks
@@ -264,8 +241,6 @@ class Heartbeat:
         self.rank = rank
         self.host = host_name()
         self.new_steps = 0
-        from .watchdog import Watchdog
-
         # under trainer.launch: a thread that turns a stall into an exit the node agent acts on
         self.watchdog = Watchdog.from_env(out_dir, rank, self.host)
 
@@ -281,19 +256,3 @@ class Heartbeat:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
-
-
-def read_heartbeats(out_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """``{rank: last heartbeat record, with the file's mtime as "mtime"}``."""
-    out = {}
-    d = Path(out_dir) / HEARTBEAT_DIR
-    if not d.exists():
-        return out
-    for f in d.glob("rank-*.json"):
-        try:
-            rec = json.loads(f.read_text())
-            rec["mtime"] = f.stat().st_mtime
-            out[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError):
-            continue  # being replaced right now; read again next poll
-    return out

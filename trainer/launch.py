@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, append_jsonl, check_out_dir, read_failures
+from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, check_out_dir
+from .records import append_jsonl, read_failures
 from .watchdog import (
     CHECKPOINT_TIMEOUT_ENV, EXIT_HANG, PARENT_ENV, STARTUP_TIMEOUT_ENV, TIMEOUT_ENV,
 )

@@ -1,7 +1,7 @@
 """In-worker watchdog: a rank whose step counter stops advancing dumps every Python stack and exits.
 
 The elastic agent (``trainer.launch``) only sees exits, so a hung rank must turn itself into one.
-:class:`fault.Heartbeat` feeds :meth:`Watchdog.progress` on every beat; a daemon thread checks the
+:class:`trainer.fault.Heartbeat` feeds :meth:`Watchdog.progress` on every beat; a daemon thread checks the
 time since the last *advance* against a limit that depends on the phase (``startup`` before the
 first completed step, ``checkpoint`` while a checkpoint is written, ``step`` otherwise). When it
 fires it
@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from .records import FAILURES_FILE, append_jsonl, read_failures, read_heartbeats
 
 #: Exit code of a rank stopped by its watchdog (no progress within the timeout).
 EXIT_HANG = 77
@@ -121,8 +123,6 @@ class Watchdog:
 
     def fire(self, step: int, phase: str, silent: float) -> None:
         """Dump stacks, record the culprit, exit with :data:`EXIT_HANG` (does not return)."""
-        from .fault import FAILURES_FILE, append_jsonl, read_failures, read_heartbeats
-
         head = (f"[watchdog] rank {self.rank} on {self.host}: no progress for {silent:.1f}s "
                 f"(limit {self.limit():.0f}s) at step {step} ({phase}); stacks of every thread follow")
         print(head, file=sys.stderr, flush=True)
