@@ -28,7 +28,7 @@ from .dist.env import check_group_device
 from .dist.sharding import EXPERT_IDS_NAME, expert_range
 from .integrations.v4_keys import merge_v4_expert_keys
 from .kernels import get_ops
-from .kernels.engines import check_choice, choose_engine, stage4_timer, with_engine
+from .kernels.engines import check_choice, choose_engine, lazy_timer, with_engine
 from .routing import TopKRouter, forced_uniform_routing
 
 #: Token dispatch modes under expert parallelism.
@@ -166,7 +166,7 @@ def moe_experts_forward(
         engine = choose_engine(
             gemm_engine, backend=backend, device=x_TH.device, dtype=x_TH.dtype,
             shape=(w_gate_up_N2IH.shape[2], w_down_NHI.shape[2], num_local, topk_idx_TK.numel()),
-            measure=_lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gate_up_N2IH, w_down_NHI),
+            measure=lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gate_up_N2IH, w_down_NHI),
             group=ep_group,
         )
         ops = with_engine(ops, engine)
@@ -177,17 +177,6 @@ def moe_experts_forward(
     return CombineFunction.apply(
         y_RH, weights_TK, rows.output_indices, rows.selected_expert_indices, counts.cum_expert_counts, ops
     )
-
-
-def _lazy_timer(ops, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, w_down_NHI):
-    """The chooser's measure on these tensors, built only if it is called (a cache hit never is)."""
-
-    def measure(engine: str) -> float:
-        return stage4_timer(
-            ops, x_TH.detach(), input_indices, cum_token_counts, w_gate_up_N2IH.detach(), w_down_NHI.detach()
-        )(engine)
-
-    return measure
 
 
 class FastSparseMoeBlock(nn.Module):

@@ -318,6 +318,23 @@ def stage4_timer(
     return measure
 
 
+def lazy_timer(
+    ops: KernelBackend,
+    x_TH: torch.Tensor,
+    input_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_gate_up_N2IH: torch.Tensor,
+    w_down_NHI: torch.Tensor,
+) -> Callable[[str], float]:
+    """:func:`stage4_timer` on these tensors, built only if called (a remembered choice never is)."""
+
+    def measure(engine: str) -> float:
+        return stage4_timer(ops, x_TH.detach(), input_indices, cum_token_counts, w_gate_up_N2IH.detach(),
+                            w_down_NHI.detach())(engine)
+
+    return measure
+
+
 def describe(choices: Mapping[tuple[str, ShapeKey], str] | None = None) -> list[str]:
     """One line per in-process choice (for logs and the benchmark's notes)."""
     items = (choices if choices is not None else _CHOSEN).items()
