@@ -20,14 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .autograd import CombineFunction, ExpertMLPFunction
+from . import ops as moe_ops
 from .device import resolve_backend
 from .dist.collectives import agree_on_inputs
 from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
 from .dist.env import check_group_device
 from .dist.sharding import EXPERT_IDS_NAME, expert_range
 from .integrations.v4_keys import merge_v4_expert_keys
-from .kernels import get_ops
 from .routing import TopKRouter, forced_uniform_routing
 
 #: Token dispatch modes under expert parallelism.
@@ -126,21 +125,29 @@ def moe_experts_forward(
     block_size: int = TOKEN_BLOCK_SIZE,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
-    (partial sums when other ranks hold other experts)."""
-    ops = get_ops(backend)
-    num_local = w_gate_up_N2IH.shape[0]
-    with torch.no_grad():
-        counts = ops.count_tokens(topk_idx_TK, expert_start, num_local, block_size)
-        rows = ops.build_indices(
-            topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts, expert_start, num_local, block_size
-        )
-    y_RH = ExpertMLPFunction.apply(
-        x_TH, w_gate_up_N2IH, w_down_NHI, rows.input_indices, rows.output_indices, counts.cum_token_counts,
-        counts.cum_expert_counts, ops,
+    (partial sums when other ranks hold other experts).
+
+    Runs through the ``fastmoe`` custom ops (:mod:`fastmoe_xpu.ops`), eager and compiled alike, so
+    ``torch.compile`` and ``torch.export`` see no host read and no data-dependent shape."""
+    return moe_ops.moe_experts(
+        x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI,
+        backend=backend, expert_start=expert_start, block_size=block_size,
     )
-    return CombineFunction.apply(
-        y_RH, weights_TK, rows.output_indices, rows.selected_expert_indices, counts.cum_expert_counts, ops
-    )
+
+
+@torch.compiler.assume_constant_result
+def _kernel_backend(backend: str, device_type: str, device_index: int) -> str:
+    """:func:`resolve_backend` run outside any traced graph: the compiler calls it once while
+    tracing and keeps its answer as a constant (it reads the settings and looks for triton, which
+    tracing cannot do). A compiled graph therefore keeps the backend it was traced with; a change of
+    ``FASTMOE_BACKEND`` after compiling needs a fresh ``torch.compile``."""
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    return resolve_backend(backend, device)
+
+
+def kernel_backend(backend: str, device: torch.device) -> str:
+    """``"torch"`` or ``"triton"``: the kernels stages 2-5 run on ``device`` for a block's ``backend``."""
+    return _kernel_backend(backend, device.type, -1 if device.index is None else device.index)
 
 
 class FastSparseMoeBlock(nn.Module):
@@ -319,7 +326,7 @@ class FastSparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size)
         _, weights_TK, idx_TK = self.route(x_TH)
-        backend = resolve_backend(self.backend, x_TH.device)
+        backend = kernel_backend(self.backend, x_TH.device)
         out_TH = moe_experts_forward(
             x_TH.contiguous(), weights_TK, idx_TK, self.experts.gate_up_proj, self.experts.down_proj,
             backend=backend, expert_start=self.expert_start,
@@ -332,7 +339,7 @@ class FastSparseMoeBlock(nn.Module):
         # Checks that come out the same on every rank raise at once; a check that may fail on one
         # rank only is shared through agree_on_inputs, so no rank is left waiting in a collective.
         check_group_device(group, device)
-        backend = resolve_backend(self.backend, device)
+        backend = kernel_backend(self.backend, device)
         local_error: Exception | None = None
         try:
             self._check_input(hidden_states)
