@@ -22,6 +22,7 @@ from .presets import PRESETS, get_preset
 ALIASES: dict[str, str] = {
     "steps": "schedule.steps",
     "compile": "model.compile",
+    "allow-fresh-start": "checkpoint.allow_fresh_start",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",
     "warmup": "schedule.warmup_steps",
@@ -45,6 +46,7 @@ ALIASES: dict[str, str] = {
     "param-dtype": "model.param_dtype",
     "peak-tflops": "logging.peak_tflops",
     "seed": "seed",
+    "export-hf": "eval.export_hf",
 }
 
 EXIT_CONFIG_ERROR = 2
