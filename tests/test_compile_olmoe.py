@@ -89,3 +89,31 @@ def test_generate_with_compiled_forward_matches_eager_tokens():
     assert any("fastmoe.expert_mlp" in t for t in ops_in_graphs)
     assert torch.equal(compiled, eager)
     assert compiled.shape[1] == ids.shape[1] + kw["max_new_tokens"]
+
+
+def test_compiled_model_with_fastmoe_experts_implementation_equals_eager():
+    """transformers' own OLMoE with experts_implementation="fastmoe" (no patching): fullgraph, with gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    model = OlmoeForCausalLM(OlmoeConfig(**TINY)).train()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.set_experts_implementation("fastmoe")
+    ids = torch.randint(1, 97, (2, 9))
+    logits, loss, grads = loss_and_grads(model, ids)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    c_logits, c_loss, c_grads = loss_and_grads(compiled, ids)
+    assert len(graphs) == 1
+    assert any("fastmoe.expert_mlp" in str(n.target) for n in graphs[0].graph.nodes)
+    assert_close(c_logits, logits, msg="logits")
+    assert_close(c_loss, loss, msg="loss")
+    assert set(c_grads) == set(grads) and any("experts.gate_up_proj" in n for n in grads)
+    for name, g in grads.items():
+        assert_close(c_grads[name], g, msg=f"gradient of {name}")
