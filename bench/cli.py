@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
+    cg.add_argument("--compile", action="store_true",
+                    help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
+    cg.add_argument("--compile-models", nargs="+", metavar="NAME", default=None,
+                    help="with --compile: tiny-moe and/or olmoe-mid (default both)")
     t3 = ap.add_argument_group("Table 3", "the published speedup table, layer to training step (bench/table3.py)")
     t3.add_argument("--table3", action="store_true",
                     help="measure the five Table-3 columns for the four Mula models, the published rows beside")
@@ -91,6 +96,10 @@ def _check_device(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_device(args.device)
+    if args.compile:
+        from .compiled import main_compile
+
+        return main_compile(args)
     if args.table3 or args.demo:
         from .table3 import main_table3, run_demo
 

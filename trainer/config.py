@@ -73,6 +73,10 @@ class ModelConfig:
     trainer.export``'s output), read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
+    compile: bool = False
+    """``torch.compile`` the decoder stack (fullgraph; the MoE blocks run as ``fastmoe`` custom ops); the step records report compile time apart from step time."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend of ``--compile`` (``"inductor"``; ``"aot_eager"`` traces the same graphs without generating code, for checks)."""
 
     @property
     def is_moe(self) -> bool:
