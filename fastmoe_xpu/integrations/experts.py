@@ -36,6 +36,7 @@ from ..autograd import CombineFunction, ExpertMLPFunction
 from ..device import resolve_backend
 from ..kernels import get_ops
 from ..kernels.contract import KernelBackend
+from ..kernels.engines import choose_engine, lazy_timer, with_engine
 
 #: The name under which the implementation is registered.
 NAME = "fastmoe"
@@ -206,9 +207,20 @@ def fastmoe_experts_forward(
             top_k_index, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E, TOKEN_BLOCK_SIZE
         )
     if flags["fused"]:
+        w_gu, w_d = _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False)
+        # Stage 4's grouped-GEMM engine (kernels/engines.py): the module's ``fastmoe_gemm_engine`` or
+        # auto. transformers' expert parallelism gives no group to agree on a timed choice, so its
+        # shards keep the backend's own engine: ranks must not round differently.
+        wanted = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
+        with torch.no_grad():
+            engine = choose_engine(
+                wanted, backend=ops.NAME, device=x_TH.device, dtype=x_TH.dtype,
+                shape=(w_gu.shape[2], w_d.shape[2], E, top_k_index.numel()),
+                measure=lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gu, w_d),
+            )
         y_RH = ExpertMLPFunction.apply(
-            x_TH, _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False), rows.input_indices,
-            rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts, ops,
+            x_TH, w_gu, w_d, rows.input_indices,
+            rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts, with_engine(ops, engine),
         )
     else:
         y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops)

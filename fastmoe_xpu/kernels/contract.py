@@ -119,6 +119,8 @@ LAUNCHERS = (
     "count_tokens", "build_indices", "gate_up_fwd", "down_fwd", "down_bwd", "silu_mul_bwd", "gate_up_bwd",
     "combine_fwd", "combine_bwd",
 )
+#: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/engines.py``).
+STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "silu_mul_bwd", "gate_up_bwd")
 
 
 # ---------------------------------------------------------------- shared input checks

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..configs import backend_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index
+from . import autotune
 from . import launch as _launch
 
 
@@ -361,13 +362,16 @@ def gate_up_fwd(
     if R == 0 or T == 0:
         return gate_up, h
     backend = backend_for(dev)
-    cfg = get_config(backend, "gate_up_fwd")
-    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
-    _launch.launch(
-        _gate_up_fwd_kernel, grid,
-        (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
-        cfg, dev, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, x_TH.dtype),
-    )
+
+    def go(cfg):
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(
+            _gate_up_fwd_kernel, grid,
+            (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
+            cfg, dev, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, x_TH.dtype),
+        )
+
+    go(autotune.choose("gate_up_fwd", backend, I, H, R, NR, dev, go))
     return gate_up, h
 
 
@@ -380,12 +384,15 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
         return out
     dev = a_RK.device
     backend = backend_for(dev)
-    cfg = get_config(backend, "grouped_mm_fwd")
-    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-    _launch.launch(
-        _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
-        TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
-    )
+
+    def go(cfg):
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(
+            _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
+            TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
+        )
+
+    go(autotune.choose("grouped_mm_fwd", backend, N, K, R, NR, dev, go))
     return out
 
 
@@ -395,13 +402,18 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     dw = torch.empty_like(w_like)
     dev = a_RM.device
     backend = backend_for(dev)
-    cfg = get_config(backend, "grouped_mm_bwd")
-    grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-    _launch.launch(
-        _grouped_mm_bwd_kernel, grid,
-        (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), cfg, dev,
-        GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RM.dtype),
-    )
+
+    def go(cfg):
+        grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(
+            _grouped_mm_bwd_kernel, grid,
+            (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), cfg, dev,
+            GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend),
+            DOT_PRECISION=dot_precision(backend, a_RM.dtype),
+        )
+
+    # Keyed on the weight's (M, N) and the rows reduced over per expert.
+    go(autotune.choose("grouped_mm_bwd", backend, N, M, a_RM.shape[0], NR, dev, go))
     return dw
 
 
