@@ -147,6 +147,9 @@ def check_hf(cfg: TrainConfig) -> None:
     if p.ac:
         raise ConfigError(f"--parallel.ac {p.ac!r}: activation checkpointing targets the OLMoE block; "
                           "not supported with --model.arch hf")
+    if cfg.eval.export_hf:
+        raise ConfigError("--eval.export_hf: the transformers export covers OLMoE and OLMo runs; export of "
+                          "--model.arch hf runs is not implemented (refused before training rather than after it)")
     if m.forced_uniform_routing:
         raise ConfigError("--model.forced_uniform_routing needs the OLMoE block (--model.arch olmoe)")
     if m.router_bias_update_rate < 0:

@@ -167,6 +167,7 @@ def test_bad_hf_config(tmp_path, case, match) -> None:
     (["--model.router_bias_update_rate", "-1"], "router_bias_update_rate"),
     (["--model.hf_config", "x.json"], "exactly one of"),
     (["--model.hf_family", ""], "exactly one of"),
+    (["--eval.export_hf", "x"], "export of --model.arch hf runs is not implemented"),
 ])
 def test_bad_hf_inputs(flags, match) -> None:
     cfg, _ = config_from_args(["--preset", "tiny-deepseek-v3", *flags])
