@@ -153,6 +153,30 @@ def _weight(module: nn.Module, name: str, transposed: bool) -> torch.Tensor:
     return w.contiguous()
 
 
+def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
+    """Without expert parallelism an id outside ``[0, num_experts)`` is a routing bug (eager would
+    index out of range). On the CPU: ValueError at once (reading a host tensor costs no sync). On an
+    accelerator: ``torch._assert_async``, a device-side check that never waits for the device (a
+    host read here would be a sync per layer); a bad id then fails at the next synchronisation."""
+    bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
+    if top_k_index.device.type == "cpu":
+        if bool(bad):
+            raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
+        return
+    torch._assert_async(~bad, f"fastmoe experts: top_k_index holds ids outside [0, {num_experts}) and "
+                              "_is_expert_parallel is False")
+
+
+def routed_rows(cum_token_counts: torch.Tensor, tokens: int, top_k: int, expert_parallel: bool) -> int:
+    """Routed rows on this rank. Without expert parallelism every slot of the ``T`` tokens is routed
+    (ids were checked to be in range), so it is ``T * K`` with no device read; with EP sentinels it is
+    read back (one host read: the Triton backend sizes row buffers for the worst case, rows past RT
+    hold garbage indices, and the elementwise parts must see only real rows)."""
+    if not expert_parallel:
+        return tokens * top_k
+    return int(cum_token_counts[-1])
+
+
 def fastmoe_experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -176,10 +200,7 @@ def fastmoe_experts_forward(
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     if not flags["expert_parallel"]:
-        # Without expert parallelism an id >= num_experts is a routing bug; eager would index out of range.
-        bad = (top_k_index < 0) | (top_k_index >= self.num_experts)
-        if bool(bad.any()):
-            raise ValueError(f"top_k_index holds ids outside [0, {self.num_experts}) and _is_expert_parallel is False")
+        check_ids(top_k_index, self.num_experts)
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
     x_TH = hidden_states.to(w_up.dtype).contiguous()
     ops = get_ops(_backend_for(self, x_TH.device))
@@ -195,7 +216,7 @@ def fastmoe_experts_forward(
             rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts, ops,
         )
     else:
-        y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops)
+        y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops, top_k_index.shape[1])
     out_TH = CombineFunction.apply(
         y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
         counts.cum_expert_counts, ops,
@@ -205,12 +226,10 @@ def fastmoe_experts_forward(
 
 def _plain_stage4(
     module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor, ops: KernelBackend,
+    cum_token_counts: torch.Tensor, ops: KernelBackend, top_k: int,
 ) -> torch.Tensor:
     """Stage 4 for every layout the fused kernels do not cover: our grouped GEMMs, the family's gate."""
-    # One host read: the Triton backend sizes row buffers for the worst case (rows past RT hold
-    # garbage indices), and the elementwise parts below must see only real rows.
-    rt = int(cum_token_counts[-1])
+    rt = routed_rows(cum_token_counts, x_TH.shape[0], top_k, flags["expert_parallel"])
     idx = input_indices[:rt].long()
     x_RH = x_TH.index_select(0, idx)
     row_expert = None
