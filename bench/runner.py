@@ -51,14 +51,18 @@ def run_case(
     ceiling_n: int = 4096,
     progress: bool = True,
     log: Callable[[str], None] = lambda s: None,
+    build: Callable[[str, Case], Provider] = build_provider,
+    reference: str = REFERENCE,
 ) -> dict:
-    """Measure one case; returns a JSON-ready dict (times in seconds)."""
+    """Measure one case; returns a JSON-ready dict (times in seconds). ``build`` makes a provider
+    from its name (``bench --family`` passes its own), ``reference`` names the one the others are
+    checked against."""
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
                     "budget_s": budget_s}
     providers: dict[str, Provider] = {}
     for name in provider_names:
         try:
-            providers[name] = build_provider(name, case)
+            providers[name] = build(name, case)
         except ProviderSkipped as exc:
             result["providers"][name] = {"status": "skipped", "reason": str(exc)}
             log(f"  {name}: skipped: {exc}")
@@ -86,13 +90,13 @@ def run_case(
 
     # Cold calls; the reference first so that each other provider is checked and its tensors freed.
     ref_out = None
-    order = [CEILING, BOUND] + sorted(providers, key=lambda n: n != REFERENCE)
+    order = [CEILING, BOUND] + sorted(providers, key=lambda n: n != reference)
     for name in order:
         if name in providers:
             prov = providers[name]
             f, b, got = timed_call(prov, case, backward=backward, capture=True)
             entry = result["providers"][name] = {"status": "ok", "note": prov.note, "cold_s": f + b}
-            if name == REFERENCE:
+            if name == reference:
                 ref_out = got
             if ref_out is not None:
                 entry["correct"] = compare(got, ref_out, case.dtype)
