@@ -191,6 +191,8 @@ class CheckpointConfig:
     """Dtype of model-only checkpoints: ``"bf16"`` or ``"fp32"``."""
     init_from: str | None = None
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
+    allow_fresh_start: bool = False
+    """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
 
 
 @dataclass

@@ -64,6 +64,8 @@ class Trainer:
     CLI's), else a validated copy is."""
 
     def __init__(self, cfg: TrainConfig, layout: Layout | None = None) -> None:
+        # a bad --out fails here, in one line, before any process group or model exists
+        fault.check_out_dir(cfg.logging.out)
         world = layout.world if layout is not None else env_world_size()
         if not validated_for(cfg, world):
             # a config built in code rather than by the CLI: check a copy, the caller's stays as it was
@@ -105,7 +107,8 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(
             ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
-            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param)
+            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param,
+            allow_fresh_start=ck.allow_fresh_start, failures_dir=self.out_dir)
         if ck.init_from:
             load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_param)
             sync_master_from_model(self.optimizer)
