@@ -271,3 +271,111 @@ def register(interface: Any = None) -> bool:
             ) from err
     interface.register(NAME, fastmoe_experts_forward)
     return True
+
+
+#: The module that defines transformers' experts interface; every use of an experts implementation
+#: name (``from_pretrained``/``from_config``/``set_experts_implementation``) imports it first.
+INTERFACE_MODULE = "transformers.integrations.moe"
+
+
+class _RegisterAfterExec:
+    """The interface module's own loader, with :func:`register` run right after the module body."""
+
+    def __init__(self, inner: Any, finder: "_RegisterOnImport") -> None:
+        self._inner, self._finder = inner, finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        self._finder.remove()
+        _run_callbacks(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, resources, ...
+        return getattr(self._inner, name)
+
+
+class _RegisterOnImport:
+    """A ``sys.meta_path`` finder that registers :data:`NAME` right after :data:`INTERFACE_MODULE`
+    executes, then removes itself. The experts interface is filled in that module's body, and
+    transformers checks ``experts_implementation`` against it, so every path to a model that asks for
+    the name imports it first: registration is in place before any use, while ``import fastmoe_xpu``
+    no longer pays for importing transformers' MoE module."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        import sys
+
+        if fullname != INTERFACE_MODULE:
+            return None
+        for finder in list(sys.meta_path):  # whichever finder would have found it
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            # cannot run after the body: register the moment this finder is asked, from the real
+            # module imported by the normal machinery (this finder stepping aside first)
+            self.remove()
+            import importlib
+
+            _run_callbacks(importlib.import_module(fullname))
+            return None
+        spec.loader = _RegisterAfterExec(spec.loader, self)
+        return spec
+
+    def remove(self) -> None:
+        import sys
+
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+_CALLBACKS: list[Any] = []
+
+
+def _run_callbacks(module: Any) -> None:
+    while _CALLBACKS:
+        _CALLBACKS.pop(0)(module)
+
+
+def when_interface_imported(fn: Any) -> None:
+    """Call ``fn(transformers.integrations.moe)`` now if that module is imported, else right after it is."""
+    import sys
+
+    mod = sys.modules.get(INTERFACE_MODULE)
+    if mod is not None:
+        fn(mod)
+        return
+    _CALLBACKS.append(fn)
+    if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+def register_lazily() -> str:
+    """Register :data:`NAME` now when transformers' experts interface is already imported (or when
+    transformers is too old to have one: :func:`register` then raises its ImportError), else as soon as
+    it is imported. Returns ``"now"``, ``"on import"`` or ``"absent"`` (no transformers installed)."""
+    import importlib.util
+    import sys
+
+    if INTERFACE_MODULE in sys.modules:
+        register()
+        return "now"
+    try:
+        from importlib.metadata import version
+
+        major = int(version("transformers").split(".")[0])
+    except Exception:  # not installed (or no metadata): decide by importing, as before
+        return "absent" if importlib.util.find_spec("transformers") is None else _eager()
+    if major < 5:
+        return _eager()  # raises the ImportError naming the version
+    when_interface_imported(lambda mod: register(mod.ALL_EXPERTS_FUNCTIONS))
+    return "on import"
+
+
+def _eager() -> str:
+    return "now" if register() else "absent"
