@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     fam.add_argument("--family-scale", type=int, default=1,
                      help="with --family: divide H and I by this (a layer too large or slow here; printed)")
     fam.add_argument("--tokens", type=int, default=None, help="with --family: tokens of the layer call (default 2048)")
+    cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
+    cg.add_argument("--compile", action="store_true",
+                    help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
+    cg.add_argument("--compile-models", nargs="+", metavar="NAME", default=None,
+                    help="with --compile: tiny-moe and/or olmoe-mid (default both)")
     t3 = ap.add_argument_group("Table 3", "the published speedup table, layer to training step (bench/table3.py)")
     t3.add_argument("--table3", action="store_true",
                     help="measure the five Table-3 columns for the four Mula models, the published rows beside")
@@ -95,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from .families import run_family
 
         return run_family(args)
+    if args.compile:
+        from .compiled import main_compile
+
+        return main_compile(args)
     if args.table3 or args.demo:
         from .table3 import main_table3, run_demo
 

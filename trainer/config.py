@@ -80,6 +80,10 @@ class ModelConfig:
     router_bias_update_rate: float = 0.001
     """``arch="hf"`` routers with a score-correction bias (DeepSeek-V3): ``bias += rate * sign(mean_load - load)``
     after every step (aux-loss-free balancing); 0 turns it off; ignored by families without such a bias."""
+    compile: bool = False
+    """``torch.compile`` the decoder stack (fullgraph; the MoE blocks run as ``fastmoe`` custom ops); the step records report compile time apart from step time."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend of ``--compile`` (``"inductor"``; ``"aot_eager"`` traces the same graphs without generating code, for checks)."""
 
     @property
     def is_moe(self) -> bool:

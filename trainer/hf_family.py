@@ -147,6 +147,8 @@ def check_hf(cfg: TrainConfig) -> None:
     if p.ac:
         raise ConfigError(f"--parallel.ac {p.ac!r}: activation checkpointing targets the OLMoE block; "
                           "not supported with --model.arch hf")
+    if getattr(m, "compile", False):
+        raise ConfigError("--model.compile compiles the OLMoE decoder stack; not supported with --model.arch hf")
     if cfg.eval.export_hf:
         raise ConfigError("--eval.export_hf: the transformers export covers OLMoE and OLMo runs; export of "
                           "--model.arch hf runs is not implemented (refused before training rather than after it)")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import ops as moe_ops
 from ..autograd import CombineFunction, ExpertMLPFunction
 from ..device import resolve_backend
 from ..kernels import get_ops
@@ -145,6 +146,12 @@ def _backend_for(module: nn.Module, device: torch.device) -> str:
     return resolve_backend(getattr(module, "fastmoe_backend", "auto"), device)
 
 
+@torch.compiler.assume_constant_result
+def _traced_backend(backend: str, device_type: str) -> str:
+    """:func:`resolve_backend` outside the traced graph (the compiler keeps its answer)."""
+    return resolve_backend(backend, torch.device(device_type))
+
+
 def _weight(module: nn.Module, name: str, transposed: bool) -> torch.Tensor:
     """``[E, out, in]`` contiguous; a transposed ``[E, in, out]`` weight is copied (differentiably)."""
     w = getattr(module, name)
@@ -199,12 +206,21 @@ def fastmoe_experts_forward(
     w_up = getattr(self, up_name)
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
-    if not flags["expert_parallel"]:
+    compiling = torch.compiler.is_compiling()
+    if not flags["expert_parallel"] and not compiling:  # traced: the custom ops below never read the ids back
         check_ids(top_k_index, self.num_experts)
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
     x_TH = hidden_states.to(w_up.dtype).contiguous()
-    ops = get_ops(_backend_for(self, x_TH.device))
     E = self.num_experts
+    if compiling and flags["fused"]:
+        # Traced: the fastmoe custom ops (no host read, worst-case shapes), backend fixed at trace time.
+        out_TH = moe_ops.moe_experts(
+            x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False),
+            backend=_traced_backend(getattr(self, "fastmoe_backend", "auto"), x_TH.device.type),
+            expert_start=0, block_size=TOKEN_BLOCK_SIZE,
+        )
+        return out_TH.to(hidden_states.dtype)
+    ops = get_ops(_backend_for(self, x_TH.device))
     with torch.no_grad():
         counts = ops.count_tokens(top_k_index, 0, E, TOKEN_BLOCK_SIZE)
         rows = ops.build_indices(

@@ -168,6 +168,7 @@ def test_bad_hf_config(tmp_path, case, match) -> None:
     (["--model.hf_config", "x.json"], "exactly one of"),
     (["--model.hf_family", ""], "exactly one of"),
     (["--eval.export_hf", "x"], "export of --model.arch hf runs is not implemented"),
+    (["--model.compile"], "compile"),
 ])
 def test_bad_hf_inputs(flags, match) -> None:
     cfg, _ = config_from_args(["--preset", "tiny-deepseek-v3", *flags])

@@ -107,6 +107,8 @@ def combine_bwd(
     n_slots = int(cum_expert_counts[-1]) if T else 0
     dy_RH = cached_empty((y_RH.shape[0], H), dout_TH)
     dweights_TK = torch.zeros(T, K, dtype=weights_TK.dtype, device=weights_TK.device)
+    if y_RH.shape[0] > n_slots:  # worst-case row buffers (the custom ops): rows past RT get zero
+        dy_RH[n_slots:].zero_()
     if n_slots == 0:
         return dy_RH, dweights_TK
     out_idx = output_indices[:n_slots].to(torch.int64)
