@@ -54,7 +54,12 @@ def hf_config(m: ModelConfig, context: int) -> Any:
 def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device | str = "cpu",
                 ep_group: Any = None, ep_size: int = 1) -> nn.Module:
     """Build the model with weights drawn from ``seed`` (identical on every rank), patched with
-    FastSparseMoeBlock when ``m.moe_impl == "fastmoe"``; with EP, each rank keeps its own experts."""
+    FastSparseMoeBlock when ``m.moe_impl == "fastmoe"``; with EP, each rank keeps its own experts.
+    ``arch="hf"``: any transformers MoE family (:func:`trainer.hf_family.build_hf_model`)."""
+    if m.is_hf:
+        from .hf_family import build_hf_model
+
+        return build_hf_model(m, context, seed=seed, device=device)
     cfg = hf_config(m, context)
     torch.manual_seed(seed)
     if m.arch == "olmoe":
@@ -107,7 +112,11 @@ class ParamCounts:
 
 def param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
     """Count parameters from the config alone, as the transformers classes lay them out
-    (no model is built, so this works for the 220B preset)."""
+    (no model is built, so this works for the 220B preset); ``arch="hf"`` counts a meta-device build."""
+    if m.is_hf:
+        from .hf_family import hf_param_counts
+
+        return hf_param_counts(m, vocab_size)
     V = vocab_size or m.vocab_size
     H, L, I = m.hidden_size, m.num_layers, m.intermediate_size
     attn = 4 * H * m.num_heads * m.head_dim
