@@ -13,11 +13,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 from .parallelism.ac_spec import parse_ac
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the CLI prints its message as one line and exits non-zero."""
 
 
 @dataclass
@@ -370,7 +368,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     if o.lr < 0 or s.min_lr < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError("--optim.lr, --schedule.min_lr, --optim.grad_clip and --optim.weight_decay must be >= 0")
     if m.is_hf:
-        from .hf_family import check_hf
+        from .hf_config import check_hf
 
         check_hf(cfg)  # fills the size fields from the transformers config
     elif m.hf_config or m.hf_family:

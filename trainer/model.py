@@ -114,9 +114,7 @@ def param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
     """Count parameters from the config alone, as the transformers classes lay them out
     (no model is built, so this works for the 220B preset); ``arch="hf"`` counts a meta-device build."""
     if m.is_hf:
-        from .hf_family import hf_param_counts
-
-        return hf_param_counts(m, vocab_size)
+        return _hf_param_counts(m, vocab_size)
     V = vocab_size or m.vocab_size
     H, L, I = m.hidden_size, m.num_layers, m.intermediate_size
     attn = 4 * H * m.num_heads * m.head_dim
@@ -145,3 +143,23 @@ def flops_per_token(m: ModelConfig, context: int, vocab_size: int | None = None)
     N_active excludes the input embedding lookup."""
     n = param_counts(m, vocab_size).active_matmul
     return 6 * n + 12 * m.num_layers * m.num_heads * m.head_dim * context
+
+def _hf_param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
+    """:class:`ParamCounts` of ``arch="hf"``, counted on a meta-device build."""
+    from transformers import AutoModelForCausalLM
+
+    from .hf_config import hf_model_config
+
+    cfg = hf_model_config(m, 1)
+    if vocab_size or m.vocab_size:
+        cfg.vocab_size = vocab_size or m.vocab_size
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = expert = 0
+    for n, p in model.named_parameters():
+        total += p.numel()
+        if is_expert_param(n):
+            expert += p.numel()
+    embed = model.get_input_embeddings().weight.numel()
+    active = total - expert + (expert * m.top_k) // max(m.num_experts, 1)
+    return ParamCounts(total=total, active=active, embedding=embed, expert=expert)
