@@ -209,7 +209,7 @@ class LoggingConfig:
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
     tensorboard: bool = True
-    """Write TensorBoard events when the tensorboard package is installed."""
+    """Write TensorBoard scalars to ``OUT/tensorboard`` (tensorboardX, or the tensorboard package)."""
     plot: bool = True
     """Write ``OUT/loss.png`` at the end."""
     peak_tflops: float = 0.0

@@ -1,4 +1,4 @@
-"""Metrics: JSON lines, optional TensorBoard, gradient-spike detection, device peak FLOP/s, loss plot."""
+"""Metrics: JSON lines, TensorBoard scalars, gradient-spike detection, device peak FLOP/s, loss plot."""
 from __future__ import annotations
 
 import json
@@ -81,20 +81,20 @@ class SpikeDetector:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``OUT/metrics.jsonl`` (and TensorBoard scalars)."""
+    """Appends one JSON object per step to ``OUT/metrics.jsonl`` and its scalars to TensorBoard
+    event files under ``OUT/tensorboard`` (see :mod:`trainer.tb_writer`)."""
 
-    def __init__(self, out_dir: str, *, tensorboard: bool = True, append: bool = False) -> None:
+    def __init__(self, out_dir: str, *, tensorboard: bool = True, append: bool = False,
+                 start_step: int = 0) -> None:
+        from .tb_writer import TensorBoardScalars
+
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._f = open(self.path, "a" if append else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception:  # tensorboard is optional
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+            tb = TensorBoardScalars(os.path.join(out_dir, "tensorboard"), start_step=start_step)
+            self._tb = tb if tb.enabled else None
 
     @property
     def tensorboard_enabled(self) -> bool:
@@ -104,10 +104,7 @@ class MetricsWriter:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         if self._tb is not None:
-            step = int(record.get("step", 0))
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                    self._tb.add_scalar(k, v, step)
+            self._tb.write(record)
 
     def close(self) -> None:
         self._f.close()

@@ -25,6 +25,9 @@ def finish_run(trainer: Any) -> dict[str, Any]:
             heat, imb = os.path.join(out, "moe_load.png"), os.path.join(out, "moe_imbalance.png")
             plot_moe(hist, heat, imb, title=title)
             art["moe_load_heatmap"], art["moe_imbalance_chart"] = heat, imb
+        writer = getattr(trainer, "writer", None)
+        if writer is not None and writer.tensorboard_enabled:
+            art["tensorboard"] = os.path.join(out, "tensorboard")
     if trainer.eval_history:
         art["val_loss"] = trainer.eval_history[-1]["val_loss"]
         art["val_ppl"] = trainer.eval_history[-1]["val_ppl"]
@@ -74,7 +77,7 @@ def _print(art: dict[str, Any]) -> None:
                      f"{art['val_tokens']} tokens)")
     if "sample" in art:
         lines.append(f"sample: {art['sample']!r}")
-    for key in ("export", "loss_chart", "moe_load_heatmap", "moe_imbalance_chart", "samples"):
+    for key in ("export", "loss_chart", "moe_load_heatmap", "moe_imbalance_chart", "tensorboard", "samples"):
         if art.get(key):
             lines.append(f"{key.replace('_', ' ')}: {art[key]}")
     if lines:

@@ -335,7 +335,8 @@ class Trainer:
             self.resume()
         if lay.is_main:
             self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
-            self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0)
+            self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
+                                        start_step=self.step)
             self._write_run_info()
         bar = None
         if lay.is_main and cfg.logging.progress:
