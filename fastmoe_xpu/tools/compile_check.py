@@ -34,7 +34,11 @@ from typing import Any
 # The specs must hold compiled-mode kernels: drop the interpreter switch before the kernel modules
 # are imported by this process (``python -m``); imported as a library, kernels are re-wrapped below.
 if __name__ == "__main__":
-    os.environ.pop("TRITON_INTERPRET", None)
+    if os.environ.pop("TRITON_INTERPRET", "0") not in ("", "0") and "triton" in sys.modules:
+        # Too late for this process: importing the package (torch.compiler's decorators import
+        # torch._dynamo, which imports triton) already fixed triton's library functions in interpreter
+        # mode, and tl.dot kernels would not compile. Start again without the switch.
+        os.execv(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]])
 
 from .kernel_specs import KernelSpec, kernel_specs  # noqa: E402
 
