@@ -134,12 +134,15 @@ def moe_experts_forward(
         rows = ops.build_indices(
             topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts, expert_start, num_local, block_size
         )
-    y_RH = ExpertMLPFunction.apply(
-        x_TH, w_gate_up_N2IH, w_down_NHI, rows.input_indices, rows.output_indices, counts.cum_token_counts,
+    # h leaves ExpertMLPFunction as a non-differentiable output: CombineFunction's backward
+    # recomputes it from gate_up, so neither h nor the expert outputs are kept for backward.
+    gate_up_R2I, h_RI = ExpertMLPFunction.apply(
+        x_TH, w_gate_up_N2IH, rows.input_indices, rows.output_indices, counts.cum_token_counts,
         counts.cum_expert_counts, ops,
     )
     return CombineFunction.apply(
-        y_RH, weights_TK, rows.output_indices, rows.selected_expert_indices, counts.cum_expert_counts, ops
+        gate_up_R2I, h_RI, w_down_NHI, weights_TK, rows.output_indices, rows.selected_expert_indices,
+        counts.cum_token_counts, counts.cum_expert_counts, ops,
     )
 
 
