@@ -36,6 +36,7 @@ KERNELS = (
     "silu_mul_bwd",
     "combine_fwd",
     "combine_bwd",
+    "router_weights_bwd",
 )
 
 
@@ -77,6 +78,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
+        "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
     },
     "hip": {
         # 8 warps: with 4, the all-pairs block reductions run out of scalar registers on gfx942.
@@ -98,6 +100,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
+        "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
     },
     "xpu": {
         "count_tokens": [_c("e64", 4, 1, _XPU, BLOCK_E=64)],
@@ -120,6 +123,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "silu_mul_bwd": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
+        "router_weights_bwd": [_c("t64", 4, 1, _XPU, BLOCK_T=64)],
     },
     "interpreter": {
         "count_tokens": [_c("e4", 1, 1, BLOCK_E=4)],
@@ -131,6 +135,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "combine_bwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
+        "router_weights_bwd": [_c("t4", 1, 1, BLOCK_T=4)],
     },
 }
 

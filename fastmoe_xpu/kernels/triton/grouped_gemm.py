@@ -131,19 +131,42 @@ def _gate_up_fwd_kernel(
 
 
 @triton.jit
+def _row_dot_epilogue(acc, gate_up_ptr, rw_ptr, part_ptr, row0, m0, n_rows, offs_n, n_mask, N, NB, pid_n,
+                      BLOCK_M: tl.constexpr):
+    """``ROW_DOT``'s epilogue on one ``[BLOCK_M, BLOCK_N]`` tile (rows ``row0 + m0 + ...``): partial
+    router-weight gradients ``<acc_r, h_r>`` into ``part[:, pid_n]``, returns ``rw[r] * acc_r``."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < n_rows
+    rows = row0 + offs_m
+    mask = m_mask[:, None] & n_mask[None, :]
+    gu = gate_up_ptr + rows[:, None] * 2 * N + offs_n[None, :]
+    gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu + N, mask=mask, other=0.0).to(tl.float32)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(part_ptr + rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=m_mask)
+    rw = tl.load(rw_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
+    return acc * rw[:, None]
+
+
+@triton.jit
 def _grouped_mm_fwd_kernel(
     a_ptr,
     w_ptr,
     cum_token_ptr,
     out_ptr,
+    gate_up_ptr,
+    rw_ptr,
+    part_ptr,
     N,
     K,
+    NB,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TRANS_W: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_DOT: tl.constexpr,
 ):
     """``out[r] = a[r] @ B_e`` for the rows r of each expert e.
 
@@ -152,6 +175,12 @@ def _grouped_mm_fwd_kernel(
     ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e and output columns
     ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``a [R, K]`` and ``cum_token_counts [NR+1]`` int32;
     writes ``out [R, N]`` in a's dtype.
+
+    ``ROW_DOT`` (the down GEMM's input gradient, ``N = I``): the epilogue recomputes
+    ``h = silu(gate) * up`` for its tile from ``gate_up [R, 2N]``, writes the partial row dot
+    products ``<acc_r, h_r>`` over its columns to ``part [R, NB]`` fp32 (column ``n``; summed over the
+    NB column blocks afterwards: a fixed order, no atomics) and stores ``rw[r] * acc_r`` (``rw [R]``
+    fp32, the routing weight of each row).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -181,6 +210,9 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_bp = tl.advance(a_bp, (0, BLOCK_K))
                 b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+            if ROW_DOT:
+                acc = _row_dot_epilogue(acc, gate_up_ptr, rw_ptr, part_ptr, row0, tile_m * BLOCK_M, n_rows,
+                                        offs_n, n_mask, N, NB, pid_n, BLOCK_M)
             o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
                                      order=(1, 0))
@@ -203,6 +235,9 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += b_step
+            if ROW_DOT:
+                acc = _row_dot_epilogue(acc, gate_up_ptr, rw_ptr, part_ptr, row0, tile_m * BLOCK_M, n_rows,
+                                        offs_n, n_mask, N, NB, pid_n, BLOCK_M)
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ty),
                      mask=m_mask[:, None] & n_mask[None, :])
 
@@ -213,6 +248,7 @@ def _grouped_mm_bwd_kernel(
     b_ptr,
     idx_ptr,
     cum_token_ptr,
+    rw_ptr,
     dw_ptr,
     M,
     N,
@@ -222,6 +258,7 @@ def _grouped_mm_bwd_kernel(
     GATHER: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SILU_B: tl.constexpr,
 ):
     """Weight gradient ``dW_e = a[rows_e]^T @ b[src(rows_e)]`` with ``src(r) = idx[r]`` when
     ``GATHER`` else ``r``.
@@ -231,6 +268,10 @@ def _grouped_mm_bwd_kernel(
     expert e's rows, ``BLOCK_K`` at a time (zero rows give a zero tile). Reads ``a [R, M]``,
     ``b [R or T, N]``, ``idx [R]`` int32 (when ``GATHER``), ``cum_token_counts [NR+1]`` int32;
     writes ``dW [NR, M, N]`` in a's dtype.
+
+    ``SILU_B`` (the down GEMM's weight gradient; not with ``GATHER``): ``b`` is ``gate_up [R, 2N]``
+    and the B operand is ``rw[r] * silu(gate_r) * up_r`` (``rw [R]`` fp32), so ``h`` is recomputed
+    in the loads and never stored.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -257,6 +298,21 @@ def _grouped_mm_bwd_kernel(
                 a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 at_bp = tl.advance(at_bp, (0, BLOCK_K))
+        elif SILU_B:
+            g_bp = tl.make_block_ptr(b_ptr + row0 * 2 * N, shape=(n_rows, N), strides=(2 * N, 1),
+                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
+            u_bp = tl.make_block_ptr(b_ptr + row0 * 2 * N + N, shape=(n_rows, N), strides=(2 * N, 1),
+                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
+            for k0 in range(0, n_rows, BLOCK_K):
+                a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
+                gate = tl.load(g_bp, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+                up = tl.load(u_bp, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+                rw = tl.load(rw_ptr + row0 + k0 + offs_k, mask=offs_k < n_rows - k0, other=0.0).to(tl.float32)
+                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                at_bp = tl.advance(at_bp, (0, BLOCK_K))
+                g_bp = tl.advance(g_bp, (BLOCK_K, 0))
+                u_bp = tl.advance(u_bp, (BLOCK_K, 0))
         else:
             b_bp = tl.make_block_ptr(b_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
@@ -279,8 +335,16 @@ def _grouped_mm_bwd_kernel(
                 src = tl.load(idx_ptr + row0 + k0 + offs_k, mask=k_mask, other=0).to(tl.int64)
             else:
                 src = row0 + k0 + offs_k
-            b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
-                        other=0.0)
+            if SILU_B:
+                gu = b_ptr + src[:, None] * 2 * N + offs_n[None, :]
+                b_mask = k_mask[:, None] & n_mask[None, :]
+                gate = tl.load(gu, mask=b_mask, other=0.0).to(tl.float32)
+                up = tl.load(gu + N, mask=b_mask, other=0.0).to(tl.float32)
+                rw = tl.load(rw_ptr + src, mask=k_mask, other=0.0).to(tl.float32)
+                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
+            else:
+                b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                            other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             at_ptrs += BLOCK_K * M
         dw_ptrs = dw_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -371,26 +435,37 @@ def gate_up_fwd(
     return gate_up, h
 
 
-def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool) -> torch.Tensor:
+def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool,
+                row_dot: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, part)``; ``row_dot = (gate_up, row_weights)`` turns on the ``ROW_DOT`` epilogue and
+    returns its partial row dot products ``part [R, NB]`` fp32 (else None)."""
     NR = w.shape[0]
     N, K = (w.shape[1], w.shape[2]) if trans_w else (w.shape[2], w.shape[1])
     R = a_RK.shape[0]
     out = a_RK.new_empty(R, N)
-    if R == 0:
-        return out
     dev = a_RK.device
     backend = backend_for(dev)
     cfg = get_config(backend, "grouped_mm_fwd")
-    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+    nb = triton.cdiv(N, cfg.meta["BLOCK_N"])
+    part = torch.empty(R, nb, dtype=torch.float32, device=dev) if row_dot is not None else None
+    if R == 0:
+        return out, part
+    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), nb, NR)
+    # Without ROW_DOT the epilogue's pointers are never read; `out` stands in for them.
+    gate_up, rw = row_dot if row_dot is not None else (out, out)
     _launch.launch(
-        _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
+        _grouped_mm_fwd_kernel, grid,
+        (a_RK, w, cum_token_counts, out, gate_up, rw, part if part is not None else out, N, K, nb), cfg, dev,
         TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
+        ROW_DOT=row_dot is not None,
     )
-    return out
+    return out, part
 
 
 def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
-                      w_like: torch.Tensor) -> torch.Tensor:
+                      w_like: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``row_weights`` given: ``b`` is ``gate_up`` and the kernel's B operand ``rw * silu(gate) * up``
+    (``SILU_B``)."""
     NR, M, N = w_like.shape
     dw = torch.empty_like(w_like)
     dev = a_RM.device
@@ -399,8 +474,10 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
     _launch.launch(
         _grouped_mm_bwd_kernel, grid,
-        (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), cfg, dev,
+        (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
+         row_weights if row_weights is not None else dw, dw, M, N), cfg, dev,
         GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RM.dtype),
+        SILU_B=row_weights is not None,
     )
     return dw
 
@@ -410,24 +487,36 @@ def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: tor
     check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
     check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
-    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)
+    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)[0]
 
 
 def down_bwd(
-    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
-    check_float("down_bwd", None, dy=dy_RH, h=h_RI, w_down=w_down_NHI)
+    dy_RH: torch.Tensor,
+    gate_up_R2I: torch.Tensor,
+    row_weights_R: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_down_NHI: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
+    ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
+    d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
+    inside both kernels from ``gate_up`` (never stored). Rows past RT are unspecified."""
+    check_float("down_bwd", None, dy=dy_RH, gate_up=gate_up_R2I, w_down=w_down_NHI)
+    check_float("down_bwd", dy_RH.device, row_weights=row_weights_R)
     check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
     NR, H, I = w_down_NHI.shape
-    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or h_RI.dim() != 2 or h_RI.shape != (dy_RH.shape[0], I):
-        raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and h {tuple(h_RI.shape)} do not fit "
-                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {I}])")
+    R = dy_RH.shape[0] if dy_RH.dim() == 2 else -1
+    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or gate_up_R2I.dim() != 2 or gate_up_R2I.shape != (R, 2 * I):
+        raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not fit "
+                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {2 * I}])")
+    if row_weights_R.shape != (R,) or row_weights_R.dtype != torch.float32:
+        raise ValueError(f"down_bwd: row_weights must be float32 [{R}], got {row_weights_R.dtype} "
+                         f"{tuple(row_weights_R.shape)}")
     if cum_token_counts.numel() != NR + 1:
         raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
-    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
-    dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
-    return dh, dw
+    dh, part = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False, row_dot=(gate_up_R2I, row_weights_R))
+    dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
+    return dh, dw, part.sum(dim=1)
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -479,6 +568,6 @@ def gate_up_bwd(
     if d_gate_up_R2I.dim() != 2 or d_gate_up_R2I.shape[1] != two_i or d_gate_up_R2I.shape[0] > input_indices.shape[0]:
         raise ValueError(f"gate_up_bwd: d_gate_up {tuple(d_gate_up_R2I.shape)} does not fit gate_up_proj "
                          f"{tuple(w_gate_up_N2IH.shape)} and {input_indices.shape[0]} input indices")
-    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)
+    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)[0]
     dw = _grouped_mm_wgrad(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
     return dx_rows, dw
