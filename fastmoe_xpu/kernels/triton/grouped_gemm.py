@@ -9,11 +9,15 @@ Kernels:
 
 * ``_gate_up_fwd_kernel``: ``x[input_indices]`` gathered inside the A loads (never materialised),
   the gate and the up columns of the same output columns in two accumulators, SiLU*up in the
-  epilogue, writing both ``gate_up`` (saved for backward) and ``h``.
+  epilogue, writing both ``gate_up`` (saved for backward) and ``h`` (used by the down GEMM, then
+  freed: backward recomputes it).
 * ``_grouped_mm_fwd_kernel``: ``out[rows_e] = A[rows_e] @ B_e`` with ``B_e = W_e^T`` (down
-  forward) or ``W_e`` (input gradients of both GEMMs).
+  forward) or ``W_e`` (input gradients of both GEMMs); ``ROW_DOT`` (down input gradient): ``h``
+  recomputed from ``gate_up`` in the epilogue, router-weight partials ``<acc_r, h_r>`` written,
+  rows scaled by their routing weight.
 * ``_grouped_mm_bwd_kernel``: weight gradient ``dW_e = A[rows_e]^T @ B[rows_e]``, B optionally
-  gathered (``x[input_indices]`` for gate/up); experts without rows get zeros.
+  gathered (``x[input_indices]`` for gate/up) or ``SILU_B`` (down: ``rw * silu(gate) * up`` from
+  ``gate_up``); experts without rows get zeros.
 * ``_silu_mul_bwd_kernel``: gradient of ``silu(gate) * up``.
 
 Every GEMM accumulates in fp32 whatever the operand dtype. Grids put the expert index on axis 2
