@@ -99,7 +99,7 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     out.append(("grouped_mm_bwd[gather]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
                 {"GATHER": True, "SILU_B": False, **gemm_flags}, bwd_aligned))
     # down_bwd's weight gradient: B = rw * silu(gate) * up recomputed in the loads.
-    out.append(("grouped_mm_bwd[silu]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
+    out.append(("grouped_mm_bwd_silu", "grouped_mm_bwd_silu", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
                 {"GATHER": False, "SILU_B": True, **gemm_flags}, bwd_aligned))
     out.append(("silu_mul_bwd", "silu_mul_bwd", grouped_gemm._silu_mul_bwd_kernel, {
         "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,

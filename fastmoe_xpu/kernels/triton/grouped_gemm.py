@@ -135,24 +135,6 @@ def _gate_up_fwd_kernel(
 
 
 @triton.jit
-def _row_dot_epilogue(acc, gate_up_ptr, rw_ptr, part_ptr, row0, m0, n_rows, offs_n, n_mask, N, NB, pid_n,
-                      BLOCK_M: tl.constexpr):
-    """``ROW_DOT``'s epilogue on one ``[BLOCK_M, BLOCK_N]`` tile (rows ``row0 + m0 + ...``): partial
-    router-weight gradients ``<acc_r, h_r>`` into ``part[:, pid_n]``, returns ``rw[r] * acc_r``."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < n_rows
-    rows = row0 + offs_m
-    mask = m_mask[:, None] & n_mask[None, :]
-    gu = gate_up_ptr + rows[:, None] * 2 * N + offs_n[None, :]
-    gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu + N, mask=mask, other=0.0).to(tl.float32)
-    h = gate * tl.sigmoid(gate) * up
-    tl.store(part_ptr + rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=m_mask)
-    rw = tl.load(rw_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
-    return acc * rw[:, None]
-
-
-@triton.jit
 def _grouped_mm_fwd_kernel(
     a_ptr,
     w_ptr,
@@ -215,8 +197,19 @@ def _grouped_mm_fwd_kernel(
                 a_bp = tl.advance(a_bp, (0, BLOCK_K))
                 b_bp = tl.advance(b_bp, (BLOCK_K, 0))
             if ROW_DOT:
-                acc = _row_dot_epilogue(acc, gate_up_ptr, rw_ptr, part_ptr, row0, tile_m * BLOCK_M, n_rows,
-                                        offs_n, n_mask, N, NB, pid_n, BLOCK_M)
+                # h recomputed from gate_up for this tile; partial router-weight gradients <acc_r, h_r>
+                # over this column block, then the rows scaled by their routing weight.
+                e_offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                e_m_mask = e_offs_m < n_rows
+                e_rows = row0 + e_offs_m
+                e_mask = e_m_mask[:, None] & n_mask[None, :]
+                gu = gate_up_ptr + e_rows[:, None] * 2 * N + offs_n[None, :]
+                gate = tl.load(gu, mask=e_mask, other=0.0).to(tl.float32)
+                up = tl.load(gu + N, mask=e_mask, other=0.0).to(tl.float32)
+                h = gate * tl.sigmoid(gate) * up
+                tl.store(part_ptr + e_rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=e_m_mask)
+                rw = tl.load(rw_ptr + e_rows, mask=e_m_mask, other=0.0).to(tl.float32)
+                acc = acc * rw[:, None]
             o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
                                      order=(1, 0))
@@ -240,8 +233,19 @@ def _grouped_mm_fwd_kernel(
                 a_ptrs += BLOCK_K
                 b_ptrs += b_step
             if ROW_DOT:
-                acc = _row_dot_epilogue(acc, gate_up_ptr, rw_ptr, part_ptr, row0, tile_m * BLOCK_M, n_rows,
-                                        offs_n, n_mask, N, NB, pid_n, BLOCK_M)
+                # h recomputed from gate_up for this tile; partial router-weight gradients <acc_r, h_r>
+                # over this column block, then the rows scaled by their routing weight.
+                e_offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                e_m_mask = e_offs_m < n_rows
+                e_rows = row0 + e_offs_m
+                e_mask = e_m_mask[:, None] & n_mask[None, :]
+                gu = gate_up_ptr + e_rows[:, None] * 2 * N + offs_n[None, :]
+                gate = tl.load(gu, mask=e_mask, other=0.0).to(tl.float32)
+                up = tl.load(gu + N, mask=e_mask, other=0.0).to(tl.float32)
+                h = gate * tl.sigmoid(gate) * up
+                tl.store(part_ptr + e_rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=e_m_mask)
+                rw = tl.load(rw_ptr + e_rows, mask=e_m_mask, other=0.0).to(tl.float32)
+                acc = acc * rw[:, None]
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ty),
                      mask=m_mask[:, None] & n_mask[None, :])
 
@@ -474,7 +478,7 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     dw = torch.empty_like(w_like)
     dev = a_RM.device
     backend = backend_for(dev)
-    cfg = get_config(backend, "grouped_mm_bwd")
+    cfg = get_config(backend, "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu")
     grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
     _launch.launch(
         _grouped_mm_bwd_kernel, grid,
