@@ -14,7 +14,7 @@ xpu-venv:
 	bash scripts/setup_xpu_venv.sh
 
 run: venv
-	$(PY) -m trainer --preset tiny-moe
+	$(PY) -m trainer --preset tiny-moe --export-hf out/run/hf --eval.overwrite
 
 demo: venv
 	$(PY) -m fastmoe_xpu.demo --steps 3

@@ -115,7 +115,7 @@ def check_steps(got: list[dict], ref: list[dict]) -> dict:
 def moe_impl_steps(spec: StepSpec, rounds: int, tick: Callable[[], None] = lambda: None) -> dict:
     """``--model.moe_impl fastmoe`` against ``hf`` in this process: one untimed step each, then
     ``rounds`` interleaved rounds (the order flips every round). Returns every step's record."""
-    Trainer = trainer_module("train").Trainer
+    Trainer = trainer_module("trainer").Trainer
     impls = ("hf", "fastmoe")
     trainers = {i: Trainer(build_config(spec, moe_impl=i, optimizer="sharded")) for i in impls}
     steps: dict[str, list[dict]] = {i: [] for i in impls}
@@ -133,8 +133,8 @@ def optimizer_steps_rank(specs: list[StepSpec], dp: int, ep: int, rounds: int, b
     """On every rank of a DP x EP gloo world: for each spec, ``--optimizer sharded`` and ``epso`` in
     alternating blocks (one trainer alive at a time, so the largest models fit), each block one
     untimed step and ``rounds`` timed ones. Returns this rank's steps and optimizer-state bytes."""
-    Trainer = trainer_module("train").Trainer
-    lay = trainer_module("parallel").build_layout(1, dp, ep, torch.device("cpu"))
+    Trainer = trainer_module("trainer").Trainer
+    lay = trainer_module("layout").build_layout(1, dp, ep, torch.device("cpu"))
     out: dict = {"rank": lay.rank, "models": {}}
     for spec in specs:
         rec: dict = {"steps": {"sharded": [], "epso": []}, "cold": {"sharded": [], "epso": []}, "state_bytes": {}}

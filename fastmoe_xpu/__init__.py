@@ -1,5 +1,8 @@
 """fastmoe_xpu: fast Mixture-of-Experts blocks for OLMoE-style models on XPU, CUDA and the CPU."""
 from .block import FastSparseMoeBlock
+from .integrations.experts import NAME as EXPERTS_IMPLEMENTATION
+from .integrations.experts import fastmoe_experts_forward
+from .integrations.experts import register as _register_experts
 from .integrations.transformers import patch_olmoe
 from .kernels.torch.buffers import release_buffers
 from .routing import OLMOE_LOAD_BALANCING_COEF, OLMOE_Z_LOSS_COEF, load_balancing_loss, router_z_loss
@@ -7,6 +10,8 @@ from .routing import OLMOE_LOAD_BALANCING_COEF, OLMOE_Z_LOSS_COEF, load_balancin
 __all__ = [
     "FastSparseMoeBlock",
     "patch_olmoe",
+    "EXPERTS_IMPLEMENTATION",
+    "fastmoe_experts_forward",
     "release_buffers",
     "load_balancing_loss",
     "router_z_loss",
@@ -14,3 +19,7 @@ __all__ = [
     "OLMOE_Z_LOSS_COEF",
 ]
 __version__ = "0.1.0"
+
+# transformers models then accept experts_implementation="fastmoe" (a no-op without transformers;
+# an ImportError naming the version when transformers predates the experts interface).
+_register_experts()

@@ -87,9 +87,33 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.register_load_state_dict_pre_hook(merge_v4_expert_keys)
+        # What transformers' @use_experts_implementation sets, so that its MoE tooling (expert and
+        # tensor parallel plans, exporters) and its experts functions recognise these experts.
+        self.has_gate = True
+        self.has_bias = False
+        self.is_concatenated = True
+        self.is_transposed = False
+        self.has_post_expert_norm = False
+        self._is_expert_parallel = False
+        self.act_fn = nn.SiLU()
+        #: The model config whose ``_experts_implementation`` the block follows (set by patch_olmoe).
+        self.config: Any = None
+
+    def _apply_gate(self, gate_up_R2I: torch.Tensor) -> torch.Tensor:
+        """transformers' default gate: ``act_fn(gate) * up`` over the concatenated halves."""
+        gate, up = gate_up_R2I.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
+
+
+try:  # the very default gate function, so that transformers (and describe_layout) see the default gate
+    from transformers.integrations.moe import _default_apply_gate as _hf_default_gate
+except Exception:  # transformers missing or without v5's experts interface: keep the identical method above
+    pass
+else:
+    Experts._apply_gate = _hf_default_gate
 
 
 def _slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -322,6 +346,9 @@ class FastSparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size)
         _, weights_TK, idx_TK = self.route(x_TH)
+        other = dispatch_experts_implementation(self.experts)
+        if other is not None:  # the model was switched to another experts implementation
+            return other(self.experts, x_TH, idx_TK, weights_TK).view(shape)
         backend = resolve_backend(self.backend, x_TH.device)
         out_TH = moe_experts_forward(
             x_TH.contiguous(), weights_TK, idx_TK, self.experts.gate_up_proj, self.experts.down_proj,
@@ -330,6 +357,12 @@ class FastSparseMoeBlock(nn.Module):
         return out_TH.view(shape)
 
     def _forward_expert_parallel(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if dispatch_experts_implementation(self.experts) is not None:
+            raise ValueError(
+                f"experts_implementation={self.experts.config._experts_implementation!r} cannot run on a "
+                "FastSparseMoeBlock sharded over an expert-parallel group (its experts hold only this rank's "
+                "slice); use 'fastmoe' or rebuild the model unsharded"
+            )
         group = self.ep_group
         device = self.experts.gate_up_proj.device
         # Checks that come out the same on every rank raise at once; a check that may fail on one
@@ -368,6 +401,24 @@ class FastSparseMoeBlock(nn.Module):
         else:
             out_TH = alltoall_dispatch(x_TH, weights_TK, idx_TK, local_experts, group, self.num_local_experts)
         return out_TH.view(shape)
+
+
+def dispatch_experts_implementation(experts: Experts) -> Any:
+    """The experts function of transformers' ``ExpertsInterface`` that ``experts.config`` selects
+    when it selects anything but ``"fastmoe"`` (None: run our stages). ``"eager"`` is the per-expert
+    loop of transformers' ``OlmoeExperts``, the class these experts stand in for."""
+    name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if name is None or name == "fastmoe":
+        return None
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if name == "eager":
+        from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+
+        return OlmoeExperts.forward.__wrapped__
+    if name not in ALL_EXPERTS_FUNCTIONS:
+        raise ValueError(f"experts_implementation={name!r} is not registered in transformers' ExpertsInterface")
+    return ALL_EXPERTS_FUNCTIONS[name]
 
 
 def _ep_position(ep_group: dist.ProcessGroup | None) -> tuple[int, int]:

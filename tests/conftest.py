@@ -7,13 +7,16 @@ wherever its file moves and cover new tests without anyone remembering to add th
 - ``distributed`` when the code it runs (the test function, its fixtures, and the helper functions
   of the suite they call, followed transitively) calls one of the process launchers:
   ``run_distributed`` (``fastmoe_xpu.dist.testing``), ``run_workers`` (tests/parallel_util.py),
-  ``spawn`` (tests/_ft_toy.py), the fault-tolerance ``Supervisor`` of the trainer's ``launch``
-  module, or starts ``python -m trainer.launch`` in a subprocess;
+  ``spawn`` (tests/_ft_toy.py), the per-node launcher's ``run_node`` / ``run_local_nodes`` of the
+  trainer's ``launch`` module, or starts ``python -m trainer.launch`` in a subprocess;
 - ``interpreter`` when its module holds the Triton launchers (a module under
   ``fastmoe_xpu.kernels.triton``) or its name says it runs them (``triton`` in the function name),
   except for the compile gates, which compile kernels for real targets instead;
 - ``slow`` when it starts a fresh Python process through ``subprocess`` (a compile gate, a job run
-  end to end, the supervisor): each one imports torch again and runs a whole program.
+  end to end, the node launcher): each one imports torch again and runs a whole program.
+
+The ``drill`` marker (also registered in pyproject.toml) is written into tests/trainer/test_elastic_drills.py
+itself: a drill is a named scenario, not something the hook can read from the code.
 
 Select with ``-m``, e.g. ``pytest -m "not slow"`` or ``pytest -m "not (interpreter or distributed)"``.
 The checkout and tests/ are put on ``sys.path`` by the ``pythonpath`` setting in pyproject.toml.
@@ -35,9 +38,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 # (last component of the defining module, qualified name) of every function that starts processes
 _LAUNCHERS = {("testing", "run_distributed"), ("parallel_util", "run_workers"), ("_ft_toy", "spawn"),
-              ("launch", "Supervisor")}
-# the supervisor started as a subprocess: a full multi-process training run under fault tolerance
-_SUPERVISOR_MODULE = "trainer.launch"
+              ("launch", "run_node"), ("launch", "run_local_nodes")}
+# the node launcher started as a subprocess: a multi-process training run under fault tolerance
+_LAUNCHER_MODULE = "trainer.launch"
 _TRITON_PACKAGE = "fastmoe_xpu.kernels.triton"
 _SUBPROCESS_STARTS = {"run", "Popen", "call", "check_call", "check_output"}
 _COMPILE_GATES = ("compile_check", "compile_xpu")
@@ -80,7 +83,7 @@ class _Reach:
         self._seen.add(code)
         for co in _code_objects(code):
             self._seen.add(co)
-            if _SUPERVISOR_MODULE in co.co_consts:
+            if _LAUNCHER_MODULE in co.co_consts:
                 self.launches = self.subprocess = True
             modules = [v for n in co.co_names if isinstance(v := glb.get(n), types.ModuleType)]
             for name in co.co_names:

@@ -837,6 +837,18 @@ class RestoreResult:
         return self.info.meta.get("meta", {})
 
 
+class NoValidCheckpoint(CheckpointError):
+    """Checkpoint slots exist but none verifies (and no fresh start was asked for)."""
+
+
+def _choose(root: str | os.PathLike) -> tuple[CheckpointInfo | None, list[tuple[Path, str]]]:
+    """The newest valid full slot and the ``(slot, reason)`` of every slot that does not verify."""
+    slots = scan(root)
+    good = [info for _, info, _ in slots if info is not None]
+    rejected = [(p, why) for p, info, why in slots if info is None]
+    return max(good, key=lambda i: (i.step, i.index), default=None), rejected
+
+
 def find_latest(root: str | os.PathLike) -> CheckpointInfo | None:
     """:func:`latest_valid`, verified by rank 0 and broadcast (collective when distributed)."""
     info = None
@@ -908,10 +920,13 @@ class CheckpointManager:
     checkpoint every this many steps (0: never), cast to ``model_dtype`` (None: parameter dtype)."""
 
     def __init__(self, root: str | os.PathLike, *, layout: Any = None, interval: int = 0, model_interval: int = 0,
-                 model_dtype: str | None = "bf16", is_expert: Callable[[str], bool] = is_expert_name) -> None:
+                 model_dtype: str | None = "bf16", is_expert: Callable[[str], bool] = is_expert_name,
+                 allow_fresh_start: bool = False, failures_dir: str | os.PathLike | None = None) -> None:
         if interval < 0 or model_interval < 0:
             raise ValueError(f"checkpoint intervals must be >= 0, got {interval} and {model_interval}")
         self.root = Path(root)
+        self.allow_fresh_start = allow_fresh_start
+        self.failures_dir = Path(failures_dir) if failures_dir is not None else self.root.parent
         self.layout = layout
         self.interval = interval
         self.model_interval = model_interval
@@ -954,8 +969,34 @@ class CheckpointManager:
                           is_expert=self.is_expert)
 
     def restore(self, model: nn.Module, optimizer: Any, info: CheckpointInfo | None = None) -> RestoreResult | None:
-        """Restore the newest valid checkpoint (or ``info``); None when there is none."""
-        info = info or self.latest()
+        """Restore the newest valid checkpoint (or ``info``); None when there is none.
+
+        Slots that exist but do not verify are never passed over silently: when a valid one is
+        left, one line per skipped slot is printed (rank 0) and recorded in ``failures.jsonl``
+        (``failures_dir``, default the checkpoint root's parent); when none is left, a
+        :class:`NoValidCheckpoint` lists every slot and why, unless ``allow_fresh_start``."""
+        if info is None:
+            info, rejected = _broadcast(_choose(self.root) if not _dist_on() or dist.get_rank() == 0 else None)
+            if rejected and info is None and not self.allow_fresh_start:
+                raise NoValidCheckpoint(
+                    f"{self.root} holds checkpoints but none is valid: "
+                    + "; ".join(f"{p.name}: {why}" for p, why in rejected)
+                    + ". Fix or remove them, or pass --allow-fresh-start to start again from step 0")
+            if rejected and (not _dist_on() or dist.get_rank() == 0):
+                from .fault import FAILURES_FILE, append_jsonl
+
+                for p, why in rejected:
+                    then = f"resuming from {info.path.name} (step {info.step})" if info is not None else \
+                        "starting again from step 0 (--allow-fresh-start)"
+                    print(f"checkpoint: skipped damaged {p}: {why}; {then}", flush=True)
+                    try:
+                        append_jsonl(Path(self.failures_dir) / FAILURES_FILE, {
+                            "time": time.time(), "kind": "checkpoint_skipped", "slot": str(p), "reason": why,
+                            "used": str(info.path) if info is not None else None})
+                    except OSError:
+                        pass  # the record is a courtesy; the printed line already says it
+            if info is not None:
+                self.last, self.last_index = info, info.index
         if info is None:
             return None
         result = restore_full(info, model, optimizer, self.layout, is_expert=self.is_expert)

@@ -21,6 +21,7 @@ from .presets import PRESETS, get_preset
 #: Short aliases of frequently changed fields.
 ALIASES: dict[str, str] = {
     "steps": "schedule.steps",
+    "allow-fresh-start": "checkpoint.allow_fresh_start",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",
     "warmup": "schedule.warmup_steps",
@@ -44,6 +45,7 @@ ALIASES: dict[str, str] = {
     "param-dtype": "model.param_dtype",
     "peak-tflops": "logging.peak_tflops",
     "seed": "seed",
+    "export-hf": "eval.export_hf",
 }
 
 EXIT_CONFIG_ERROR = 2

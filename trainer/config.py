@@ -66,7 +66,8 @@ class ModelConfig:
     param_dtype: str = "fp32"
     """Dtype of the model's weights and gradients: ``"fp32"`` or ``"bf16"`` (fp32 master weights stay in the optimizer)."""
     init_from: str | None = None
-    """Model weights file (safetensors or torch.save state dict) read by rank 0 only and sent to every rank."""
+    """Model weights file (safetensors or torch.save state dict) or a transformers model directory (``python -m
+    trainer.export``'s output), read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
 
@@ -89,6 +90,9 @@ class DataConfig:
     """Tokens per training instance (C)."""
     seed: int = 0
     """Seed of the global shuffle of training instances."""
+    valid: float = 0.05
+    """Held-out validation split of the embedded default corpus: a fraction in (0, 1) or a count of instances
+    (0: none); a data set of your own keeps the split ``python -m trainer.data.preprocess --valid`` gave it."""
 
 
 @dataclass
@@ -171,6 +175,8 @@ class CheckpointConfig:
     """Dtype of model-only checkpoints: ``"bf16"`` or ``"fp32"``."""
     init_from: str | None = None
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
+    allow_fresh_start: bool = False
+    """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
 
 
 @dataclass
@@ -194,6 +200,30 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation, MoE health, and what the end of a run leaves behind."""
+
+    interval: int = 0
+    """Evaluate the validation split every this many steps (0: at the last step only)."""
+    enabled: bool = True
+    """Evaluate the validation split (when the data set keeps one) at the intervals and at the last step."""
+    instances: int = 512
+    """Validation instances evaluated (the first of the split, the same on every layout; 0: all of them)."""
+    micro_batch: int = 32
+    """Validation instances per forward pass on one rank."""
+    moe_health: bool = True
+    """Log per-layer MoE health (expert load, router entropy, per-layer losses) and plot it at the end."""
+    export_hf: str | None = None
+    """At the end, write the trained model as a transformers directory here (``python -m trainer.export``)."""
+    overwrite: bool = False
+    """Let ``--eval.export_hf`` replace an existing directory."""
+    samples: bool = True
+    """After ``--eval.export_hf``: print and save (``OUT/samples.json``) greedy and sampled continuations of fixed prompts."""
+    sample_tokens: int = 48
+    """New tokens per generated sample."""
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs."""
 
@@ -208,6 +238,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,6 +273,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -299,6 +331,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         raise ConfigError(f"--model.vocab_size must be >= 0 (0: from the data), got {m.vocab_size}")
     if p.dp < 0:
         raise ConfigError(f"--parallel.dp must be >= 0 (0: world / (pp * ep)), got {p.dp}")
+    if cfg.eval.instances < 0 or cfg.eval.micro_batch < 1:
+        raise ConfigError(f"--eval.instances must be >= 0 and --eval.micro_batch >= 1, got {cfg.eval.instances} "
+                          f"and {cfg.eval.micro_batch}")
+    if cfg.eval.interval < 0 or cfg.eval.sample_tokens < 0:
+        raise ConfigError(f"--eval.interval and --eval.sample_tokens must be >= 0, got {cfg.eval.interval} and "
+                          f"{cfg.eval.sample_tokens}")
     if s.warmup_steps < 0:
         raise ConfigError(f"--schedule.warmup_steps must be >= 0, got {s.warmup_steps}")
     if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):

@@ -4,8 +4,8 @@ Soft failure: before every optimizer step each rank checks its local loss and gr
 NaN/Inf; one all-reduce of a flag tells every rank whether anyone saw one, so all ranks stop
 *before* the update and no weight changes. The bad ranks append a line each to
 ``OUT/failures.jsonl`` (step, rank, host, what was bad) and every process exits with
-:data:`EXIT_SOFT_FAILURE`, which tells ``trainer.launch`` to replace those hosts and resume from
-the newest valid checkpoint.
+:data:`EXIT_SOFT_FAILURE`; under ``trainer.launch`` the named node leaves the job, a spare takes
+its place and the run resumes from the newest valid checkpoint.
 
 Exit codes (documented in docs/fault.md):
 
@@ -14,12 +14,12 @@ Exit codes (documented in docs/fault.md):
 2     bad configuration or input (not retried)
 75    :data:`EXIT_SOFT_FAILURE`: NaN/Inf caught before the update; ``failures.jsonl`` names hosts
 76    :data:`EXIT_CHECKPOINT_FAILURE`: a checkpoint could not be written (disk full, read-only
-      directory); the previous checkpoint is intact; not retried (a relaunch would fail the same way)
+      directory) or checkpoints exist and none is valid; not retried (a relaunch would fail the same way)
+77    ``trainer.watchdog.EXIT_HANG``: no step progress within ``--heartbeat-timeout``; stacks dumped
 ====  =========================================================================================
 
 Heartbeats: every rank rewrites ``OUT/heartbeat/rank-<r>.json`` (step, phase, time, pid, host)
-each step; the launcher treats a rank whose file stops changing for ``--heartbeat-timeout``
-seconds as hung.
+each step and feeds the in-worker watchdog (``trainer.watchdog``) when the launcher asked for one.
 
 Test hooks, off unless the environment variable is set (the launcher passes them through):
 
@@ -43,13 +43,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+# the shared records live in a leaf module (the watchdog writes them too); re-exported here
+from .records import FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats  # noqa: F401
+from .watchdog import Watchdog
+
 EXIT_SOFT_FAILURE = 75
 EXIT_CHECKPOINT_FAILURE = 76
 HOST_ENV = "TRAINER_HOST"
 NAN_ENV = "TRAINER_INJECT_NAN"
 HANG_ENV = "TRAINER_INJECT_HANG"
-FAILURES_FILE = "failures.jsonl"
-HEARTBEAT_DIR = "heartbeat"
 
 
 def host_name() -> str:
@@ -86,18 +88,6 @@ def local_nonfinite(loss: torch.Tensor | float | None, tensors: Iterable[torch.T
     bad_loss, bad_grad = flags.tolist()
     parts = [name for name, bad in (("loss", bad_loss), ("gradients", bad_grad)) if bad]
     return " and ".join(parts) or None
-
-
-def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one JSON line durably (one ``write`` on an O_APPEND descriptor: lines from many
-    processes do not interleave)."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_step(step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor | None], *,
@@ -155,19 +145,6 @@ def _record(out_dir: str | os.PathLike, step: int, rank: int, reason: str, loss:
     })
 
 
-def read_failures(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(out_dir) / FAILURES_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line of a process killed mid-write
-    return out
-
-
 # ============================================================================ injection hooks
 @dataclass(frozen=True)
 class Injection:
@@ -176,19 +153,25 @@ class Injection:
     step: int
     rank: int | None = None
     host: str | None = None
+    once: str | None = None
+    """A marker file: the fault fires only while it does not exist, and creates it (so a rank-keyed
+    fault hits one node once, and the spare that takes the rank over is spared)."""
 
     @classmethod
     def parse(cls, spec: str) -> "Injection":
         fields: dict[str, str] = {}
         for part in spec.split(","):
             key, sep, value = part.strip().partition("=")
-            if not sep or key not in ("step", "rank", "host"):
-                raise ValueError(f"bad fault-injection spec {spec!r}: expected 'step=N[,rank=R][,host=H]'")
+            if not sep or key not in ("step", "rank", "host", "once"):
+                raise ValueError(f"bad fault-injection spec {spec!r}: expected 'step=N[,rank=R][,host=H][,once=FILE]'")
             fields[key] = value
         if "step" not in fields:
             raise ValueError(f"bad fault-injection spec {spec!r}: 'step=N' is required")
-        return cls(step=int(fields["step"]), rank=int(fields["rank"]) if "rank" in fields else None,
-                   host=fields.get("host"))
+        try:
+            return cls(step=int(fields["step"]), rank=int(fields["rank"]) if "rank" in fields else None,
+                       host=fields.get("host"), once=fields.get("once"))
+        except ValueError:
+            raise ValueError(f"bad fault-injection spec {spec!r}: step and rank must be integers") from None
 
     @classmethod
     def from_env(cls, name: str) -> "Injection | None":
@@ -196,8 +179,16 @@ class Injection:
         return cls.parse(spec) if spec else None
 
     def hits(self, step: int, rank: int) -> bool:
-        return (step == self.step and (self.rank is None or self.rank == rank)
-                and (self.host is None or self.host == host_name()))
+        if not (step == self.step and (self.rank is None or self.rank == rank)
+                and (self.host is None or self.host == host_name())):
+            return False
+        if self.once is None:
+            return True
+        try:  # O_EXCL: exactly one process wins, even among ranks of several nodes
+            os.close(os.open(self.once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return True
+        except FileExistsError:
+            return False
 
 
 def maybe_poison(loss: torch.Tensor, step: int, rank: int, grads: Iterable[torch.Tensor] = ()) -> torch.Tensor:
@@ -222,6 +213,23 @@ def maybe_hang(step: int, rank: int) -> None:
             time.sleep(3600)
 
 
+def check_out_dir(path: str | os.PathLike) -> None:
+    """Raise ValueError (one line naming the path and the reason) unless ``path`` is, or can be
+    made, a writable directory. Called before any model is built, so a bad ``--out`` costs nothing
+    and is not retried by the launcher (exit 2)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, (NotADirectoryError, FileExistsError)):
+            reason = "a path component is a regular file, not a directory"
+        raise ValueError(f"output directory {str(p)!r} cannot be written: {reason}") from None
+
+
 # ============================================================================ heartbeat
 class Heartbeat:
     """Per-rank liveness file ``OUT/heartbeat/rank-<r>.json``, rewritten atomically on every beat."""
@@ -233,30 +241,18 @@ class Heartbeat:
         self.rank = rank
         self.host = host_name()
         self.new_steps = 0
+        # under trainer.launch: a thread that turns a stall into an exit the node agent acts on
+        self.watchdog = Watchdog.from_env(out_dir, rank, self.host)
 
     def beat(self, step: int, phase: str = "step", *, completed: bool = False, **extra: Any) -> None:
         """Record liveness; ``completed`` counts a step finished by this process (the launcher
         measures recovery time to the first one after a relaunch)."""
         if completed:
             self.new_steps += 1
+        if self.watchdog is not None:
+            self.watchdog.progress(step, phase)
         record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "phase": phase,
                   "time": time.time(), "new_steps": self.new_steps, **extra}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
-
-
-def read_heartbeats(out_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-    """``{rank: last heartbeat record, with the file's mtime as "mtime"}``."""
-    out = {}
-    d = Path(out_dir) / HEARTBEAT_DIR
-    if not d.exists():
-        return out
-    for f in d.glob("rank-*.json"):
-        try:
-            rec = json.loads(f.read_text())
-            rec["mtime"] = f.stat().st_mtime
-            out[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError):
-            continue  # being replaced right now; read again next poll
-    return out

@@ -1,30 +1,38 @@
-"""Supervise a training run: relaunch on a spare host after a crash, a hang or a soft failure.
+"""Per-node launcher on torch's elastic agent: restarts, spares and blame for the trainer.
 
-    python -m trainer.launch --hosts h0,h1 --spares h2 --nproc-per-node 2 --max-restarts 3 \\
-        [--heartbeat-timeout 120] --out OUT -- --preset tiny-moe --steps 200 --checkpoint.interval 20
+Run the same command once on every node, spares included (``mpiexec -ppn 1``,
+``srun --ntasks-per-node 1``, or by hand)::
 
-Every attempt starts one process group over all hosts: host ``i`` runs global ranks
-``i*N .. i*N+N-1`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set as
-torchrun would, plus ``TRAINER_HOST`` = the host label). On this machine a "host" is a set of
-local processes carrying that label; on a cluster the same supervisor would start them with
-torchrun on the named node. The supervisor polls the processes and their heartbeat files and
-treats as a failure:
+    python -m trainer.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29400 --rdzv-id JOB \\
+        --max-restarts 3 [--node-label NAME] [--heartbeat-timeout 300] --out OUT -- <trainer args>
 
-* any non-zero exit (a rank killed by a signal is blamed before ranks that died of its absence);
-* :data:`trainer.fault.EXIT_SOFT_FAILURE`: the hosts named in ``OUT/failures.jsonl`` are blamed;
-* a heartbeat older than ``--heartbeat-timeout`` (``--startup-timeout`` before the first one,
-  ``--checkpoint-timeout`` while the rank writes a checkpoint): the rank that got least far is
-  blamed (then the one silent longest).
+or, on one machine, K node launchers sharing one rendezvous on 127.0.0.1::
 
-It then kills every process (SIGTERM, then SIGKILL after ``--kill-grace``), marks the blamed host
-bad, puts a spare in its place and relaunches; the trainer resumes from the newest valid
-checkpoint. Exit codes that a relaunch cannot fix (bad configuration 2, checkpoint write failure
-:data:`trainer.fault.EXIT_CHECKPOINT_FAILURE`) end the run. Every event goes to stdout and to
-``OUT/launcher.jsonl``; per-rank output goes to ``OUT/logs/attempt-<k>/rank-<r>.log``.
+    python -m trainer.launch --local-nodes 3 --nnodes 2 --nproc-per-node 1 --out OUT -- <trainer args>
+
+Each node runs torch's ``LocalElasticAgent`` with the ``c10d`` rendezvous; it starts only its own
+ranks. The first ``--nnodes`` nodes to arrive train; later ones wait in the rendezvous (its
+redundancy list) and take the place of a node that leaves. A failure anywhere makes every agent
+restart its workers in a new rendezvous round; the trainer resumes from the newest valid checkpoint.
+What this module adds to the agent:
+
+* blame: a node whose rank reported a NaN/Inf (exit 75) or was named by a watchdog (exit 77) in
+  ``OUT/failures.jsonl`` leaves the job (its agent stops, leaves the rendezvous and exits without
+  closing it), so a spare replaces it;
+* fatal codes (2: bad configuration or ``--out``; 76: checkpoint write failure or no valid
+  checkpoint) stop the job on every node instead of restarting;
+* the watchdog's settings for the workers (``trainer.watchdog``), the node label
+  (``TRAINER_HOST``), and ``OUT/launcher.jsonl``, appended by whichever node observes an event;
+* a check that every node was started with the same ``--nnodes``/``--nproc-per-node``;
+* ``--serve-store``: the rendezvous store in a process of its own, so that losing a training node
+  never loses the store (``--local-nodes`` does this for its nodes).
+
+Exit codes and the cluster command lines: docs/fault.md.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -36,15 +44,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .fault import (
-    EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HEARTBEAT_DIR, HOST_ENV, read_failures, read_heartbeats,
+from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, check_out_dir
+from .records import append_jsonl, read_failures
+from .watchdog import (
+    CHECKPOINT_TIMEOUT_ENV, EXIT_HANG, PARENT_ENV, STARTUP_TIMEOUT_ENV, TIMEOUT_ENV,
 )
 
-#: Order of heartbeat phases within one ``step`` value: "done"/"checkpoint" of step s-1 write
-#: ``step = s``, and "start" of step s comes after them.
-PHASE_ORDER = {"startup": 0, "resumed": 1, "done": 2, "checkpoint": 3, "start": 4}
-#: Exit codes a relaunch cannot fix.
-FATAL_EXIT_CODES = {2: "bad configuration or input", EXIT_CHECKPOINT_FAILURE: "checkpoint write failure"}
+EXIT_CONFIG = 2
+#: Worker exit codes a restart cannot fix: the job stops on every node.
+FATAL_EXIT_CODES = {EXIT_CONFIG: "bad configuration, input or output directory",
+                    EXIT_CHECKPOINT_FAILURE: "checkpoint write failure or no valid checkpoint"}
+#: Worker exit codes whose node may be to blame (confirmed by a failures.jsonl record naming it).
+BLAME_EXIT_CODES = {EXIT_SOFT_FAILURE: "NaN/Inf", EXIT_HANG: "hang (watchdog)"}
+#: Node launcher exit codes besides the workers' own.
+EXIT_GAVE_UP = 1
+EVENTS_FILE = "launcher.jsonl"
+DEFAULT_PORT = 29400
+#: Rendezvous settings that make a dead node count as dead within seconds (torch: 5 s x 3) and
+#: bound every wait; any of them can be overridden with --rdzv-conf.
+DEFAULT_RDZV_CONF = {"join_timeout": "600", "last_call_timeout": "1", "close_timeout": "10",
+                     "keep_alive_interval": "1", "keep_alive_max_attempt": "5", "read_timeout": "60"}
 
 
 def free_port() -> int:
@@ -53,258 +72,332 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class Failure:
-    kind: str
-    """``"signal"``, ``"exit"``, ``"soft"``, ``"hang"`` or ``"fatal"``."""
-    hosts: list[str]
-    rank: int | None
-    returncode: int | None
-    detail: str
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"N"`` or ``"N:M"`` -> (min, max); only a fixed size (N == M) is supported (docs/fault.md)."""
+    try:
+        lo, _, hi = text.partition(":")
+        n_min, n_max = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes must be N or N:M with integers, got {text!r}") from None
+    if n_min < 1 or n_max < n_min:
+        raise ValueError(f"--nnodes {text!r}: need 1 <= N <= M")
+    if n_max != n_min:
+        raise ValueError(f"--nnodes {text!r}: only a fixed size is supported (N:N); start extra nodes as spares. "
+                         "An elastic data-parallel size would change the micro-batches per rank of a running job")
+    return n_min, n_max
 
 
-@dataclass
-class Attempt:
-    index: int
-    hosts: list[str]
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    logs: list[Path] = field(default_factory=list)
-    started: float = 0.0
-    failures_seen: int = 0
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    conf = dict(DEFAULT_RDZV_CONF)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--rdzv-conf: expected key=value[,key=value...], got {part!r}")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
-class Supervisor:
-    """Runs attempts until one finishes, a fatal error occurs, or restarts/spares run out."""
+def parse_endpoint(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, DEFAULT_PORT
+    try:
+        return host, int(port)
+    except ValueError:
+        raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {text!r}") from None
 
-    def __init__(self, *, hosts: Sequence[str], spares: Sequence[str], nproc_per_node: int, max_restarts: int,
-                 out: str | os.PathLike, command: Sequence[str], heartbeat_timeout: float = 120.0,
-                 startup_timeout: float = 600.0, checkpoint_timeout: float = 1800.0, kill_grace: float = 5.0,
-                 poll: float = 0.1,
-                 env: dict[str, str] | None = None) -> None:
-        if not hosts:
-            raise ValueError("--hosts must name at least one host")
-        names = list(hosts) + list(spares)
-        if len(set(names)) != len(names):
-            raise ValueError(f"host names must be distinct, got hosts {list(hosts)} and spares {list(spares)}")
-        if nproc_per_node < 1:
-            raise ValueError(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-        if max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-        self.hosts = list(hosts)
-        self.spares = list(spares)
-        self.bad: list[str] = []
-        self.nproc = nproc_per_node
-        self.max_restarts = max_restarts
-        self.out = Path(out)
-        self.command = list(command)
-        self.heartbeat_timeout = heartbeat_timeout
-        self.startup_timeout = startup_timeout
-        self.checkpoint_timeout = checkpoint_timeout
-        self.kill_grace = kill_grace
-        self.poll = poll
-        self.env = dict(env or {})
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.events = self.out / "launcher.jsonl"
-        self._children: list[subprocess.Popen] = []
 
-    # -------------------------------------------------------------------------- events
+class Events:
+    """``OUT/launcher.jsonl``, shared by every node (one O_APPEND write per line), echoed to stdout."""
+
+    def __init__(self, out: Path, node: str) -> None:
+        self.path = out / EVENTS_FILE
+        self.node = node
+
     def log(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"time": time.time(), "event": event, **fields}
-        line = json.dumps(record, sort_keys=True)
-        print(f"[launch] {line}", flush=True)
-        with open(self.events, "a") as f:
-            f.write(line + "\n")
+        record = {"time": time.time(), "event": event, "node": self.node, **fields}
+        print(f"[launch {self.node}] {json.dumps(record, sort_keys=True)}", flush=True)
+        append_jsonl(self.path, record)
         return record
 
-    # -------------------------------------------------------------------------- processes
-    def _start(self, index: int) -> Attempt:
-        hb = self.out / HEARTBEAT_DIR
-        if hb.exists():
-            for f in hb.iterdir():
-                f.unlink()
-        logdir = self.out / "logs" / f"attempt-{index:02d}"
-        logdir.mkdir(parents=True, exist_ok=True)
-        att = Attempt(index=index, hosts=list(self.hosts), started=time.time(),
-                      failures_seen=len(read_failures(self.out)))
-        world = len(self.hosts) * self.nproc
-        port = free_port()
-        self.log("start", attempt=index, hosts=self.hosts, spares=self.spares, world=world, port=port,
-                 command=self.command)
-        for node, host in enumerate(self.hosts):
-            for local in range(self.nproc):
-                rank = node * self.nproc + local
-                env = dict(os.environ)
-                env.update(self.env)
-                env.update({
-                    "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                    "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(node), "NODE_RANK": str(node),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), HOST_ENV: host,
-                    "TORCHELASTIC_RESTART_COUNT": str(index),
-                })
-                env.setdefault("OMP_NUM_THREADS", "1")
-                log = logdir / f"rank-{rank:05d}.log"
-                with open(log, "wb") as fh:
-                    # own session per rank: killpg reaches anything the rank started (data workers)
-                    p = subprocess.Popen(self.command, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-                att.procs.append(p)
-                att.logs.append(log)
-                self._children.append(p)
-        return att
 
-    def _kill_all(self, att: Attempt) -> None:
-        live = [p for p in att.procs if p.poll() is None]
-        for p in live:
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.time() + self.kill_grace
-        while time.time() < deadline and any(p.poll() is None for p in live):
-            time.sleep(0.05)
-        for p in att.procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        self._children = [p for p in self._children if p.poll() is None]
+def read_events(out: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(out) / EVENTS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def _host_of(self, att: Attempt, rank: int) -> str:
-        return att.hosts[rank // self.nproc]
 
-    # -------------------------------------------------------------------------- detection
-    def _check(self, att: Attempt) -> Failure | None | bool:
-        """A Failure, True when every rank finished cleanly, or None while running."""
-        codes = [p.poll() for p in att.procs]
-        if all(c == 0 for c in codes):
-            return True
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            return self._classify_exit(att, failed)
-        return self._check_heartbeats(att, codes)
+@dataclass
+class NodeOptions:
+    label: str
+    out: Path
+    command: list[str]
+    n_min: int
+    n_max: int
+    nproc: int
+    endpoint: str
+    run_id: str
+    max_restarts: int
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    heartbeat_timeout: float = 300.0
+    checkpoint_timeout: float = 1800.0
+    startup_timeout: float = 900.0
+    monitor_interval: float = 0.5
 
-    def _classify_exit(self, att: Attempt, failed: list[tuple[int, int]]) -> Failure:
-        soft = [r for r, c in failed if c == EXIT_SOFT_FAILURE]
-        if soft:
-            records = read_failures(self.out)[att.failures_seen:]
-            hosts = sorted({rec["host"] for rec in records if rec.get("host") in att.hosts})
-            ranks = sorted({rec["rank"] for rec in records})
-            detail = "; ".join(f"rank {rec['rank']} on {rec['host']}: non-finite {rec.get('what')} at step "
-                               f"{rec.get('step')}" for rec in records) or "no failures.jsonl record"
-            return Failure("soft", hosts, ranks[0] if ranks else soft[0], EXIT_SOFT_FAILURE, detail)
-        fatal = [(r, c) for r, c in failed if c in FATAL_EXIT_CODES]
-        if fatal:
-            r, c = fatal[0]
-            return Failure("fatal", [], r, c, f"{FATAL_EXIT_CODES[c]} (see {att.logs[r]})")
-        # a rank killed by a signal is the cause; the others died of its absence
-        signalled = [(r, c) for r, c in failed if c < 0]
-        r, c = (signalled or failed)[0]
-        kind = "signal" if c < 0 else "exit"
-        detail = (f"rank {r} killed by {signal.Signals(-c).name}" if c < 0 else f"rank {r} exited with {c}")
-        return Failure(kind, [self._host_of(att, r)], r, c, detail + f" (log: {att.logs[r]})")
 
-    def _check_heartbeats(self, att: Attempt, codes: list[int | None]) -> Failure | None:
-        now = time.time()
-        beats = read_heartbeats(self.out)
-        stale = []
-        for r, c in enumerate(codes):
-            if c == 0:
-                continue  # finished; no more heartbeats
-            rec = beats.get(r)
-            if rec is None:
-                age, limit = now - att.started, self.startup_timeout
+def _make_agent_class():
+    # torch.distributed.elastic is imported lazily: the launcher's --help and input errors stay fast
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class NodeAgent(LocalElasticAgent):
+        """The elastic agent plus blame, fatal codes and events (see the module docstring)."""
+
+        def __init__(self, *args: Any, opts: NodeOptions, events: Events, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            self.opts, self.events = opts, events
+            self.started = time.time()
+            self.outcome = "running"
+            self.exit_code = 0
+            self._round_started = 0.0
+
+        def _blame_records(self) -> list[dict[str, Any]]:
+            return [r for r in read_failures(self.opts.out)
+                    if r.get("host") == self.opts.label and r.get("kind") in ("nonfinite", "hang")
+                    and float(r.get("time", 0)) >= self.started]
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            t0 = time.time()
+            super()._rendezvous(worker_group)
+            self._round_started = time.time()
+            self.events.log("round", group_rank=worker_group.group_rank, nodes=worker_group.group_world_size,
+                            ranks=[w.global_rank for w in worker_group.workers] if worker_group.workers else None,
+                            waited_s=round(self._round_started - t0, 3))
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            blamed = self._blame_records()
+            if blamed:  # named by a rank of another node (a watchdog) while ours still runs
+                return self._leave(blamed, {})
+            result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.FAILED:
+                return result
+            codes = {rank: f.exitcode for rank, f in result.failures.items()}
+            fatal = sorted({c for c in codes.values() if c in FATAL_EXIT_CODES})
+            blamed = self._blame_records()
+            self.events.log("failure", exit_codes={str(r): c for r, c in codes.items()},
+                            remaining_restarts=self._remaining_restarts)
+            if fatal:
+                self._remaining_restarts = 0
+                self.outcome, self.exit_code = "fatal", fatal[0]
+                self.events.log("give_up", reason=f"exit {fatal[0]}: {FATAL_EXIT_CODES[fatal[0]]} (not retried)")
+                return result
+            if blamed:
+                return self._leave(blamed, codes)
+            if self._remaining_restarts > 0:
+                self.events.log("restart", remaining_restarts=self._remaining_restarts - 1)
             else:
-                age = now - rec["mtime"]
-                limit = self.checkpoint_timeout if rec.get("phase") == "checkpoint" else self.heartbeat_timeout
-            if age > limit:
-                stale.append((rec["mtime"] if rec else att.started, r, rec))
-        if not stale:
-            return None
-        # every rank blocked on the hung one goes quiet too: blame the rank that got least far
-        # (then the one silent longest); a rank that never beat has made no progress at all
-        def progress(r: int) -> tuple:
-            rec = beats.get(r)
-            if rec is None:
-                return (-1, -1, att.started)
-            return (rec["step"], PHASE_ORDER.get(rec["phase"], 0), rec["mtime"])
+                self.outcome, self.exit_code = "gave_up", EXIT_GAVE_UP
+                self.events.log("give_up", reason=f"restart limit {self.opts.max_restarts} reached")
+            return result
 
-        live = [r for r, c in enumerate(codes) if c is None]
-        r = min(live or [s[1] for s in stale], key=progress)
-        rec = beats.get(r)
-        last = rec["mtime"] if rec else att.started
-        where = f"step {rec['step']} ({rec['phase']})" if rec else "start-up"
-        return Failure("hang", [self._host_of(att, r)], r, None,
-                       f"rank {r} silent for {now - last:.1f}s since {where}")
+        def _leave(self, records: list[dict[str, Any]], codes: dict[int, int]) -> Any:
+            self._remaining_restarts = 0
+            kinds = sorted({r["kind"] for r in records})
+            self.outcome = "left"
+            self.exit_code = EXIT_SOFT_FAILURE if "nonfinite" in kinds else EXIT_HANG
+            self.events.log("leave", reason=kinds, records=records[-3:])
+            return RunResult(state=WorkerState.FAILED, failures={})
 
-    # -------------------------------------------------------------------------- main loop
-    def run(self) -> int:
-        restarts = 0
-        failed_at: float | None = None
-        t_begin = time.time()
-        index = 0
-        while True:
-            att = self._start(index)
-            recovered = failed_at is None
-            while True:
-                state = self._check(att)
-                if not recovered:
-                    done = [b for b in read_heartbeats(self.out).values() if b.get("new_steps", 0) >= 1]
-                    if done:
-                        first = min(done, key=lambda b: b["mtime"])
-                        self.log("recovered", attempt=index, seconds_since_failure=round(first["mtime"] - failed_at, 3),
-                                 step=first["step"])
-                        recovered = True
-                if state is True:
-                    self.log("finished", attempt=index, restarts=restarts, seconds=round(time.time() - t_begin, 3))
-                    return 0
-                if state is not None:
-                    break
-                time.sleep(self.poll)
-            failure: Failure = state
-            failed_at = time.time()
-            self.log("failure", attempt=index, kind=failure.kind, hosts=failure.hosts, rank=failure.rank,
-                     returncode=failure.returncode, detail=failure.detail)
-            if failure.rank is not None and failure.kind != "soft":
-                _print_tail(att.logs[failure.rank])
-            self._kill_all(att)
-            self.log("stopped", attempt=index, returncodes=[p.returncode for p in att.procs])
-            if failure.kind == "fatal":
-                self.log("give_up", reason=failure.detail)
-                return int(failure.returncode or 1)
-            if restarts >= self.max_restarts:
-                self.log("give_up", reason=f"restart limit {self.max_restarts} reached")
-                return 1
-            for host in failure.hosts:
-                if not self.spares:
-                    self.log("give_up", reason=f"host {host} failed and no spare is left")
-                    return 1
-                spare = self.spares.pop(0)
-                self.hosts[self.hosts.index(host)] = spare
-                self.bad.append(host)
-                self.log("replace", host=host, spare=spare, bad_hosts=self.bad)
-            restarts += 1
-            index += 1
+        def _restart_workers(self, worker_group: Any) -> None:
+            self.events.log("stop_workers", reason="restart")
+            super()._restart_workers(worker_group)
 
-    def shutdown(self) -> None:
-        for p in self._children:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
+    return NodeAgent
 
 
-def _print_tail(log: Path, lines: int = 15) -> None:
-    """The end of a failed rank's output, so the cause shows without opening the log."""
+def run_node(opts: NodeOptions) -> int:
+    """Run this node's agent until the job finishes, this node leaves, or the job gives up."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousGracefulExitError
+
+    events = Events(opts.out, opts.label)
+    os.environ[HOST_ENV] = opts.label
+    os.environ[TIMEOUT_ENV] = str(opts.heartbeat_timeout)
+    os.environ[CHECKPOINT_TIMEOUT_ENV] = str(opts.checkpoint_timeout)
+    os.environ[STARTUP_TIMEOUT_ENV] = str(opts.startup_timeout)
+    os.environ[PARENT_ENV] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The agent's shared TCPStore for the workers is created once by the first round's rank 0 and
+    # its address cached by every agent; after that node dies the survivors' workers would look for
+    # it there. Without sharing, every round's rank-0 worker hosts a fresh store (docs/fault.md).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    events.log("node_start", pid=os.getpid(), host=socket.gethostname(), nnodes=f"{opts.n_min}:{opts.n_max}",
+               nproc_per_node=opts.nproc, endpoint=opts.endpoint, run_id=opts.run_id)
+    host, port = parse_endpoint(opts.endpoint)
+    read_timeout = float(opts.rdzv_conf.get("read_timeout", 60))
+    params = RendezvousParameters(backend="c10d", endpoint=opts.endpoint, run_id=opts.run_id, min_nodes=opts.n_min,
+                                  max_nodes=opts.n_max, **opts.rdzv_conf)
     try:
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return
-    for line in tail:
-        print(f"[launch]   | {line}", flush=True)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
+        handler = rdzv_registry.get_rendezvous_handler(params)
+        # every node must describe the same job: the first one's settings are kept in the store
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=read_timeout),
+                         wait_for_workers=False)
+        mine = json.dumps({"nnodes": f"{opts.n_min}:{opts.n_max}", "nproc_per_node": opts.nproc})
+        theirs = store.compare_set(f"trainer.launch/{opts.run_id}/config", "", mine).decode()
+        if theirs != mine:
+            msg = (f"node {opts.label} was started with {mine} but the job {opts.run_id!r} runs with {theirs}; "
+                   "start every node with the same --nnodes and --nproc-per-node")
+            events.log("error", reason=msg)
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds; all end here in one line
+        msg = (f"cannot reach the rendezvous store at {opts.endpoint} within {read_timeout:.0f}s "
+               f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); is --serve-store (or the first node) "
+               "running there, and is the port open?")
+        events.log("error", reason=msg)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_GAVE_UP
+    spec = WorkerSpec(role="trainer", local_world_size=opts.nproc, entrypoint=opts.command[0],
+                      args=tuple(opts.command[1:]), rdzv_handler=handler, max_restarts=opts.max_restarts,
+                      monitor_interval=opts.monitor_interval)
+    logs = DefaultLogsSpecs(log_dir=str(opts.out / "logs" / opts.label), redirects=Std.ALL, tee=Std.ALL)
+    agent = _make_agent_class()(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events,
+                                shutdown_timeout=5, exit_barrier_timeout=60)
     try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
+        result = agent.run()
+    except (RendezvousClosedError, RendezvousGracefulExitError):
+        result = None
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+        if "Store" in type(e).__name__ or "Connection" in type(e).__name__ or "store" in str(e):
+            msg += (f"; the rendezvous store at {opts.endpoint} is gone (its host died?). Restart the job: it "
+                    "resumes from the newest checkpoint; run the store with --serve-store on a node that does "
+                    "not train to survive this")
+        events.log("error", reason=msg)
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_GAVE_UP
+    if result is None:  # a spare never needed, or the job closed while this node waited
+        events.log("released")
+        return 0
+    if agent.outcome == "left":
+        _leave_rendezvous(handler)
+        events.log("left", exit_code=agent.exit_code)
+        return agent.exit_code
+    _close(handler)
+    if result.is_failed():
+        return agent.exit_code or EXIT_GAVE_UP
+    events.log("finished", seconds=round(time.time() - agent.started, 3))
+    return 0
+
+
+def _leave_rendezvous(handler: Any) -> None:
+    """Leave the rendezvous without closing it (the other nodes go on with a spare). Uses the
+    handler's own exit operation, as ``next_rendezvous`` does; if that fails, the node's missing
+    keep-alive removes it after keep_alive_interval x keep_alive_max_attempt seconds."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler._stop_heartbeats()
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)
+    except Exception as e:  # noqa: BLE001
+        print(f"[launch] could not leave the rendezvous cleanly ({e}); keep-alive expiry will", flush=True)
+
+
+def _close(handler: Any) -> None:
+    try:
+        handler.shutdown()  # closes the rendezvous: waiting spares are released
+    except Exception:  # noqa: BLE001
         pass
+
+
+# ============================================================================ the store
+def serve_store(endpoint: str, *, ready: Path | None = None) -> int:
+    """Host the rendezvous store until killed (a node that does not train, or --local-nodes)."""
+    from torch.distributed import TCPStore
+
+    host, port = parse_endpoint(endpoint)
+    store = TCPStore("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port, is_master=True,
+                     wait_for_workers=False, multi_tenant=True, use_libuv=True)
+    print(f"[launch store] serving the rendezvous store on {host}:{store.port}", flush=True)
+    if ready is not None:
+        ready.write_text(str(store.port))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# ============================================================================ K nodes on this machine
+def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float | None = None) -> int:
+    """Start a store process and ``k`` node launchers (labels node0..node{k-1}, each in its own
+    session so that a node can be killed as a whole); 0 when some node finished the job."""
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    ready = out / f".store-{os.getpid()}"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    mod = __package__ + ".launch"  # the package may be installed under another name
+    store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)], env=env)
+    deadline = time.time() + 60
+    while not ready.exists():
+        if store.poll() is not None or time.time() > deadline:
+            print("error: the local rendezvous store did not start", file=sys.stderr)
+            store.kill()
+            return EXIT_GAVE_UP
+        time.sleep(0.05)
+    ready.unlink()
+    nodes = [subprocess.Popen([sys.executable, "-m", mod, "--node-label", f"node{i}", "--rdzv-endpoint", endpoint,
+                               *node_argv], env=env, start_new_session=True) for i in range(k)]
+    try:
+        end = None if timeout is None else time.time() + timeout
+        for p in nodes:
+            p.wait(timeout=None if end is None else max(1.0, end - time.time()))
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        for p in nodes:
+            _kill_tree(p.pid)
+        return 130
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
+    codes = [p.returncode for p in nodes]
+    finished = any(e["event"] == "finished" for e in read_events(out))
+    print(f"[launch] nodes exited with {codes}; {'finished' if finished else 'not finished'}", flush=True)
+    if finished:
+        return 0
+    return next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c), EXIT_GAVE_UP)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc), children first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            continue
+    return out
+
+
+def _kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
 
 
 # ============================================================================ CLI
@@ -321,63 +414,104 @@ def _has_out(args: Sequence[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m trainer.launch",
-        description="Run the trainer under a supervisor that replaces failed hosts with spares and resumes.",
-        epilog="Everything after -- goes to the trainer; the supervisor appends the resume flag.",
+        description="Per-node launcher: torch's elastic agent with spares, blame and a watchdog (docs/fault.md).",
+        epilog="Everything after -- goes to the trainer; the launcher appends the resume flag.",
     )
-    ap.add_argument("--hosts", required=True, help="comma-separated host labels the run starts on")
-    ap.add_argument("--spares", default="", help="comma-separated spare host labels")
-    ap.add_argument("--nproc-per-node", type=int, default=1, help="processes (ranks) per host")
-    ap.add_argument("--max-restarts", type=int, default=3, help="relaunches before giving up")
+    ap.add_argument("--nnodes", default="1", help="N (fixed size; nodes started beyond N are spares)")
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    ap.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous store")
+    ap.add_argument("--rdzv-id", default="trainer", help="job id shared by every node")
+    ap.add_argument("--rdzv-conf", default="", help="key=value,... for the c10d rendezvous "
+                    f"(defaults: {','.join(f'{k}={v}' for k, v in DEFAULT_RDZV_CONF.items())}; is_host=0|1)")
+    ap.add_argument("--max-restarts", type=int, default=3, help="worker-group restarts per node before giving up")
+    ap.add_argument("--node-label", default=None, help="this node's name in logs and records (default: host name)")
+    ap.add_argument("--local-nodes", type=int, default=0, help="start K node launchers on this machine")
+    ap.add_argument("--serve-store", default=None, metavar="HOST:PORT", help="only host the rendezvous store")
     ap.add_argument("--heartbeat-timeout", type=float, default=300.0,
-                    help="seconds without a heartbeat before a rank counts as hung")
-    ap.add_argument("--startup-timeout", type=float, default=900.0,
-                    help="seconds a rank may take to its first heartbeat (imports, data preparation)")
-    ap.add_argument("--checkpoint-timeout", type=float, default=1800.0,
-                    help="seconds a rank may stay silent while writing a checkpoint")
-    ap.add_argument("--kill-grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+                    help="seconds without progress before a rank's watchdog dumps stacks and exits 77")
+    ap.add_argument("--startup-timeout", type=float, default=900.0, help="the same before the first step")
+    ap.add_argument("--checkpoint-timeout", type=float, default=1800.0, help="the same while writing a checkpoint")
+    ap.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's polls")
+    ap.add_argument("--timeout", type=float, default=None, help="--local-nodes: give up after this many seconds")
     ap.add_argument("--out", default=None, help="run directory (default: the trainer's --out)")
     # the trainer's own package, under whichever name it is installed
     ap.add_argument("--entry", default=__package__.split(".")[0],
                     help="python module (or .py script) to run on every rank")
     ap.add_argument("--resume-arg", default="--checkpoint.resume",
-                    help="arguments appended to the trainer's so every attempt resumes from the newest checkpoint")
+                    help="arguments appended to the trainer's so every start resumes from the newest checkpoint")
     ap.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.serve_store:
+        return serve_store(args.serve_store, ready=Path(args.out) if args.out else None)
     rest = list(args.trainer_args)
     if rest and rest[0] == "--":
         rest = rest[1:]
     out = args.out or _has_out(rest)
     if out is None:
-        ap.error("give --out (or --out in the trainer's arguments): the launcher reads heartbeats and failures there")
+        ap.error("give --out (or --out in the trainer's arguments): nodes share records there")
+    try:
+        check_out_dir(out)  # before any rendezvous: a bad --out is not retried
+        n_min, n_max = parse_nnodes(args.nnodes)
+        conf = parse_rdzv_conf(args.rdzv_conf)
+        if args.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        if args.local_nodes < 0:
+            raise ValueError(f"--local-nodes must be >= 0, got {args.local_nodes}")
+        if args.rdzv_endpoint:
+            parse_endpoint(args.rdzv_endpoint)
+        for name in ("heartbeat_timeout", "startup_timeout", "checkpoint_timeout", "monitor_interval"):
+            if getattr(args, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.local_nodes:
+        if args.node_label or args.rdzv_endpoint:
+            print("error: --local-nodes picks the node labels and the endpoint itself", file=sys.stderr)
+            return EXIT_CONFIG
+        node_argv = _strip(argv, {"--local-nodes": 1, "--timeout": 1})
+        if "--rdzv-conf" in node_argv:  # the store runs apart: no node may host it
+            i = node_argv.index("--rdzv-conf")
+            node_argv[i + 1] = "is_host=0," + node_argv[i + 1]
+        else:
+            node_argv = ["--rdzv-conf", "is_host=0", *node_argv]
+        if _has_out(rest) is None and args.out is None:
+            node_argv = ["--out", out, *node_argv]
+        return run_local_nodes(args.local_nodes, node_argv, Path(out), timeout=args.timeout)
     if _has_out(rest) is None:
         rest += ["--out", out]
     entry = [args.entry] if args.entry.endswith(".py") else ["-m", args.entry]
-    command = [sys.executable, *entry, *rest, *args.resume_arg.split()]
-    try:
-        sup = Supervisor(hosts=[h for h in args.hosts.split(",") if h],
-                         spares=[h for h in args.spares.split(",") if h], nproc_per_node=args.nproc_per_node,
-                         max_restarts=args.max_restarts, out=out, command=command,
-                         heartbeat_timeout=args.heartbeat_timeout, startup_timeout=args.startup_timeout,
-                         checkpoint_timeout=args.checkpoint_timeout, kill_grace=args.kill_grace)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    opts = NodeOptions(label=args.node_label or socket.gethostname(), out=Path(out),
+                       command=[sys.executable, *entry, *rest, *args.resume_arg.split()], n_min=n_min, n_max=n_max,
+                       nproc=args.nproc_per_node, endpoint=args.rdzv_endpoint or f"127.0.0.1:{DEFAULT_PORT}",
+                       run_id=args.rdzv_id, max_restarts=args.max_restarts, rdzv_conf=conf,
+                       heartbeat_timeout=args.heartbeat_timeout, checkpoint_timeout=args.checkpoint_timeout,
+                       startup_timeout=args.startup_timeout, monitor_interval=args.monitor_interval)
+    return run_node(opts)
 
-    def _terminate(signum: int, frame: Any) -> None:
-        sup.shutdown()
-        sys.exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return sup.run()
-    except KeyboardInterrupt:
-        sup.shutdown()
-        return 130
+def _strip(argv: list[str], flags: dict[str, int]) -> list[str]:
+    """``argv`` before ``--`` without ``flags`` (and their values); the rest unchanged."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return out + argv[i:]
+        name = a.split("=", 1)[0]
+        if name in flags:
+            i += 1 + (0 if "=" in a else flags[name])
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 if __name__ == "__main__":

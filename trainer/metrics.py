@@ -133,6 +133,10 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     ax.plot(steps, [r["loss"] for r in records], label="loss", lw=1.2)
     if records and "lm_loss" in records[0]:
         ax.plot(steps, [r["lm_loss"] for r in records], label="lm loss", lw=1.0, alpha=0.8)
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], label="validation loss", lw=1.2,
+                marker="o", ms=3, color="black")
     spikes = [r for r in records if r.get("grad_spike")]
     if spikes:
         ax.scatter([r["step"] for r in spikes], [r["loss"] for r in spikes], color="red", s=12, zorder=3,

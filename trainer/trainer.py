@@ -64,6 +64,8 @@ class Trainer:
     CLI's), else a validated copy is."""
 
     def __init__(self, cfg: TrainConfig, layout: Layout | None = None) -> None:
+        # a bad --out fails here, in one line, before any process group or model exists
+        fault.check_out_dir(cfg.logging.out)
         world = layout.world if layout is not None else env_world_size()
         if not validated_for(cfg, world):
             # a config built in code rather than by the CLI: check a copy, the caller's stays as it was
@@ -100,7 +102,8 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(
             ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
-            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param)
+            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param,
+            allow_fresh_start=ck.allow_fresh_start, failures_dir=self.out_dir)
         if ck.init_from:
             load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_param)
             sync_master_from_model(self.optimizer)
@@ -115,6 +118,7 @@ class Trainer:
         self.peak_tflops, self.peak_source = (0.0, "")
         self.writer: MetricsWriter | None = None
         self.history: list[dict[str, Any]] = []
+        self._init_extras()
 
     # ------------------------------------------------------------------------------ setup
     def build_model(self) -> nn.Module:
@@ -196,10 +200,11 @@ class Trainer:
         # rank 0 builds the embedded corpus; the others wait and reuse it
         path = None
         if self.layout.is_main:
-            path = ensure_default_dataset(d.cache_dir, d.context, d.seed, progress=self.cfg.logging.progress)
+            path = ensure_default_dataset(d.cache_dir, d.context, d.seed, progress=self.cfg.logging.progress,
+                                          valid=d.valid)
         barrier(self.layout)
         if path is None:
-            path = ensure_default_dataset(d.cache_dir, d.context, d.seed, progress=False)
+            path = ensure_default_dataset(d.cache_dir, d.context, d.seed, progress=False, valid=d.valid)
         return path
 
     def _resolve_autocast(self) -> torch.dtype | None:
@@ -323,6 +328,7 @@ class Trainer:
                 fault.maybe_hang(self.step, lay.rank)
                 self.heartbeat.beat(self.step, "start")
                 rec = self.train_step()
+                rec.update(self.step_extras(total))
                 self.heartbeat.beat(self.step, "done", completed=True)
                 self.history.append(rec)
                 if self.writer is not None:
@@ -339,7 +345,61 @@ class Trainer:
                 self.writer.close()
         if lay.is_main:
             self._write_summary()
+        self.finish_run()
         return self.history
+
+    # ------------------------------------------------------------------------------ evaluation and artefacts
+    def _init_extras(self) -> None:
+        """The validation split and the MoE health hooks (see :mod:`trainer.evaluate`, :mod:`trainer.moe_health`)."""
+        from .evaluate import load_validation
+        from .moe_health import MoeHealth
+
+        cfg = self.cfg
+        if cfg.eval.export_hf and os.path.exists(cfg.eval.export_hf) and not cfg.eval.overwrite:
+            # refused before training, not after it
+            raise ConfigError(f"--eval.export_hf {cfg.eval.export_hf} exists; pass --eval.overwrite to replace it")
+        self.val_rows = load_validation(load_manifest(self.manifest_path), verify=cfg.data.verify) \
+            if cfg.eval.enabled else None
+        self.eval_history: list[dict[str, Any]] = []
+        self.moe_health: MoeHealth | None = None
+        if cfg.model.is_moe and cfg.eval.moe_health:
+            mods = list(self.pipeline.modules) if self.pipeline is not None else [self.model]
+            self.moe_health = MoeHealth(mods, cfg.model.num_layers, cfg.model.num_experts, cfg.model.top_k, self.device)
+        self.artefacts: dict[str, Any] = {}
+
+    def step_extras(self, total: int) -> dict[str, Any]:
+        """MoE health of the step just taken, and the validation loss when due (collective)."""
+        out: dict[str, Any] = {}
+        if self.moe_health is not None:
+            group = self.layout.world_group if self.pipeline is not None else self.layout.dpep_group
+            out.update(self.moe_health.collect(group))
+        iv = self.cfg.eval.interval
+        if self.val_rows is not None and (self.step == total or (iv > 0 and self.step % iv == 0)):
+            out.update(self.evaluate())
+        return out
+
+    def evaluate(self) -> dict[str, Any]:
+        """Loss and perplexity on the validation split (collective; see :func:`trainer.evaluate.evaluate`)."""
+        from .evaluate import evaluate
+
+        if self.val_rows is None:
+            raise ValueError(f"data set {self.manifest_path} keeps no validation split (preprocess with --valid)")
+        if self.moe_health is not None:
+            self.moe_health.enabled = False
+        try:
+            res = evaluate(self, self.val_rows)
+        finally:
+            if self.moe_health is not None:
+                self.moe_health.enabled = True
+        self.eval_history.append(res)
+        return {k: v for k, v in res.items() if k != "step"}
+
+    def finish_run(self) -> None:
+        """End-of-run artefacts: MoE charts; with ``--eval.export_hf`` the transformers export
+        (from an fp32 model-only checkpoint) and generated samples; a summary of the paths (rank 0)."""
+        from .run_end import finish_run
+
+        finish_run(self)
 
     def resume(self) -> bool:
         """Continue from the newest valid full checkpoint, if any: weights, optimizer shards and
@@ -362,10 +422,17 @@ class Trainer:
         if ck.due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
             ck.save(self.step, self.model, self.optimizer,
-                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict()})
+                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict(),
+                          **self._export_meta()})
         if ck.model_due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
-            ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset})
+            ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset, **self._export_meta()})
+
+    def _export_meta(self) -> dict[str, Any]:
+        """What ``python -m trainer.export`` needs beside the weights: the config and the tokenizer
+        (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
+        return {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
+                "data_manifest": self.manifest_path}
 
     def _write_run_info(self) -> None:
         cfg, lay = self.cfg, self.layout

@@ -32,5 +32,23 @@ def patch_olmoe(
             dispatch=dispatch, check_inputs=check_inputs,
         )
         new.train(block.training)
+        _follow_experts_implementation(new, block)
         setattr(parent, child, new)
     return len(targets)
+
+
+def _follow_experts_implementation(new: FastSparseMoeBlock, block: nn.Module) -> None:
+    """Make the swapped block answer ``model.set_experts_implementation``: its experts read the
+    model config's ``_experts_implementation`` (set to ``"fastmoe"`` now, the swap's choice) and
+    dispatch any other registered name through transformers' ExpertsInterface."""
+    config = getattr(block.experts, "config", None)
+    if config is None or not hasattr(config, "_experts_implementation_internal"):
+        return  # transformers v4: no interface to follow
+    new.experts.config = config
+    new.experts._is_expert_parallel = new.ep_group is not None and new.ep_size > 1
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return
+    if "fastmoe" in ALL_EXPERTS_FUNCTIONS:
+        config._experts_implementation_internal = "fastmoe"

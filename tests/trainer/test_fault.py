@@ -1,8 +1,7 @@
-"""Soft-failure detection, fault-injection hooks, heartbeats and the supervisor's decisions."""
+"""Soft-failure detection, fault-injection hooks and heartbeats. (The launcher's decisions:
+test_elastic_rules.py; the multi-node drills: test_elastic_drills.py.)"""
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 import _ft_toy as toy
 from trainer import fault
-from trainer.launch import Supervisor, main as launch_main
 
 
 # ============================================================================ detection (one process)
@@ -102,58 +100,3 @@ def test_nan_on_one_rank_stops_every_rank_before_the_update(tmp_path: Path) -> N
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
-
-
-# ============================================================================ supervisor decisions
-def _sup(tmp_path: Path, code: str, **kw) -> Supervisor:
-    return Supervisor(hosts=kw.pop("hosts", ["h0", "h1"]), spares=kw.pop("spares", ["h2"]), nproc_per_node=1,
-                      max_restarts=kw.pop("max_restarts", 2), out=tmp_path, kill_grace=1.0,
-                      command=[sys.executable, "-c", code], **kw)
-
-
-def _events(tmp_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "launcher.jsonl").read_text().splitlines()]
-
-
-def test_fatal_exit_codes_are_not_retried(tmp_path: Path) -> None:
-    code = f"import sys; sys.exit({fault.EXIT_CHECKPOINT_FAILURE})"
-    assert _sup(tmp_path, code).run() == fault.EXIT_CHECKPOINT_FAILURE
-    kinds = [e["event"] for e in _events(tmp_path)]
-    assert kinds == ["start", "failure", "stopped", "give_up"]
-
-
-def test_crashing_rank_is_replaced_until_spares_run_out(tmp_path: Path) -> None:
-    # rank 1 always crashes: h1 is replaced by h2, then h2 fails and no spare is left
-    code = "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
-    assert _sup(tmp_path, code, max_restarts=5).run() == 1
-    ev = _events(tmp_path)
-    fails = [e for e in ev if e["event"] == "failure"]
-    assert [(f["hosts"], f["rank"], f["returncode"], f["kind"]) for f in fails] == [
-        (["h1"], 1, 3, "exit"), (["h2"], 1, 3, "exit")]
-    assert [e for e in ev if e["event"] == "replace"][0]["spare"] == "h2"
-    assert "no spare is left" in ev[-1]["reason"]
-
-
-def test_restart_limit(tmp_path: Path) -> None:
-    code = "import os, sys; sys.exit(3 if os.environ['RANK'] == '0' else 0)"
-    assert _sup(tmp_path, code, max_restarts=0).run() == 1
-    assert "restart limit 0 reached" in _events(tmp_path)[-1]["reason"]
-
-
-def test_silent_rank_counts_as_hung(tmp_path: Path) -> None:
-    # both ranks beat once; rank 0 keeps beating, rank 1 goes silent
-    code = ("import os, time, sys; sys.path.insert(0, %r); from trainer.fault import Heartbeat; "
-            "r = int(os.environ['RANK']); hb = Heartbeat(%r, r); hb.beat(0)\n"
-            "for i in range(200):\n    time.sleep(0.1)\n    (hb.beat(i) if r == 0 else None)"
-            % (str(Path(__file__).resolve().parents[2]), str(tmp_path)))
-    sup = _sup(tmp_path, code, max_restarts=0, heartbeat_timeout=1.5)
-    assert sup.run() == 1
-    (fail,) = [e for e in _events(tmp_path) if e["event"] == "failure"]
-    assert (fail["kind"], fail["rank"], fail["hosts"]) == ("hang", 1, ["h1"])
-
-
-def test_launcher_cli_errors(tmp_path: Path, capsys) -> None:
-    assert launch_main(["--hosts", "a,a", "--out", str(tmp_path), "--", "--steps", "1"]) == 2
-    assert "distinct" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        launch_main(["--hosts", "a", "--", "--steps", "1"])  # no --out anywhere

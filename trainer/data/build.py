@@ -160,8 +160,11 @@ def build_dataset(
     seed: int = 0,
     progress: bool = True,
     extra: dict[str, Any] | None = None,
+    valid: float = 0,
 ) -> str:
     """Tokenize, shuffle and shard `sources` into `out_dir`; returns the manifest path.
+    `valid`: held-out validation instances, a fraction in (0, 1) or a count >= 1 (0: none), kept in
+    `valid.npy` and never trained on (see :func:`split_validation`).
     Raises ValueError with a one-line message for every bad input."""
     context = _check_positive("context", context)
     shards = _check_positive("shards", shards)
@@ -195,6 +198,21 @@ def build_dataset(
         stream = np.memmap(stream_path, dtype=dtype, mode="r", shape=(length,))
         # Row i of `windows` is instance i: a strided view, nothing is copied until gathered.
         windows = np.lib.stride_tricks.sliding_window_view(stream, context + 1)[::context]
+        total_instances = num
+        valid_meta = None
+        n_valid = validation_count(valid, num)
+        if n_valid:
+            perm, valid_rows, dropped = split_validation(windows, perm, n_valid, progress)
+            vpath = os.path.join(staging, VALID_NAME)
+            np.save(vpath, valid_rows)
+            valid_meta = {"file": VALID_NAME, "instances": int(valid_rows.shape[0]), "requested": valid,
+                          "sha256": sha256_file(vpath), "train_instances_dropped_as_duplicates": dropped,
+                          "hash": "blake2b-128 of the instance's token bytes"}
+            num = int(perm.shape[0])
+            if num < 1:
+                raise ValueError(f"validation split {valid!r} leaves no training instance")
+            if shards > num:
+                raise ValueError(f"shards ({shards}) exceeds the number of training instances ({num})")
         shard_meta = []
         rows_per_gather = max(1, _GATHER_TOKENS // (context + 1))
         start = 0
@@ -216,6 +234,10 @@ def build_dataset(
         _clear_previous(out_dir)
         for s in shard_meta:
             os.replace(os.path.join(staging, s["file"]), os.path.join(out_dir, s["file"]))
+        if valid_meta is not None:
+            os.replace(os.path.join(staging, VALID_NAME), os.path.join(out_dir, VALID_NAME))
+        elif os.path.exists(os.path.join(out_dir, VALID_NAME)):
+            os.remove(os.path.join(out_dir, VALID_NAME))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -230,13 +252,15 @@ def build_dataset(
         "num_instances": num,
         "num_documents": n_docs,
         "stream_tokens": length,
-        "dropped_tokens": length - (num * context + 1),
+        "dropped_tokens": length - (total_instances * context + 1),
         "tokenizer": tok.describe(),
         "inputs": stats,
         "num_shards": shards,
         "shards": shard_meta,
         "fingerprint": fingerprint,
     }
+    if valid_meta is not None:
+        manifest["valid"] = valid_meta
     if extra:
         manifest.update(extra)
     mpath = os.path.join(out_dir, MANIFEST_NAME)
@@ -245,6 +269,51 @@ def build_dataset(
         f.write("\n")
     os.replace(mpath + ".tmp", mpath)
     return mpath
+
+
+VALID_NAME = "valid.npy"
+
+
+def validation_count(valid: float, num: int) -> int:
+    """Instances held out for `valid` (a fraction in (0, 1), a count >= 1, or 0) of `num`; at least
+    one when a fraction is asked for. ValueError when it would leave no training instance."""
+    if isinstance(valid, bool) or not isinstance(valid, (int, float, np.integer, np.floating)) or valid < 0:
+        raise ValueError(f"valid must be 0, a fraction in (0, 1) or a count >= 1, got {valid!r}")
+    if valid == 0:
+        return 0
+    if valid < 1:
+        n = max(1, int(round(valid * num)))
+    elif float(valid).is_integer():
+        n = int(valid)
+    else:
+        raise ValueError(f"valid must be a fraction in (0, 1) or a whole count, got {valid!r}")
+    if n >= num:
+        raise ValueError(f"valid={valid!r} holds out {n} of {num} instances, leaving none to train on")
+    return n
+
+
+def instance_hash(row: np.ndarray) -> bytes:
+    """Content hash of one instance (its token ids as stored)."""
+    return hashlib.blake2b(np.ascontiguousarray(row).tobytes(), digest_size=16).digest()
+
+
+def split_validation(windows: np.ndarray, perm: np.ndarray, n_valid: int,
+                     progress: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+    """Hold out the last `n_valid` instances of the shuffled order `perm` as the validation split:
+    returns (training order without them and without every instance whose content equals a held-out
+    one, the held-out rows [n_valid, C + 1], how many training instances were dropped as copies).
+    Repeated text in a corpus makes equal instances; dropping them keeps the split truly unseen."""
+    valid_rows = np.ascontiguousarray(windows[np.sort(perm[-n_valid:])])
+    held = {instance_hash(r) for r in valid_rows}
+    train = perm[:-n_valid]
+    keep = np.ones(train.shape[0], dtype=bool)
+    step = 1 << 14
+    with tqdm(total=train.shape[0], unit="inst", desc="   hold out", disable=not progress, file=sys.stderr) as bar:
+        for a in range(0, train.shape[0], step):
+            rows = windows[train[a:a + step]]
+            keep[a:a + rows.shape[0]] = [instance_hash(r) not in held for r in rows]
+            bar.update(rows.shape[0])
+    return train[keep], valid_rows, int((~keep).sum())
 
 
 def preprocess_files(
@@ -257,6 +326,7 @@ def preprocess_files(
     text_field: str = "text",
     eos_token: str | None = None,
     progress: bool = True,
+    valid: float = 0,
 ) -> str:
     """Preprocess input files (text, JSONL, Parquet, Arrow, directories of them) into `out_dir`;
     returns the manifest path. Every bad input raises ValueError with a one-line message."""
@@ -265,4 +335,5 @@ def preprocess_files(
     # Validate the cheap parameters before any file is read.
     _check_positive("context", context)
     _check_positive("shards", shards)
-    return build_dataset(file_sources(list(inputs), text_field), out_dir, context, tokenizer, shards, seed, progress)
+    return build_dataset(file_sources(list(inputs), text_field), out_dir, context, tokenizer, shards, seed, progress,
+                         valid=valid)

@@ -64,9 +64,10 @@ def ensure_default_dataset(
     shards: int = 1,
     tokenizer: str = "byte",
     progress: bool = True,
+    valid: float = 0.05,
 ) -> str:
     """Preprocess the default corpus once into `out_dir/default-c{context}-s{seed}-{key}/` and return
-    its manifest path; later calls with the same parameters (and the same corpus text) reuse it.
+    its manifest path (holding out `valid` of the instances as the validation split); later calls with the same parameters (and the same corpus text) reuse it.
 
     Safe to call from every rank at once: each builds in a private folder and renames it into
     place; a loser of the race discards its copy and uses the winner's, which is identical."""
@@ -76,6 +77,7 @@ def ensure_default_dataset(
     desc = tok.describe()
     key_src = json.dumps(
         {"format": FORMAT_VERSION, "corpus": corpus["sha256"], "context": context, "seed": seed, "shards": shards,
+         **({"valid": valid} if valid else {}),
          "tokenizer": {k: desc.get(k) for k in ("type", "sha256", "eos_id", "vocab_size")}},
         sort_keys=True,
     )
@@ -89,7 +91,7 @@ def ensure_default_dataset(
     tmp = tempfile.mkdtemp(prefix=".building-", dir=out_dir)
     try:
         build_dataset([memory_source(f"<{corpus['name']}>", docs)], tmp, context, tok, shards, seed, progress,
-                      extra={"corpus": corpus})
+                      extra={"corpus": corpus}, valid=valid)
         try:
             os.rename(tmp, final)
         except OSError:

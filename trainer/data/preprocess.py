@@ -31,10 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle permutation (default 0)")
     p.add_argument("--text-field", default="text", help="JSONL/Parquet/Arrow field holding the text (default text)")
     p.add_argument("--eos-token", default=None, help="EOS token of a tokenizer file, if not a usual name")
+    p.add_argument("--valid", type=float, default=0,
+                   help="held-out validation instances: a fraction in (0, 1) or a count (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     try:
-        path = preprocess_files(a.input, a.out, a.context, a.tokenizer, a.shards, a.seed, a.text_field, a.eos_token, not a.quiet)
+        path = preprocess_files(a.input, a.out, a.context, a.tokenizer, a.shards, a.seed, a.text_field, a.eos_token, not a.quiet,
+                                valid=a.valid)
     except (ValueError, OSError) as e:
         msg = " ".join(str(e).split())  # one line, whatever the underlying library printed
         print(f"{p.prog}: error: {msg}", file=sys.stderr)

@@ -42,8 +42,11 @@ def _global_rank(group: Any, group_rank: int) -> int:
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A state dict from ``path``: a ``.safetensors`` file (as ``save_pretrained`` writes), or a
-    ``torch.save`` file holding a state dict or a dict with a ``"model"`` entry (trainer checkpoints)."""
+    ``torch.save`` file holding a state dict or a dict with a ``"model"`` entry (trainer checkpoints),
+    or a transformers model directory (``python -m trainer.export``'s output, ``save_pretrained``'s)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        return read_hf_directory(path)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
@@ -54,6 +57,37 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ValueError(f"{path}: expected a state dict (name -> tensor) or a dict with a 'model' state dict")
     return dict(obj)
+
+
+def read_hf_directory(path: str) -> dict[str, torch.Tensor]:
+    """The weights of a transformers model directory: ``model.safetensors``, or every shard its
+    ``model.safetensors.index.json`` names. ValueError naming the file when one is missing."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        import json
+
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{index} is unreadable: {e}") from None
+        files = [os.path.join(path, n) for n in names]
+    else:
+        raise ValueError(f"{path} is a directory without model.safetensors or model.safetensors.index.json")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not os.path.isfile(f):
+            raise ValueError(f"{f} is missing (named by {index})")
+        try:
+            sd.update(load_file(f, device="cpu"))
+        except Exception as e:  # safetensors raises its own error types for truncated headers
+            raise ValueError(f"{f} does not load: {' '.join(str(e).split())}") from None
+    return sd
 
 
 def merge_v4_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

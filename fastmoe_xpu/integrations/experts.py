@@ -1,0 +1,254 @@
+"""``"fastmoe"`` as a transformers experts implementation: stages 2-5 behind ``@use_experts_implementation``.
+
+transformers v5 experts modules decorated with ``@use_experts_implementation``
+(``transformers/integrations/moe.py``) look their forward up in ``ALL_EXPERTS_FUNCTIONS`` by
+``config._experts_implementation``. :func:`register` adds :func:`fastmoe_experts_forward` there
+under :data:`NAME`, so ``from_pretrained(..., experts_implementation="fastmoe")`` or
+``model.set_experts_implementation("fastmoe")`` runs our counting (stage 2), index generation
+(stage 3), grouped GEMMs (stage 4) and reduction (stage 5) while the family's own router, shared
+experts and everything else stay the family's.
+
+Two paths, chosen per call from the attributes the decorator sets:
+
+* fused: gate/up concatenated, not transposed, no biases, no post-expert norm, the default gate
+  and a SiLU ``act_fn`` -- exactly the layout our stage-4 kernels fuse (gather + GEMM + SiLU*up);
+* plain: every other layout the families use. Stages 2, 3 and 5 are ours, the two GEMMs are our
+  grouped-GEMM launchers (``down_fwd``/``down_bwd``, a plain grouped ``a @ w[e]^T``), and between
+  them the module's own ``_apply_gate`` (or ``act_fn`` when ``has_gate=False``), biases and
+  ``post_expert_norm`` run in PyTorch, so a custom gate (GPT-OSS's clamped SwiGLU) is the family's
+  own code, never a re-implementation that could drift.
+
+An attribute this function does not know how to honour raises :class:`ExpertsLayoutError` naming
+it; it never guesses.
+
+Legend: T tokens, H hidden, I intermediate, K experts per token, E experts (this rank's), RT routed
+rows on this rank.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..autograd import CombineFunction, ExpertMLPFunction
+from ..device import resolve_backend
+from ..kernels import get_ops
+from ..kernels.contract import KernelBackend
+
+#: The name under which the implementation is registered.
+NAME = "fastmoe"
+#: Token block size of the counting stage (the block's TOKEN_BLOCK_SIZE; repeated to avoid importing block.py).
+TOKEN_BLOCK_SIZE = 8
+#: Attributes ``@use_experts_implementation`` sets on every experts module, all honoured here.
+LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_concatenated", "is_transposed", "has_post_expert_norm")
+
+
+class ExpertsLayoutError(ValueError):
+    """An experts module whose layout the fastmoe implementation cannot honour."""
+
+
+def _default_apply_gate() -> Any:
+    try:
+        from transformers.integrations.moe import _default_apply_gate as fn
+    except Exception:  # transformers too old to have the decorator: nothing can carry the default gate
+        return None
+    return fn
+
+
+def _is_silu(act: Any) -> bool:
+    if isinstance(act, nn.SiLU):
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except Exception:
+        return False
+    return isinstance(act, SiLUActivation)
+
+
+def describe_layout(module: nn.Module) -> dict[str, Any]:
+    """The layout flags of an experts module, checked: raises :class:`ExpertsLayoutError` naming
+    the first attribute that is missing or that this implementation cannot honour."""
+    flags: dict[str, Any] = {}
+    for attr in LAYOUT_ATTRIBUTES:
+        if not hasattr(module, attr):
+            raise ExpertsLayoutError(
+                f"{type(module).__name__} has no attribute {attr!r}: the fastmoe experts implementation serves "
+                "modules decorated with transformers' @use_experts_implementation (transformers >= 5)"
+            )
+        value = getattr(module, attr)
+        if not isinstance(value, bool):
+            raise ExpertsLayoutError(f"{type(module).__name__}.{attr} must be a bool, got {value!r}")
+        flags[attr] = value
+    if not isinstance(getattr(module, "num_experts", None), int):
+        raise ExpertsLayoutError(f"{type(module).__name__}.num_experts must be an int (the experts on this rank)")
+    up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    for name in (up_name, "down_proj"):
+        w = getattr(module, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise ExpertsLayoutError(
+                f"{type(module).__name__}.{name} must be a 3-D [experts, out, in] (or transposed) tensor with "
+                f"has_gate={flags['has_gate']}, got {type(w).__name__}"
+            )
+        if w.shape[0] != module.num_experts:
+            raise ExpertsLayoutError(
+                f"{type(module).__name__}.{name} holds {w.shape[0]} experts but num_experts={module.num_experts}"
+            )
+    if flags["has_bias"]:
+        for name in (up_name + "_bias", "down_proj_bias"):
+            if not isinstance(getattr(module, name, None), torch.Tensor):
+                raise ExpertsLayoutError(f"{type(module).__name__} has has_bias=True but no tensor {name!r}")
+    if flags["has_post_expert_norm"] and not callable(getattr(module, "post_expert_norm", None)):
+        raise ExpertsLayoutError(f"{type(module).__name__} has has_post_expert_norm=True but no post_expert_norm")
+    if flags["has_gate"]:
+        if not callable(getattr(module, "_apply_gate", None)):
+            raise ExpertsLayoutError(f"{type(module).__name__} has has_gate=True but no _apply_gate")
+        custom = getattr(type(module), "_apply_gate", None) is not _default_apply_gate()
+        flags["custom_gate"] = custom
+        if not custom and not callable(getattr(module, "act_fn", None)):
+            raise ExpertsLayoutError(f"{type(module).__name__} uses the default gate but has no callable act_fn")
+    elif not callable(getattr(module, "act_fn", None)):
+        raise ExpertsLayoutError(f"{type(module).__name__} has has_gate=False but no callable act_fn")
+    ep = getattr(module, "_is_expert_parallel", False)
+    if not isinstance(ep, bool):
+        raise ExpertsLayoutError(f"{type(module).__name__}._is_expert_parallel must be a bool, got {ep!r}")
+    flags["expert_parallel"] = ep
+    flags["fused"] = (
+        flags["has_gate"] and flags["is_concatenated"] and not flags["is_transposed"] and not flags["has_bias"]
+        and not flags["has_post_expert_norm"] and not flags["custom_gate"] and _is_silu(module.act_fn)
+    )
+    return flags
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``y [RT, O] = a [RT, In] @ w[e]^T`` per local expert group, on our stage-4 GEMM launchers.
+
+    ``down_fwd``/``down_bwd`` are a plain grouped GEMM and its gradients for any widths, so the
+    up projection of an unfused layout runs on them too (``w [E, O, In]``)."""
+
+    @staticmethod
+    def forward(ctx, a_RK: torch.Tensor, w_NOK: torch.Tensor, cum_token_counts: torch.Tensor, ops: KernelBackend):
+        ctx.save_for_backward(a_RK, w_NOK, cum_token_counts)
+        ctx.ops = ops
+        return ops.down_fwd(a_RK, cum_token_counts, w_NOK)
+
+    @staticmethod
+    def backward(ctx, dy_RO: torch.Tensor):
+        a_RK, w_NOK, cum_token_counts = ctx.saved_tensors
+        da_RK, dw_NOK = ctx.ops.down_bwd(dy_RO.contiguous(), a_RK, cum_token_counts, w_NOK)
+        return da_RK, dw_NOK, None, None
+
+
+def _backend_for(module: nn.Module, device: torch.device) -> str:
+    # A per-module override (tests, benchmarks) wins; otherwise the package's one choice
+    # (FASTMOE_BACKEND, else Triton on xpu/cuda, torch on the CPU).
+    return resolve_backend(getattr(module, "fastmoe_backend", "auto"), device)
+
+
+def _weight(module: nn.Module, name: str, transposed: bool) -> torch.Tensor:
+    """``[E, out, in]`` contiguous; a transposed ``[E, in, out]`` weight is copied (differentiably)."""
+    w = getattr(module, name)
+    if transposed:
+        w = w.transpose(1, 2)
+    return w.contiguous()
+
+
+def fastmoe_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The ``"fastmoe"`` experts implementation: ``[T, H]`` from ``hidden_states [T, H]``,
+    ``top_k_index [T, K]`` (ids ``>= num_experts`` are expert-parallel sentinels: rows this rank
+    does not own, skipped) and ``top_k_weights [T, K]``."""
+    flags = describe_layout(self)
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
+    if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
+            f"[tokens={hidden_states.shape[0]}, top_k]"
+        )
+    T = hidden_states.shape[0]
+    up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    w_up = getattr(self, up_name)
+    if T == 0 or top_k_index.shape[1] == 0:
+        return hidden_states.new_zeros(hidden_states.shape)
+    if not flags["expert_parallel"]:
+        # Without expert parallelism an id >= num_experts is a routing bug; eager would index out of range.
+        bad = (top_k_index < 0) | (top_k_index >= self.num_experts)
+        if bool(bad.any()):
+            raise ValueError(f"top_k_index holds ids outside [0, {self.num_experts}) and _is_expert_parallel is False")
+    # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
+    x_TH = hidden_states.to(w_up.dtype).contiguous()
+    ops = get_ops(_backend_for(self, x_TH.device))
+    E = self.num_experts
+    with torch.no_grad():
+        counts = ops.count_tokens(top_k_index, 0, E, TOKEN_BLOCK_SIZE)
+        rows = ops.build_indices(
+            top_k_index, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E, TOKEN_BLOCK_SIZE
+        )
+    if flags["fused"]:
+        y_RH = ExpertMLPFunction.apply(
+            x_TH, _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False), rows.input_indices,
+            rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts, ops,
+        )
+    else:
+        y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops)
+    out_TH = CombineFunction.apply(
+        y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
+        counts.cum_expert_counts, ops,
+    )
+    return out_TH.to(hidden_states.dtype)
+
+
+def _plain_stage4(
+    module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor, ops: KernelBackend,
+) -> torch.Tensor:
+    """Stage 4 for every layout the fused kernels do not cover: our grouped GEMMs, the family's gate."""
+    # One host read: the Triton backend sizes row buffers for the worst case (rows past RT hold
+    # garbage indices), and the elementwise parts below must see only real rows.
+    rt = int(cum_token_counts[-1])
+    idx = input_indices[:rt].long()
+    x_RH = x_TH.index_select(0, idx)
+    row_expert = None
+    if flags["has_bias"]:
+        sizes = (cum_token_counts[1:] - cum_token_counts[:-1]).long()
+        row_expert = torch.repeat_interleave(torch.arange(sizes.numel(), device=x_TH.device), sizes, output_size=rt)
+    up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
+    h = GroupedLinear.apply(x_RH, _weight(module, up_name, flags["is_transposed"]), cum_token_counts, ops)[:rt]
+    if row_expert is not None:
+        h = h + getattr(module, up_name + "_bias")[row_expert]
+    # The module's own gate (custom ones included) or, without a gate, its activation.
+    h = module._apply_gate(h) if flags["has_gate"] else module.act_fn(h)
+    y = GroupedLinear.apply(
+        h.contiguous(), _weight(module, "down_proj", flags["is_transposed"]), cum_token_counts, ops
+    )[:rt]
+    if row_expert is not None:
+        y = y + module.down_proj_bias[row_expert]
+    if flags["has_post_expert_norm"]:
+        y = module.post_expert_norm(y)
+    return y
+
+
+def register(interface: Any = None) -> bool:
+    """Add :data:`NAME` to transformers' ``ALL_EXPERTS_FUNCTIONS`` (or ``interface``). Returns False,
+    with nothing changed, when transformers is not installed; raises ImportError with the reason
+    when the installed transformers predates the experts interface."""
+    if interface is None:
+        try:
+            import transformers
+        except ImportError:
+            return False
+        try:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as interface
+        except ImportError as err:
+            raise ImportError(
+                f"transformers {transformers.__version__} has no experts interface "
+                "(transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS, transformers >= 5): the 'fastmoe' experts "
+                "implementation needs it; FastSparseMoeBlock and patch_olmoe work without it"
+            ) from err
+    interface.register(NAME, fastmoe_experts_forward)
+    return True

@@ -1,0 +1,217 @@
+"""Fault drills under ``python -m trainer.launch --local-nodes 3 --nnodes 2`` (torch's elastic agent,
+c10d rendezvous, gloo, one rank per node, the stand-in trainer of _ft_toy.py): two nodes train, one
+waits as a spare. A killed node, a NaN and a hang each end with the spare in the job and the exact
+state of an uninterrupted run; the rendezvous store's death and bad input end with a clear error in
+bounded time. Select them with ``-m drill``."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import _ft_toy as toy
+from trainer import fault
+from trainer.launch import descendants, free_port, read_events
+
+pytestmark = pytest.mark.drill
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, INTERVAL = 8, 2
+LIMIT = 240.0  # seconds any drill may take before it counts as hung
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference")
+    codes = toy.spawn(2, ["--out", str(out), "--steps", str(STEPS), "--interval", "0", "--dump", str(out / "dump")])
+    assert codes == [0, 0], (out / "spawn-rank-0.log").read_text()[-2000:]
+    return toy.assemble(toy.load_dumps(out / "dump"))
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(extra or {}))
+
+
+def _launch(out: Path, *trainer: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
+            nodes: int = 3) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainer.launch", "--local-nodes", str(nodes), "--nnodes", "2",
+           "--max-restarts", "2", "--monitor-interval", "0.2", "--entry", str(REPO / "tests" / "_ft_toy.py"),
+           "--timeout", str(LIMIT), "--out", str(out), *launcher, "--", "--steps", str(STEPS), "--interval",
+           str(INTERVAL), "--dump", str(out / "dump"), *trainer]
+    return subprocess.Popen(cmd, env=_env(env), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _finish(p: subprocess.Popen, timeout: float = LIMIT + 30) -> str:
+    try:
+        stdout, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(p.pid)
+        stdout, _ = p.communicate()
+        pytest.fail("the launcher did not finish in time:\n" + stdout[-4000:])
+    assert p.returncode == 0, stdout[-6000:]
+    return stdout
+
+
+def _kill_tree(pid: int) -> None:
+    for q in [pid, *descendants(pid)]:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _assert_same(out: Path, reference: dict[str, torch.Tensor]) -> None:
+    got = toy.assemble(toy.load_dumps(out / "dump"))
+    assert got.keys() == reference.keys()
+    for k, v in reference.items():
+        assert torch.equal(got[k], v), k
+
+
+def _active(ev: list[dict]) -> list[str]:
+    return sorted({e["node"] for e in ev if e["event"] == "round"})
+
+
+def test_kill9_of_a_node_tree_the_spare_takes_over(tmp_path: Path, reference) -> None:
+    out = tmp_path / "run"
+    p = _launch(out, "--step-sleep", "0.3")
+    end = time.time() + LIMIT
+    while time.time() < end:  # rank 1 inside step 3 (after the step-2 checkpoint)
+        b = fault.read_heartbeats(out).get(1)
+        if b and b["phase"] == "start" and b["step"] >= INTERVAL + 1:
+            break
+        time.sleep(0.02)
+    else:
+        _kill_tree(p.pid)
+        pytest.fail("rank 1 never reached step 3")
+    victim = b["host"]
+    (node_pid,) = [e["pid"] for e in read_events(out) if e["event"] == "node_start" and e["node"] == victim]
+    killed_at = time.time()
+    _kill_tree(node_pid)  # the node launcher, its agent's workers and anything they started
+    first_new = None
+    while p.poll() is None and time.time() < end:
+        if first_new is None:
+            done = [h for h in fault.read_heartbeats(out).values()
+                    if h["new_steps"] >= 1 and h["mtime"] > killed_at and h["pid"] != b["pid"]]
+            if done:
+                first_new = min(h["mtime"] for h in done)
+        time.sleep(0.02)
+    _finish(p)
+    ev = read_events(out)
+    assert [e["node"] for e in ev if e["event"] == "finished"] and victim not in \
+        [e["node"] for e in ev if e["event"] in ("finished", "round") and e["time"] > killed_at]
+    spare = ({"node0", "node1", "node2"} - set(_active([e for e in ev if e["time"] < killed_at]))).pop()
+    assert spare in _active([e for e in ev if e["time"] > killed_at])
+    assert first_new is not None
+    print(f"kill -9 of {victim}: first new step {first_new - killed_at:.2f}s after the kill")
+    _assert_same(out, reference)
+
+
+def test_nan_on_one_node_the_node_leaves_and_the_spare_joins(tmp_path: Path, reference) -> None:
+    out = tmp_path / "run"
+    p = _launch(out, env={fault.NAN_ENV: f"step=5,rank=1,once={tmp_path / 'nan.fired'}"})
+    _finish(p)
+    ev = read_events(out)
+    (rec,) = fault.read_failures(out)
+    assert (rec["kind"], rec["rank"], rec["step"]) == ("nonfinite", 1, 5)
+    leave = [e for e in ev if e["event"] == "leave"]
+    assert [e["node"] for e in leave] == [rec["host"]]
+    assert [e["node"] for e in ev if e["event"] == "left"] == [rec["host"]]
+    first = _active([e for e in ev if e["time"] < leave[0]["time"]])
+    after = _active([e for e in ev if e["time"] > leave[0]["time"]])
+    assert rec["host"] in first and rec["host"] not in after and len(after) == 2 and set(after) - set(first)
+    _assert_same(out, reference)  # the bad step changed no weight: the end equals an uninterrupted run
+
+
+def test_hang_on_one_node_the_watchdog_fires_and_the_run_recovers(tmp_path: Path, reference) -> None:
+    out = tmp_path / "run"
+    t0 = time.time()
+    p = _launch(out, env={fault.HANG_ENV: f"step=3,rank=0,once={tmp_path / 'hang.fired'}"},
+                launcher=("--heartbeat-timeout", "3"))
+    _finish(p)
+    ev = read_events(out)
+    hangs = [r for r in fault.read_failures(out) if r["kind"] == "hang"]
+    assert hangs and {r["rank"] for r in hangs} == {0}
+    culprit = hangs[0]["host"]
+    assert [e["node"] for e in ev if e["event"] == "leave"] == [culprit]
+    stacks = out / "stacks" / f"{culprit}-rank-00000.txt"
+    text = stacks.read_text()
+    assert "no progress for" in text and "maybe_hang" in text  # the hung frame is in the dump
+    # fired within the timeout plus a poll, not at some later collective timeout (gloo's is 120 s)
+    assert hangs[0]["seconds_silent"] < 3 + 1.0
+    assert time.time() - t0 < LIMIT
+    _assert_same(out, reference)
+
+
+def _node(out: Path, label: str, endpoint: str, *extra: str, nnodes: str = "2") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainer.launch", "--node-label", label, "--rdzv-endpoint", endpoint, "--nnodes",
+           nnodes, "--max-restarts", "1", "--monitor-interval", "0.2", "--entry",
+           str(REPO / "tests" / "_ft_toy.py"), "--out", str(out), *extra, "--", "--steps", "40", "--interval", "2",
+           "--step-sleep", "0.2"]
+    return subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait(p: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+    t0 = time.time()
+    try:
+        stdout, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(p.pid)
+        stdout, _ = p.communicate()
+        pytest.fail(f"no exit within {timeout}s:\n{stdout[-3000:]}")
+    return p.returncode, stdout, time.time() - t0
+
+
+def test_death_of_the_node_hosting_the_store_ends_the_others_with_a_clear_error(tmp_path: Path) -> None:
+    """Without --serve-store the first node hosts the rendezvous store (is_host=1); when it dies,
+    the survivor cannot form a new round: it stops with one line naming the store and the remedy."""
+    out = tmp_path / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = "read_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+    host = _node(out, "hostnode", endpoint, "--rdzv-conf", f"is_host=1,{conf}")
+    time.sleep(1.0)
+    other = _node(out, "other", endpoint, "--rdzv-conf", f"is_host=0,{conf}")
+    end = time.time() + LIMIT
+    while time.time() < end and not any(h["step"] >= 2 for h in fault.read_heartbeats(out).values()):
+        time.sleep(0.05)
+    _kill_tree(host.pid)
+    host.communicate()
+    code, stdout, took = _wait(other, 120)
+    assert code != 0
+    errors = [e for e in read_events(out) if e["event"] == "error" and e["node"] == "other"]
+    assert errors and "--serve-store" in errors[0]["reason"] and endpoint in errors[0]["reason"], stdout[-3000:]
+    print(f"survivor stopped {took:.1f}s after the store's host died")
+
+
+def test_unreachable_endpoint_is_a_clear_error_in_bounded_time(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    p = _node(tmp_path / "run", "lonely", endpoint, "--rdzv-conf", "is_host=0,read_timeout=3")
+    code, stdout, took = _wait(p, 60)
+    assert code == 1 and f"cannot reach the rendezvous store at {endpoint}" in stdout, stdout[-3000:]
+    assert took < 45
+
+
+def test_mismatched_nnodes_is_a_clear_error(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--serve-store", f"127.0.0.1:{port}"],
+                             env=_env(), cwd=REPO)
+    try:
+        time.sleep(2.0)
+        first = _node(out, "a", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0")
+        time.sleep(2.0)
+        second = _node(out, "b", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=0", nnodes="3")
+        code, stdout, took = _wait(second, 60)
+        assert code == 2 and "start every node with the same --nnodes" in stdout, stdout[-3000:]
+        _kill_tree(first.pid)
+        first.communicate()
+    finally:
+        store.terminate()
+        store.wait(timeout=30)

@@ -1,0 +1,386 @@
+"""Export a training checkpoint as a Hugging Face model directory:
+``python -m trainer.export --checkpoint OUT/checkpoints[/slot-A | /model-step-N] --out DIR``.
+
+``DIR`` then holds what transformers and its ecosystem load with no trace of this package:
+``config.json`` of the stock class (``OlmoeForCausalLM`` / ``OlmoForCausalLM``),
+``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``
+when larger than ``--max-shard-size``), ``generation_config.json`` and the tokenizer
+(``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``).
+
+Any layout's checkpoint exports: the checkpoint keys are plain tensors by parameter name (see
+:mod:`trainer.checkpoint`), whole for replicated weights, one per global expert for expert
+weights (so EP does not matter), ``/tp<r>`` parts for TP-split weights (concatenated back along
+the split dimension), and each pipeline stage's weights under their global names. The export runs
+in one process and streams: it reads one weight (one expert's slice) at a time and holds at most
+one output shard plus that weight; the peak is reported (``peak_bytes``) and bounded by
+``--max-shard-size`` plus the largest single weight.
+
+Expert weights are written the way transformers saves OLMoE (``experts.<e>.{gate,up,down}_proj.weight``),
+which both transformers 4 and 5 load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .checkpoint import (MANIFEST, META, CheckpointError, CheckpointInfo, _storage_reader, latest_valid,
+                         model_checkpoints, read_info, verify)
+
+DEFAULT_MAX_SHARD = 2 << 30
+_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
+#: TP-split weights: name suffix -> dimension their ``/tp<r>`` parts are concatenated along
+_TP_DIMS = {
+    "self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+    "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1,
+}
+
+
+class ExportError(ValueError):
+    """The checkpoint or the output directory cannot be used; the message names the file."""
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    checkpoint: Path
+    step: int
+    architecture: str
+    files: list[str]
+    total_bytes: int
+    """Bytes of weights written."""
+    peak_bytes: int
+    """Most tensor bytes held at once (the pending shard plus the weight being read)."""
+    seconds: float
+
+
+# ------------------------------------------------------------------------------ locating
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself when it is one checkpoint directory, else the newest valid checkpoint under
+    the checkpoint root ``path`` (full slots and model-only snapshots, by step)."""
+    p = Path(path)
+    if not p.exists():
+        raise ExportError(f"checkpoint {p} does not exist")
+    if not p.is_dir():
+        raise ExportError(f"checkpoint {p} is not a directory (give a checkpoint root or one slot-*/model-step-* directory)")
+    if (p / MANIFEST).exists() or (p / META).exists() or (p / ".metadata").exists():
+        return p
+    candidates: list[tuple[int, int, Path]] = []
+    reasons: list[str] = []
+    full = latest_valid(p)
+    if full is not None:
+        candidates.append((full.step, 1, full.path))
+    for m in model_checkpoints(p):
+        reason = verify(m)
+        if reason is None:
+            candidates.append((read_info(m).step, 0, m))
+        else:
+            reasons.append(reason)
+    for slot in sorted(p.glob("slot-*")):
+        if slot.is_dir() and not slot.name.endswith(".tmp") and (full is None or slot != full.path):
+            reason = verify(slot)
+            if reason:
+                reasons.append(reason)
+    if not candidates:
+        why = f": {reasons[0]}" if reasons else " (no slot-* or model-step-* directory)"
+        raise ExportError(f"no valid checkpoint under {p}{why}")
+    return max(candidates)[2]
+
+
+def _run_config(ckpt: Path, info: CheckpointInfo) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the training config dict, the data manifest's tokenizer description or None): from the
+    checkpoint's metadata, else from ``run.json`` of the run directory holding the checkpoint."""
+    meta = info.meta.get("meta", {}) or {}
+    cfg, tok = meta.get("config"), meta.get("tokenizer")
+    manifest_path = meta.get("data_manifest")
+    if cfg is None:
+        for run in (ckpt.parent.parent / "run.json", ckpt.parent / "run.json"):
+            if run.is_file():
+                try:
+                    info_json = json.loads(run.read_text())
+                except ValueError as e:
+                    raise ExportError(f"{run} is unreadable: {e}") from None
+                cfg = info_json.get("config")
+                manifest_path = manifest_path or info_json.get("data")
+                break
+    if cfg is None:
+        raise ExportError(f"{ckpt / META} records no training config and no run.json lies beside the checkpoint "
+                          "root; pass --config OUT/run.json")
+    if tok is None and manifest_path:
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                tok = json.load(f).get("tokenizer")
+        except (OSError, ValueError):
+            tok = None
+    return cfg, tok
+
+
+# ------------------------------------------------------------------------------ reading weights
+class _Reader:
+    """Reads single tensors of one DCP checkpoint directory (only the bytes of that tensor)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.md = _storage_reader(path).read_metadata().state_dict_metadata
+        except Exception as e:
+            raise ExportError(f"{path / '.metadata'}: cannot read the checkpoint index: {e}") from None
+
+    def has(self, key: str) -> bool:
+        return key in self.md
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.md[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.md[key].properties.dtype
+
+    def read(self, key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        t = torch.empty(self.shape(key), dtype=self.dtype(key))
+        box = {key: t}
+        try:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.load(box, storage_reader=_storage_reader(self.path), no_dist=True)
+        except Exception as e:  # a truncated or missing data file
+            raise ExportError(f"{self.path}: reading tensor {key!r} failed: {' '.join(str(e).split())[:400]}") from None
+        return box[key]
+
+
+def _tp_parts(reader: _Reader, name: str) -> list[str]:
+    keys, r = [], 0
+    while reader.has(f"model/{name}/tp{r}"):
+        keys.append(f"model/{name}/tp{r}")
+        r += 1
+    return keys
+
+
+def hf_tensors(reader: _Reader, names: Sequence[str], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(transformers save name, tensor)`` for every parameter in ``names`` (the stock model's
+    merged names), one at a time."""
+    for name in names:
+        if name.endswith(_EXPERT_SUFFIXES):
+            base = name.rsplit(".", 1)[0]  # ...mlp.experts
+            for e in range(num_experts):
+                key = f"model/{name}/{e}"
+                if not reader.has(key):
+                    raise ExportError(f"{reader.path} has no tensor {key!r}: a partial checkpoint, or another model")
+                t = reader.read(key)
+                if name.endswith("gate_up_proj"):
+                    inter = t.shape[0] // 2
+                    yield f"{base}.{e}.gate_proj.weight", t[:inter].contiguous()
+                    yield f"{base}.{e}.up_proj.weight", t[inter:].contiguous()
+                else:
+                    yield f"{base}.{e}.down_proj.weight", t
+            continue
+        key = f"model/{name}"
+        if reader.has(key):
+            yield name, reader.read(key)
+            continue
+        parts = _tp_parts(reader, name)
+        if parts:
+            dim = next((d for s, d in _TP_DIMS.items() if name.endswith(s)), None)
+            if dim is None:
+                raise ExportError(f"{reader.path}: {name} has tensor-parallel parts but no known split dimension")
+            yield name, torch.cat([reader.read(k) for k in parts], dim=dim)
+            continue
+        raise ExportError(f"{reader.path} has no tensor {key!r}: a partial checkpoint, or another model")
+
+
+# ------------------------------------------------------------------------------ writing
+def _prepare_out(out: Path, overwrite: bool) -> Path:
+    if out.exists() and not overwrite:
+        raise ExportError(f"output directory {out} exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"output {out} exists and is not a directory")
+    tmp = out.parent / f".{out.name}.exporting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
+              tokenizer: dict[str, Any] | None = None, progress: bool = False) -> ExportResult:
+    """Write the transformers directory ``out`` from ``checkpoint`` (a checkpoint root or one
+    checkpoint directory). ``config`` / ``tokenizer`` override what the checkpoint records (the
+    training config dict, the manifest's tokenizer description). Raises :class:`ExportError`."""
+    from safetensors.torch import save_file
+
+    from .config import TrainConfig
+    from .hf_tokenizer import write_tokenizer
+    from .model import hf_config
+
+    t0 = time.perf_counter()
+    if max_shard_bytes < 1:
+        raise ExportError(f"max shard size must be >= 1 byte, got {max_shard_bytes}")
+    ckpt = resolve_checkpoint(checkpoint)
+    reason = verify(ckpt)
+    if reason is not None:
+        raise ExportError(f"cannot export {ckpt}: {reason}")
+    info = read_info(ckpt)
+    run_cfg, tok_desc = config, tokenizer
+    if config is None:
+        run_cfg, found_tok = _run_config(ckpt, info)
+        tok_desc = tokenizer or found_tok
+    cfg = TrainConfig.from_dict(run_cfg)
+    m = cfg.model
+    if m.vocab_size < 1:
+        if tok_desc is None:
+            raise ExportError(f"the config of {ckpt} has vocab_size 0 and the data set's tokenizer is unknown")
+        m.vocab_size = int(tok_desc["vocab_size"])
+    hf = hf_config(m, cfg.data.context)
+    arch = "OlmoeForCausalLM" if m.is_moe else "OlmoForCausalLM"
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        names = list(dict(AutoModelForCausalLM.from_config(hf).named_parameters()))
+
+    out = Path(out)
+    tmp = _prepare_out(out, overwrite)
+    try:
+        reader = _Reader(ckpt)
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        pending = peak = total = 0
+        written: list[tuple[str, list[str], int]] = []
+        files: list[str] = []
+
+        def flush() -> None:
+            nonlocal pending
+            if not shards[-1]:
+                return
+            name = f"model-{len(written) + 1:05d}.safetensors"
+            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            written.append((name, list(shards[-1]), pending))
+            shards[-1] = {}
+            pending = 0
+
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            experts = m.num_experts if m.is_moe else 0
+            count = sum(experts * (2 if n.endswith("gate_up_proj") else 1) if n.endswith(_EXPERT_SUFFIXES) else 1
+                        for n in names)
+            bar = tqdm(total=count, desc="export", unit="tensor", file=sys.stderr)
+        dtype = None
+        for key, t in hf_tensors(reader, names, m.num_experts if m.is_moe else 0):
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and pending + nbytes > max_shard_bytes:
+                flush()
+            shards[-1][key] = t
+            pending += nbytes
+            total += nbytes
+            peak = max(peak, pending)
+            dtype = t.dtype
+            if bar is not None:
+                bar.update(1)
+        flush()
+        if bar is not None:
+            bar.close()
+        if len(written) == 1:
+            os.replace(tmp / written[0][0], tmp / "model.safetensors")
+            files.append("model.safetensors")
+        else:
+            n = len(written)
+            weight_map = {}
+            for i, (name, keys, _) in enumerate(written):
+                final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.replace(tmp / name, tmp / final)
+                files.append(final)
+                weight_map.update({k: final for k in keys})
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            files.append("model.safetensors.index.json")
+
+        special = {"eos_token_id": None, "pad_token_id": None}
+        if tok_desc is not None:
+            special = write_tokenizer(tok_desc, str(tmp), model_max_length=cfg.data.context)
+            files += ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+        hf.architectures = [arch]
+        hf.eos_token_id = special["eos_token_id"]
+        hf.pad_token_id = special["pad_token_id"]
+        hf.use_cache = True  # training turns the KV cache off; generation wants it
+        if m.is_moe:
+            hf.output_router_logits = False
+        hf.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+        hf.save_pretrained(str(tmp))
+        files.append("config.json")
+        from transformers import GenerationConfig
+
+        GenerationConfig(eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"]
+                         ).save_pretrained(str(tmp))
+        files.append("generation_config.json")
+        (tmp / "fastmoe_export.json").write_text(json.dumps(
+            {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"),
+             "preset": cfg.preset}, indent=2))
+        files.append("fastmoe_export.json")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=sorted(files),
+                        total_bytes=total, peak_bytes=peak, seconds=time.perf_counter() - t0)
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper()
+    num = t.rstrip("KMGB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500MB, 2GB)") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="OUT/checkpoints (newest valid checkpoint) or one slot-*/model-step-* directory")
+    p.add_argument("--out", required=True, help="directory to write (refused when it exists, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD,
+                   help="largest safetensors file before the weights are split with an index (e.g. 500MB)")
+    p.add_argument("--config", default=None, help="run.json (or a config JSON) when the checkpoint records none")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    config = tok = None
+    try:
+        if args.config:
+            try:
+                blob = json.loads(Path(args.config).read_text())
+            except (OSError, ValueError) as e:
+                raise ExportError(f"--config {args.config}: {e}") from None
+            config = blob.get("config", blob)
+            if blob.get("data"):
+                try:
+                    tok = json.loads(Path(blob["data"]).read_text()).get("tokenizer")
+                except (OSError, ValueError):
+                    tok = None
+        res = export_hf(args.checkpoint, args.out, overwrite=args.overwrite, max_shard_bytes=args.max_shard_size,
+                        config=config, tokenizer=tok, progress=not args.no_progress)
+    except (ExportError, CheckpointError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": str(res.out), "checkpoint": str(res.checkpoint), "step": res.step,
+                      "architecture": res.architecture, "weights_bytes": res.total_bytes,
+                      "peak_bytes": res.peak_bytes, "seconds": round(res.seconds, 3), "files": res.files}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

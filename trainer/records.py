@@ -1,0 +1,56 @@
+"""The run's shared records on disk: ``OUT/failures.jsonl`` and the per-rank heartbeat files.
+
+A leaf module (standard library only): the trainer's fault checks (``trainer.fault``), the in-worker
+watchdog (``trainer.watchdog``) and the node launcher (``trainer.launch``) all write or read these
+files, and none of them needs the others to do so. ``trainer.fault`` re-exports every name here.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FAILURES_FILE = "failures.jsonl"
+HEARTBEAT_DIR = "heartbeat"
+
+
+def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one JSON line durably (one ``write`` on an O_APPEND descriptor: lines from many
+    processes do not interleave)."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_failures(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(out_dir) / FAILURES_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a process killed mid-write
+    return out
+
+
+def read_heartbeats(out_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """``{rank: last heartbeat record, with the file's mtime as "mtime"}``."""
+    out = {}
+    d = Path(out_dir) / HEARTBEAT_DIR
+    if not d.exists():
+        return out
+    for f in d.glob("rank-*.json"):
+        try:
+            rec = json.loads(f.read_text())
+            rec["mtime"] = f.stat().st_mtime
+            out[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError):
+            continue  # being replaced right now; read again next poll
+    return out
