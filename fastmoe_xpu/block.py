@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .autograd import CombineFunction, ExpertMLPFunction
+from .autograd import DownCombineFunction, GateUpFunction
 from .device import resolve_backend
 from .dist.collectives import agree_on_inputs
 from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
@@ -158,13 +158,13 @@ def moe_experts_forward(
         rows = ops.build_indices(
             topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts, expert_start, num_local, block_size
         )
-    # h leaves ExpertMLPFunction as a non-differentiable output: CombineFunction's backward
+    # h leaves GateUpFunction as a non-differentiable output: DownCombineFunction's backward
     # recomputes it from gate_up, so neither h nor the expert outputs are kept for backward.
-    gate_up_R2I, h_RI = ExpertMLPFunction.apply(
+    gate_up_R2I, h_RI = GateUpFunction.apply(
         x_TH, w_gate_up_N2IH, rows.input_indices, rows.output_indices, counts.cum_token_counts,
         counts.cum_expert_counts, ops,
     )
-    return CombineFunction.apply(
+    return DownCombineFunction.apply(
         gate_up_R2I, h_RI, w_down_NHI, weights_TK, rows.output_indices, rows.selected_expert_indices,
         counts.cum_token_counts, counts.cum_expert_counts, ops,
     )

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..autograd import CombineFunction, ExpertMLPFunction
+from ..autograd import CombineFunction, DownCombineFunction, GateUpFunction
 from ..device import resolve_backend
 from ..kernels import get_ops
 from ..kernels.contract import KernelBackend
@@ -190,16 +190,21 @@ def fastmoe_experts_forward(
             top_k_index, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E, TOKEN_BLOCK_SIZE
         )
     if flags["fused"]:
-        y_RH = ExpertMLPFunction.apply(
-            x_TH, _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False), rows.input_indices,
-            rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts, ops,
+        # The layer's own saved set: x and gate/up; h and the expert rows are not kept.
+        gate_up_R2I, h_RI = GateUpFunction.apply(
+            x_TH, _weight(self, "gate_up_proj", False), rows.input_indices, rows.output_indices,
+            counts.cum_token_counts, counts.cum_expert_counts, ops,
+        )
+        out_TH = DownCombineFunction.apply(
+            gate_up_R2I, h_RI, _weight(self, "down_proj", False), top_k_weights, rows.output_indices,
+            rows.selected_expert_indices, counts.cum_token_counts, counts.cum_expert_counts, ops,
         )
     else:
         y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops)
-    out_TH = CombineFunction.apply(
-        y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
-        counts.cum_expert_counts, ops,
-    )
+        out_TH = CombineFunction.apply(
+            y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
+            counts.cum_expert_counts, ops,
+        )
     return out_TH.to(hidden_states.dtype)
 
 

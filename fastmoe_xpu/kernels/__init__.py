@@ -11,8 +11,9 @@ methods list every launcher:
 ``build_indices``         stage 3: rows and slots (:class:`.contract.RowIndices`)
 ``gate_up_fwd``           stage 4: gathered grouped GEMM with ``gate_up_proj``, then SiLU*up
 ``down_fwd``              stage 4: grouped GEMM with ``down_proj``
-``down_bwd``              stage 4 backward: input and weight gradients of the (row-weighted) down
-                          GEMM, h recomputed from gate/up, and the router-weight gradient per row
+``down_bwd``              stage 4 backward: input and weight gradients of a plain grouped GEMM
+``down_weighted_bwd``     stage 4 backward of the row-weighted down GEMM: h recomputed from gate/up,
+                          and the router-weight gradient per row
 ``silu_mul_bwd``          stage 4 backward: gradient of SiLU*up
 ``gate_up_bwd``           stage 4 backward: row gradients and weight gradient of the gate/up GEMM
 ``combine_fwd``           stage 5: weighted (or plain) reduction of expert rows back to tokens

@@ -81,13 +81,20 @@ class KernelBackend(Protocol):
         ...
 
     def down_bwd(
+        self, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 4 backward of a plain grouped GEMM: ``(dh [R, I], dw_down [NR, H, I])``."""
+        ...
+
+    def down_weighted_bwd(
         self, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
         cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Stage 4 backward of the weighted down GEMM ``w_r * (h_r @ w_down[e]^T)``, with ``dy`` the
         unweighted row gradients (``combine_bwd``'s) and ``h = silu(gate) * up`` recomputed from
         ``gate_up`` (never stored): ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] =
-        sum_r w_r dy_r^T h_r, d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)``."""
+        sum_r w_r dy_r^T h_r, d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)``; the last is the
+        router-weight gradient ``<dout_t, y_r>`` formed without the expert outputs ``y``."""
         ...
 
     def silu_mul_bwd(
@@ -130,7 +137,8 @@ class KernelBackend(Protocol):
 
 #: The launcher names of :class:`KernelBackend`, in data-path order.
 LAUNCHERS = (
-    "count_tokens", "build_indices", "gate_up_fwd", "down_fwd", "down_bwd", "silu_mul_bwd", "gate_up_bwd",
+    "count_tokens", "build_indices", "gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd",
+    "gate_up_bwd",
     "combine_fwd", "combine_bwd", "router_weights_bwd",
 )
 

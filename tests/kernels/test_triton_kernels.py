@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("triton")
 
 from fastmoe_xpu import FastSparseMoeBlock, reference  # noqa: E402
-from fastmoe_xpu.autograd import CombineFunction, ExpertMLPFunction  # noqa: E402
+from fastmoe_xpu.autograd import CombineFunction, DownCombineFunction, ExpertMLPFunction, GateUpFunction  # noqa: E402
 from fastmoe_xpu.block import moe_experts_forward  # noqa: E402
 from fastmoe_xpu import settings  # noqa: E402
 from fastmoe_xpu.kernels import configs  # noqa: E402
@@ -220,7 +220,7 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
     assert_close(h[:rt], ref_h, dtype)
     assert_close(y[:rt], ref_y, dtype)
 
-    dh, dw_d, d_row_w = tops.down_bwd(dy, gate_up, row_w, cum_token, w_d)
+    dh, dw_d, d_row_w = tops.down_weighted_bwd(dy, gate_up, row_w, cum_token, w_d)
     d_gate_up = tops.silu_mul_bwd(gate_up, dh)
     dx_rows, dw_gu = tops.gate_up_bwd(d_gate_up, x, inp, cum_token, w_gu)
     dx = tops.combine_fwd(dx_rows, None, out, out, cum_expert)
@@ -231,7 +231,7 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
     assert_close(d_row_w[:rt], rwr.grad, dtype)
     # The torch backend's down backward on the same inputs (h recomputed there too).
     with torch.no_grad():  # for fp32 the reference's leaves are the very tensors w_d, x, w_gu
-        tdh, tdw_d, td_row_w = torch_ops.down_bwd(dy[:rt], gate_up[:rt], row_w[:rt], cum_token, w_d)
+        tdh, tdw_d, td_row_w = torch_ops.down_weighted_bwd(dy[:rt], gate_up[:rt], row_w[:rt], cum_token, w_d)
     assert_close(dh[:rt], tdh, dtype)
     assert_close(dw_d, tdw_d, dtype)
     assert_close(d_row_w[:rt], td_row_w, dtype)
@@ -252,15 +252,19 @@ def test_expert_mlp_function_with_triton_ops():
     w_gu = torch.randn(NR, 2 * I, H, requires_grad=True)
     w_d = torch.randn(NR, H, I, requires_grad=True)
     counts, (inp, out, sel) = _stages_2_3(tops, idx, start, NR, 8)
-    gate_up, h = ExpertMLPFunction.apply(x, w_gu, inp, out, counts[4], counts[3], tops)
-    got = CombineFunction.apply(gate_up, h, w_d, w, out, sel, counts[4], counts[3], tops)
     g = torch.randn(T, H)
-    grads = torch.autograd.grad(got, (x, w, w_gu, w_d), g)
     want = reference.reference_experts_forward(x, w, idx, w_gu, w_d, expert_start=start)
     ref_grads = torch.autograd.grad(want, (x, w, w_gu, w_d), g)
-    assert_close(got, want)
-    for a, b in zip(grads, ref_grads):
-        assert_close(a, b)
+    # Stage by stage (the expert rows y as a tensor), and the layer's pair (nothing but gate/up kept).
+    y = ExpertMLPFunction.apply(x, w_gu, w_d, inp, out, counts[4], counts[3], tops)
+    staged = CombineFunction.apply(y, w, out, sel, counts[3], tops)
+    gate_up, h = GateUpFunction.apply(x, w_gu, inp, out, counts[4], counts[3], tops)
+    fused = DownCombineFunction.apply(gate_up, h, w_d, w, out, sel, counts[4], counts[3], tops)
+    for got in (staged, fused):
+        grads = torch.autograd.grad(got, (x, w, w_gu, w_d), g)
+        assert_close(got, want)
+        for a, b in zip(grads, ref_grads):
+            assert_close(a, b)
 
 
 # ---------------------------------------------------------------- stage 5

@@ -84,6 +84,22 @@ def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: tor
 
 
 def down_bwd(
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
+    bounds = _bounds(cum_token_counts)
+    dh_RI = cached_empty((bounds[-1], w_down_NHI.shape[2]), dy_RH)
+    dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
+    for e, s, t in _groups(bounds):
+        if t == s:
+            dw_NHI[e].zero_()
+            continue
+        torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
+        torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
+    return dh_RI, dw_NHI
+
+
+def down_weighted_bwd(
     dy_RH: torch.Tensor,
     gate_up_R2I: torch.Tensor,
     row_weights_R: torch.Tensor,

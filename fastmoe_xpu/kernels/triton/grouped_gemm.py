@@ -499,6 +499,23 @@ def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: tor
 
 
 def down_bwd(
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
+    check_float("down_bwd", None, dy=dy_RH, h=h_RI, w_down=w_down_NHI)
+    check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
+    NR, H, I = w_down_NHI.shape
+    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or h_RI.dim() != 2 or h_RI.shape != (dy_RH.shape[0], I):
+        raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and h {tuple(h_RI.shape)} do not fit "
+                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {I}])")
+    if cum_token_counts.numel() != NR + 1:
+        raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)[0]
+    dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
+    return dh, dw
+
+
+def down_weighted_bwd(
     dy_RH: torch.Tensor,
     gate_up_R2I: torch.Tensor,
     row_weights_R: torch.Tensor,
@@ -509,19 +526,20 @@ def down_bwd(
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
     inside both kernels from ``gate_up`` (never stored). Rows past RT are unspecified."""
-    check_float("down_bwd", None, dy=dy_RH, gate_up=gate_up_R2I, w_down=w_down_NHI)
-    check_float("down_bwd", dy_RH.device, row_weights=row_weights_R)
-    check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
+    op = "down_weighted_bwd"
+    check_float(op, None, dy=dy_RH, gate_up=gate_up_R2I, w_down=w_down_NHI)
+    check_float(op, dy_RH.device, row_weights=row_weights_R)
+    check_index(op, dy_RH.device, cum_token_counts=cum_token_counts)
     NR, H, I = w_down_NHI.shape
     R = dy_RH.shape[0] if dy_RH.dim() == 2 else -1
     if dy_RH.dim() != 2 or dy_RH.shape[1] != H or gate_up_R2I.dim() != 2 or gate_up_R2I.shape != (R, 2 * I):
-        raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not fit "
+        raise ValueError(f"{op}: dy {tuple(dy_RH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not fit "
                          f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {2 * I}])")
     if row_weights_R.shape != (R,) or row_weights_R.dtype != torch.float32:
-        raise ValueError(f"down_bwd: row_weights must be float32 [{R}], got {row_weights_R.dtype} "
+        raise ValueError(f"{op}: row_weights must be float32 [{R}], got {row_weights_R.dtype} "
                          f"{tuple(row_weights_R.shape)}")
     if cum_token_counts.numel() != NR + 1:
-        raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+        raise ValueError(f"{op}: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
     dh, part = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False, row_dot=(gate_up_R2I, row_weights_R))
     dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
     return dh, dw, part.sum(dim=1)
