@@ -89,7 +89,7 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     out.append(("grouped_mm_fwd[W]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
                 {"TRANS_W": False, "ROW_DOT": False, **gemm_flags}, mm_aligned))
     # down_bwd's input gradient: h recomputed in the epilogue, router-weight partials written there.
-    out.append(("grouped_mm_fwd[W,row_dot]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
+    out.append(("grouped_mm_fwd_row_dot", "grouped_mm_fwd_row_dot", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
                 {"TRANS_W": False, "ROW_DOT": True, **gemm_flags}, mm_aligned))
     bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "rw_ptr": "*fp32", "dw_ptr": act,
                "M": _I32, "N": _I32}

@@ -453,7 +453,7 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
     out = a_RK.new_empty(R, N)
     dev = a_RK.device
     backend = backend_for(dev)
-    cfg = get_config(backend, "grouped_mm_fwd")
+    cfg = get_config(backend, "grouped_mm_fwd" if row_dot is None else "grouped_mm_fwd_row_dot")
     nb = triton.cdiv(N, cfg.meta["BLOCK_N"])
     part = torch.empty(R, nb, dtype=torch.float32, device=dev) if row_dot is not None else None
     if R == 0:
