@@ -142,9 +142,9 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         # The down GEMM's backward pair: gate and up tiles live in fp32 beside the accumulator, so
         # smaller tiles than the plain GEMMs'; defaults = the least-spilling in the PVC gate (docs/xpu.md).
         "grouped_mm_bwd_silu": [
+            _c("m128n64k32", 8, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
             _c("m128n128k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
             _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
-            _c("m128n64k32", 8, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
         ],
         "grouped_mm_fwd_row_dot": [
             _c("m128n128k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
