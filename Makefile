@@ -3,9 +3,11 @@
 #   make demo   the drop-in check on a small model, then the first honest number: the Mula-7B-A1B layer
 #               against transformers and its GEMM-only bound, the published figure beside (under a minute)
 #   make test   the test suite (also builds .venv-xpu, Intel's Triton + ocloc, for the PVC compile gate)
+#   make gpu-check  on a machine with a CUDA or XPU device: device tests, bf16 benchmark of every engine,
+#               sanitizers, one summary (scripts/gpu_check.sh; uses the Python found there, no venv step)
 PY := .venv/bin/python
 
-.PHONY: venv xpu-venv run demo test bench compile-check
+.PHONY: venv xpu-venv run demo test bench compile-check gpu-check
 
 venv:
 	bash scripts/setup_venv.sh
@@ -29,3 +31,6 @@ compile-check: venv xpu-venv
 
 bench: venv
 	$(PY) -m bench --preset tiny
+
+gpu-check:
+	bash scripts/gpu_check.sh

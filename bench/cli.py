@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from fastmoe_xpu.settings import GEMM_ENGINES
+
 from .cases import DTYPES, make_case
 from .measure import set_clock
 from .presets import PRESETS, resolve_presets
@@ -38,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed interleaved rounds (after one cold call; default 5, --table3 3, --quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton "
+                    help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton, "
+                         "or fastmoe/<backend>@<engine> for one grouped-GEMM engine (triton, grouped_mm, loop) "
                          "(hf_v4 always runs: it is the correctness reference)")
+    ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
+                    help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "
+                         "per device, dtype and shape, its choice named in the provider's note)")
     ap.add_argument("--budget", type=float, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
@@ -53,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
+    cg.add_argument("--compile", action="store_true",
+                    help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
+    cg.add_argument("--compile-models", nargs="+", metavar="NAME", default=None,
+                    help="with --compile: tiny-moe and/or olmoe-mid (default both)")
     t3 = ap.add_argument_group("Table 3", "the published speedup table, layer to training step (bench/table3.py)")
     t3.add_argument("--table3", action="store_true",
                     help="measure the five Table-3 columns for the four Mula models, the published rows beside")
@@ -85,6 +96,10 @@ def _check_device(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_device(args.device)
+    if args.compile:
+        from .compiled import main_compile
+
+        return main_compile(args)
     if args.table3 or args.demo:
         from .table3 import main_table3, run_demo
 
@@ -144,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
         ceiling_n = args.ceiling_size or (256 if p.name.startswith("tiny") else 4096)
         res = run_case(case, names, backward=backward, rounds=args.rounds, budget_s=args.budget,
-                       ceiling_n=ceiling_n, progress=progress, log=log)
+                       ceiling_n=ceiling_n, progress=progress, log=log, gemm_engine=args.gemm_engine)
         derive(res, fast_names)
         print()
         print(format_case(res, mode, fast), flush=True)
+        for n, pr in res["providers"].items():  # which engine 'auto' took, beside the engines measured apart
+            if "GEMM engine auto ->" in (pr.get("note") or ""):
+                print(f"  {n}: {pr['note'].split(', ')[-1]}", flush=True)
         for n, pr in res["providers"].items():
             if pr.get("correct") is not None and not pr["correct"]["ok"]:
                 all_ok = False

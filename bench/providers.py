@@ -8,7 +8,9 @@
   experts: top-1 on the rank's (token, expert) rows, the weighted sum per token after; only the
   all-to-all itself is left out, as every provider's communication is.
 - ``fastmoe/<backend>``: stages 2-5 of FastSparseMoeBlock (``block.moe_experts_forward``) on each
-  kernel backend.
+  kernel backend, stage 4 on the engine ``--gemm-engine`` names (default ``auto``: the timed choice,
+  named in the provider's note); ``fastmoe/<backend>@<engine>``: the same with stage 4 on one
+  grouped-GEMM engine (``triton``, ``grouped_mm``, ``loop``), so each engine is reported apart.
 
 Every provider maps ``(x [T, H], weights [T, K], topk_idx [T, K]) -> out [T, H]``, differentiable in
 x, the weights and the expert parameters. The expert parameters are the case's tensors (v4's
@@ -28,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from fastmoe_xpu.block import moe_experts_forward
+from fastmoe_xpu.kernels import engines
 
 from .baselines import HFv4SparseMoeBlock
 from .cases import Case
@@ -71,6 +74,12 @@ def expand_names(names: list[str] | None) -> list[str]:
             out.extend(f"fastmoe/{b}" for b in FASTMOE_BACKENDS)
         elif n in ALL_PROVIDERS:
             out.append(n)
+        elif n.startswith("fastmoe/") and "@" in n:
+            backend, engine = n[len("fastmoe/"):].split("@", 1)
+            if backend not in FASTMOE_BACKENDS or engine not in engines.ENGINES:
+                raise ValueError(f"unknown provider {n!r}; engine providers are fastmoe/<backend>@<engine> with "
+                                 f"backend in {FASTMOE_BACKENDS} and engine in {engines.ENGINES}")
+            out.append(n)
         else:
             raise ValueError(f"unknown provider {n!r}; known: {list(ALL_PROVIDERS)} or 'fastmoe'")
     if REFERENCE not in out:
@@ -78,14 +87,16 @@ def expand_names(names: list[str] | None) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def build_provider(name: str, case: Case) -> Provider:
-    """Build ``name`` on ``case``; raises :class:`ProviderSkipped` with the reason when it cannot run."""
+def build_provider(name: str, case: Case, gemm_engine: str = "auto") -> Provider:
+    """Build ``name`` on ``case``; raises :class:`ProviderSkipped` with the reason when it cannot run.
+    ``gemm_engine``: stage 4's engine for the plain ``fastmoe/<backend>`` providers."""
     if name == "hf_v4":
         return _hf_v4(case)
     if name in ("hf_v5_eager", "hf_v5_grouped_mm"):
         return _hf_v5(case, name.split("_", 2)[2])
     if name.startswith("fastmoe/"):
-        return _fastmoe(case, name.split("/", 1)[1])
+        backend, _, engine = name.split("/", 1)[1].partition("@")
+        return _fastmoe(case, backend, engine or gemm_engine, name)
     raise ValueError(f"unknown provider {name!r}")
 
 
@@ -189,7 +200,7 @@ def _grouped_mm_path(case: Case) -> str:
 
 
 # ---------------------------------------------------------------- fastmoe
-def _fastmoe(case: Case, backend: str) -> Provider:
+def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | None = None) -> Provider:
     dev = case.device.type
     if backend == "triton":
         if dev not in ("cuda", "xpu"):
@@ -204,11 +215,28 @@ def _fastmoe(case: Case, backend: str) -> Provider:
     elif backend != "torch":
         raise ValueError(f"unknown fastmoe backend {backend!r}")
     w_gu, w_d = case.w_gate_up_N2IH, case.w_down_NHI
+    name = name or f"fastmoe/{backend}"
+    engines.check_choice(gemm_engine)
+    if gemm_engine in engines.ENGINES:
+        reason = engines.unavailable_reason(gemm_engine, backend, case.device, case.x_TH.dtype)
+        if reason is not None:
+            raise ProviderSkipped(f"{gemm_engine} engine: {reason}")
+    note = f"FastSparseMoE stages 2-5, {backend} backend, {gemm_engine} GEMM engine"
+    if gemm_engine == "auto":
+        # Take the timed choice now (one call primes it; the cache makes it a lookup next time), so
+        # that the report says which engine 'auto' is.
+        with torch.no_grad():
+            moe_experts_forward(case.x_TH, case.weights_TK, case.topk_idx_TK, w_gu, w_d, backend=backend,
+                                expert_start=0, gemm_engine="auto")
+        chosen = engines.chosen_for(backend, case.device, case.x_TH.dtype,
+                                    (w_gu.shape[2], w_d.shape[2], w_gu.shape[0], case.topk_idx_TK.numel()))
+        note = f"FastSparseMoE stages 2-5, {backend} backend, GEMM engine auto -> {chosen}"
 
     def forward(x_TH, weights_TK, idx_TK):
-        return moe_experts_forward(x_TH, weights_TK, idx_TK, w_gu, w_d, backend=backend, expert_start=0)
+        return moe_experts_forward(x_TH, weights_TK, idx_TK, w_gu, w_d, backend=backend, expert_start=0,
+                                   gemm_engine=gemm_engine)
 
     def merged_grads():
         return tuple(w.grad if w.grad is not None else torch.zeros_like(w) for w in (w_gu, w_d))
 
-    return Provider(f"fastmoe/{backend}", forward, [w_gu, w_d], merged_grads, f"FastSparseMoE stages 2-5, {backend} backend")
+    return Provider(name, forward, [w_gu, w_d], merged_grads, note)

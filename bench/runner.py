@@ -51,14 +51,16 @@ def run_case(
     ceiling_n: int = 4096,
     progress: bool = True,
     log: Callable[[str], None] = lambda s: None,
+    gemm_engine: str = "auto",
 ) -> dict:
-    """Measure one case; returns a JSON-ready dict (times in seconds)."""
+    """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
+    engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs)."""
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
                     "budget_s": budget_s}
     providers: dict[str, Provider] = {}
     for name in provider_names:
         try:
-            providers[name] = build_provider(name, case)
+            providers[name] = build_provider(name, case, gemm_engine)
         except ProviderSkipped as exc:
             result["providers"][name] = {"status": "skipped", "reason": str(exc)}
             log(f"  {name}: skipped: {exc}")

@@ -19,6 +19,8 @@ from typing import Iterator, Mapping
 
 #: Kernel backends ``FASTMOE_BACKEND`` may force.
 KERNEL_BACKENDS = ("torch", "triton")
+#: Stage-4 engines ``FASTMOE_GEMM_ENGINE`` may force (see ``kernels/engines.py``).
+GEMM_ENGINES = ("auto", "native", "triton", "grouped_mm", "loop")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
 CONFIG_TABLES = ("cuda", "hip", "xpu", "interpreter")
 
@@ -66,6 +68,15 @@ class Settings:
     """``FASTMOE_DATA_CACHE``: where the trainer preprocesses its embedded corpus; unset:
     ``~/.cache/fastmoe_xpu/data``."""
 
+    gemm_engine: str | None = None
+    """``FASTMOE_GEMM_ENGINE`` (``auto`` | ``native`` | ``triton`` | ``grouped_mm`` | ``loop``): the
+    stage-4 engine of blocks built with ``gemm_engine="auto"``; unset or ``auto``: the fastest,
+    timed once per device, dtype and shape bucket (``kernels/engines.py``)."""
+
+    gemm_cache: str | None = None
+    """``FASTMOE_GEMM_CACHE``: the JSON file that remembers the timed engine choices; unset:
+    ``$XDG_CACHE_HOME/fastmoe_xpu/gemm_engines.json`` (``~/.cache/...``)."""
+
 
 #: Field name -> environment variable.
 ENV_NAMES: Mapping[str, str] = {
@@ -78,6 +89,8 @@ ENV_NAMES: Mapping[str, str] = {
     "cpu_piece_mb": "FASTMOE_CPU_PIECE_MB",
     "dist_backend": "FASTMOE_DIST_BACKEND",
     "data_cache": "FASTMOE_DATA_CACHE",
+    "gemm_engine": "FASTMOE_GEMM_ENGINE",
+    "gemm_cache": "FASTMOE_GEMM_CACHE",
 }
 
 
@@ -134,6 +147,8 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         cpu_piece_mb=int(_number(env, "cpu_piece_mb", int, defaults.cpu_piece_mb)),
         dist_backend=_raw(env, "dist_backend").lower() or None,
         data_cache=_raw(env, "data_cache") or None,
+        gemm_engine=_choice(env, "gemm_engine", GEMM_ENGINES),
+        gemm_cache=_raw(env, "gemm_cache") or None,
     )
 
 

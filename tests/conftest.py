@@ -24,15 +24,31 @@ The checkout and tests/ are put on ``sys.path`` by the ``pythonpath`` setting in
 from __future__ import annotations
 
 import os
+import tempfile
 import types
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
+from device_util import test_device_name
+
+#: ``--device`` / ``FASTMOE_TEST_DEVICE`` (tests/device_util.py): cpu unless a GPU run asks otherwise.
+TEST_DEVICE = test_device_name()
+
 # Triton kernels run on CPU tensors under Triton's interpreter, which triton fixes when it is first
-# imported (torch._dynamo imports it while transformers loads): switch it on before any test module.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# imported (torch._dynamo imports it while transformers loads): switch it on before any test module,
+# unless the suite runs on a GPU, where the kernels are compiled.
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Blocks default to gemm_engine="auto", which times the engines on first use: the suite pins each
+# backend's own stage 4 so that results do not depend on timing noise (tests/kernels/
+# test_gemm_engines.py covers every engine and the chooser), and keeps any timed choice out of the
+# user's cache directory.
+os.environ.setdefault("FASTMOE_GEMM_ENGINE", "native")
+os.environ.setdefault("FASTMOE_GEMM_CACHE", os.path.join(
+    tempfile.mkdtemp(prefix="fastmoe-test-gemm-"), "gemm_engines.json"))
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -136,3 +152,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.interpreter)
         if reach.subprocess:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device", default=None, choices=("cpu", "cuda", "xpu"),
+        help="device of the kernel and block tests (default cpu, Triton under the interpreter; also "
+             "FASTMOE_TEST_DEVICE)",
+    )
+
+
+@pytest.fixture(scope="session")
+def device() -> Any:
+    """The torch device of the device-aware tests; skips (saying why) when it is not visible."""
+    import torch
+
+    if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--device cuda: torch sees no CUDA device")
+    if TEST_DEVICE == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        pytest.skip("--device xpu: torch sees no XPU device")
+    return torch.device(TEST_DEVICE)

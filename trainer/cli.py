@@ -21,6 +21,7 @@ from .presets import PRESETS, get_preset
 #: Short aliases of frequently changed fields.
 ALIASES: dict[str, str] = {
     "steps": "schedule.steps",
+    "compile": "model.compile",
     "allow-fresh-start": "checkpoint.allow_fresh_start",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",

@@ -52,6 +52,9 @@ class ModelConfig:
     """``"fastmoe"`` (FastSparseMoeBlock patched in) or ``"hf"`` (transformers' own block, for comparison)."""
     moe_backend: str = "auto"
     """Kernel backend of FastSparseMoeBlock: ``"auto"``, ``"torch"`` or ``"triton"``."""
+    gemm_engine: str = "auto"
+    """Stage 4's grouped-GEMM engine: ``"auto"`` (timed once per shape, cached; rank 0's choice under
+    EP), ``"native"``, ``"triton"``, ``"grouped_mm"`` or ``"loop"`` (``fastmoe_xpu/kernels/engines.py``)."""
     ep_dispatch: str = "allgather"
     """Token exchange under EP: ``"allgather"`` (the paper's choice) or ``"alltoall"``."""
     ep_check_inputs: bool = False
@@ -70,6 +73,10 @@ class ModelConfig:
     trainer.export``'s output), read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
+    compile: bool = False
+    """``torch.compile`` the decoder stack (fullgraph; the MoE blocks run as ``fastmoe`` custom ops); the step records report compile time apart from step time."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend of ``--compile`` (``"inductor"``; ``"aot_eager"`` traces the same graphs without generating code, for checks)."""
 
     @property
     def is_moe(self) -> bool:
@@ -299,6 +306,7 @@ _CHOICES = {
     ("model", "arch"): ("olmoe", "olmo"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
+    ("model", "gemm_engine"): ("auto", "native", "triton", "grouped_mm", "loop"),
     ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),

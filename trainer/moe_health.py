@@ -27,6 +27,10 @@ from .layout import all_reduce_sum
 
 
 def _in_backward() -> bool:
+    if torch.compiler.is_compiling():
+        # A traced forward (trainer --compile) cannot ask for the graph task; its hooks are traced
+        # into the forward graph, and a recomputation during backward replays that graph's ops only.
+        return False
     try:
         return torch._C._current_graph_task_id() != -1
     except AttributeError:  # pragma: no cover - older torch

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+from fastmoe_xpu.compiling import compile_decoder, compile_seconds
 
 from . import fault
 from .checkpoint import CheckpointManager, load_model, sync_master_from_model
@@ -142,6 +143,11 @@ class Trainer:
             model = self._full_model()
             prepare(model)
         self._synchronise_weights(model)
+        if cfg.model.compile:
+            if p.pp > 1:
+                raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
+            # Under EP the dispatch collectives and the input agreement break the graph (docs/compile.md).
+            compile_decoder(model, fullgraph=getattr(lay, "ep", 1) == 1, backend=cfg.model.compile_backend)
         return model
 
     def _full_model(self, *, meta: bool = False) -> nn.Module:
@@ -276,6 +282,7 @@ class Trainer:
         """One optimizer step on the next global batch; returns its metrics record."""
         m = self.cfg.model
         t0 = time.perf_counter()
+        c0 = compile_seconds()
         micro = self.loader.next_batch()
         parts = self.forward_backward(micro)
         # NaN/Inf on any rank stops every rank here, before the update (raises fault.SoftFailure)
@@ -285,7 +292,9 @@ class Trainer:
         upd = self.optimizer_step()
         if self.device.type != "cpu":
             getattr(torch, self.device.type).synchronize()
-        dt = time.perf_counter() - t0
+        # Compilation (first steps under --compile) is reported apart, not as step time.
+        compile_s = compile_seconds() - c0
+        dt = max(time.perf_counter() - t0 - compile_s, 1e-9)
         self.step += 1
         lm, lb, z = (float(parts.lm), float(parts.lb), float(parts.z))
         loss = lm + (m.load_balancing_coef * lb + m.z_loss_coef * z if m.is_moe else 0.0)
@@ -297,6 +306,7 @@ class Trainer:
                 upd["clip"] is not None and upd["grad_norm"] > upd["clip"]),
             "grad_spike": spike, "grad_spikes": self.spikes.count, "param_norm": upd["param_norm"],
             "tokens": self.step * self.tokens_per_step, "step_time_s": dt, "tokens_per_s": tok_s,
+            "compile_s": compile_s,
         }
         if self.peak_tflops > 0:
             rec["mfu"] = self.flops_per_token * tok_s / (self.layout.world * self.peak_tflops * 1e12)
@@ -461,6 +471,7 @@ class Trainer:
             "loss_min": min(r["loss"] for r in h), "grad_spikes": self.spikes.count,
             "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
             "wall_s": sum(r["step_time_s"] for r in h),
+            "compile_s": sum(r.get("compile_s", 0.0) for r in h),
         }
         if "mfu" in h[-1]:
             summary["mfu_mean"] = sum(r["mfu"] for r in timed) / len(timed)

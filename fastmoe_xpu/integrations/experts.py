@@ -31,10 +31,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import ops as moe_ops
 from ..autograd import CombineFunction, DownCombineFunction, GateUpFunction
 from ..device import resolve_backend
 from ..kernels import get_ops
 from ..kernels.contract import KernelBackend
+from ..kernels.engines import choose_engine, lazy_timer, with_engine
 
 #: The name under which the implementation is registered.
 NAME = "fastmoe"
@@ -145,6 +147,12 @@ def _backend_for(module: nn.Module, device: torch.device) -> str:
     return resolve_backend(getattr(module, "fastmoe_backend", "auto"), device)
 
 
+@torch.compiler.assume_constant_result
+def _traced_backend(backend: str, device_type: str) -> str:
+    """:func:`resolve_backend` outside the traced graph (the compiler keeps its answer)."""
+    return resolve_backend(backend, torch.device(device_type))
+
+
 def _weight(module: nn.Module, name: str, transposed: bool) -> torch.Tensor:
     """``[E, out, in]`` contiguous; a transposed ``[E, in, out]`` weight is copied (differentiably)."""
     w = getattr(module, name)
@@ -175,29 +183,50 @@ def fastmoe_experts_forward(
     w_up = getattr(self, up_name)
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
-    if not flags["expert_parallel"]:
+    compiling = torch.compiler.is_compiling()
+    if not flags["expert_parallel"] and not compiling:  # a host read: eager only
         # Without expert parallelism an id >= num_experts is a routing bug; eager would index out of range.
         bad = (top_k_index < 0) | (top_k_index >= self.num_experts)
         if bool(bad.any()):
             raise ValueError(f"top_k_index holds ids outside [0, {self.num_experts}) and _is_expert_parallel is False")
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
     x_TH = hidden_states.to(w_up.dtype).contiguous()
-    ops = get_ops(_backend_for(self, x_TH.device))
     E = self.num_experts
+    if compiling and flags["fused"]:
+        # Traced: the fastmoe custom ops (no host read, worst-case shapes), backend fixed at trace time.
+        out_TH = moe_ops.moe_experts(
+            x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False),
+            backend=_traced_backend(getattr(self, "fastmoe_backend", "auto"), x_TH.device.type),
+            expert_start=0, block_size=TOKEN_BLOCK_SIZE,
+        )
+        return out_TH.to(hidden_states.dtype)
+    ops = get_ops(_backend_for(self, x_TH.device))
     with torch.no_grad():
         counts = ops.count_tokens(top_k_index, 0, E, TOKEN_BLOCK_SIZE)
         rows = ops.build_indices(
             top_k_index, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E, TOKEN_BLOCK_SIZE
         )
     if flags["fused"]:
+        w_gu, w_d = _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False)
+        # Stage 4's grouped-GEMM engine (kernels/engines.py): the module's ``fastmoe_gemm_engine`` or
+        # auto. transformers' expert parallelism gives no group to agree on a timed choice, so its
+        # shards keep the backend's own engine: ranks must not round differently.
+        wanted = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
+        with torch.no_grad():
+            engine = choose_engine(
+                wanted, backend=ops.NAME, device=x_TH.device, dtype=x_TH.dtype,
+                shape=(w_gu.shape[2], w_d.shape[2], E, top_k_index.numel()),
+                measure=lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gu, w_d),
+            )
+        ops = with_engine(ops, engine)
         # The layer's own saved set: x and gate/up; h and the expert rows are not kept.
         gate_up_R2I, h_RI = GateUpFunction.apply(
-            x_TH, _weight(self, "gate_up_proj", False), rows.input_indices, rows.output_indices,
-            counts.cum_token_counts, counts.cum_expert_counts, ops,
+            x_TH, w_gu, rows.input_indices, rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts,
+            ops,
         )
         out_TH = DownCombineFunction.apply(
-            gate_up_R2I, h_RI, _weight(self, "down_proj", False), top_k_weights, rows.output_indices,
-            rows.selected_expert_indices, counts.cum_token_counts, counts.cum_expert_counts, ops,
+            gate_up_R2I, h_RI, w_d, top_k_weights, rows.output_indices, rows.selected_expert_indices,
+            counts.cum_token_counts, counts.cum_expert_counts, ops,
         )
     else:
         y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops)

@@ -3,7 +3,9 @@
 Backends: ``"cuda"`` (NVIDIA, tuned for sm_90), ``"hip"`` (AMD, gfx942), ``"xpu"`` (Intel Data Center
 GPU Max, PVC) and ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU: small tiles so that tests
 exercise multi-tile paths quickly). The first config of each list is the one the launchers use;
-the others are alternatives that ``compile_check`` also compiles.
+the others are alternatives that ``compile_check`` also compiles. On GPUs the grouped GEMMs
+(``gate_up_fwd``, ``grouped_mm_fwd``, ``grouped_mm_bwd``) time every config of their list once per
+N, K and rows-per-expert bucket and keep the fastest (``triton/autotune.py``).
 
 Intel notes (from the Intel XPU backend's performance guidance): ``tl.dot`` operands that are
 plain strided tiles are loaded through block pointers so that the backend emits 2D block loads and

@@ -141,6 +141,8 @@ LAUNCHERS = (
     "gate_up_bwd",
     "combine_fwd", "combine_bwd", "router_weights_bwd",
 )
+#: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/engines.py``).
+STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "silu_mul_bwd", "gate_up_bwd")
 
 
 # ---------------------------------------------------------------- shared input checks

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+from device_util import test_device_name
+
+if test_device_name() != "cpu":  # these build CPU tensors for the interpreter; a GPU run compiles instead
+    pytest.skip("interpreter tests on CPU tensors; on a GPU run tests/kernels/test_gemm_engines.py runs the "
+                "kernels compiled on the device", allow_module_level=True)
+
 os.environ["TRITON_INTERPRET"] = "1"  # before the first 'import triton' of this process
 
 import subprocess

@@ -46,7 +46,8 @@ def gate_up_fwd(
     w_gate_up_N2IH: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
-    ``h [R, I] = silu(gate) * up``.
+    ``h [R, I] = silu(gate) * up``. R is ``input_indices``' length (at least RT); rows past RT
+    are zero, so a caller that sizes for the worst case (the custom ops, R = T*K) gets defined rows.
 
     A piece of consecutive experts at a time: their rows are gathered into a cached buffer, each
     expert's GEMM reads its part, and SiLU*up runs on the piece's fresh GEMM output, so the gathered
@@ -55,9 +56,13 @@ def gate_up_fwd(
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
     bounds = _bounds(cum_token_counts)
     rt = bounds[-1]
+    rows_out = max(rt, input_indices.shape[0])
     two_i = w_gate_up_N2IH.shape[1]
-    gate_up_R2I = cached_empty((rt, two_i), x_TH)
-    h_RI = cached_empty((rt, two_i // 2), x_TH)
+    gate_up_R2I = cached_empty((rows_out, two_i), x_TH)
+    h_RI = cached_empty((rows_out, two_i // 2), x_TH)
+    if rows_out > rt:
+        gate_up_R2I[rt:].zero_()
+        h_RI[rt:].zero_()
     pieces = _expert_pieces(bounds, piece_rows(x_TH.shape[1]))
     buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
     for piece in pieces:
@@ -73,10 +78,13 @@ def gate_up_fwd(
 
 
 def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
-    """``y [R, H] = h @ w_down[e]^T`` per expert group."""
+    """``y [R, H] = h @ w_down[e]^T`` per expert group; R is ``h``'s rows, those past RT are zero."""
     check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
     bounds = _bounds(cum_token_counts)
-    y_RH = cached_empty((bounds[-1], w_down_NHI.shape[1]), h_RI)
+    rt = bounds[-1]
+    y_RH = cached_empty((max(rt, h_RI.shape[0]), w_down_NHI.shape[1]), h_RI)
+    if y_RH.shape[0] > rt:
+        y_RH[rt:].zero_()
     for e, s, t in _groups(bounds):
         if t > s:
             torch.mm(h_RI[s:t], w_down_NHI[e].t(), out=y_RH[s:t])

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ..configs import backend_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index
+from . import autotune
 from . import launch as _launch
 
 
@@ -433,13 +434,16 @@ def gate_up_fwd(
     if R == 0 or T == 0:
         return gate_up, h
     backend = backend_for(dev)
-    cfg = get_config(backend, "gate_up_fwd")
-    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
-    _launch.launch(
-        _gate_up_fwd_kernel, grid,
-        (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
-        cfg, dev, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, x_TH.dtype),
-    )
+
+    def go(cfg):
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(
+            _gate_up_fwd_kernel, grid,
+            (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
+            cfg, dev, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, x_TH.dtype),
+        )
+
+    go(autotune.choose("gate_up_fwd", backend, I, H, R, NR, dev, go))
     return gate_up, h
 
 
@@ -453,21 +457,29 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
     out = a_RK.new_empty(R, N)
     dev = a_RK.device
     backend = backend_for(dev)
-    cfg = get_config(backend, "grouped_mm_fwd" if row_dot is None else "grouped_mm_fwd_row_dot")
-    nb = triton.cdiv(N, cfg.meta["BLOCK_N"])
-    part = torch.empty(R, nb, dtype=torch.float32, device=dev) if row_dot is not None else None
-    if R == 0:
-        return out, part
-    grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), nb, NR)
+    kernel = "grouped_mm_fwd" if row_dot is None else "grouped_mm_fwd_row_dot"
+    # The grid's column blocks fix part's width, so the config is chosen first (autotune's launch
+    # callback writes into a part buffer of that config's width).
+    part_holder: list[torch.Tensor | None] = [None]
     # Without ROW_DOT the epilogue's pointers are never read; `out` stands in for them.
     gate_up, rw = row_dot if row_dot is not None else (out, out)
-    _launch.launch(
-        _grouped_mm_fwd_kernel, grid,
-        (a_RK, w, cum_token_counts, out, gate_up, rw, part if part is not None else out, N, K, nb), cfg, dev,
-        TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
-        ROW_DOT=row_dot is not None,
-    )
-    return out, part
+
+    def go(cfg):
+        nb = triton.cdiv(N, cfg.meta["BLOCK_N"])
+        part = torch.empty(R, nb, dtype=torch.float32, device=dev) if row_dot is not None else None
+        part_holder[0] = part
+        if R == 0:
+            return
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), nb, NR)
+        _launch.launch(
+            _grouped_mm_fwd_kernel, grid,
+            (a_RK, w, cum_token_counts, out, gate_up, rw, part if part is not None else out, N, K, nb), cfg, dev,
+            TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
+            ROW_DOT=row_dot is not None,
+        )
+
+    go(autotune.choose(kernel, backend, N, K, R, NR, dev, go))
+    return out, part_holder[0]
 
 
 def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
@@ -478,15 +490,20 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     dw = torch.empty_like(w_like)
     dev = a_RM.device
     backend = backend_for(dev)
-    cfg = get_config(backend, "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu")
-    grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-    _launch.launch(
-        _grouped_mm_bwd_kernel, grid,
-        (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
-         row_weights if row_weights is not None else dw, dw, M, N), cfg, dev,
-        GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RM.dtype),
-        SILU_B=row_weights is not None,
-    )
+    kernel = "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu"
+
+    def go(cfg):
+        grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(
+            _grouped_mm_bwd_kernel, grid,
+            (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
+             row_weights if row_weights is not None else dw, dw, M, N), cfg, dev,
+            GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend),
+            DOT_PRECISION=dot_precision(backend, a_RM.dtype), SILU_B=row_weights is not None,
+        )
+
+    # Keyed on the weight's (M, N) and the rows reduced over per expert.
+    go(autotune.choose(kernel, backend, N, M, a_RM.shape[0], NR, dev, go))
     return dw
 
 

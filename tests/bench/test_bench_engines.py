@@ -1,0 +1,39 @@
+"""bench: each grouped-GEMM engine as its own provider (fastmoe/<backend>@<engine>), and the plain
+provider's auto choice named in its note."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.cases import make_case
+from bench.presets import PRESETS
+from bench.providers import ProviderSkipped, build_provider, expand_names
+from fastmoe_xpu import settings
+from fastmoe_xpu.kernels import engines
+from tolerances import assert_close
+
+
+def test_engine_provider_names():
+    assert expand_names(["fastmoe/torch@grouped_mm", "fastmoe/torch@loop"]) == [
+        "hf_v4", "fastmoe/torch@grouped_mm", "fastmoe/torch@loop"]
+    with pytest.raises(ValueError, match="engine providers"):
+        expand_names(["fastmoe/torch@cutlass"])
+
+
+def test_each_engine_computes_the_same_layer_and_auto_is_named(tmp_path):
+    case = make_case(PRESETS["tiny"], dtype="fp32", device="cpu", seed=0)
+    outs = {}
+    for name in ("fastmoe/torch@loop", "fastmoe/torch@grouped_mm"):
+        p = build_provider(name, case)
+        assert name.split("@")[1] + " GEMM engine" in p.note
+        outs[name] = p.forward(case.x_TH, case.weights_TK, case.topk_idx_TK).detach()
+    assert_close(outs["fastmoe/torch@grouped_mm"], outs["fastmoe/torch@loop"])
+    engines.forget_choices()
+    with settings.override(gemm_engine=None, gemm_cache=str(tmp_path / "c.json")):
+        auto = build_provider("fastmoe/torch", case)
+    engines.forget_choices()
+    chosen = auto.note.rsplit("auto -> ", 1)[1]
+    assert chosen in ("loop", "grouped_mm")
+    with pytest.raises(ProviderSkipped, match="interpreter|TRITON_INTERPRET|GPU"):
+        build_provider("fastmoe/triton@triton", case)
+    assert torch.isfinite(outs["fastmoe/torch@loop"]).all()
