@@ -100,6 +100,11 @@ def down_combine_backward(
     dweights_TK = ops.router_weights_bwd(d_row_weights_R, weights_TK, output_indices, selected_expert_indices,
                                          cum_expert_counts)
     d_gate_up_R2I = ops.silu_mul_bwd(gate_up_R2I, dh_RI, cum_token_counts)
+    if d_gate_up_R2I.shape[0] < gate_up_R2I.shape[0]:
+        # An exact-rows engine (the loop) behind a worst-case-rows backend (Triton): autograd wants
+        # gate_up's shape; the rows past RT are never read.
+        pad = d_gate_up_R2I.new_zeros(gate_up_R2I.shape[0] - d_gate_up_R2I.shape[0], gate_up_R2I.shape[1])
+        d_gate_up_R2I = torch.cat([d_gate_up_R2I, pad])
     return d_gate_up_R2I, dw_down, dweights_TK
 
 
