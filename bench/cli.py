@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    fam = ap.add_argument_group("families", "one experts layer of a transformers MoE family at its published "
+                                "shape: the family's eager and grouped_mm against fastmoe (bench/families.py)")
+    fam.add_argument("--family", default=None, metavar="NAME", help="qwen3_moe, gpt_oss or mixtral")
+    fam.add_argument("--family-scale", type=int, default=1,
+                     help="with --family: divide H and I by this (a layer too large or slow here; printed)")
+    fam.add_argument("--tokens", type=int, default=None, help="with --family: tokens of the layer call (default 2048)")
     cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
     cg.add_argument("--compile", action="store_true",
                     help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
@@ -96,6 +102,10 @@ def _check_device(device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_device(args.device)
+    if args.family:
+        from .families import run_family
+
+        return run_family(args)
     if args.compile:
         from .compiled import main_compile
 

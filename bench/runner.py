@@ -52,15 +52,20 @@ def run_case(
     progress: bool = True,
     log: Callable[[str], None] = lambda s: None,
     gemm_engine: str = "auto",
+    build: Callable[[str, Case], Provider] | None = None,
+    reference: str = REFERENCE,
 ) -> dict:
     """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
-    engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs)."""
+    engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs).
+    ``build`` makes a provider from its name (``bench --family`` passes its own; the default is
+    :func:`build_provider` with ``gemm_engine``), ``reference`` names the one the others are checked
+    against."""
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
                     "budget_s": budget_s}
     providers: dict[str, Provider] = {}
     for name in provider_names:
         try:
-            providers[name] = build_provider(name, case, gemm_engine)
+            providers[name] = build(name, case) if build is not None else build_provider(name, case, gemm_engine)
         except ProviderSkipped as exc:
             result["providers"][name] = {"status": "skipped", "reason": str(exc)}
             log(f"  {name}: skipped: {exc}")
@@ -88,13 +93,13 @@ def run_case(
 
     # Cold calls; the reference first so that each other provider is checked and its tensors freed.
     ref_out = None
-    order = [CEILING, BOUND] + sorted(providers, key=lambda n: n != REFERENCE)
+    order = [CEILING, BOUND] + sorted(providers, key=lambda n: n != reference)
     for name in order:
         if name in providers:
             prov = providers[name]
             f, b, got = timed_call(prov, case, backward=backward, capture=True)
             entry = result["providers"][name] = {"status": "ok", "note": prov.note, "cold_s": f + b}
-            if name == REFERENCE:
+            if name == reference:
                 ref_out = got
             if ref_out is not None:
                 entry["correct"] = compare(got, ref_out, case.dtype)

@@ -2,7 +2,7 @@
 from .block import FastSparseMoeBlock
 from .integrations.experts import NAME as EXPERTS_IMPLEMENTATION
 from .integrations.experts import fastmoe_experts_forward
-from .integrations.experts import register as _register_experts
+from .integrations.experts import register_lazily as _register_experts
 from .integrations.transformers import patch_olmoe
 from .kernels.torch.buffers import release_buffers
 from .routing import OLMOE_LOAD_BALANCING_COEF, OLMOE_Z_LOSS_COEF, load_balancing_loss, router_z_loss
@@ -20,6 +20,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# transformers models then accept experts_implementation="fastmoe" (a no-op without transformers;
-# an ImportError naming the version when transformers predates the experts interface).
+# transformers models then accept experts_implementation="fastmoe": registered now when transformers'
+# experts interface is already imported, else right after it is (it is ~2 s to import, and every use of
+# the name imports it first); a no-op without transformers; an ImportError naming the version when
+# transformers predates the experts interface.
 _register_experts()

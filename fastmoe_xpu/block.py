@@ -27,6 +27,7 @@ from .dist.collectives import agree_on_inputs
 from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
 from .dist.env import check_group_device
 from .dist.sharding import EXPERT_IDS_NAME, expert_range
+from .integrations.experts import when_interface_imported
 from .integrations.v4_keys import merge_v4_expert_keys
 from .kernels import get_ops
 from .kernels.engines import check_choice, choose_engine, lazy_timer, with_engine
@@ -110,12 +111,17 @@ class Experts(nn.Module):
         return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
 
 
-try:  # the very default gate function, so that transformers (and describe_layout) see the default gate
-    from transformers.integrations.moe import _default_apply_gate as _hf_default_gate
-except Exception:  # transformers missing or without v5's experts interface: keep the identical method above
-    pass
-else:
-    Experts._apply_gate = _hf_default_gate
+def _adopt_default_gate(moe: Any) -> None:
+    """The very default gate function, so that transformers (and describe_layout) see the default gate;
+    without v5's experts interface the identical method above stays."""
+    fn = getattr(moe, "_default_apply_gate", None)
+    if fn is not None:
+        Experts._apply_gate = fn
+
+
+# when transformers' MoE module is imported (now, or later: importing it costs ~2 s, see
+# fastmoe_xpu/__init__.py); nothing happens without transformers
+when_interface_imported(_adopt_default_gate)
 
 
 def _slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

@@ -338,3 +338,53 @@ def test_patched_olmoe_unknown_implementation_raises() -> None:
     _, fast = _patched_olmoe()
     with pytest.raises(ValueError, match="not supported"):
         fast.set_experts_implementation("no_such_impl")
+
+
+def test_id_guard_never_reads_the_device_off_the_cpu() -> None:
+    """On an accelerator the guard is a device-side assert: a meta tensor (whose value cannot be read
+    on the host) passes through it, where a host read would raise. The CPU keeps the immediate error."""
+    from fastmoe_xpu.integrations.experts import check_ids
+
+    check_ids(torch.zeros(4, 2, dtype=torch.long, device="meta"), E)
+    with pytest.raises(ValueError, match="outside"):
+        check_ids(torch.full((4, 2), E, dtype=torch.long), E)
+    check_ids(torch.full((4, 2), E - 1, dtype=torch.long), E)
+
+
+def test_routed_rows_read_only_under_expert_parallelism() -> None:
+    """Without EP every slot is routed: T * K, no device read (a meta tensor proves it); with EP
+    sentinels the count is read back."""
+    from fastmoe_xpu.integrations.experts import routed_rows
+
+    assert routed_rows(torch.empty(E + 1, dtype=torch.int32, device="meta"), 7, 3, False) == 21
+    assert routed_rows(torch.tensor([0, 2, 5], dtype=torch.int32), 7, 3, True) == 5
+    with pytest.raises(Exception):
+        routed_rows(torch.empty(E + 1, dtype=torch.int32, device="meta"), 7, 3, True)
+
+
+def test_registration_is_lazy_and_in_place_before_first_use() -> None:
+    """A fresh interpreter: importing fastmoe_xpu does not import transformers' MoE module, yet the
+    first from_config asking for "fastmoe" finds it registered, and the block's experts carry
+    transformers' default gate function."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "import fastmoe_xpu\n"
+        "assert 'transformers.integrations.moe' not in sys.modules, 'imported eagerly'\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from fastmoe_xpu.integrations.families import tiny_config\n"
+        "m = AutoModelForCausalLM.from_config(tiny_config('qwen3_moe'), experts_implementation='fastmoe')\n"
+        "assert m.config._experts_implementation == 'fastmoe'\n"
+        "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate\n"
+        "assert ALL_EXPERTS_FUNCTIONS['fastmoe'] is fastmoe_xpu.fastmoe_experts_forward\n"
+        "from fastmoe_xpu.block import Experts\n"
+        "assert Experts._apply_gate is _default_apply_gate\n"
+        "assert not any(type(f).__name__ == '_RegisterOnImport' for f in sys.meta_path)\n"
+        "print('ok')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

@@ -142,8 +142,8 @@ def list_presets() -> str:
         c = fn()
         m = c.model
         pc = param_counts(m, m.vocab_size or 258)
-        experts = str(m.num_experts) if m.is_moe else "-"
-        k = str(m.top_k) if m.is_moe else "-"
+        experts = str(m.num_experts) if m.is_moe or m.is_hf else "-"
+        k = str(m.top_k) if m.is_moe or m.is_hf else "-"
         rows.append(f"{name:16s} {m.arch:6s} {m.num_layers:6d} {m.hidden_size:6d} {m.num_heads:5d} "
                     f"{m.intermediate_size:6d} {experts:>4s} {k:>2s}  {_human(pc.total):>9s}  {_human(pc.active):>9s}")
     return "\n".join(rows)

@@ -13,11 +13,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
 from .parallelism.ac_spec import parse_ac
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the CLI prints its message as one line and exits non-zero."""
 
 
 @dataclass
@@ -25,7 +23,8 @@ class ModelConfig:
     """The network: transformers' OlmoeForCausalLM (``arch="olmoe"``) or OlmoForCausalLM (``"olmo"``)."""
 
     arch: str = "olmoe"
-    """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM) or ``"olmo"`` (dense OlmoForCausalLM)."""
+    """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM), ``"olmo"`` (dense OlmoForCausalLM) or ``"hf"``
+    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; data parallel only)."""
     num_layers: int = 2
     """Decoder layers (L)."""
     hidden_size: int = 64
@@ -73,6 +72,15 @@ class ModelConfig:
     trainer.export``'s output), read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
+    hf_config: str | None = None
+    """A transformers ``config.json`` (or a directory holding one) to train with ``arch="hf"`` (setting it selects
+    that arch); its sizes replace the fields above. ``moe_impl`` picks experts_implementation ``"fastmoe"`` or ``"eager"`` (hf)."""
+    hf_family: str = ""
+    """With ``arch="hf"`` and no ``hf_config``: a transformers MoE family (``qwen3_moe``, ``deepseek_v3``, ...) whose tiny
+    config takes the sizes above."""
+    router_bias_update_rate: float = 0.001
+    """``arch="hf"`` routers with a score-correction bias (DeepSeek-V3): ``bias += rate * sign(mean_load - load)``
+    after every step (aux-loss-free balancing); 0 turns it off; ignored by families without such a bias."""
     compile: bool = False
     """``torch.compile`` the decoder stack (fullgraph; the MoE blocks run as ``fastmoe`` custom ops); the step records report compile time apart from step time."""
     compile_backend: str = "inductor"
@@ -80,7 +88,13 @@ class ModelConfig:
 
     @property
     def is_moe(self) -> bool:
+        """The OLMoE block's model (the paths EP, PP, TP and the OLMoE loss serve)."""
         return self.arch == "olmoe"
+
+    @property
+    def is_hf(self) -> bool:
+        """Any transformers MoE family (trainer/hf_family.py)."""
+        return self.arch == "hf"
 
 
 @dataclass
@@ -303,7 +317,7 @@ def section_classes() -> dict[str, type]:
 
 # ----------------------------------------------------------------------------- validation
 _CHOICES = {
-    ("model", "arch"): ("olmoe", "olmo"),
+    ("model", "arch"): ("olmoe", "olmo", "hf"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
     ("model", "gemm_engine"): ("auto", "native", "triton", "grouped_mm", "loop"),
@@ -322,6 +336,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
     size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
     m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
+    if m.hf_config and m.arch == "olmoe":
+        m.arch = "hf"  # --model.hf_config on top of any preset trains that config
     for (section, name), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
@@ -351,7 +367,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         raise ConfigError(f"Adam betas must lie in [0, 1), got ({o.beta1}, {o.beta2})")
     if o.lr < 0 or s.min_lr < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError("--optim.lr, --schedule.min_lr, --optim.grad_clip and --optim.weight_decay must be >= 0")
-    if m.num_heads * m.head_dim != m.hidden_size:
+    if m.is_hf:
+        from .hf_config import check_hf
+
+        check_hf(cfg)  # fills the size fields from the transformers config
+    elif m.hf_config or m.hf_family:
+        raise ConfigError(f"--model.hf_config / --model.hf_family need --model.arch hf, got {m.arch!r}")
+    if not m.is_hf and m.num_heads * m.head_dim != m.hidden_size:
         raise ConfigError(
             f"hidden_size={m.hidden_size} must equal num_heads * head_dim = {m.num_heads} * {m.head_dim}"
         )
@@ -362,7 +384,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             raise ConfigError(f"num_experts={m.num_experts} is not divisible by EP={p.ep}")
         if p.ep > 1 and m.moe_impl != "fastmoe":
             raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
-    elif p.ep != 1:
+    elif p.ep != 1 and not m.is_hf:
         raise ConfigError(f"arch={m.arch!r} has no experts; EP must be 1, got {p.ep}")
     if world_size is not None:
         if p.dp == 0:

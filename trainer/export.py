@@ -237,6 +237,11 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
         tok_desc = tokenizer or found_tok
     cfg = TrainConfig.from_dict(run_cfg)
     m = cfg.model
+    if m.is_hf:
+        # the weights are the family's own names already, but a router's score-correction bias lives in the
+        # checkpoint's metadata, not its weights: exporting those families is not implemented yet
+        raise ExportError(f"export of --model.arch hf runs ({m.hf_family or m.hf_config}) is not implemented; "
+                          "only OLMoE and OLMo checkpoints export (load the checkpoint with the trainer instead)")
     if m.vocab_size < 1:
         if tok_desc is None:
             raise ExportError(f"the config of {ckpt} has vocab_size 0 and the data set's tokenizer is unknown")

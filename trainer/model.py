@@ -54,7 +54,12 @@ def hf_config(m: ModelConfig, context: int) -> Any:
 def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device | str = "cpu",
                 ep_group: Any = None, ep_size: int = 1) -> nn.Module:
     """Build the model with weights drawn from ``seed`` (identical on every rank), patched with
-    FastSparseMoeBlock when ``m.moe_impl == "fastmoe"``; with EP, each rank keeps its own experts."""
+    FastSparseMoeBlock when ``m.moe_impl == "fastmoe"``; with EP, each rank keeps its own experts.
+    ``arch="hf"``: any transformers MoE family (:func:`trainer.hf_family.build_hf_model`)."""
+    if m.is_hf:
+        from .hf_family import build_hf_model
+
+        return build_hf_model(m, context, seed=seed, device=device)
     cfg = hf_config(m, context)
     torch.manual_seed(seed)
     if m.arch == "olmoe":
@@ -107,7 +112,9 @@ class ParamCounts:
 
 def param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
     """Count parameters from the config alone, as the transformers classes lay them out
-    (no model is built, so this works for the 220B preset)."""
+    (no model is built, so this works for the 220B preset); ``arch="hf"`` counts a meta-device build."""
+    if m.is_hf:
+        return _hf_param_counts(m, vocab_size)
     V = vocab_size or m.vocab_size
     H, L, I = m.hidden_size, m.num_layers, m.intermediate_size
     attn = 4 * H * m.num_heads * m.head_dim
@@ -136,3 +143,23 @@ def flops_per_token(m: ModelConfig, context: int, vocab_size: int | None = None)
     N_active excludes the input embedding lookup."""
     n = param_counts(m, vocab_size).active_matmul
     return 6 * n + 12 * m.num_layers * m.num_heads * m.head_dim * context
+
+def _hf_param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCounts:
+    """:class:`ParamCounts` of ``arch="hf"``, counted on a meta-device build."""
+    from transformers import AutoModelForCausalLM
+
+    from .hf_config import hf_model_config
+
+    cfg = hf_model_config(m, 1)
+    if vocab_size or m.vocab_size:
+        cfg.vocab_size = vocab_size or m.vocab_size
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = expert = 0
+    for n, p in model.named_parameters():
+        total += p.numel()
+        if is_expert_param(n):
+            expert += p.numel()
+    embed = model.get_input_embeddings().weight.numel()
+    active = total - expert + (expert * m.top_k) // max(m.num_experts, 1)
+    return ParamCounts(total=total, active=active, embedding=embed, expert=expert)

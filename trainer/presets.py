@@ -91,6 +91,27 @@ def tiny_dense() -> TrainConfig:
     )
 
 
+def _tiny_family(name: str, family: str, **model: object) -> TrainConfig:
+    """tiny-moe's sizes and recipe on a transformers MoE family (``arch="hf"``, trainer/hf_family.py)."""
+    cfg = tiny_moe()
+    cfg.preset = name
+    cfg.model = ModelConfig(arch="hf", hf_family=family, num_layers=2, hidden_size=64, num_heads=4, head_dim=16,
+                            intermediate_size=128, num_experts=8, top_k=2, vocab_size=0, **model)  # type: ignore[arg-type]
+    cfg.optim.name = "adamw"  # data parallel only: ZeRO-1 ("sharded") works too, EP does not apply
+    return cfg
+
+
+def tiny_qwen3_moe() -> TrainConfig:
+    """Qwen3-MoE-like (softmax top-k router, the family's load-balancing aux loss), tiny-moe's sizes."""
+    return _tiny_family("tiny-qwen3-moe", "qwen3_moe")
+
+
+def tiny_deepseek_v3() -> TrainConfig:
+    """DeepSeek-V3-like (MLA attention, sigmoid group-limited router with a score-correction bias updated
+    from the loads, one shared expert), tiny-moe's sizes; 8 experts in 2 groups, 1 group per token."""
+    return _tiny_family("tiny-deepseek-v3", "deepseek_v3", norm_topk_prob=True)
+
+
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "mula-1b": mula_1b,
     "mula-7b-a1b": mula_7b_a1b,
@@ -99,6 +120,8 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "mula-220b-a10b": mula_220b_a10b,
     "tiny-moe": tiny_moe,
     "tiny-dense": tiny_dense,
+    "tiny-qwen3-moe": tiny_qwen3_moe,
+    "tiny-deepseek-v3": tiny_deepseek_v3,
 }
 
 

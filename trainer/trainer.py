@@ -98,6 +98,11 @@ class Trainer:
 
         self.model = self.build_model()
         self.model.train()
+        self.hf = None  # arch="hf": the family's loss, expert loads and router bias (trainer/hf_family.py)
+        if m.is_hf:
+            from .hf_family import HfMoeRun
+
+            self.hf = HfMoeRun(self.model, m, self.device)
         self.optimizer: ZeroAdamW = self.build_optimizer()
         self.step = 0
         ck = cfg.checkpoint
@@ -235,6 +240,8 @@ class Trainer:
         """Forward and backward over this rank's micro-batches (through the pipeline schedule under
         PP); gradients accumulate in the optimizer's flat buffers. Returns the global sums."""
         global_targets = global_target_count(micro_batches, self.layout.dpep_group, self.device)
+        if self.hf is not None:
+            return self.hf.forward_backward(self, micro_batches, global_targets)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(micro_batches, global_targets)
         acc: MicroLoss | None = None
@@ -297,7 +304,7 @@ class Trainer:
         dt = max(time.perf_counter() - t0 - compile_s, 1e-9)
         self.step += 1
         lm, lb, z = (float(parts.lm), float(parts.lb), float(parts.z))
-        loss = lm + (m.load_balancing_coef * lb + m.z_loss_coef * z if m.is_moe else 0.0)
+        loss = lm + (m.load_balancing_coef * lb + m.z_loss_coef * z if m.is_moe or m.is_hf else 0.0)
         spike, running = self.spikes.update(upd["grad_norm"])
         tok_s = self.tokens_per_step / dt
         rec: dict[str, Any] = {
@@ -315,6 +322,8 @@ class Trainer:
             rec["tokens_per_expert"] = tpe
             mean = sum(tpe) / len(tpe)
             rec["expert_load_max_over_mean"] = max(tpe) / mean if mean > 0 else 0.0
+        if self.hf is not None:  # per-expert load and the router bias update (after the weights moved)
+            rec.update(self.hf.end_step(self.layout.dpep_group))
         return rec
 
     # ------------------------------------------------------------------------------ the run
@@ -421,6 +430,8 @@ class Trainer:
         self.step = res.info.step
         self.loader.load_state_dict(meta["data"])
         self.spikes.load_state_dict(meta["spikes"])
+        if self.hf is not None:
+            self.hf.load_state(meta.get("router_bias"))
         if self.layout.is_main:
             print(f"resumed from {res.info.path} at step {self.step} ({res.seconds:.2f}s"
                   f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
@@ -441,8 +452,11 @@ class Trainer:
     def _export_meta(self) -> dict[str, Any]:
         """What ``python -m trainer.export`` needs beside the weights: the config and the tokenizer
         (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
-        return {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
+        meta = {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
                 "data_manifest": self.manifest_path}
+        if self.hf is not None and self.hf.routers:
+            meta["router_bias"] = self.hf.state()  # buffers: the weights segments do not carry them
+        return meta
 
     def _write_run_info(self) -> None:
         cfg, lay = self.cfg, self.layout

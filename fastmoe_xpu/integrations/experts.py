@@ -161,6 +161,30 @@ def _weight(module: nn.Module, name: str, transposed: bool) -> torch.Tensor:
     return w.contiguous()
 
 
+def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
+    """Without expert parallelism an id outside ``[0, num_experts)`` is a routing bug (eager would
+    index out of range). On the CPU: ValueError at once (reading a host tensor costs no sync). On an
+    accelerator: ``torch._assert_async``, a device-side check that never waits for the device (a
+    host read here would be a sync per layer); a bad id then fails at the next synchronisation."""
+    bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
+    if top_k_index.device.type == "cpu":
+        if bool(bad):
+            raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
+        return
+    torch._assert_async(~bad, f"fastmoe experts: top_k_index holds ids outside [0, {num_experts}) and "
+                              "_is_expert_parallel is False")
+
+
+def routed_rows(cum_token_counts: torch.Tensor, tokens: int, top_k: int, expert_parallel: bool) -> int:
+    """Routed rows on this rank. Without expert parallelism every slot of the ``T`` tokens is routed
+    (ids were checked to be in range), so it is ``T * K`` with no device read; with EP sentinels it is
+    read back (one host read: the Triton backend sizes row buffers for the worst case, rows past RT
+    hold garbage indices, and the elementwise parts must see only real rows)."""
+    if not expert_parallel:
+        return tokens * top_k
+    return int(cum_token_counts[-1])
+
+
 def fastmoe_experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -184,11 +208,8 @@ def fastmoe_experts_forward(
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     compiling = torch.compiler.is_compiling()
-    if not flags["expert_parallel"] and not compiling:  # a host read: eager only
-        # Without expert parallelism an id >= num_experts is a routing bug; eager would index out of range.
-        bad = (top_k_index < 0) | (top_k_index >= self.num_experts)
-        if bool(bad.any()):
-            raise ValueError(f"top_k_index holds ids outside [0, {self.num_experts}) and _is_expert_parallel is False")
+    if not flags["expert_parallel"] and not compiling:  # traced: the custom ops below never read the ids back
+        check_ids(top_k_index, self.num_experts)
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
     x_TH = hidden_states.to(w_up.dtype).contiguous()
     E = self.num_experts
@@ -229,7 +250,7 @@ def fastmoe_experts_forward(
             counts.cum_token_counts, counts.cum_expert_counts, ops,
         )
     else:
-        y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops)
+        y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops, top_k_index.shape[1])
         out_TH = CombineFunction.apply(
             y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
             counts.cum_expert_counts, ops,
@@ -239,12 +260,10 @@ def fastmoe_experts_forward(
 
 def _plain_stage4(
     module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor, ops: KernelBackend,
+    cum_token_counts: torch.Tensor, ops: KernelBackend, top_k: int,
 ) -> torch.Tensor:
     """Stage 4 for every layout the fused kernels do not cover: our grouped GEMMs, the family's gate."""
-    # One host read: the Triton backend sizes row buffers for the worst case (rows past RT hold
-    # garbage indices), and the elementwise parts below must see only real rows.
-    rt = int(cum_token_counts[-1])
+    rt = routed_rows(cum_token_counts, x_TH.shape[0], top_k, flags["expert_parallel"])
     idx = input_indices[:rt].long()
     x_RH = x_TH.index_select(0, idx)
     row_expert = None
@@ -286,3 +305,111 @@ def register(interface: Any = None) -> bool:
             ) from err
     interface.register(NAME, fastmoe_experts_forward)
     return True
+
+
+#: The module that defines transformers' experts interface; every use of an experts implementation
+#: name (``from_pretrained``/``from_config``/``set_experts_implementation``) imports it first.
+INTERFACE_MODULE = "transformers.integrations.moe"
+
+
+class _RegisterAfterExec:
+    """The interface module's own loader, with :func:`register` run right after the module body."""
+
+    def __init__(self, inner: Any, finder: "_RegisterOnImport") -> None:
+        self._inner, self._finder = inner, finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        self._finder.remove()
+        _run_callbacks(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, resources, ...
+        return getattr(self._inner, name)
+
+
+class _RegisterOnImport:
+    """A ``sys.meta_path`` finder that registers :data:`NAME` right after :data:`INTERFACE_MODULE`
+    executes, then removes itself. The experts interface is filled in that module's body, and
+    transformers checks ``experts_implementation`` against it, so every path to a model that asks for
+    the name imports it first: registration is in place before any use, while ``import fastmoe_xpu``
+    no longer pays for importing transformers' MoE module."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        import sys
+
+        if fullname != INTERFACE_MODULE:
+            return None
+        for finder in list(sys.meta_path):  # whichever finder would have found it
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            # cannot run after the body: register the moment this finder is asked, from the real
+            # module imported by the normal machinery (this finder stepping aside first)
+            self.remove()
+            import importlib
+
+            _run_callbacks(importlib.import_module(fullname))
+            return None
+        spec.loader = _RegisterAfterExec(spec.loader, self)
+        return spec
+
+    def remove(self) -> None:
+        import sys
+
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+_CALLBACKS: list[Any] = []
+
+
+def _run_callbacks(module: Any) -> None:
+    while _CALLBACKS:
+        _CALLBACKS.pop(0)(module)
+
+
+def when_interface_imported(fn: Any) -> None:
+    """Call ``fn(transformers.integrations.moe)`` now if that module is imported, else right after it is."""
+    import sys
+
+    mod = sys.modules.get(INTERFACE_MODULE)
+    if mod is not None:
+        fn(mod)
+        return
+    _CALLBACKS.append(fn)
+    if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+def register_lazily() -> str:
+    """Register :data:`NAME` now when transformers' experts interface is already imported (or when
+    transformers is too old to have one: :func:`register` then raises its ImportError), else as soon as
+    it is imported. Returns ``"now"``, ``"on import"`` or ``"absent"`` (no transformers installed)."""
+    import importlib.util
+    import sys
+
+    if INTERFACE_MODULE in sys.modules:
+        register()
+        return "now"
+    try:
+        from importlib.metadata import version
+
+        major = int(version("transformers").split(".")[0])
+    except Exception:  # not installed (or no metadata): decide by importing, as before
+        return "absent" if importlib.util.find_spec("transformers") is None else _eager()
+    if major < 5:
+        return _eager()  # raises the ImportError naming the version
+    when_interface_imported(lambda mod: register(mod.ALL_EXPERTS_FUNCTIONS))
+    return "on import"
+
+
+def _eager() -> str:
+    return "now" if register() else "absent"

@@ -1,0 +1,182 @@
+"""``python -m bench --family NAME``: one experts layer of a transformers MoE family at its published
+shape, run by the family's own experts module with ``experts_implementation`` ``"eager"``,
+``"grouped_mm"`` and ``"fastmoe"``, in the same run, interleaved, min over rounds.
+
+The three contestants are one module (the family's decorated experts class, so its own layout:
+transposed, interleaved, biased, custom gate) whose ``config._experts_implementation`` is switched
+per call, so they share every weight. Inputs and routing come from :func:`bench.cases.make_case`
+(a softmax top-K router on random weights: the family's router is not part of the experts layer);
+timing, the GEMM-only bound, the dense ceiling and the correctness check against ``eager`` are
+:func:`bench.runner.run_case`'s, the table :func:`bench.report.format_case`'s.
+
+``--family-scale S`` divides H and I by S (rounded to a multiple of 8) and ``--tokens T`` sets the
+tokens, for machines where the published layer does not fit or takes too long; the output says so.
+
+Legend: T tokens, H hidden, I intermediate, E experts, K experts per token.
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .cases import Case, make_case
+from .presets import Preset
+from .providers import Provider
+from .report import MODES, derive, format_case, run_header
+from .runner import run_case
+
+#: Implementations every family is run with, the family's eager first (the correctness reference).
+IMPLEMENTATIONS = ("eager", "grouped_mm", "fastmoe")
+
+
+@dataclass(frozen=True)
+class FamilyShape:
+    model: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+
+
+#: One MoE layer of each family's published model (its config.json on the Hub).
+FAMILY_SHAPES: dict[str, FamilyShape] = {
+    "qwen3_moe": FamilyShape("Qwen3-30B-A3B", 2048, 768, 128, 8),
+    "gpt_oss": FamilyShape("GPT-OSS-20B", 2880, 2880, 32, 4),
+    "mixtral": FamilyShape("Mixtral-8x7B", 4096, 14336, 8, 2),
+}
+
+#: Tokens of one layer call unless ``--tokens`` says otherwise.
+DEFAULT_TOKENS = 2048
+
+
+def _round8(v: float) -> int:
+    return max(8, int(round(v / 8)) * 8)
+
+
+def family_preset(family: str, *, scale: int = 1, tokens: int | None = None) -> tuple[Preset, str]:
+    """The bench preset of ``family``'s layer and a note of what was scaled (empty: the published shape)."""
+    if family not in FAMILY_SHAPES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILY_SHAPES)}")
+    if scale < 1:
+        raise ValueError(f"--family-scale must be >= 1, got {scale}")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
+    s = FAMILY_SHAPES[family]
+    H, I = (s.hidden, s.intermediate) if scale == 1 else (_round8(s.hidden / scale), _round8(s.intermediate / scale))
+    T = DEFAULT_TOKENS if tokens is None else tokens
+    notes = []
+    if scale != 1:
+        notes.append(f"H and I divided by {scale} (published H={s.hidden}, I={s.intermediate})")
+    if T != DEFAULT_TOKENS:
+        notes.append(f"{T} tokens instead of {DEFAULT_TOKENS}")
+    name = f"{family} ({s.model}{', scaled' if notes else ''})"
+    return Preset(name, H, I, s.experts, s.top_k, T, 1, f"{s.model} experts layer"), "; ".join(notes)
+
+
+def experts_module(family: str, preset: Preset, dtype: torch.dtype, device: torch.device, seed: int) -> nn.Module:
+    """The family's own experts module at ``preset``'s shape, every weight drawn ~ N(0, 0.02) from ``seed``."""
+    from fastmoe_xpu.integrations.families import discover_families, tiny_config
+
+    import fastmoe_xpu  # noqa: F401  (registers "fastmoe")
+
+    fam = {f.name: f for f in discover_families()}.get(family)
+    if fam is None:
+        raise ValueError(f"transformers has no decorated experts class for {family!r}")
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(mod, fam.experts_classes[0])
+    fields = {"hidden_size": preset.hidden, "intermediate_size": preset.intermediate,
+              "moe_intermediate_size": preset.intermediate, "num_experts": preset.experts,
+              "num_local_experts": preset.experts, "num_experts_per_tok": preset.top_k}
+    base = tiny_config(family)
+    cfg = tiny_config(family, **{k: v for k, v in fields.items() if hasattr(base, k)})
+    cfg._experts_implementation = "eager"
+    with torch.device("meta"):
+        experts = cls(cfg)
+    experts = experts.to_empty(device=device).to(dtype)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+    return experts
+
+
+def family_providers(family: str, case: Case, seed: int = 0) -> dict[str, Provider]:
+    """One provider per implementation, all on one experts module (shared weights)."""
+    experts = experts_module(family, case.preset, case.dtype, case.device, seed)
+    params = [p for p in experts.parameters()]
+    named = dict(experts.named_parameters())
+    up = "gate_up_proj" if "gate_up_proj" in named else "up_proj"
+
+    def make(impl: str) -> Provider:
+        def forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
+            experts.config._experts_implementation = impl
+            return experts(x_TH, idx_TK, weights_TK)
+
+        def merged_grads() -> tuple[torch.Tensor, torch.Tensor]:
+            return tuple(w.grad if w.grad is not None else torch.zeros_like(w)
+                         for w in (named[up], named["down_proj"]))  # type: ignore[return-value]
+
+        flags = ", ".join(f"{a}={getattr(experts, a)}" for a in ("is_transposed", "is_concatenated", "has_bias"))
+        return Provider(f"{family}/{impl}", forward, params, merged_grads,
+                        f"{type(experts).__name__} ({flags}), experts_implementation={impl!r}", [experts])
+
+    return {f"{family}/{impl}": make(impl) for impl in IMPLEMENTATIONS}
+
+
+def run_family(args: Any) -> int:
+    """The ``--family`` entry of ``python -m bench`` (``args`` from :func:`bench.cli.build_parser`)."""
+    from .measure import set_clock
+
+    if args.mode not in MODES:
+        raise SystemExit(f"--family runs --mode {' / '.join(MODES)}, got {args.mode!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_clock(args.clock)
+    rounds = 5 if args.rounds is None else args.rounds
+    if rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    try:
+        preset, note = family_preset(args.family, scale=args.family_scale, tokens=args.tokens)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    device = torch.device(args.device)
+    header = run_header(device, dict(vars(args)))
+    m = header["machine"]
+    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
+          f"torch {m['torch']}, transformers {m['transformers']}")
+    print(f"# {header['command']}")
+    print(f"# {args.family}: one experts layer of {FAMILY_SHAPES[args.family].model}"
+          + (f"; SCALED: {note}" if note else " at its published shape"))
+    print("# routing: softmax top-K on random router weights (the router is not timed); weights N(0, 0.02)")
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.no_progress else (lambda s: None)
+    case = make_case(preset, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
+    providers = family_providers(args.family, case, args.seed)
+    names = list(providers)
+    res = run_case(case, names, backward=args.mode != "fwd", rounds=rounds, budget_s=args.budget,
+                   ceiling_n=args.ceiling_size or 1024, progress=not args.no_progress, log=log,
+                   build=lambda name, _case: providers[name], reference=names[0])
+    res["family"] = {"name": args.family, "model": FAMILY_SHAPES[args.family].model, "scaled": note}
+    fast = f"{args.family}/fastmoe"
+    derive(res, [fast])
+    print()
+    print(format_case(res, args.mode, fast), flush=True)
+    ok = all(p.get("correct", {}).get("ok", True) for p in res["providers"].values() if p.get("status") == "ok")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"family_{args.family}.json"
+    path.write_text(json.dumps({**header, "cases": [res]}, indent=2, default=str) + "\n")
+    print(f"# wrote {path}")
+    del case, providers
+    gc.collect()
+    if not ok:
+        print(f"# CORRECTNESS FAILURE: an implementation disagrees with {names[0]}", file=sys.stderr)
+        return 1
+    return 0
