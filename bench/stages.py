@@ -60,10 +60,15 @@ def _pipeline(case: Case, ops) -> dict[str, Callable[[], object]]:
         st["out"] = ops.combine_fwd(st["y"], w, st["oi"], st["sel"], st["cexp"])
 
     def combine_bwd():
-        st["dy"], st["dw"] = ops.combine_bwd(dout, st["y"], w, st["oi"], st["sel"], st["cexp"])
+        # as the layer trains: unweighted row gradients and row weights; y is not read
+        st["dy"], st["rw"] = ops.combine_bwd(dout, w, st["oi"], st["sel"], st["cexp"])
 
     def down_bwd():
-        st["dh"], st["dwd"] = ops.down_bwd(st["dy"], st["h"], st["ctok"], w_d)
+        # the weighted down backward: h recomputed from gate/up, router-weight gradient per row
+        st["dh"], st["dwd"], st["drw"] = ops.down_weighted_bwd(st["dy"], st["gu"], st["rw"], st["ctok"], w_d)
+
+    def router_weights_bwd():
+        st["dw"] = ops.router_weights_bwd(st["drw"], w, st["oi"], st["sel"], st["cexp"])
 
     def silu_mul_bwd():
         # with the counts, as ExpertMLPFunction calls it: the Triton kernel then computes only the RT routed rows
@@ -81,7 +86,8 @@ def _pipeline(case: Case, ops) -> dict[str, Callable[[], object]]:
     return {
         "router (stage 1, not in providers)": router, "count_tokens": count, "build_indices": indices,
         "gate_up_fwd": gate_up_fwd, "down_fwd": down_fwd, "combine_fwd": combine_fwd,
-        "combine_bwd": combine_bwd, "down_bwd": down_bwd, "silu_mul_bwd": silu_mul_bwd,
+        "combine_bwd": combine_bwd, "down_bwd": down_bwd, "router_weights_bwd": router_weights_bwd,
+        "silu_mul_bwd": silu_mul_bwd,
         "gate_up_bwd": gate_up_bwd, "combine_dx": combine_dx, "_release": release,
     }
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import ops as moe_ops
-from .autograd import CombineFunction, ExpertMLPFunction
+from .autograd import DownCombineFunction, GateUpFunction
 from .device import resolve_backend
 from .dist.collectives import agree_on_inputs
 from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
@@ -188,12 +188,15 @@ def moe_experts_forward(
             group=ep_group,
         )
         ops = with_engine(ops, engine)
-    y_RH = ExpertMLPFunction.apply(
-        x_TH, w_gate_up_N2IH, w_down_NHI, rows.input_indices, rows.output_indices, counts.cum_token_counts,
+    # h leaves GateUpFunction as a non-differentiable output: DownCombineFunction's backward
+    # recomputes it from gate_up, so neither h nor the expert outputs are kept for backward.
+    gate_up_R2I, h_RI = GateUpFunction.apply(
+        x_TH, w_gate_up_N2IH, rows.input_indices, rows.output_indices, counts.cum_token_counts,
         counts.cum_expert_counts, ops,
     )
-    return CombineFunction.apply(
-        y_RH, weights_TK, rows.output_indices, rows.selected_expert_indices, counts.cum_expert_counts, ops
+    return DownCombineFunction.apply(
+        gate_up_R2I, h_RI, w_down_NHI, weights_TK, rows.output_indices, rows.selected_expert_indices,
+        counts.cum_token_counts, counts.cum_expert_counts, ops,
     )
 
 

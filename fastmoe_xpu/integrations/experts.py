@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops as moe_ops
-from ..autograd import CombineFunction, ExpertMLPFunction
+from ..autograd import CombineFunction, DownCombineFunction, GateUpFunction
 from ..device import resolve_backend
 from ..kernels import get_ops
 from ..kernels.contract import KernelBackend
@@ -239,16 +239,22 @@ def fastmoe_experts_forward(
                 shape=(w_gu.shape[2], w_d.shape[2], E, top_k_index.numel()),
                 measure=lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gu, w_d),
             )
-        y_RH = ExpertMLPFunction.apply(
-            x_TH, w_gu, w_d, rows.input_indices,
-            rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts, with_engine(ops, engine),
+        ops = with_engine(ops, engine)
+        # The layer's own saved set: x and gate/up; h and the expert rows are not kept.
+        gate_up_R2I, h_RI = GateUpFunction.apply(
+            x_TH, w_gu, rows.input_indices, rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts,
+            ops,
+        )
+        out_TH = DownCombineFunction.apply(
+            gate_up_R2I, h_RI, w_d, top_k_weights, rows.output_indices, rows.selected_expert_indices,
+            counts.cum_token_counts, counts.cum_expert_counts, ops,
         )
     else:
         y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops, top_k_index.shape[1])
-    out_TH = CombineFunction.apply(
-        y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
-        counts.cum_expert_counts, ops,
-    )
+        out_TH = CombineFunction.apply(
+            y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
+            counts.cum_expert_counts, ops,
+        )
     return out_TH.to(hidden_states.dtype)
 
 

@@ -11,11 +11,14 @@ methods list every launcher:
 ``build_indices``         stage 3: rows and slots (:class:`.contract.RowIndices`)
 ``gate_up_fwd``           stage 4: gathered grouped GEMM with ``gate_up_proj``, then SiLU*up
 ``down_fwd``              stage 4: grouped GEMM with ``down_proj``
-``down_bwd``              stage 4 backward: input and weight gradients of the down GEMM
+``down_bwd``              stage 4 backward: input and weight gradients of a plain grouped GEMM
+``down_weighted_bwd``     stage 4 backward of the row-weighted down GEMM: h recomputed from gate/up,
+                          and the router-weight gradient per row
 ``silu_mul_bwd``          stage 4 backward: gradient of SiLU*up
 ``gate_up_bwd``           stage 4 backward: row gradients and weight gradient of the gate/up GEMM
 ``combine_fwd``           stage 5: weighted (or plain) reduction of expert rows back to tokens
-``combine_bwd``           stage 5 backward: row gradients and router-weight gradients
+``combine_bwd``           stage 5 backward: unweighted row gradients and each row's weight
+``router_weights_bwd``    stage 5 backward: the per-row router-weight gradients back to ``[T, K]``
 ========================  ======================================================================
 
 ``configs.py`` holds the Triton tiles per device; which backend and table run is decided by

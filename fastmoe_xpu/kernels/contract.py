@@ -83,7 +83,18 @@ class KernelBackend(Protocol):
     def down_bwd(
         self, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 4 backward: ``(dh [R, I], dw_down [NR, H, I])``."""
+        """Stage 4 backward of a plain grouped GEMM: ``(dh [R, I], dw_down [NR, H, I])``."""
+        ...
+
+    def down_weighted_bwd(
+        self, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+        cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage 4 backward of the weighted down GEMM ``w_r * (h_r @ w_down[e]^T)``, with ``dy`` the
+        unweighted row gradients (``combine_bwd``'s) and ``h = silu(gate) * up`` recomputed from
+        ``gate_up`` (never stored): ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] =
+        sum_r w_r dy_r^T h_r, d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)``; the last is the
+        router-weight gradient ``<dout_t, y_r>`` formed without the expert outputs ``y``."""
         ...
 
     def silu_mul_bwd(
@@ -107,20 +118,31 @@ class KernelBackend(Protocol):
         ...
 
     def combine_bwd(
-        self, dout_TH: torch.Tensor, y_RH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+        self, dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
         selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 5 backward: ``(dy [R, H], dweights [T, K])``."""
+        """Stage 5 backward, from the weights and the indices alone (no expert outputs): ``(dy [R, H],
+        row_weights [R] fp32)``, each routed row's token gradient ``dout[t]`` (unweighted: the weight
+        is applied in ``down_bwd``, which also forms the router-weight gradient) and its weight."""
+        ...
+
+    def router_weights_bwd(
+        self, d_row_weights_R: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+        selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """Stage 5 backward: ``dweights [T, K]`` (weights' dtype), ``dweights[t, k] = d_row_weights[row]``
+        for each local slot (t, k, row), zero for choices of experts elsewhere."""
         ...
 
 
 #: The launcher names of :class:`KernelBackend`, in data-path order.
 LAUNCHERS = (
-    "count_tokens", "build_indices", "gate_up_fwd", "down_fwd", "down_bwd", "silu_mul_bwd", "gate_up_bwd",
-    "combine_fwd", "combine_bwd",
+    "count_tokens", "build_indices", "gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd",
+    "gate_up_bwd",
+    "combine_fwd", "combine_bwd", "router_weights_bwd",
 )
 #: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/engines.py``).
-STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "silu_mul_bwd", "gate_up_bwd")
+STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd", "gate_up_bwd")
 
 
 # ---------------------------------------------------------------- shared input checks

@@ -137,6 +137,25 @@ def down_bwd(
     return dh_RI, dw_NHI
 
 
+def down_weighted_bwd(
+    dy_RH: torch.Tensor,
+    gate_up_R2I: torch.Tensor,
+    row_weights_R: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_down_NHI: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weighted down backward of the contract on this engine's GEMMs: ``down_bwd(dy, w * h)``
+    gives the unweighted ``dy @ W_e`` and ``dW = dy^T (w * h)``; ``h = silu(gate) * up`` is
+    recomputed from ``gate_up`` as a temporary, the row dot products and scaling run in fp32."""
+    R, inter = dy_RH.shape[0], w_down_NHI.shape[2]
+    gate, up = gate_up_R2I[:R, :inter].float(), gate_up_R2I[:R, inter:].float()
+    h = torch.nn.functional.silu(gate) * up
+    w = row_weights_R[:R, None]
+    g_RI, dw_NHI = down_bwd(dy_RH, (h * w).to(dy_RH.dtype), cum_token_counts, w_down_NHI)
+    d_row_weights_R = torch.linalg.vecdot(g_RI.float(), h)
+    return (g_RI.float() * w).to(dy_RH.dtype), dw_NHI, d_row_weights_R
+
+
 def gate_up_bwd(
     d_gate_up_R2I: torch.Tensor,
     x_TH: torch.Tensor,
@@ -158,4 +177,4 @@ def gate_up_bwd(
 
 
 #: The launchers this engine provides (the rest of stage 4 comes from the kernel backend).
-LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "gate_up_bwd")
+LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")

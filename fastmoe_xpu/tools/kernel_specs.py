@@ -81,19 +81,26 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         "x_ptr": act, "input_idx_ptr": _P32, "cum_token_ptr": _P32, "w_ptr": act, "gate_up_ptr": act, "h_ptr": act,
         "H": _I32, "I": _I32}, dict(gemm_flags),
         ("x_ptr", "input_idx_ptr", "cum_token_ptr", "w_ptr", "gate_up_ptr", "h_ptr", "H", "I")))
-    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
-    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "N", "K")
+    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "gate_up_ptr": act,
+              "rw_ptr": "*fp32", "part_ptr": "*fp32", "N": _I32, "K": _I32, "NB": _I32}
+    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "gate_up_ptr", "rw_ptr", "part_ptr", "N", "K")
     out.append(("grouped_mm_fwd[W^T]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": True, **gemm_flags}, mm_aligned))
+                {"TRANS_W": True, "ROW_DOT": False, **gemm_flags}, mm_aligned))
     out.append(("grouped_mm_fwd[W]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": False, **gemm_flags}, mm_aligned))
-    bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "dw_ptr": act, "M": _I32,
-               "N": _I32}
-    bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "dw_ptr", "M", "N")
+                {"TRANS_W": False, "ROW_DOT": False, **gemm_flags}, mm_aligned))
+    # down_bwd's input gradient: h recomputed in the epilogue, router-weight partials written there.
+    out.append(("grouped_mm_fwd_row_dot", "grouped_mm_fwd_row_dot", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
+                {"TRANS_W": False, "ROW_DOT": True, **gemm_flags}, mm_aligned))
+    bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "rw_ptr": "*fp32", "dw_ptr": act,
+               "M": _I32, "N": _I32}
+    bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "rw_ptr", "dw_ptr", "M", "N")
     out.append(("grouped_mm_bwd[rows]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": False, **gemm_flags}, bwd_aligned))
+                {"GATHER": False, "SILU_B": False, **gemm_flags}, bwd_aligned))
     out.append(("grouped_mm_bwd[gather]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": True, **gemm_flags}, bwd_aligned))
+                {"GATHER": True, "SILU_B": False, **gemm_flags}, bwd_aligned))
+    # down_bwd's weight gradient: B = rw * silu(gate) * up recomputed in the loads.
+    out.append(("grouped_mm_bwd_silu", "grouped_mm_bwd_silu", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
+                {"GATHER": False, "SILU_B": True, **gemm_flags}, bwd_aligned))
     out.append(("silu_mul_bwd", "silu_mul_bwd", grouped_gemm._silu_mul_bwd_kernel, {
         "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,
         "NR": _I32}, {"HAS_COUNTS": True},
@@ -106,11 +113,14 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     out.append(("combine_fwd[sum]", "combine_fwd", combine._combine_fwd_kernel, comb_sig, {"WEIGHTED": False},
                 comb_aligned))
     out.append(("combine_bwd", "combine_bwd", combine._combine_bwd_kernel, {
-        "dout_ptr": act, "y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
-        "cum_expert_ptr": _P32, "dy_ptr": act, "dweights_ptr": act, "T": _I32, "H": _I32, "K": _I32},
-        {"BLOCK_K": K},
-        ("dout_ptr", "y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dy_ptr",
-         "dweights_ptr", "H", "K")))
+        "dout_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32, "cum_expert_ptr": _P32,
+        "dy_ptr": act, "row_w_ptr": "*fp32", "T": _I32, "H": _I32, "K": _I32}, {},
+        ("dout_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dy_ptr", "row_w_ptr",
+         "H", "K")))
+    out.append(("router_weights_bwd", "router_weights_bwd", combine._router_weights_bwd_kernel, {
+        "d_row_w_ptr": "*fp32", "output_idx_ptr": _P32, "selected_ptr": _P32, "cum_expert_ptr": _P32,
+        "dweights_ptr": act, "T": _I32, "K": _I32}, {"BLOCK_K": K},
+        ("d_row_w_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dweights_ptr", "K")))
     return out
 
 

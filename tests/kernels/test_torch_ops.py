@@ -124,8 +124,9 @@ def test_expert_gemms_and_combine_match_reference(T, H, I, E, K, dtype):
     # Backward through the launchers by hand, against autograd through the reference.
     dout = torch.randn(T, H).to(dtype)
     ro.backward(dout)
-    dy, dw = ops.combine_bwd(dout, y, w.detach(), out, sel, cexp)
-    dh, dwd = ops.down_bwd(dy, h, ctok, wd.detach())
+    dy, row_w = ops.combine_bwd(dout, w.detach(), out, sel, cexp)
+    dh, dwd, drow = ops.down_weighted_bwd(dy, gu, row_w, ctok, wd.detach())
+    dw = ops.router_weights_bwd(drow, w.detach(), out, sel, cexp)
     dgu = ops.silu_mul_bwd(gu, dh)
     dx_rows, dwgu = ops.gate_up_bwd(dgu, x.detach(), inp, ctok, wgu.detach())
     dx = ops.combine_fwd(dx_rows, None, out, sel, cexp)

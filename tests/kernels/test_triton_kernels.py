@@ -33,7 +33,7 @@ import torch
 pytest.importorskip("triton")
 
 from fastmoe_xpu import FastSparseMoeBlock, reference  # noqa: E402
-from fastmoe_xpu.autograd import CombineFunction, ExpertMLPFunction  # noqa: E402
+from fastmoe_xpu.autograd import CombineFunction, DownCombineFunction, ExpertMLPFunction, GateUpFunction  # noqa: E402
 from fastmoe_xpu.block import moe_experts_forward  # noqa: E402
 from fastmoe_xpu import settings  # noqa: E402
 from fastmoe_xpu.kernels import configs  # noqa: E402
@@ -211,12 +211,14 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
     w_gu = (torch.randn(num_local, 2 * I, H) / H ** 0.5).to(dtype)
     w_d = (torch.randn(num_local, H, I) / I ** 0.5).to(dtype)
     dy = torch.randn(T * K, H, dtype=dtype)
+    row_w = torch.rand(T * K)  # fp32 routing weight of each row
 
-    # Reference: plain ops with autograd, in fp32.
+    # Reference: plain ops with autograd, in fp32; the rows are weighted as in the forward.
     xr, gur, dr = (t.float().requires_grad_() for t in (x, w_gu, w_d))
+    rwr = row_w[:rt].clone().requires_grad_()
     ref_gu, ref_h = reference.reference_gate_up(xr, inp, cum_token, gur)
     ref_y = reference.reference_down(ref_h, cum_token, dr)
-    ref_y.backward(dy[:rt].float())
+    (ref_y * rwr[:, None]).backward(dy[:rt].float())
 
     gate_up, h = tops.gate_up_fwd(x, inp, cum_token, w_gu)
     y = tops.down_fwd(h, cum_token, w_d)
@@ -225,13 +227,21 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
     assert_close(h[:rt], ref_h, dtype)
     assert_close(y[:rt], ref_y, dtype)
 
-    dh, dw_d = tops.down_bwd(dy, h, cum_token, w_d)
+    dh, dw_d, d_row_w = tops.down_weighted_bwd(dy, gate_up, row_w, cum_token, w_d)
     d_gate_up = tops.silu_mul_bwd(gate_up, dh)
     dx_rows, dw_gu = tops.gate_up_bwd(d_gate_up, x, inp, cum_token, w_gu)
     dx = tops.combine_fwd(dx_rows, None, out, out, cum_expert)
     assert_close(dw_d, dr.grad, dtype)
     assert_close(dw_gu, gur.grad, dtype)
     assert_close(dx, xr.grad, dtype)
+    assert d_row_w.dtype == torch.float32  # whatever the operands' dtype
+    assert_close(d_row_w[:rt], rwr.grad, dtype)
+    # The torch backend's down backward on the same inputs (h recomputed there too).
+    with torch.no_grad():  # for fp32 the reference's leaves are the very tensors w_d, x, w_gu
+        tdh, tdw_d, td_row_w = torch_ops.down_weighted_bwd(dy[:rt], gate_up[:rt], row_w[:rt], cum_token, w_d)
+    assert_close(dh[:rt], tdh, dtype)
+    assert_close(dw_d, tdw_d, dtype)
+    assert_close(d_row_w[:rt], td_row_w, dtype)
     # The torch backend's SiLU*up backward on the same inputs.
     assert_close(d_gate_up[:rt], torch_ops.silu_mul_bwd(gate_up[:rt], dh[:rt]), dtype)
     if pattern == "low_half":
@@ -249,15 +259,19 @@ def test_expert_mlp_function_with_triton_ops():
     w_gu = torch.randn(NR, 2 * I, H, requires_grad=True)
     w_d = torch.randn(NR, H, I, requires_grad=True)
     counts, (inp, out, sel) = _stages_2_3(tops, idx, start, NR, 8)
-    y = ExpertMLPFunction.apply(x, w_gu, w_d, inp, out, counts[4], counts[3], tops)
-    got = CombineFunction.apply(y, w, out, sel, counts[3], tops)
     g = torch.randn(T, H)
-    grads = torch.autograd.grad(got, (x, w, w_gu, w_d), g)
     want = reference.reference_experts_forward(x, w, idx, w_gu, w_d, expert_start=start)
     ref_grads = torch.autograd.grad(want, (x, w, w_gu, w_d), g)
-    assert_close(got, want)
-    for a, b in zip(grads, ref_grads):
-        assert_close(a, b)
+    # Stage by stage (the expert rows y as a tensor), and the layer's pair (nothing but gate/up kept).
+    y = ExpertMLPFunction.apply(x, w_gu, w_d, inp, out, counts[4], counts[3], tops)
+    staged = CombineFunction.apply(y, w, out, sel, counts[3], tops)
+    gate_up, h = GateUpFunction.apply(x, w_gu, inp, out, counts[4], counts[3], tops)
+    fused = DownCombineFunction.apply(gate_up, h, w_d, w, out, sel, counts[4], counts[3], tops)
+    for got in (staged, fused):
+        grads = torch.autograd.grad(got, (x, w, w_gu, w_d), g)
+        assert_close(got, want)
+        for a, b in zip(grads, ref_grads):
+            assert_close(a, b)
 
 
 # ---------------------------------------------------------------- stage 5
@@ -288,9 +302,18 @@ def test_combine_matches_reference(T, K, E, start, num_local, H, pattern, weight
     if not weighted:
         return
     dout = torch.randn(T, H)
-    dy, dweights = tops.combine_bwd(dout, y, weights, out, sel, cum_expert)
+    dy, row_w = tops.combine_bwd(dout, weights, out, sel, cum_expert)
+    # The router-weight gradient per row, <dout_t, y_r> (formed in down_bwd in the layer), goes to
+    # [T, K] through router_weights_bwd.
+    d_row_w = torch.full((T * K,), float("nan"))  # rows past RT are never read
+    slot_tok = torch.repeat_interleave(torch.arange(T), (cum_expert[1:] - cum_expert[:-1]).long())
+    d_row_w[out[:rt].long()] = (y[out[:rt].long()] * dout[slot_tok]).sum(1)
+    dweights = tops.router_weights_bwd(d_row_w, weights, out, sel, cum_expert)
     want.backward(dout)
-    assert_close(dy[:rt], yr.grad)
+    w_row = torch.zeros(rt)
+    w_row[out[:rt].long()] = weights[slot_tok, sel[:rt].long()]
+    assert_close(dy[:rt] * w_row[:, None], yr.grad)  # dy is unweighted: the weight is applied in down_bwd
+    assert_close(row_w[:rt], w_row)
     assert_close(dweights, wr.grad)
     if start > 0:  # choices of other ranks' experts get exactly zero here
         non_local = (idx < start) | (idx >= start + num_local)
@@ -385,7 +408,7 @@ def test_no_host_sync_and_launches_per_layer():
     assert dict(fwd) == {"_count_tokens_fwd_kernel": 1, "_cumsum_counts_fwd_kernel": 1, "_build_indices_fwd_kernel": 1,
                          "_gate_up_fwd_kernel": 1, "_grouped_mm_fwd_kernel": 1, "_combine_fwd_kernel": 1}
     assert dict(bwd) == {"_combine_bwd_kernel": 1, "_grouped_mm_fwd_kernel": 2, "_grouped_mm_bwd_kernel": 2,
-                         "_silu_mul_bwd_kernel": 1, "_combine_fwd_kernel": 1}
+                         "_router_weights_bwd_kernel": 1, "_silu_mul_bwd_kernel": 1, "_combine_fwd_kernel": 1}
     # Besides the router, stages 2-5 add one memset (the per-expert totals of the counting stage).
     assert audit.ops["forward"]["aten::zeros"] == 1
     # The detector does detect: the torch backend reads counts on the host.

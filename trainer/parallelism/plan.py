@@ -207,8 +207,8 @@ class ActivationBytes:
     attn: int = 0
     """Inside attention: q/k norms, q, k, v after rotary, attention output and its logsumexp."""
     moe: int = 0
-    """Inside the MoE block (router probabilities and indices, routing metadata, expert GEMM
-    outputs, gathered tokens under EP) or the dense MLP."""
+    """Inside the MoE block (router probabilities and indices, routing metadata, the gate/up
+    pre-activation, gathered tokens under EP) or the dense MLP."""
 
     @property
     def total(self) -> int:
@@ -258,7 +258,9 @@ def layer_activation_bytes(s: ModelShape, tokens: int, ac: Iterable[str] = (), *
             if forced_uniform:
                 router += 4 * T * E  # the fixed pattern's own fp32 softmax (its indices replace top-k's)
             metadata = 3 * 4 * R + 4 * (E // ep + 1) + 4 * (T_all + 1)  # int32 index lists and prefix sums
-            experts = a * R * (2 * I + I + H)  # gate/up output, SiLU*up, expert output rows
+            # Only the gate/up pre-activation: SiLU*up is recomputed from it and the router-weight
+            # gradient is formed in the down GEMM's backward, so neither h [R, I] nor y [R, H] is kept.
+            experts = a * R * 2 * I
             combine = a * T_all * K  # routing weights
             gathered = a * T_all * H if ep > 1 else 0  # allgathered tokens (the local norm output otherwise)
             moe = router + metadata + experts + combine + gathered

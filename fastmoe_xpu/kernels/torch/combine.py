@@ -87,49 +87,57 @@ def combine_fwd(
     return F.embedding_bag(out_idx, y_RH, offsets, mode="sum", per_sample_weights=slot_w)
 
 
+def _slot_flat(weights_TK: torch.Tensor, selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor,
+               n_slots: int) -> torch.Tensor:
+    """``t*K + k`` of every slot: where its weight sits in ``weights_TK``."""
+    K = weights_TK.shape[1]
+    return _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+
+
 def combine_bwd(
     dout_TH: torch.Tensor,
-    y_RH: torch.Tensor,
     weights_TK: torch.Tensor,
     output_indices: torch.Tensor,
     selected_expert_indices: torch.Tensor,
     cum_expert_counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dy[row] = weights[t, k] * dout[t]`` and ``dweights[t, k] = dot(y[row], dout[t])`` for each
-    slot (t, k, row); weights of non-local slots get zero gradient here.
+    """``dy[row] = dout[t]`` (unweighted) and ``row_weights[row] = weights[t, k]`` (fp32) for each
+    slot (t, k, row): the weights and the indices are all this needs, the expert outputs are not
+    kept. The weight is applied by ``down_bwd``, where the router-weight gradient is formed.
 
-    Walks the rows in order (each row's token and weight found through the inverse of
-    ``output_indices``), a piece at a time: the piece's ``dout`` rows are gathered into cache once
-    and serve both the dot products and the scaled copy into ``dy``.
+    One gather of ``dout`` in row order (each row's token through the inverse of
+    ``output_indices``) into a cached buffer.
     """
     T, K = weights_TK.shape
     H = dout_TH.shape[1]
     n_slots = int(cum_expert_counts[-1]) if T else 0
-    dy_RH = cached_empty((y_RH.shape[0], H), dout_TH)
-    dweights_TK = torch.zeros(T, K, dtype=weights_TK.dtype, device=weights_TK.device)
-    if y_RH.shape[0] > n_slots:  # worst-case row buffers (the custom ops): rows past RT get zero
-        dy_RH[n_slots:].zero_()
+    dy_RH = cached_empty((n_slots, H), dout_TH)
+    row_w = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
     if n_slots == 0:
-        return dy_RH, dweights_TK
+        return dy_RH, row_w
     out_idx = output_indices[:n_slots].to(torch.int64)
-    flat = _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
+    flat = _slot_flat(weights_TK, selected_expert_indices, cum_expert_counts, n_slots)
     token_of_row = torch.empty_like(flat)
     token_of_row[out_idx] = flat // K
-    w_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
-    w_row[out_idx] = weights_TK.reshape(-1)[flat].float()
-    dw_row = torch.empty(n_slots, dtype=torch.float32, device=dout_TH.device)
-    step = piece_rows(H)
-    buf = cached_empty((min(step, n_slots), H), dout_TH)
-    exact = dout_TH.dtype == torch.float32 and y_RH.dtype == torch.float32
-    for s in range(0, n_slots, step):
-        t = min(n_slots, s + step)
-        g = torch.index_select(dout_TH, 0, token_of_row[s:t], out=buf[: t - s])
-        y = y_RH[s:t]
-        if exact:
-            torch.linalg.vecdot(y, g, out=dw_row[s:t])
-            torch.mul(g, w_row[s:t, None], out=dy_RH[s:t])
-        else:
-            torch.linalg.vecdot(y.float(), g.float(), out=dw_row[s:t])
-            dy_RH[s:t] = (g.float() * w_row[s:t, None]).to(dy_RH.dtype)
-    dweights_TK.view(-1)[flat] = dw_row[out_idx].to(weights_TK.dtype)
-    return dy_RH, dweights_TK
+    row_w[out_idx] = weights_TK.reshape(-1)[flat].float()
+    torch.index_select(dout_TH, 0, token_of_row, out=dy_RH)
+    return dy_RH, row_w
+
+
+def router_weights_bwd(
+    d_row_weights_R: torch.Tensor,
+    weights_TK: torch.Tensor,
+    output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> torch.Tensor:
+    """``dweights[t, k] = d_row_weights[row]`` for each slot (t, k, row); zero for non-local choices."""
+    T = weights_TK.shape[0]
+    n_slots = int(cum_expert_counts[-1]) if T else 0
+    dweights_TK = torch.zeros(weights_TK.shape, dtype=weights_TK.dtype, device=weights_TK.device)
+    if n_slots == 0:
+        return dweights_TK
+    flat = _slot_flat(weights_TK, selected_expert_indices, cum_expert_counts, n_slots)
+    rows = d_row_weights_R[output_indices[:n_slots].to(torch.int64)]
+    dweights_TK.view(-1)[flat] = rows.to(weights_TK.dtype)
+    return dweights_TK

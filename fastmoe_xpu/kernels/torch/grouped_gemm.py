@@ -107,6 +107,54 @@ def down_bwd(
     return dh_RI, dw_NHI
 
 
+def down_weighted_bwd(
+    dy_RH: torch.Tensor,
+    gate_up_R2I: torch.Tensor,
+    row_weights_R: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_down_NHI: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the weighted down GEMM, ``y_r = w_r * h_r @ w_down[e]^T``, given the unweighted
+    row gradients ``dy``: ``dh = w_r * dy_r @ w_down[e]``, ``dw_down [NR, H, I] = sum_r w_r dy_r^T h_r``
+    (zero for empty experts) and the router-weight gradient per row ``<dy_r @ w_down[e], h_r>``
+    (fp32 ``[R]``), which is ``<dout_t, y_r>`` without the expert outputs ever being kept.
+
+    ``h = silu(gate) * up`` is recomputed from ``gate_up`` a piece of rows at a time into a small
+    cached buffer, where the row dot products, the weight scaling and the weight-gradient GEMM read
+    it while it is in cache; it is never stored whole.
+    """
+    bounds = _bounds(cum_token_counts)
+    inter = w_down_NHI.shape[2]
+    dh_RI = cached_empty((bounds[-1], inter), dy_RH)
+    dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
+    d_row_w = torch.empty(bounds[-1], dtype=torch.float32, device=dy_RH.device)
+    exact = dy_RH.dtype == torch.float32
+    step = piece_rows(inter)
+    h_buf = cached_empty((max(1, min(step, bounds[-1])), inter), dy_RH)
+    for e, s, t in _groups(bounds):
+        if t == s:
+            dw_NHI[e].zero_()
+            continue
+        for p0 in range(s, t, step):
+            p1 = min(t, p0 + step)
+            h = h_buf[: p1 - p0]
+            _silu_mul(gate_up_R2I[p0:p1], h)
+            dh = dh_RI[p0:p1]
+            w = row_weights_R[p0:p1, None]
+            torch.mm(dy_RH[p0:p1], w_down_NHI[e], out=dh)  # unweighted: its dot with h is the weight's gradient
+            if exact:
+                torch.linalg.vecdot(dh, h, out=d_row_w[p0:p1])
+                dh.mul_(w)
+                h.mul_(w)
+            else:  # bf16/fp16: the dot products and the scaling in fp32
+                torch.linalg.vecdot(dh.float(), h.float(), out=d_row_w[p0:p1])
+                dh.copy_(dh.float() * w)
+                h.copy_(h.float() * w)
+            # dw_down[e] = sum over the expert's pieces of dy^T (w * h)
+            torch.addmm(dw_NHI[e], dy_RH[p0:p1].t(), h, beta=0 if p0 == s else 1, out=dw_NHI[e])
+    return dh_RI, dw_NHI, d_row_w
+
+
 def silu_mul_bwd(
     gate_up_R2I: torch.Tensor, dh_RI: torch.Tensor, cum_token_counts: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -65,53 +65,78 @@ def _combine_fwd_kernel(
 @triton.jit
 def _combine_bwd_kernel(
     dout_ptr,
-    y_ptr,
     weights_ptr,
     output_idx_ptr,
     selected_ptr,
     cum_expert_ptr,
     dy_ptr,
-    dweights_ptr,
+    row_w_ptr,
     T,
     H,
     K,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+):
+    """``dy[row_i] = dout[t]`` (unweighted) and ``row_w[row_i] = weights[t, k_i]`` per slot i of t.
+
+    Grid ``(ceil(T/BLOCK_T), ceil(H/BLOCK_H))``; program ``(p, c)`` owns tokens
+    ``[p*BLOCK_T, (p+1)*BLOCK_T)`` and columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of their rows of
+    ``dy [R, H]`` (dout's dtype); column block 0 also writes their ``row_w [R]`` fp32. Reads
+    ``dout [T, H]``, ``weights [T, K]``, ``cum_expert_counts [T+1]``, ``output_indices [R]`` and
+    ``selected_expert_indices [R]`` int32. No expert outputs: the router-weight gradient is formed
+    in the down GEMM's backward.
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_mask = offs_t < T
+    h_mask = offs_h < H
+    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
+    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
+    tok = offs_t.to(tl.int64)
+    dout = tl.load(dout_ptr + tok[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0)
+    for j in range(0, tl.max(count, axis=0)):
+        has = j < count
+        row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+        tl.store(dy_ptr + row[:, None] * H + offs_h[None, :], dout.to(dy_ptr.dtype.element_ty),
+                 mask=has[:, None] & h_mask[None, :])
+        if tl.program_id(1) == 0:
+            k = tl.load(selected_ptr + first + j, mask=has, other=0)
+            w = tl.load(weights_ptr + tok * K + k, mask=has, other=0.0).to(tl.float32)
+            tl.store(row_w_ptr + row, w, mask=has)
+
+
+@triton.jit
+def _router_weights_bwd_kernel(
+    d_row_w_ptr,
+    output_idx_ptr,
+    selected_ptr,
+    cum_expert_ptr,
+    dweights_ptr,
+    T,
+    K,
+    BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``dy[row_i] = w_i * dout[t]`` and ``dweights[t, k_i] = dot(y[row_i], dout[t])`` per slot i of t.
+    """``dweights[t, k_i] = d_row_w[row_i]`` per slot i of t, zero for choices without a local slot.
 
-    Grid ``(ceil(T/BLOCK_T),)``; program ``p`` owns tokens ``[p*BLOCK_T, (p+1)*BLOCK_T)``: their
-    rows of ``dy [R, H]`` (dout's dtype) and their rows of ``dweights [T, K]`` (weights' dtype,
-    zero where a choice is not local), looping over H ``BLOCK_H`` columns at a time with fp32 dot
-    products. Reads ``dout [T, H]``, ``y [R, H]``, ``weights [T, K]``, ``cum_expert_counts [T+1]``
-    int32, ``output_indices [R]`` int32, ``selected_expert_indices [R]`` int32; ``BLOCK_K >= K``.
+    Grid ``(ceil(T/BLOCK_T),)``; program ``p`` owns the rows ``[p*BLOCK_T, (p+1)*BLOCK_T)`` of
+    ``dweights [T, K]`` (its dtype) and writes each element once. Reads ``d_row_w [R]`` fp32,
+    ``cum_expert_counts [T+1]``, ``output_indices [R]``, ``selected_expert_indices [R]`` int32;
+    ``BLOCK_K >= K``.
     """
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     offs_k = tl.arange(0, BLOCK_K)
     first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
     count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
-    n_slots = tl.max(count, axis=0)
-    tok = offs_t.to(tl.int64)
     dw = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_mask = offs_h < H
-        dout = tl.load(dout_ptr + tok[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :],
-                       other=0.0).to(tl.float32)
-        for j in range(0, n_slots):
-            has = j < count
-            mask = has[:, None] & h_mask[None, :]
-            row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
-            k = tl.load(selected_ptr + first + j, mask=has, other=0)
-            w = tl.load(weights_ptr + tok * K + k, mask=has, other=0.0).to(tl.float32)
-            tl.store(dy_ptr + row[:, None] * H + offs_h[None, :], (w[:, None] * dout).to(dy_ptr.dtype.element_ty),
-                     mask=mask)
-            y = tl.load(y_ptr + row[:, None] * H + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-            part = tl.sum(y * dout, axis=1)
-            dw += tl.where((offs_k[None, :] == k[:, None]) & has[:, None], part[:, None], 0.0)
-    tl.store(dweights_ptr + tok[:, None] * K + offs_k[None, :], dw.to(dweights_ptr.dtype.element_ty),
+    for j in range(0, tl.max(count, axis=0)):
+        has = j < count
+        row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+        k = tl.load(selected_ptr + first + j, mask=has, other=0)
+        g = tl.load(d_row_w_ptr + row, mask=has, other=0.0)
+        dw += tl.where((offs_k[None, :] == k[:, None]) & has[:, None], g[:, None], 0.0)
+    tl.store(dweights_ptr + offs_t[:, None].to(tl.int64) * K + offs_k[None, :], dw.to(dweights_ptr.dtype.element_ty),
              mask=t_mask[:, None] & (offs_k[None, :] < K))
 
 
@@ -154,37 +179,75 @@ def combine_fwd(
     return out
 
 
+def _check_slots(op: str, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                 selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor) -> tuple[int, int]:
+    dev = weights_TK.device
+    check_float(op, dev, weights=weights_TK)
+    if weights_TK.dim() != 2:
+        raise ValueError(f"{op}: weights must be [T, K], got {tuple(weights_TK.shape)}")
+    check_index(op, dev, output_indices=output_indices, selected_expert_indices=selected_expert_indices,
+                cum_expert_counts=cum_expert_counts)
+    T, K = weights_TK.shape
+    if cum_expert_counts.numel() != T + 1:
+        raise ValueError(f"{op}: weights {tuple(weights_TK.shape)} and cum_expert_counts "
+                         f"({cum_expert_counts.numel()},) disagree (expected {T + 1} entries)")
+    return T, K
+
+
 def combine_bwd(
     dout_TH: torch.Tensor,
-    y_RH: torch.Tensor,
     weights_TK: torch.Tensor,
     output_indices: torch.Tensor,
     selected_expert_indices: torch.Tensor,
     cum_expert_counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dy[row] = weights[t, k] * dout[t]`` and ``dweights[t, k] = dot(y[row], dout[t])`` for each
-    slot (t, k, row); weights of non-local slots get zero gradient here. ``dy`` has y's R rows;
+    """``dy[row] = dout[t]`` (unweighted) and ``row_weights[row] = weights[t, k]`` (fp32) for each
+    slot (t, k, row), from the weights and the indices alone. ``R = len(output_indices)`` rows;
     rows no slot points at are unspecified."""
     dev = dout_TH.device
-    for name, t in (("dout", dout_TH), ("y", y_RH), ("weights", weights_TK)):
-        check_float("combine_bwd", dev, **{name: t})
-        if t.dim() != 2:
-            raise ValueError(f"combine_bwd: {name} must be 2-D, got {tuple(t.shape)}")
-    check_index("combine_bwd", dev, output_indices=output_indices, selected_expert_indices=selected_expert_indices,
-                cum_expert_counts=cum_expert_counts)
-    T, K = weights_TK.shape
+    check_float("combine_bwd", dev, dout=dout_TH)
+    if dout_TH.dim() != 2:
+        raise ValueError(f"combine_bwd: dout must be [T, H], got {tuple(dout_TH.shape)}")
+    T, K = _check_slots("combine_bwd", weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
     H = dout_TH.shape[1]
-    if dout_TH.shape[0] != T or cum_expert_counts.numel() != T + 1 or y_RH.shape[1] != H:
-        raise ValueError(f"combine_bwd: dout {tuple(dout_TH.shape)}, y {tuple(y_RH.shape)}, weights "
-                         f"{tuple(weights_TK.shape)} and cum_expert_counts ({cum_expert_counts.numel()},) disagree")
-    dy = dout_TH.new_empty(y_RH.shape[0], H)
+    if dout_TH.shape[0] != T:
+        raise ValueError(f"combine_bwd: dout {tuple(dout_TH.shape)} and weights {tuple(weights_TK.shape)} disagree")
+    R = output_indices.shape[0]
+    dy = dout_TH.new_empty(R, H)
+    row_w = torch.empty(R, dtype=torch.float32, device=dev)
+    if T == 0 or H == 0:
+        return dy, row_w
+    cfg = get_config(backend_for(dev), "combine_bwd")
+    grid = (triton.cdiv(T, cfg.meta["BLOCK_T"]), triton.cdiv(H, cfg.meta["BLOCK_H"]))
+    _launch.launch(
+        _combine_bwd_kernel, grid,
+        (dout_TH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, dy, row_w, T, H, K),
+        cfg, dev,
+    )
+    return dy, row_w
+
+
+def router_weights_bwd(
+    d_row_weights_R: torch.Tensor,
+    weights_TK: torch.Tensor,
+    output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> torch.Tensor:
+    """``dweights [T, K]`` (weights' dtype): ``dweights[t, k] = d_row_weights[row]`` for each local
+    slot (t, k, row), zero for choices of experts elsewhere; each element written once."""
+    T, K = _check_slots("router_weights_bwd", weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+    dev = weights_TK.device
+    if d_row_weights_R.dtype != torch.float32 or d_row_weights_R.dim() != 1 or d_row_weights_R.device != dev:
+        raise ValueError(f"router_weights_bwd: d_row_weights must be a float32 [R] tensor on {dev}, got "
+                         f"{d_row_weights_R.dtype} {tuple(d_row_weights_R.shape)} on {d_row_weights_R.device}")
     dweights = torch.empty(T, K, dtype=weights_TK.dtype, device=dev)
     if T == 0:
-        return dy, dweights
-    cfg = get_config(backend_for(dev), "combine_bwd")
+        return dweights
+    cfg = get_config(backend_for(dev), "router_weights_bwd")
     _launch.launch(
-        _combine_bwd_kernel, (triton.cdiv(T, cfg.meta["BLOCK_T"]),),
-        (dout_TH, y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, dy, dweights, T, H, K),
+        _router_weights_bwd_kernel, (triton.cdiv(T, cfg.meta["BLOCK_T"]),),
+        (d_row_weights_R, output_indices, selected_expert_indices, cum_expert_counts, dweights, T, K),
         cfg, dev, BLOCK_K=triton.next_power_of_2(K),
     )
-    return dy, dweights
+    return dweights

@@ -9,11 +9,15 @@ Kernels:
 
 * ``_gate_up_fwd_kernel``: ``x[input_indices]`` gathered inside the A loads (never materialised),
   the gate and the up columns of the same output columns in two accumulators, SiLU*up in the
-  epilogue, writing both ``gate_up`` (saved for backward) and ``h``.
+  epilogue, writing both ``gate_up`` (saved for backward) and ``h`` (used by the down GEMM, then
+  freed: backward recomputes it).
 * ``_grouped_mm_fwd_kernel``: ``out[rows_e] = A[rows_e] @ B_e`` with ``B_e = W_e^T`` (down
-  forward) or ``W_e`` (input gradients of both GEMMs).
+  forward) or ``W_e`` (input gradients of both GEMMs); ``ROW_DOT`` (down input gradient): ``h``
+  recomputed from ``gate_up`` in the epilogue, router-weight partials ``<acc_r, h_r>`` written,
+  rows scaled by their routing weight.
 * ``_grouped_mm_bwd_kernel``: weight gradient ``dW_e = A[rows_e]^T @ B[rows_e]``, B optionally
-  gathered (``x[input_indices]`` for gate/up); experts without rows get zeros.
+  gathered (``x[input_indices]`` for gate/up) or ``SILU_B`` (down: ``rw * silu(gate) * up`` from
+  ``gate_up``); experts without rows get zeros.
 * ``_silu_mul_bwd_kernel``: gradient of ``silu(gate) * up``.
 
 Every GEMM accumulates in fp32 whatever the operand dtype. Grids put the expert index on axis 2
@@ -137,14 +141,19 @@ def _grouped_mm_fwd_kernel(
     w_ptr,
     cum_token_ptr,
     out_ptr,
+    gate_up_ptr,
+    rw_ptr,
+    part_ptr,
     N,
     K,
+    NB,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TRANS_W: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_DOT: tl.constexpr,
 ):
     """``out[r] = a[r] @ B_e`` for the rows r of each expert e.
 
@@ -153,6 +162,12 @@ def _grouped_mm_fwd_kernel(
     ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e and output columns
     ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``a [R, K]`` and ``cum_token_counts [NR+1]`` int32;
     writes ``out [R, N]`` in a's dtype.
+
+    ``ROW_DOT`` (the down GEMM's input gradient, ``N = I``): the epilogue recomputes
+    ``h = silu(gate) * up`` for its tile from ``gate_up [R, 2N]``, writes the partial row dot
+    products ``<acc_r, h_r>`` over its columns to ``part [R, NB]`` fp32 (column ``n``; summed over the
+    NB column blocks afterwards: a fixed order, no atomics) and stores ``rw[r] * acc_r`` (``rw [R]``
+    fp32, the routing weight of each row).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -182,6 +197,20 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_bp = tl.advance(a_bp, (0, BLOCK_K))
                 b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+            if ROW_DOT:
+                # h recomputed from gate_up for this tile; partial router-weight gradients <acc_r, h_r>
+                # over this column block, then the rows scaled by their routing weight.
+                e_offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                e_m_mask = e_offs_m < n_rows
+                e_rows = row0 + e_offs_m
+                e_mask = e_m_mask[:, None] & n_mask[None, :]
+                gu = gate_up_ptr + e_rows[:, None] * 2 * N + offs_n[None, :]
+                gate = tl.load(gu, mask=e_mask, other=0.0).to(tl.float32)
+                up = tl.load(gu + N, mask=e_mask, other=0.0).to(tl.float32)
+                h = gate * tl.sigmoid(gate) * up
+                tl.store(part_ptr + e_rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=e_m_mask)
+                rw = tl.load(rw_ptr + e_rows, mask=e_m_mask, other=0.0).to(tl.float32)
+                acc = acc * rw[:, None]
             o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
                                      order=(1, 0))
@@ -204,6 +233,20 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += b_step
+            if ROW_DOT:
+                # h recomputed from gate_up for this tile; partial router-weight gradients <acc_r, h_r>
+                # over this column block, then the rows scaled by their routing weight.
+                e_offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                e_m_mask = e_offs_m < n_rows
+                e_rows = row0 + e_offs_m
+                e_mask = e_m_mask[:, None] & n_mask[None, :]
+                gu = gate_up_ptr + e_rows[:, None] * 2 * N + offs_n[None, :]
+                gate = tl.load(gu, mask=e_mask, other=0.0).to(tl.float32)
+                up = tl.load(gu + N, mask=e_mask, other=0.0).to(tl.float32)
+                h = gate * tl.sigmoid(gate) * up
+                tl.store(part_ptr + e_rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=e_m_mask)
+                rw = tl.load(rw_ptr + e_rows, mask=e_m_mask, other=0.0).to(tl.float32)
+                acc = acc * rw[:, None]
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ty),
                      mask=m_mask[:, None] & n_mask[None, :])
 
@@ -214,6 +257,7 @@ def _grouped_mm_bwd_kernel(
     b_ptr,
     idx_ptr,
     cum_token_ptr,
+    rw_ptr,
     dw_ptr,
     M,
     N,
@@ -223,6 +267,7 @@ def _grouped_mm_bwd_kernel(
     GATHER: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SILU_B: tl.constexpr,
 ):
     """Weight gradient ``dW_e = a[rows_e]^T @ b[src(rows_e)]`` with ``src(r) = idx[r]`` when
     ``GATHER`` else ``r``.
@@ -232,6 +277,10 @@ def _grouped_mm_bwd_kernel(
     expert e's rows, ``BLOCK_K`` at a time (zero rows give a zero tile). Reads ``a [R, M]``,
     ``b [R or T, N]``, ``idx [R]`` int32 (when ``GATHER``), ``cum_token_counts [NR+1]`` int32;
     writes ``dW [NR, M, N]`` in a's dtype.
+
+    ``SILU_B`` (the down GEMM's weight gradient; not with ``GATHER``): ``b`` is ``gate_up [R, 2N]``
+    and the B operand is ``rw[r] * silu(gate_r) * up_r`` (``rw [R]`` fp32), so ``h`` is recomputed
+    in the loads and never stored.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -258,6 +307,21 @@ def _grouped_mm_bwd_kernel(
                 a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 at_bp = tl.advance(at_bp, (0, BLOCK_K))
+        elif SILU_B:
+            g_bp = tl.make_block_ptr(b_ptr + row0 * 2 * N, shape=(n_rows, N), strides=(2 * N, 1),
+                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
+            u_bp = tl.make_block_ptr(b_ptr + row0 * 2 * N + N, shape=(n_rows, N), strides=(2 * N, 1),
+                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
+            for k0 in range(0, n_rows, BLOCK_K):
+                a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
+                gate = tl.load(g_bp, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+                up = tl.load(u_bp, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+                rw = tl.load(rw_ptr + row0 + k0 + offs_k, mask=offs_k < n_rows - k0, other=0.0).to(tl.float32)
+                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                at_bp = tl.advance(at_bp, (0, BLOCK_K))
+                g_bp = tl.advance(g_bp, (BLOCK_K, 0))
+                u_bp = tl.advance(u_bp, (BLOCK_K, 0))
         else:
             b_bp = tl.make_block_ptr(b_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
@@ -280,8 +344,16 @@ def _grouped_mm_bwd_kernel(
                 src = tl.load(idx_ptr + row0 + k0 + offs_k, mask=k_mask, other=0).to(tl.int64)
             else:
                 src = row0 + k0 + offs_k
-            b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
-                        other=0.0)
+            if SILU_B:
+                gu = b_ptr + src[:, None] * 2 * N + offs_n[None, :]
+                b_mask = k_mask[:, None] & n_mask[None, :]
+                gate = tl.load(gu, mask=b_mask, other=0.0).to(tl.float32)
+                up = tl.load(gu + N, mask=b_mask, other=0.0).to(tl.float32)
+                rw = tl.load(rw_ptr + src, mask=k_mask, other=0.0).to(tl.float32)
+                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
+            else:
+                b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                            other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             at_ptrs += BLOCK_K * M
         dw_ptrs = dw_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -375,45 +447,63 @@ def gate_up_fwd(
     return gate_up, h
 
 
-def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool) -> torch.Tensor:
+def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool,
+                row_dot: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, part)``; ``row_dot = (gate_up, row_weights)`` turns on the ``ROW_DOT`` epilogue and
+    returns its partial row dot products ``part [R, NB]`` fp32 (else None)."""
     NR = w.shape[0]
     N, K = (w.shape[1], w.shape[2]) if trans_w else (w.shape[2], w.shape[1])
     R = a_RK.shape[0]
     out = a_RK.new_empty(R, N)
-    if R == 0:
-        return out
     dev = a_RK.device
     backend = backend_for(dev)
+    kernel = "grouped_mm_fwd" if row_dot is None else "grouped_mm_fwd_row_dot"
+    # The grid's column blocks fix part's width, so the config is chosen first (autotune's launch
+    # callback writes into a part buffer of that config's width).
+    part_holder: list[torch.Tensor | None] = [None]
+    # Without ROW_DOT the epilogue's pointers are never read; `out` stands in for them.
+    gate_up, rw = row_dot if row_dot is not None else (out, out)
 
     def go(cfg):
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        nb = triton.cdiv(N, cfg.meta["BLOCK_N"])
+        part = torch.empty(R, nb, dtype=torch.float32, device=dev) if row_dot is not None else None
+        part_holder[0] = part
+        if R == 0:
+            return
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), nb, NR)
         _launch.launch(
-            _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
+            _grouped_mm_fwd_kernel, grid,
+            (a_RK, w, cum_token_counts, out, gate_up, rw, part if part is not None else out, N, K, nb), cfg, dev,
             TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
+            ROW_DOT=row_dot is not None,
         )
 
-    go(autotune.choose("grouped_mm_fwd", backend, N, K, R, NR, dev, go))
-    return out
+    go(autotune.choose(kernel, backend, N, K, R, NR, dev, go))
+    return out, part_holder[0]
 
 
 def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
-                      w_like: torch.Tensor) -> torch.Tensor:
+                      w_like: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``row_weights`` given: ``b`` is ``gate_up`` and the kernel's B operand ``rw * silu(gate) * up``
+    (``SILU_B``)."""
     NR, M, N = w_like.shape
     dw = torch.empty_like(w_like)
     dev = a_RM.device
     backend = backend_for(dev)
+    kernel = "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu"
 
     def go(cfg):
         grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
         _launch.launch(
             _grouped_mm_bwd_kernel, grid,
-            (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), cfg, dev,
+            (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
+             row_weights if row_weights is not None else dw, dw, M, N), cfg, dev,
             GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend),
-            DOT_PRECISION=dot_precision(backend, a_RM.dtype),
+            DOT_PRECISION=dot_precision(backend, a_RM.dtype), SILU_B=row_weights is not None,
         )
 
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    go(autotune.choose("grouped_mm_bwd", backend, N, M, a_RM.shape[0], NR, dev, go))
+    go(autotune.choose(kernel, backend, N, M, a_RM.shape[0], NR, dev, go))
     return dw
 
 
@@ -422,7 +512,7 @@ def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: tor
     check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
     check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
-    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)
+    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)[0]
 
 
 def down_bwd(
@@ -437,9 +527,39 @@ def down_bwd(
                          f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {I}])")
     if cum_token_counts.numel() != NR + 1:
         raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
-    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)[0]
     dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
     return dh, dw
+
+
+def down_weighted_bwd(
+    dy_RH: torch.Tensor,
+    gate_up_R2I: torch.Tensor,
+    row_weights_R: torch.Tensor,
+    cum_token_counts: torch.Tensor,
+    w_down_NHI: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
+    ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
+    d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
+    inside both kernels from ``gate_up`` (never stored). Rows past RT are unspecified."""
+    op = "down_weighted_bwd"
+    check_float(op, None, dy=dy_RH, gate_up=gate_up_R2I, w_down=w_down_NHI)
+    check_float(op, dy_RH.device, row_weights=row_weights_R)
+    check_index(op, dy_RH.device, cum_token_counts=cum_token_counts)
+    NR, H, I = w_down_NHI.shape
+    R = dy_RH.shape[0] if dy_RH.dim() == 2 else -1
+    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or gate_up_R2I.dim() != 2 or gate_up_R2I.shape != (R, 2 * I):
+        raise ValueError(f"{op}: dy {tuple(dy_RH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not fit "
+                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {2 * I}])")
+    if row_weights_R.shape != (R,) or row_weights_R.dtype != torch.float32:
+        raise ValueError(f"{op}: row_weights must be float32 [{R}], got {row_weights_R.dtype} "
+                         f"{tuple(row_weights_R.shape)}")
+    if cum_token_counts.numel() != NR + 1:
+        raise ValueError(f"{op}: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+    dh, part = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False, row_dot=(gate_up_R2I, row_weights_R))
+    dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
+    return dh, dw, part.sum(dim=1)
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -491,6 +611,6 @@ def gate_up_bwd(
     if d_gate_up_R2I.dim() != 2 or d_gate_up_R2I.shape[1] != two_i or d_gate_up_R2I.shape[0] > input_indices.shape[0]:
         raise ValueError(f"gate_up_bwd: d_gate_up {tuple(d_gate_up_R2I.shape)} does not fit gate_up_proj "
                          f"{tuple(w_gate_up_N2IH.shape)} and {input_indices.shape[0]} input indices")
-    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)
+    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)[0]
     dw = _grouped_mm_wgrad(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
     return dx_rows, dw

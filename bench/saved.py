@@ -1,0 +1,167 @@
+"""Activation memory of one MoE layer: bytes saved for backward, and what saving less costs in time.
+
+For every Mula preset's layer shape (H, I, K and the rank's NR local experts, see ``presets.py``)
+at T tokens, one fp32 forward of the whole block (router included) is run under
+``torch.autograd.graph.saved_tensors_hooks``; every distinct storage saved is counted once, the
+parameters left out, the input counted (a dense MLP saves it too). Contestants:
+
+* ``fastmoe``: :class:`fastmoe_xpu.FastSparseMoeBlock` of this tree (saves x, gate/up [R, 2I], the
+  router's tensors and the routing metadata);
+* ``fastmoe@BASE``: the same block from git revision BASE (``--base``; before issue 22 it also saved
+  h [R, I] and the expert outputs y [R, H]), imported from ``git archive`` as a second package;
+* ``transformers``: transformers' ``OlmoeSparseMoeBlock`` (v5, its default experts implementation).
+
+Beside them: the dense-equivalent ``T*H + 2*T*K*I`` elements (the input and the gate/up
+pre-activation of a dense MLP of the same active size) and the routing metadata measured in the
+fastmoe block (integer tensors). ``--time`` also times forward+backward of ``fastmoe`` and
+``fastmoe@BASE`` in the same process, interleaved, min over rounds, same weights and input.
+
+    python -m bench.saved --base dc12205 --tokens 128 2048 --time --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .presets import PRESETS, Preset
+
+MULA = [p for name, p in PRESETS.items() if name.startswith("mula")]
+
+
+def _config(p: Preset) -> SimpleNamespace:
+    return SimpleNamespace(hidden_size=p.hidden, intermediate_size=p.intermediate, num_experts=p.local_experts,
+                           num_experts_per_tok=p.top_k, norm_topk_prob=False, hidden_act="silu")
+
+
+def load_base(rev: str) -> object:
+    """The ``fastmoe_xpu`` package of git revision ``rev``, imported as ``fastmoe_xpu_base`` (its
+    imports are relative, so a renamed copy is a second, independent package)."""
+    root = Path(__file__).resolve().parents[1]
+    dest = Path(tempfile.mkdtemp(prefix="fastmoe_base_"))
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev, "fastmoe_xpu"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    (dest / "fastmoe_xpu").rename(dest / "fastmoe_xpu_base")
+    sys.path.insert(0, str(dest))
+    return importlib.import_module("fastmoe_xpu_base")
+
+
+def saved(block: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """``(all bytes, integer-tensor bytes)`` saved by one forward; storages once, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = (st.nbytes(), not t.dtype.is_floating_point)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    del out
+    return sum(n for n, _ in seen.values()), sum(n for n, i in seen.values() if i)
+
+
+def _hf_block(p: Preset) -> nn.Module | None:
+    try:
+        from transformers import OlmoeConfig
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    except Exception:  # transformers missing: the column says so
+        return None
+    cfg = OlmoeConfig(hidden_size=p.hidden, intermediate_size=p.intermediate, num_experts=p.local_experts,
+                      num_experts_per_tok=p.top_k, norm_topk_prob=False)
+    return OlmoeSparseMoeBlock(cfg)
+
+
+def _fb(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], float]:
+    def run() -> float:
+        xx = x.detach().requires_grad_()
+        t0 = time.perf_counter()
+        block(xx).backward(g)
+        return time.perf_counter() - t0
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.saved", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", nargs="+", default=[p.name for p in MULA], choices=sorted(PRESETS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[128, 2048])
+    ap.add_argument("--base", default=None, help="git revision whose block is measured beside this tree's")
+    ap.add_argument("--time", action="store_true", help="also time F+B of this tree's block and --base's")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    if args.time and args.base is None:
+        raise ValueError("--time compares with --base: give a git revision")
+    from fastmoe_xpu import FastSparseMoeBlock
+
+    base = load_base(args.base) if args.base else None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are optional
+        tqdm = None
+    jobs = [(p, t) for p in (PRESETS[n] for n in args.preset) for t in args.tokens]
+    bar = tqdm(jobs, desc="layers", disable=args.no_progress) if tqdm else jobs
+    rows = []
+    mib = 2.0 ** 20
+    for p, T in bar:
+        torch.manual_seed(0)
+        new = FastSparseMoeBlock(_config(p), backend="torch")
+        x = torch.randn(1, T, p.hidden)  # [B, S, H]: transformers' block wants three dims
+        dense = (T * p.hidden + 2 * T * p.top_k * p.intermediate) * 4
+        row = {"preset": p.name, "T": T, "dense": dense}
+        row["fastmoe"], row["metadata"] = saved(new, x.clone().requires_grad_())
+        if base is not None:
+            old = base.FastSparseMoeBlock(_config(p), backend="torch")
+            old.load_state_dict(new.state_dict())
+            row["base"] = saved(old, x.clone().requires_grad_())[0]
+        hf = _hf_block(p)
+        if hf is not None:
+            with torch.no_grad():
+                hf.gate.weight.copy_(new.gate.weight)
+            row["hf"] = saved(hf, x.clone().requires_grad_())[0]
+            del hf
+        if args.time:
+            g = torch.randn(1, T, p.hidden)
+            runs = {"new": _fb(new, x, g), "base": _fb(old, x, g)}
+            times: dict[str, list[float]] = {k: [] for k in runs}
+            for k in runs:  # one cold call each
+                runs[k]()
+            for _ in range(args.rounds):
+                for k in runs:  # interleaved, so drift on the shared machine hits both
+                    times[k].append(runs[k]())
+            row["fb_new"], row["fb_base"] = min(times["new"]), min(times["base"])
+        rows.append(row)
+        if base is not None:
+            del old
+        del new
+    hdr = (f"{'preset':<18} {'T':>5} {'dense MiB':>10} {'meta MiB':>9} {'fastmoe MiB':>12} {'x(dense+meta)':>13} "
+           f"{'base MiB':>9} {'hf MiB':>9} {'fastmoe/hf':>10}")
+    if args.time:
+        hdr += f" {'F+B new s':>10} {'F+B base s':>11} {'new/base':>9}"
+    print(hdr)
+    for r in rows:
+        line = (f"{r['preset']:<18} {r['T']:>5} {r['dense'] / mib:>10.2f} {r['metadata'] / mib:>9.3f} "
+                f"{r['fastmoe'] / mib:>12.2f} {r['fastmoe'] / (r['dense'] + r['metadata']):>13.3f} "
+                f"{r.get('base', float('nan')) / mib:>9.2f} {r.get('hf', float('nan')) / mib:>9.2f} "
+                f"{r['fastmoe'] / r['hf'] if 'hf' in r else float('nan'):>10.3f}")
+        if args.time:
+            line += f" {r['fb_new']:>10.3f} {r['fb_base']:>11.3f} {r['fb_new'] / r['fb_base']:>9.3f}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
