@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -45,9 +44,10 @@ def _f_b(block, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dx": x.grad, **grads}
 
 
-def worker_compiled_allgather(check_inputs: bool) -> dict:
-    """On each rank: eager and compiled (fullgraph, aot_eager; then inductor) EP blocks on the same
-    rows, two sequence lengths; returns the frame and graph-break counts (assertions raise here)."""
+def _compiled_allgather(check_inputs: bool, with_inductor: bool) -> dict:
+    """On each rank: eager and compiled (fullgraph, dynamic, aot_eager; then inductor) EP blocks on
+    the same rows, two sequence lengths; returns the frame and graph-break counts (mismatched numbers
+    raise here)."""
     import torch._dynamo
     import torch._dynamo.testing
 
@@ -65,18 +65,19 @@ def worker_compiled_allgather(check_inputs: bool) -> dict:
         assert set(got) == set(want)
         for name in want:
             assert_close(got[name], want[name], msg=f"rank {r}, S={S}: {name}")
-    torch._dynamo.reset()
-    inductor = torch.compile(traced, fullgraph=True)
-    x = torch.randn(6, CFG["hidden_size"], generator=torch.Generator().manual_seed(99 + r))
-    dout = torch.ones(6, CFG["hidden_size"])
-    want, got = _f_b(eager, x, dout), _f_b(inductor, x, dout)
-    for name in want:
-        assert_close(got[name], want[name], msg=f"rank {r}, inductor: {name}")
+    if with_inductor:
+        torch._dynamo.reset()
+        inductor = torch.compile(traced, fullgraph=True)
+        x = torch.randn(6, CFG["hidden_size"], generator=torch.Generator().manual_seed(99 + r))
+        dout = torch.ones(6, CFG["hidden_size"])
+        want, got = _f_b(eager, x, dout), _f_b(inductor, x, dout)
+        for name in want:
+            assert_close(got[name], want[name], msg=f"rank {r}, inductor: {name}")
     return {"graph_breaks": explained.graph_break_count, "graphs": explained.graph_count,
             "frames_aot_eager": counter.frame_count}
 
 
-def worker_mismatched_sizes_compiled() -> str:
+def _mismatched_sizes_compiled() -> str:
     """Traced, the size check is a device-side assertion: unequal token counts fail on every rank."""
     r = dist.get_rank()
     block, _ = _blocks(check_inputs=True)
@@ -89,15 +90,21 @@ def worker_mismatched_sizes_compiled() -> str:
     raise AssertionError("unequal token counts passed the compiled size check")
 
 
-@pytest.mark.parametrize("check_inputs", [True, False])
-def test_compiled_allgather_ep_block_equals_eager_in_one_graph(check_inputs):
-    results = run_distributed(worker_compiled_allgather, 2, check_inputs, timeout_s=240, comm_timeout_s=60,
-                              fail_fast=True)
-    for res in results:
-        assert res["graph_breaks"] == 0, res
-        assert res["graphs"] == 1, res
-        assert res["frames_aot_eager"] == 1, res  # dynamic=True: no recompile for the second length
+def worker_compiled_ep() -> dict:
+    """Every case in one pair of processes (process start-up and imports cost more than the cases)."""
+    return {
+        "check_inputs": _compiled_allgather(check_inputs=True, with_inductor=True),
+        "no_check": _compiled_allgather(check_inputs=False, with_inductor=False),
+        "mismatch": _mismatched_sizes_compiled(),
+    }
 
 
-def test_compiled_allgather_size_check_fails_on_every_rank():
-    assert run_distributed(worker_mismatched_sizes_compiled, 2, timeout_s=120, comm_timeout_s=30) == ["raised"] * 2
+def test_compiled_allgather_ep_block_equals_eager_in_one_graph():
+    results = run_distributed(worker_compiled_ep, 2, timeout_s=240, comm_timeout_s=60, fail_fast=True)
+    for rank, res in enumerate(results):
+        for case in ("check_inputs", "no_check"):
+            assert res[case]["graph_breaks"] == 0, (rank, case, res[case])
+            assert res[case]["graphs"] == 1, (rank, case, res[case])
+            # dynamic=True: no recompile for the second length
+            assert res[case]["frames_aot_eager"] == 1, (rank, case, res[case])
+        assert res["mismatch"] == "raised"
