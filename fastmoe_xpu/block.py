@@ -428,13 +428,14 @@ class FastSparseMoeBlock(nn.Module):
         except (TypeError, ValueError) as err:
             local_error = err
         num_tokens = hidden_states.numel() // self.hidden_size if local_error is None else -1
-        traced = torch.compiler.is_compiling() and self.dispatch == "allgather"
+        # The agreement reads every rank's count on the host, which a graph cannot. Traced, allgather
+        # compares the counts on the device instead (an assertion in the graph, no host read);
+        # all-to-all needs no equal counts, only the offset of forced routing needs the others'.
+        traced = torch.compiler.is_compiling() and (self.dispatch == "allgather" or not self.forced_uniform_routing)
         if traced:
-            # The agreement reads every rank's count on the host, which a graph cannot; traced, the
-            # counts are compared on the device instead (an assertion in the graph, no host read).
             if local_error is not None:
                 raise local_error
-            if self.check_inputs:
+            if self.check_inputs and self.dispatch == "allgather":
                 assert_same_tokens_on_device(group, num_tokens, device)
             sizes = [num_tokens] * self.ep_size
         elif self.check_inputs or self.dispatch == "alltoall":

@@ -1,5 +1,6 @@
-"""Expert parallelism under torch.compile: a compiled EP block (allgather dispatch, gloo, world 2)
-gives the eager EP block's numbers with gradients, in one graph.
+"""Expert parallelism under torch.compile: a compiled EP block (gloo, world 2) gives the eager EP
+block's numbers with gradients, in one graph: allgather dispatch as it is, all-to-all dispatch with
+dynamo's unbacked-size capture switched on.
 
 The dispatch collectives trace as torch's functional collectives, the input check's host read
 becomes a device-side assertion. Each rank compares its compiled block with an eager copy of the
@@ -21,14 +22,14 @@ CFG = dict(hidden_size=12, intermediate_size=10, num_experts=8, num_experts_per_
            hidden_act="silu")
 
 
-def _blocks(check_inputs: bool, seed: int = 0) -> tuple[FastSparseMoeBlock, FastSparseMoeBlock]:
+def _blocks(check_inputs: bool, seed: int = 0, dispatch: str = "allgather") -> tuple[FastSparseMoeBlock, FastSparseMoeBlock]:
     cfg = SimpleNamespace(**CFG)
     torch.manual_seed(seed)
     full = FastSparseMoeBlock(cfg, backend="torch")
     full.reset_parameters(0.3)  # outputs of order 1, so that relative errors mean something
     blocks = []
     for _ in range(2):
-        b = FastSparseMoeBlock(cfg, backend="torch", ep_group=dist.group.WORLD, dispatch="allgather",
+        b = FastSparseMoeBlock(cfg, backend="torch", ep_group=dist.group.WORLD, dispatch=dispatch,
                                check_inputs=check_inputs)
         b.load_state_dict(full.state_dict())  # the full state dict: each rank keeps its slice
         blocks.append(b)
@@ -90,12 +91,37 @@ def _mismatched_sizes_compiled() -> str:
     raise AssertionError("unequal token counts passed the compiled size check")
 
 
+def _compiled_alltoall() -> dict:
+    """All-to-all dispatch reads its split sizes from a tensor: traced as unbacked sizes (dynamo's
+    capture_scalar_outputs and capture_dynamic_output_shape_ops), it compiles into one graph.
+    Unequal token counts per rank, two lengths."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    r = dist.get_rank()
+    eager, traced = _blocks(check_inputs=True, dispatch="alltoall")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(traced, fullgraph=True, dynamic=True, backend=counter)
+        for S in (5, 8):
+            g = torch.Generator().manual_seed(10 * S + r)
+            x = torch.randn(S + r, CFG["hidden_size"], generator=g)  # S differs between ranks
+            dout = torch.randn(S + r, CFG["hidden_size"], generator=g)
+            want, got = _f_b(eager, x, dout), _f_b(compiled, x, dout)
+            assert set(got) == set(want)
+            for name in want:
+                assert_close(got[name], want[name], msg=f"rank {r}, alltoall, S={S + r}: {name}")
+    return {"frames_aot_eager": counter.frame_count}
+
+
 def worker_compiled_ep() -> dict:
     """Every case in one pair of processes (process start-up and imports cost more than the cases)."""
     return {
         "check_inputs": _compiled_allgather(check_inputs=True, with_inductor=True),
         "no_check": _compiled_allgather(check_inputs=False, with_inductor=False),
         "mismatch": _mismatched_sizes_compiled(),
+        "alltoall": _compiled_alltoall(),
     }
 
 
@@ -108,3 +134,4 @@ def test_compiled_allgather_ep_block_equals_eager_in_one_graph():
             # dynamic=True: no recompile for the second length
             assert res[case]["frames_aot_eager"] == 1, (rank, case, res[case])
         assert res["mismatch"] == "raised"
+        assert res["alltoall"]["frames_aot_eager"] == 1, (rank, res["alltoall"])

@@ -87,6 +87,10 @@ def all_to_all_dim0(
     """Rows ``[in_splits[0] | in_splits[1] | ...]`` go to ranks 0, 1, ...; ``out_splits[j]`` rows
     arrive from rank j, in rank order."""
     x_RX = x_RX.contiguous()
+    if torch.compiler.is_compiling():
+        # Splits read from a tensor are unbacked symbols in a trace: state the relation, do not branch on it.
+        torch._check(x_RX.shape[0] == sum(in_splits))
+        return funcol.all_to_all_single(x_RX, list(out_splits), list(in_splits), _traced_group(group))
     if x_RX.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all_dim0: {x_RX.shape[0]} rows but in_splits {list(in_splits)} sum to {sum(in_splits)}")
     out_RX = x_RX.new_empty((sum(out_splits), *x_RX.shape[1:]))
@@ -183,6 +187,9 @@ def all_to_all_autograd(
     x_RX: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """:func:`all_to_all_dim0` whose gradient takes the reverse all-to-all."""
+    if torch.compiler.is_compiling():
+        torch._check(x_RX.shape[0] == sum(in_splits))
+        return funcol.all_to_all_single_autograd(x_RX.contiguous(), list(out_splits), list(in_splits), _traced_group(group))
     return _AllToAll.apply(x_RX, list(out_splits), list(in_splits), group)
 
 
