@@ -18,10 +18,23 @@ and unspecified on Triton, and nothing reads them.
 ``fastmoe::expert_mlp_backward``          stage 4 backward: ``(dx, dw_gate_up, dw_down)``
 ``fastmoe::combine``                      stage 5: ``[T, H]``
 ``fastmoe::combine_backward``             stage 5 backward: ``(dy [R, H], dweights [T, K])``
+``fastmoe::gate_up``                      stage 4, first GEMM: ``(gate_up [R, 2I], h [R, I])``; ``h``
+                                          is not differentiable and not saved
+``fastmoe::gate_up_backward``             its backward: ``(dx [T, H], dw_gate_up [NR, 2I, H])``
+``fastmoe::down_combine``                 stage 4's down GEMM and stage 5: ``out [T, H]``
+``fastmoe::down_combine_backward``        its backward: ``(d_gate_up [R, 2I], dw_down, dweights [T, K])``
 ========================================  ==============================================================
 
+:func:`moe_experts` (what the block and the experts integration trace) runs ``gate_up`` and
+``down_combine``, the ops of :class:`~fastmoe_xpu.autograd.GateUpFunction` and
+:class:`~fastmoe_xpu.autograd.DownCombineFunction`: a compiled layer saves what an eager one saves
+(the input, the pre-activation, the router weights and the routing metadata; never ``h`` or the
+expert outputs). ``expert_mlp`` and ``combine`` remain as the stage-alone ops (they keep ``h`` and
+``y``), so that programs exported before keep loading.
+
 The backward ops call the same plain functions as the autograd Functions
-(:func:`fastmoe_xpu.autograd.expert_mlp_backward`, :func:`fastmoe_xpu.autograd.combine_backward`),
+(:func:`fastmoe_xpu.autograd.gate_up_backward`, :func:`fastmoe_xpu.autograd.down_combine_backward`,
+:func:`fastmoe_xpu.autograd.expert_mlp_backward`, :func:`fastmoe_xpu.autograd.combine_backward`),
 registered with ``register_autograd``; they are ops themselves so that AOTAutograd traces the
 backward without entering the launchers. Double backward is not supported.
 
@@ -32,16 +45,21 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import combine_backward, expert_mlp_backward, expert_mlp_forward
+from .autograd import (
+    combine_backward, down_combine_backward, expert_mlp_backward, expert_mlp_forward, gate_up_backward,
+)
 from .kernels import get_ops
 from .kernels.contract import INDEX_DTYPE, num_blocks
 
 __all__ = [
-    "OP_NAMES", "build_indices", "combine", "count_tokens", "expert_mlp", "moe_experts",
+    "OP_NAMES", "build_indices", "combine", "count_tokens", "down_combine", "expert_mlp", "gate_up", "moe_experts",
 ]
 
 #: Every op this module registers, as ``torch.ops.fastmoe.<name>``.
-OP_NAMES = ("count_tokens", "build_indices", "expert_mlp", "expert_mlp_backward", "combine", "combine_backward")
+OP_NAMES = (
+    "count_tokens", "build_indices", "expert_mlp", "expert_mlp_backward", "combine", "combine_backward",
+    "gate_up", "gate_up_backward", "down_combine", "down_combine_backward",
+)
 
 
 # ---------------------------------------------------------------- stage 2
@@ -195,6 +213,119 @@ def _combine_backward(ctx, dout_TH):
 combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
+# ---------------------------------------------------------------- stages 4-5, nothing but gate_up saved
+@torch.library.custom_op("fastmoe::gate_up", mutates_args=())
+def gate_up(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, input_indices: torch.Tensor, output_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_up [R, 2I], h [R, I])`` with R = ``input_indices``' length (rows past RT zero on the
+    torch backend, unspecified on Triton). ``output_indices`` and ``cum_expert_counts`` are taken
+    so that the backward (the rows' sum into ``dx``) finds them among the saved inputs."""
+    return tuple(get_ops(backend).gate_up_fwd(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH))
+
+
+@gate_up.register_fake
+def _(x_TH, w_gate_up_N2IH, input_indices, output_indices, cum_token_counts, cum_expert_counts, backend):
+    R, two_i = input_indices.shape[0], w_gate_up_N2IH.shape[1]
+    return x_TH.new_empty((R, two_i)), x_TH.new_empty((R, two_i // 2))
+
+
+@torch.library.custom_op("fastmoe::gate_up_backward", mutates_args=())
+def gate_up_backward_op(
+    d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, input_indices: torch.Tensor,
+    output_indices: torch.Tensor, cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx [T, H], dw_gate_up [NR, 2I, H])``."""
+    return gate_up_backward(
+        get_ops(backend), d_gate_up_R2I, x_TH, w_gate_up_N2IH, input_indices, output_indices, cum_token_counts,
+        cum_expert_counts,
+    )
+
+
+@gate_up_backward_op.register_fake
+def _(d_gate_up_R2I, x_TH, w_gate_up_N2IH, input_indices, output_indices, cum_token_counts, cum_expert_counts,
+      backend):
+    return torch.empty_like(x_TH), torch.empty_like(w_gate_up_N2IH)
+
+
+def _gate_up_setup(ctx, inputs, output) -> None:
+    x_TH, w_gate_up_N2IH, input_indices, output_indices, cum_token_counts, cum_expert_counts, backend = inputs
+    # h feeds down_combine, whose backward routes h's gradient through gate_up (h is recomputed
+    # there): autograd must neither save h nor ask for its gradient.
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x_TH, w_gate_up_N2IH, input_indices, output_indices, cum_token_counts, cum_expert_counts)
+    ctx.backend = backend
+
+
+def _gate_up_backward(ctx, d_gate_up_R2I, _d_h):
+    dx_TH, dw_gate_up = gate_up_backward_op(d_gate_up_R2I.contiguous(), *ctx.saved_tensors, ctx.backend)
+    return dx_TH, dw_gate_up, None, None, None, None, None
+
+
+gate_up.register_autograd(_gate_up_backward, setup_context=_gate_up_setup)
+
+
+@torch.library.custom_op("fastmoe::down_combine", mutates_args=())
+def down_combine(
+    gate_up_R2I: torch.Tensor, h_RI: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    output_indices: torch.Tensor, selected_expert_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+    cum_expert_counts: torch.Tensor, backend: str,
+) -> torch.Tensor:
+    """``out [T, H]``: the down GEMM of ``h`` and the weighted sum of each token's rows. ``gate_up``
+    is not read here: it is the input the backward differentiates (and recomputes ``h`` from)."""
+    launchers = get_ops(backend)
+    y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
+    return launchers.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+
+
+@down_combine.register_fake
+def _(gate_up_R2I, h_RI, w_down_NHI, weights_TK, output_indices, selected_expert_indices, cum_token_counts,
+      cum_expert_counts, backend):
+    return h_RI.new_empty((weights_TK.shape[0], w_down_NHI.shape[1]))
+
+
+@torch.library.custom_op("fastmoe::down_combine_backward", mutates_args=())
+def down_combine_backward_op(
+    dout_TH: torch.Tensor, gate_up_R2I: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    output_indices: torch.Tensor, selected_expert_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+    cum_expert_counts: torch.Tensor, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d_gate_up [R, 2I], dw_down [NR, H, I], dweights [T, K])``; ``d_gate_up`` has ``gate_up``'s
+    rows (those past RT are never read)."""
+    return down_combine_backward(
+        get_ops(backend), dout_TH, gate_up_R2I, w_down_NHI, weights_TK, output_indices, selected_expert_indices,
+        cum_token_counts, cum_expert_counts,
+    )
+
+
+@down_combine_backward_op.register_fake
+def _(dout_TH, gate_up_R2I, w_down_NHI, weights_TK, output_indices, selected_expert_indices, cum_token_counts,
+      cum_expert_counts, backend):
+    return torch.empty_like(gate_up_R2I), torch.empty_like(w_down_NHI), torch.empty_like(weights_TK)
+
+
+def _down_combine_setup(ctx, inputs, output) -> None:
+    (gate_up_R2I, h_RI, w_down_NHI, weights_TK, output_indices, selected_expert_indices, cum_token_counts,
+     cum_expert_counts, backend) = inputs
+    # Not h: the backward recomputes it from gate_up. Not the expert outputs: they never leave the op.
+    ctx.save_for_backward(
+        gate_up_R2I, w_down_NHI, weights_TK, output_indices, selected_expert_indices, cum_token_counts,
+        cum_expert_counts,
+    )
+    ctx.backend = backend
+
+
+def _down_combine_backward(ctx, dout_TH):
+    d_gate_up_R2I, dw_down, dweights_TK = down_combine_backward_op(
+        dout_TH.contiguous(), *ctx.saved_tensors, ctx.backend
+    )
+    return d_gate_up_R2I, None, dw_down, dweights_TK, None, None, None, None, None
+
+
+down_combine.register_autograd(_down_combine_backward, setup_context=_down_combine_setup)
+
+
 # ---------------------------------------------------------------- stages 2-5
 def moe_experts(
     x_TH: torch.Tensor,
@@ -214,7 +345,8 @@ def moe_experts(
     input_indices, output_indices, selected = build_indices(
         topk_idx_TK, partial_cum, cum_expert, expert_start, num_local, block_size, backend
     )
-    y_RH, _, _ = expert_mlp(
-        x_TH, w_gate_up_N2IH, w_down_NHI, input_indices, output_indices, cum_token, cum_expert, backend
+    # The fused pair, as eager trains: autograd keeps x, gate_up, the weights and the metadata.
+    gate_up_R2I, h_RI = gate_up(x_TH, w_gate_up_N2IH, input_indices, output_indices, cum_token, cum_expert, backend)
+    return down_combine(
+        gate_up_R2I, h_RI, w_down_NHI, weights_TK, output_indices, selected, cum_token, cum_expert, backend
     )
-    return combine(y_RH, weights_TK, output_indices, selected, cum_expert, backend)

@@ -47,8 +47,10 @@ def test_explain_reports_no_graph_break():
     assert explanation.graph_count == 1
     # The graph holds the stages as opaque ops, not their host-reading insides.
     text = "\n".join(str(g.graph) for g in explanation.graphs)
-    for name in ("count_tokens", "build_indices", "expert_mlp", "combine"):
+    for name in ("count_tokens", "build_indices", "gate_up", "down_combine"):
         assert f"fastmoe.{name}" in text
+    # The fused pair, as eager trains, not the stage-alone ops that keep h and the expert outputs.
+    assert "fastmoe.expert_mlp" not in text and "fastmoe.combine" not in text
 
 
 @pytest.mark.parametrize("norm, forced", [(False, False), (True, True)])
@@ -100,7 +102,7 @@ def test_export_gives_eager_numbers():
     seq = torch.export.Dim("seq", min=2, max=256)
     exported = torch.export.export(block, (x,), dynamic_shapes={"hidden_states": {0: batch, 1: seq}})
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
-    assert {"fastmoe.count_tokens.default", "fastmoe.expert_mlp.default", "fastmoe.combine.default"} <= targets
+    assert {"fastmoe.count_tokens.default", "fastmoe.gate_up.default", "fastmoe.down_combine.default"} <= targets
     with torch.no_grad():
         for shape in ((2, 6), (3, 11)):
             x = torch.randn(*shape, 16)
@@ -130,6 +132,12 @@ def test_opcheck_every_op(expert_start, num_local):
     mlp_bwd_args = (torch.randn_like(y), x.detach(), w_gu.detach(), w_d.detach(), rows[0], rows[1], counts[4],
                     counts[3], gate_up.detach(), h.detach(), backend)
     comb_bwd_args = (torch.randn(T, H), y.detach(), weights.detach(), rows[1], rows[2], counts[3], backend)
+    g_args = (x, w_gu, rows[0], rows[1], counts[4], counts[3], backend)
+    gate_up, h = ops.gate_up(*g_args)
+    dc_args = (gate_up.detach().requires_grad_(), h.detach(), w_d, weights, rows[1], rows[2], counts[4], counts[3],
+               backend)
+    dc_bwd_args = (torch.randn(T, H), gate_up.detach(), w_d.detach(), weights.detach(), rows[1], rows[2], counts[4],
+                   counts[3], backend)
     cases = {
         "count_tokens": (idx, expert_start, num_local, bs, backend),
         "build_indices": (idx, counts[1], counts[3], expert_start, num_local, bs, backend),
@@ -137,6 +145,10 @@ def test_opcheck_every_op(expert_start, num_local):
         "expert_mlp_backward": mlp_bwd_args,
         "combine": (y.detach().requires_grad_(), weights, rows[1], rows[2], counts[3], backend),
         "combine_backward": comb_bwd_args,
+        "gate_up": g_args,
+        "gate_up_backward": (torch.randn_like(gate_up), *[a.detach() if torch.is_tensor(a) else a for a in g_args]),
+        "down_combine": dc_args,
+        "down_combine_backward": dc_bwd_args,
     }
     assert set(cases) == set(ops.OP_NAMES)
     for name, args in cases.items():
@@ -162,3 +174,38 @@ def test_ops_equal_the_launchers_on_an_ep_slice():
     g, h = launchers.gate_up_fwd(x, r.input_indices, c.cum_token_counts, w_gu)
     assert rt < T * K and torch.equal(y[rt:], torch.zeros_like(y[rt:]))
     assert_close(y[:rt], launchers.down_fwd(h, c.cum_token_counts, w_d), msg="expert rows")
+
+
+def test_fused_ops_equal_the_stage_alone_ops_on_an_ep_slice():
+    """gate_up + down_combine (what moe_experts traces) give the numbers of expert_mlp + combine,
+    gradients of x, both weights and the router weights included, with worst-case row buffers
+    whose rows past RT are never read."""
+    T, K, E, H, I = 10, 3, 6, 8, 4
+    idx = _routing(T, K, E, seed=8)
+    counts = ops.count_tokens(idx, 2, 3, 8, "torch")
+    rows = ops.build_indices(idx, counts[1], counts[3], 2, 3, 8, "torch")
+    rt = int(counts[4][-1])
+    assert rt < T * K
+    torch.manual_seed(1)
+    leaves = [torch.randn(T, H), 0.3 * torch.randn(3, 2 * I, H), 0.3 * torch.randn(3, H, I), torch.rand(T, K)]
+    dout = torch.randn(T, H)
+
+    def run(fused):
+        x, w_gu, w_d, weights = (t.clone().requires_grad_() for t in leaves)
+        if fused:
+            g, h = ops.gate_up(x, w_gu, rows[0], rows[1], counts[4], counts[3], "torch")
+            assert g.shape == (T * K, 2 * I) and not h.requires_grad
+            out = ops.down_combine(g, h, w_d, weights, rows[1], rows[2], counts[4], counts[3], "torch")
+        else:
+            y, _, _ = ops.expert_mlp(x, w_gu, w_d, rows[0], rows[1], counts[4], counts[3], "torch")
+            out = ops.combine(y, weights, rows[1], rows[2], counts[3], "torch")
+        out.backward(dout)
+        return out.detach(), [t.grad for t in (x, w_gu, w_d, weights)]
+
+    (out_f, grads_f), (out_s, grads_s) = run(True), run(False)
+    assert_close(out_f, out_s, msg="output")
+    for name, gf, gs in zip(("x", "w_gate_up", "w_down", "weights"), grads_f, grads_s):
+        assert_close(gf, gs, msg=f"gradient of {name}")
+    # Non-local choices get no router-weight gradient.
+    local = (idx >= 2) & (idx < 5)
+    assert torch.equal(grads_f[3][~local], torch.zeros_like(grads_f[3][~local]))

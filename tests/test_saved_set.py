@@ -1,7 +1,7 @@
 """What one FastSparseMoeBlock forward keeps for backward, on both kernel backends: the input, the
 gate/up pre-activation [R, 2I], the router's own saved tensors and O(T*K) routing metadata. Never
 h [R, I] or the expert outputs y [R, H] (h is recomputed from gate/up in the down GEMM's backward,
-which also forms the router-weight gradient)."""
+which also forms the router-weight gradient). Eager and under torch.compile alike."""
 from __future__ import annotations
 
 import os
@@ -36,16 +36,38 @@ def _saved(block: FastSparseMoeBlock, x: torch.Tensor) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_saved_set_is_input_preactivation_router_and_metadata(backend):
-    if backend == "triton":
-        pytest.importorskip("triton")
+def _block(backend: str) -> FastSparseMoeBlock:
     torch.manual_seed(0)
     cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, num_experts=E, num_experts_per_tok=K,
                           norm_topk_prob=True, hidden_act="silu")
-    block = FastSparseMoeBlock(cfg, backend=backend)
+    return FastSparseMoeBlock(cfg, backend=backend)
+
+
+def _wide(saved: list[torch.Tensor]) -> list[tuple[int, ...]]:
+    """Shapes of the saved floating tensors wider than the router's (E < I < H here)."""
+    return sorted(tuple(t.shape) for t in saved if t.dtype.is_floating_point and t.shape[-1] > E)
+
+
+# Compiled: the graph runs the fastmoe custom ops (fastmoe_xpu/ops.py) and AOTAutograd decides what
+# the compiled forward hands its backward; the hooks see that set (CompiledFunction saves it).
+# Inductor's partitioner may recompute cheap ops, so it is checked as well (torch backend: its
+# compile is the slow part).
+@pytest.mark.parametrize("backend, compiler", [
+    ("torch", None), ("triton", None), ("torch", "aot_eager"), ("triton", "aot_eager"), ("torch", "inductor"),
+])
+def test_saved_set_is_input_preactivation_router_and_metadata(backend, compiler):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    block = _block(backend)
     x = torch.randn(B, S, H, requires_grad=True)
-    saved = _saved(block, x)
+    module = block
+    if compiler is not None:
+        torch._dynamo.reset()
+        module = torch.compile(block, fullgraph=True, backend=compiler)
+    saved = _saved(module, x)
+    if compiler is not None:
+        # The same wide tensors as the eager layer keeps.
+        assert _wide(saved) == _wide(_saved(block, x)), (compiler, _wide(saved))
     # Row buffers: RT rows on the torch backend, the worst case T*K on the Triton one.
     R = T * K
     floats = sorted((tuple(t.shape), t.dtype) for t in saved if t.dtype.is_floating_point)

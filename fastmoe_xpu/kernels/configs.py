@@ -36,8 +36,8 @@ KERNELS = (
     "grouped_mm_fwd",
     "grouped_mm_bwd",
     "grouped_mm_bwd_silu",
-    "grouped_mm_fwd_row_dot",
     "silu_mul_bwd",
+    "row_dot_scale",
     "combine_fwd",
     "combine_bwd",
     "router_weights_bwd",
@@ -79,17 +79,13 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
             _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
             _c("m64n128k32", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
         ],
-        # The down input gradient with the ROW_DOT epilogue (gate and up tiles loaded there).
-        "grouped_mm_fwd_row_dot": [
-            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m64n128k64", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
-        ],
         # The down weight gradient recomputing h in its B loads (gate and up tiles in fp32).
         "grouped_mm_bwd_silu": [
             _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
             _c("m64n128k32", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
         ],
         "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
+        "row_dot_scale": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
@@ -114,11 +110,8 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         # k64 (8 warps, the plain weight gradient's default) spills 21 VGPRs on gfx942 once the gate
         # and up tiles are live in fp32; k32 does not.
         "grouped_mm_bwd_silu": [_c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32)],
-        "grouped_mm_fwd_row_dot": [
-            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
-        ],
         "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
+        "row_dot_scale": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
@@ -148,12 +141,8 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
             _c("m128n128k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
             _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
         ],
-        "grouped_mm_fwd_row_dot": [
-            _c("m128n128k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
-            _c("m128n256k32", 32, 2, _XPU, BLOCK_M=128, BLOCK_N=256, BLOCK_K=32),
-            _c("m64n128k32", 8, 2, _XPU, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
-        ],
         "silu_mul_bwd": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
+        "row_dot_scale": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
         "combine_fwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, _XPU, BLOCK_T=64)],
@@ -166,8 +155,8 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "grouped_mm_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "grouped_mm_bwd_silu": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "grouped_mm_fwd_row_dot": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
+        "row_dot_scale": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "combine_bwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "router_weights_bwd": [_c("t4", 1, 1, BLOCK_T=4)],

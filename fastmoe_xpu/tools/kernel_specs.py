@@ -81,16 +81,12 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         "x_ptr": act, "input_idx_ptr": _P32, "cum_token_ptr": _P32, "w_ptr": act, "gate_up_ptr": act, "h_ptr": act,
         "H": _I32, "I": _I32}, dict(gemm_flags),
         ("x_ptr", "input_idx_ptr", "cum_token_ptr", "w_ptr", "gate_up_ptr", "h_ptr", "H", "I")))
-    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "gate_up_ptr": act,
-              "rw_ptr": "*fp32", "part_ptr": "*fp32", "N": _I32, "K": _I32, "NB": _I32}
-    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "gate_up_ptr", "rw_ptr", "part_ptr", "N", "K")
+    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
+    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "N", "K")
     out.append(("grouped_mm_fwd[W^T]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": True, "ROW_DOT": False, **gemm_flags}, mm_aligned))
+                {"TRANS_W": True, **gemm_flags}, mm_aligned))
     out.append(("grouped_mm_fwd[W]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": False, "ROW_DOT": False, **gemm_flags}, mm_aligned))
-    # down_bwd's input gradient: h recomputed in the epilogue, router-weight partials written there.
-    out.append(("grouped_mm_fwd_row_dot", "grouped_mm_fwd_row_dot", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": False, "ROW_DOT": True, **gemm_flags}, mm_aligned))
+                {"TRANS_W": False, **gemm_flags}, mm_aligned))
     bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "rw_ptr": "*fp32", "dw_ptr": act,
                "M": _I32, "N": _I32}
     bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "rw_ptr", "dw_ptr", "M", "N")
@@ -105,6 +101,11 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,
         "NR": _I32}, {"HAS_COUNTS": True},
         ("gate_up_ptr", "dh_ptr", "d_gate_up_ptr", "cum_token_ptr", "I")))
+    # down_weighted_bwd after its input-gradient GEMM: h recomputed, router-weight dots, rows weighted.
+    out.append(("row_dot_scale", "row_dot_scale", grouped_gemm._row_dot_scale_kernel, {
+        "dh_ptr": act, "gate_up_ptr": act, "rw_ptr": "*fp32", "cum_token_ptr": _P32, "d_row_ptr": "*fp32",
+        "R": _I32, "I": _I32, "NR": _I32}, {},
+        ("dh_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "d_row_ptr", "I")))
     comb_sig = {"y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
                 "cum_expert_ptr": _P32, "out_ptr": act, "T": _I32, "H": _I32, "K": _I32}
     comb_aligned = ("y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "out_ptr", "H", "K")

@@ -408,7 +408,8 @@ def test_no_host_sync_and_launches_per_layer():
     assert dict(fwd) == {"_count_tokens_fwd_kernel": 1, "_cumsum_counts_fwd_kernel": 1, "_build_indices_fwd_kernel": 1,
                          "_gate_up_fwd_kernel": 1, "_grouped_mm_fwd_kernel": 1, "_combine_fwd_kernel": 1}
     assert dict(bwd) == {"_combine_bwd_kernel": 1, "_grouped_mm_fwd_kernel": 2, "_grouped_mm_bwd_kernel": 2,
-                         "_router_weights_bwd_kernel": 1, "_silu_mul_bwd_kernel": 1, "_combine_fwd_kernel": 1}
+                         "_router_weights_bwd_kernel": 1, "_silu_mul_bwd_kernel": 1, "_combine_fwd_kernel": 1,
+                         "_row_dot_scale_kernel": 1}
     # Besides the router, stages 2-5 add one memset (the per-expert totals of the counting stage).
     assert audit.ops["forward"]["aten::zeros"] == 1
     # The detector does detect: the torch backend reads counts on the host.

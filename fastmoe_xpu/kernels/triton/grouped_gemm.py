@@ -12,13 +12,14 @@ Kernels:
   epilogue, writing both ``gate_up`` (saved for backward) and ``h`` (used by the down GEMM, then
   freed: backward recomputes it).
 * ``_grouped_mm_fwd_kernel``: ``out[rows_e] = A[rows_e] @ B_e`` with ``B_e = W_e^T`` (down
-  forward) or ``W_e`` (input gradients of both GEMMs); ``ROW_DOT`` (down input gradient): ``h``
-  recomputed from ``gate_up`` in the epilogue, router-weight partials ``<acc_r, h_r>`` written,
-  rows scaled by their routing weight.
+  forward) or ``W_e`` (input gradients of both GEMMs).
 * ``_grouped_mm_bwd_kernel``: weight gradient ``dW_e = A[rows_e]^T @ B[rows_e]``, B optionally
   gathered (``x[input_indices]`` for gate/up) or ``SILU_B`` (down: ``rw * silu(gate) * up`` from
   ``gate_up``); experts without rows get zeros.
 * ``_silu_mul_bwd_kernel``: gradient of ``silu(gate) * up``.
+* ``_row_dot_scale_kernel``: after the down input-gradient GEMM, ``h`` recomputed from
+  ``gate_up``, the router-weight gradient ``<dh_r, h_r>`` per row and ``dh_r`` scaled by its
+  routing weight, in one pass over the rows.
 
 Every GEMM accumulates in fp32 whatever the operand dtype. Grids put the expert index on axis 2
 (the highest) and give each expert ``ROW_SLACK`` times its fair share ``R / NR`` of row tiles on
@@ -141,19 +142,14 @@ def _grouped_mm_fwd_kernel(
     w_ptr,
     cum_token_ptr,
     out_ptr,
-    gate_up_ptr,
-    rw_ptr,
-    part_ptr,
     N,
     K,
-    NB,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TRANS_W: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ROW_DOT: tl.constexpr,
 ):
     """``out[r] = a[r] @ B_e`` for the rows r of each expert e.
 
@@ -162,12 +158,6 @@ def _grouped_mm_fwd_kernel(
     ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e and output columns
     ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``a [R, K]`` and ``cum_token_counts [NR+1]`` int32;
     writes ``out [R, N]`` in a's dtype.
-
-    ``ROW_DOT`` (the down GEMM's input gradient, ``N = I``): the epilogue recomputes
-    ``h = silu(gate) * up`` for its tile from ``gate_up [R, 2N]``, writes the partial row dot
-    products ``<acc_r, h_r>`` over its columns to ``part [R, NB]`` fp32 (column ``n``; summed over the
-    NB column blocks afterwards: a fixed order, no atomics) and stores ``rw[r] * acc_r`` (``rw [R]``
-    fp32, the routing weight of each row).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -197,20 +187,6 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_bp = tl.advance(a_bp, (0, BLOCK_K))
                 b_bp = tl.advance(b_bp, (BLOCK_K, 0))
-            if ROW_DOT:
-                # h recomputed from gate_up for this tile; partial router-weight gradients <acc_r, h_r>
-                # over this column block, then the rows scaled by their routing weight.
-                e_offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                e_m_mask = e_offs_m < n_rows
-                e_rows = row0 + e_offs_m
-                e_mask = e_m_mask[:, None] & n_mask[None, :]
-                gu = gate_up_ptr + e_rows[:, None] * 2 * N + offs_n[None, :]
-                gate = tl.load(gu, mask=e_mask, other=0.0).to(tl.float32)
-                up = tl.load(gu + N, mask=e_mask, other=0.0).to(tl.float32)
-                h = gate * tl.sigmoid(gate) * up
-                tl.store(part_ptr + e_rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=e_m_mask)
-                rw = tl.load(rw_ptr + e_rows, mask=e_m_mask, other=0.0).to(tl.float32)
-                acc = acc * rw[:, None]
             o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
                                      order=(1, 0))
@@ -233,20 +209,6 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += b_step
-            if ROW_DOT:
-                # h recomputed from gate_up for this tile; partial router-weight gradients <acc_r, h_r>
-                # over this column block, then the rows scaled by their routing weight.
-                e_offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                e_m_mask = e_offs_m < n_rows
-                e_rows = row0 + e_offs_m
-                e_mask = e_m_mask[:, None] & n_mask[None, :]
-                gu = gate_up_ptr + e_rows[:, None] * 2 * N + offs_n[None, :]
-                gate = tl.load(gu, mask=e_mask, other=0.0).to(tl.float32)
-                up = tl.load(gu + N, mask=e_mask, other=0.0).to(tl.float32)
-                h = gate * tl.sigmoid(gate) * up
-                tl.store(part_ptr + e_rows * NB + pid_n, tl.sum(acc * h, axis=1), mask=e_m_mask)
-                rw = tl.load(rw_ptr + e_rows, mask=e_m_mask, other=0.0).to(tl.float32)
-                acc = acc * rw[:, None]
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ty),
                      mask=m_mask[:, None] & n_mask[None, :])
 
@@ -401,6 +363,50 @@ def _silu_mul_bwd_kernel(
     tl.store(d_gate_up_ptr + gu + I, d_up.to(out_ty), mask=mask)
 
 
+@triton.jit
+def _row_dot_scale_kernel(
+    dh_ptr,
+    gate_up_ptr,
+    rw_ptr,
+    cum_token_ptr,
+    d_row_ptr,
+    R,
+    I,
+    NR,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """The down input gradient's epilogue as its own pass: ``d_row[r] = <dh_r, h_r>`` (fp32) with
+    ``h = silu(gate) * up`` recomputed from ``gate_up [R, 2I]``, then ``dh_r *= rw[r]`` in place.
+
+    Grid ``(ceil(R/BLOCK_R),)``; program ``r`` owns rows ``[r*BLOCK_R, (r+1)*BLOCK_R)`` and walks
+    their I columns in ``BLOCK_I`` steps, so a row's dot product is summed in one fixed order (no
+    partial buffer, no atomics) and only a ``[BLOCK_R, BLOCK_I]`` piece is live: inside the GEMM's
+    epilogue the gate/up tiles, their pointers and the layout conversions of the product sat beside
+    the accumulator and spilled on PVC (docs/xpu.md). Only the RT = ``cum_token_counts[NR]`` routed
+    rows are touched (read on the device; programs past RT exit at once).
+    """
+    row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
+    if tl.program_id(0) * BLOCK_R >= row_end:
+        return
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_mask = offs_r < row_end
+    rw = tl.load(rw_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    out_ty = dh_ptr.dtype.element_ty
+    for i0 in range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask = r_mask[:, None] & (offs_i[None, :] < I)
+        gu = offs_r[:, None] * 2 * I + offs_i[None, :]
+        gate = tl.load(gate_up_ptr + gu, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + gu + I, mask=mask, other=0.0).to(tl.float32)
+        d_ptrs = dh_ptr + offs_r[:, None] * I + offs_i[None, :]
+        dh = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dot += tl.sum(dh * (gate * tl.sigmoid(gate) * up), axis=1)
+        tl.store(d_ptrs, (dh * rw[:, None]).to(out_ty), mask=mask)
+    tl.store(d_row_ptr + offs_r, dot, mask=r_mask)
+
+
 # ---------------------------------------------------------------- launchers
 #: Row-tile programs per expert, as a multiple of the fair share ``R / NR`` rows: routing up to this
 #: imbalanced runs fully parallel; an expert with more rows loops (grid-stride) over its extra tiles.
@@ -447,39 +453,25 @@ def gate_up_fwd(
     return gate_up, h
 
 
-def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool,
-                row_dot: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out, part)``; ``row_dot = (gate_up, row_weights)`` turns on the ``ROW_DOT`` epilogue and
-    returns its partial row dot products ``part [R, NB]`` fp32 (else None)."""
+def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool) -> torch.Tensor:
     NR = w.shape[0]
     N, K = (w.shape[1], w.shape[2]) if trans_w else (w.shape[2], w.shape[1])
     R = a_RK.shape[0]
     out = a_RK.new_empty(R, N)
+    if R == 0:
+        return out
     dev = a_RK.device
     backend = backend_for(dev)
-    kernel = "grouped_mm_fwd" if row_dot is None else "grouped_mm_fwd_row_dot"
-    # The grid's column blocks fix part's width, so the config is chosen first (autotune's launch
-    # callback writes into a part buffer of that config's width).
-    part_holder: list[torch.Tensor | None] = [None]
-    # Without ROW_DOT the epilogue's pointers are never read; `out` stands in for them.
-    gate_up, rw = row_dot if row_dot is not None else (out, out)
 
     def go(cfg):
-        nb = triton.cdiv(N, cfg.meta["BLOCK_N"])
-        part = torch.empty(R, nb, dtype=torch.float32, device=dev) if row_dot is not None else None
-        part_holder[0] = part
-        if R == 0:
-            return
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), nb, NR)
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
         _launch.launch(
-            _grouped_mm_fwd_kernel, grid,
-            (a_RK, w, cum_token_counts, out, gate_up, rw, part if part is not None else out, N, K, nb), cfg, dev,
+            _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
             TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
-            ROW_DOT=row_dot is not None,
         )
 
-    go(autotune.choose(kernel, backend, N, K, R, NR, dev, go))
-    return out, part_holder[0]
+    go(autotune.choose("grouped_mm_fwd", backend, N, K, R, NR, dev, go))
+    return out
 
 
 def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
@@ -512,7 +504,7 @@ def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: tor
     check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
     check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
-    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)[0]
+    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)
 
 
 def down_bwd(
@@ -527,7 +519,7 @@ def down_bwd(
                          f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {I}])")
     if cum_token_counts.numel() != NR + 1:
         raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
-    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)[0]
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
     dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
     return dh, dw
 
@@ -557,9 +549,17 @@ def down_weighted_bwd(
                          f"{tuple(row_weights_R.shape)}")
     if cum_token_counts.numel() != NR + 1:
         raise ValueError(f"{op}: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
-    dh, part = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False, row_dot=(gate_up_R2I, row_weights_R))
+    # The plain input-gradient GEMM (unweighted dy @ W_e), then one pass over its rows for the
+    # router-weight dots and the weights: fused into the GEMM's epilogue, that pass spilled on PVC.
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
+    d_row_w = torch.empty(R, dtype=torch.float32, device=dy_RH.device)
+    if R and I:
+        dev = dy_RH.device
+        cfg = get_config(backend_for(dev), "row_dot_scale")
+        _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
+                       (dh, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I, NR), cfg, dev)
     dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
-    return dh, dw, part.sum(dim=1)
+    return dh, dw, d_row_w
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -611,6 +611,6 @@ def gate_up_bwd(
     if d_gate_up_R2I.dim() != 2 or d_gate_up_R2I.shape[1] != two_i or d_gate_up_R2I.shape[0] > input_indices.shape[0]:
         raise ValueError(f"gate_up_bwd: d_gate_up {tuple(d_gate_up_R2I.shape)} does not fit gate_up_proj "
                          f"{tuple(w_gate_up_N2IH.shape)} and {input_indices.shape[0]} input indices")
-    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)[0]
+    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)
     dw = _grouped_mm_wgrad(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
     return dx_rows, dw
