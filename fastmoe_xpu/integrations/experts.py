@@ -264,6 +264,13 @@ def fastmoe_experts_forward(
     return out_TH.to(hidden_states.dtype)
 
 
+def _first_rows(t: torch.Tensor, rt: int) -> torch.Tensor:
+    """``t[:rt]``, or ``t`` itself when it has exactly ``rt`` rows (always, without expert
+    parallelism): a slice's backward allocates a zero ``[R, width]`` gradient and copies into it,
+    a full pass over the rows for nothing."""
+    return t if t.shape[0] == rt else t[:rt]
+
+
 def _plain_stage4(
     module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
     cum_token_counts: torch.Tensor, ops: KernelBackend, top_k: int,
@@ -278,12 +285,13 @@ def _plain_stage4(
         row_expert = torch.repeat_interleave(torch.arange(sizes.numel(), device=x_TH.device), sizes, output_size=rt)
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     transposed = flags["is_transposed"]
-    h = GroupedLinear.apply(x_RH, _weight(module, up_name), cum_token_counts, ops, transposed)[:rt]
+    h = _first_rows(GroupedLinear.apply(x_RH, _weight(module, up_name), cum_token_counts, ops, transposed), rt)
     if row_expert is not None:
         h = h + getattr(module, up_name + "_bias")[row_expert]
     # The module's own gate (custom ones included) or, without a gate, its activation.
     h = module._apply_gate(h) if flags["has_gate"] else module.act_fn(h)
-    y = GroupedLinear.apply(h.contiguous(), _weight(module, "down_proj"), cum_token_counts, ops, transposed)[:rt]
+    y = _first_rows(GroupedLinear.apply(h.contiguous(), _weight(module, "down_proj"), cum_token_counts, ops, transposed),
+                    rt)
     if row_expert is not None:
         y = y + module.down_proj_bias[row_expert]
     if flags["has_post_expert_norm"]:
