@@ -53,8 +53,12 @@ def default_corpus() -> tuple[list[str], dict[str, Any]]:
 
 
 def default_cache_dir() -> str:
-    """`$FASTMOE_DATA_CACHE`, else `~/.cache/fastmoe_xpu/data`."""
-    return os.environ.get("FASTMOE_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fastmoe_xpu", "data")
+    """`$FASTMOE_DATA_CACHE` (read through the package's one settings object), else
+    `~/.cache/fastmoe_xpu/data`."""
+    # Imported here: the data tools start without torch, and only the trainer asks for the cache.
+    from fastmoe_xpu import settings
+
+    return settings.get().data_cache or os.path.join(os.path.expanduser("~"), ".cache", "fastmoe_xpu", "data")
 
 
 def ensure_default_dataset(
