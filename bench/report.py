@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fastmoe_xpu.device import cpu_model
+
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
 
@@ -30,16 +32,6 @@ def _version(pkg: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def machine_description(device: torch.device) -> dict:
     try:
@@ -47,7 +39,7 @@ def machine_description(device: torch.device) -> dict:
     except AttributeError:  # not on Linux
         usable = os.cpu_count()
     d = {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable,
         "torch_threads": torch.get_num_threads(),

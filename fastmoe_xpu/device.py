@@ -8,9 +8,11 @@ config table (``kernels/configs.py``) and whether ``tl.dot`` operands go through
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
+import platform
 from typing import NamedTuple
 
 import torch
@@ -111,3 +113,17 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
                 "set TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
             )
     return backend
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` knows): benchmark reports
+    and the engine cache key describe the machine with it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

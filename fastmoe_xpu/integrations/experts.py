@@ -13,7 +13,8 @@ Two paths, chosen per call from the attributes the decorator sets:
 * fused: gate/up concatenated, not transposed, no biases, no post-expert norm, the default gate
   and a SiLU ``act_fn`` -- exactly the layout our stage-4 kernels fuse (gather + GEMM + SiLU*up);
 * plain: every other layout the families use. Stages 2, 3 and 5 are ours, the two GEMMs are our
-  grouped-GEMM launchers (``down_fwd``/``down_bwd``, a plain grouped ``a @ w[e]^T``), and between
+  grouped-GEMM launchers (``down_fwd``/``down_bwd``, a plain grouped ``a @ w[e]^T``, or ``a @ w[e]``
+  on transposed weights, read as stored), and between
   them the module's own ``_apply_gate`` (or ``act_fn`` when ``has_gate=False``), biases and
   ``post_expert_norm`` run in PyTorch, so a custom gate (GPT-OSS's clamped SwiGLU) is the family's
   own code, never a re-implementation that could drift.
@@ -126,19 +127,25 @@ class GroupedLinear(torch.autograd.Function):
     """``y [RT, O] = a [RT, In] @ w[e]^T`` per local expert group, on our stage-4 GEMM launchers.
 
     ``down_fwd``/``down_bwd`` are a plain grouped GEMM and its gradients for any widths, so the
-    up projection of an unfused layout runs on them too (``w [E, O, In]``)."""
+    up projection of an unfused layout runs on them too (``w [E, O, In]``). ``transposed``: ``w`` is
+    stored ``[E, In, O]`` (``is_transposed``, GPT-OSS) and the launchers read it as stored: the
+    weight saved for backward is the parameter itself and its gradient comes in the stored layout,
+    so no copy of the weight is made in either direction."""
 
     @staticmethod
-    def forward(ctx, a_RK: torch.Tensor, w_NOK: torch.Tensor, cum_token_counts: torch.Tensor, ops: KernelBackend):
+    def forward(ctx, a_RK: torch.Tensor, w_NOK: torch.Tensor, cum_token_counts: torch.Tensor, ops: KernelBackend,
+                transposed: bool = False):
         ctx.save_for_backward(a_RK, w_NOK, cum_token_counts)
         ctx.ops = ops
-        return ops.down_fwd(a_RK, cum_token_counts, w_NOK)
+        ctx.transposed = transposed
+        return ops.down_fwd(a_RK, cum_token_counts, w_NOK, transposed=transposed)
 
     @staticmethod
     def backward(ctx, dy_RO: torch.Tensor):
         a_RK, w_NOK, cum_token_counts = ctx.saved_tensors
-        da_RK, dw_NOK = ctx.ops.down_bwd(dy_RO.contiguous(), a_RK, cum_token_counts, w_NOK)
-        return da_RK, dw_NOK, None, None
+        da_RK, dw_NOK = ctx.ops.down_bwd(dy_RO.contiguous(), a_RK, cum_token_counts, w_NOK,
+                                         transposed=ctx.transposed)
+        return da_RK, dw_NOK, None, None, None
 
 
 def _backend_for(module: nn.Module, device: torch.device) -> str:
@@ -153,12 +160,11 @@ def _traced_backend(backend: str, device_type: str) -> str:
     return resolve_backend(backend, torch.device(device_type))
 
 
-def _weight(module: nn.Module, name: str, transposed: bool) -> torch.Tensor:
-    """``[E, out, in]`` contiguous; a transposed ``[E, in, out]`` weight is copied (differentiably)."""
-    w = getattr(module, name)
-    if transposed:
-        w = w.transpose(1, 2)
-    return w.contiguous()
+def _weight(module: nn.Module, name: str) -> torch.Tensor:
+    """The weight in its stored orientation (``[E, out, in]``, or ``[E, in, out]`` when
+    ``is_transposed``: the launchers take a flag for that), contiguous: the parameter itself
+    whenever it already is, which every family's is, so nothing is copied per call."""
+    return getattr(module, name).contiguous()
 
 
 def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
@@ -216,7 +222,7 @@ def fastmoe_experts_forward(
     if compiling and flags["fused"]:
         # Traced: the fastmoe custom ops (no host read, worst-case shapes), backend fixed at trace time.
         out_TH = moe_ops.moe_experts(
-            x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False),
+            x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj"), _weight(self, "down_proj"),
             backend=_traced_backend(getattr(self, "fastmoe_backend", "auto"), x_TH.device.type),
             expert_start=0, block_size=TOKEN_BLOCK_SIZE,
         )
@@ -228,7 +234,7 @@ def fastmoe_experts_forward(
             top_k_index, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E, TOKEN_BLOCK_SIZE
         )
     if flags["fused"]:
-        w_gu, w_d = _weight(self, "gate_up_proj", False), _weight(self, "down_proj", False)
+        w_gu, w_d = _weight(self, "gate_up_proj"), _weight(self, "down_proj")
         # Stage 4's grouped-GEMM engine (kernels/engines.py): the module's ``fastmoe_gemm_engine`` or
         # auto. transformers' expert parallelism gives no group to agree on a timed choice, so its
         # shards keep the backend's own engine: ranks must not round differently.
@@ -258,6 +264,13 @@ def fastmoe_experts_forward(
     return out_TH.to(hidden_states.dtype)
 
 
+def _first_rows(t: torch.Tensor, rt: int) -> torch.Tensor:
+    """``t[:rt]``, or ``t`` itself when it has exactly ``rt`` rows (always, without expert
+    parallelism): a slice's backward allocates a zero ``[R, width]`` gradient and copies into it,
+    a full pass over the rows for nothing."""
+    return t if t.shape[0] == rt else t[:rt]
+
+
 def _plain_stage4(
     module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
     cum_token_counts: torch.Tensor, ops: KernelBackend, top_k: int,
@@ -271,14 +284,14 @@ def _plain_stage4(
         sizes = (cum_token_counts[1:] - cum_token_counts[:-1]).long()
         row_expert = torch.repeat_interleave(torch.arange(sizes.numel(), device=x_TH.device), sizes, output_size=rt)
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
-    h = GroupedLinear.apply(x_RH, _weight(module, up_name, flags["is_transposed"]), cum_token_counts, ops)[:rt]
+    transposed = flags["is_transposed"]
+    h = _first_rows(GroupedLinear.apply(x_RH, _weight(module, up_name), cum_token_counts, ops, transposed), rt)
     if row_expert is not None:
         h = h + getattr(module, up_name + "_bias")[row_expert]
     # The module's own gate (custom ones included) or, without a gate, its activation.
     h = module._apply_gate(h) if flags["has_gate"] else module.act_fn(h)
-    y = GroupedLinear.apply(
-        h.contiguous(), _weight(module, "down_proj", flags["is_transposed"]), cum_token_counts, ops
-    )[:rt]
+    y = _first_rows(GroupedLinear.apply(h.contiguous(), _weight(module, "down_proj"), cum_token_counts, ops, transposed),
+                    rt)
     if row_expert is not None:
         y = y + module.down_proj_bias[row_expert]
     if flags["has_post_expert_norm"]:

@@ -10,8 +10,10 @@ methods list every launcher:
                           (:class:`.contract.TokenCounts`)
 ``build_indices``         stage 3: rows and slots (:class:`.contract.RowIndices`)
 ``gate_up_fwd``           stage 4: gathered grouped GEMM with ``gate_up_proj``, then SiLU*up
-``down_fwd``              stage 4: grouped GEMM with ``down_proj``
+``down_fwd``              stage 4: grouped GEMM with ``down_proj`` (``transposed=True``: a weight
+                          stored ``[NR, in, out]``, read in place)
 ``down_bwd``              stage 4 backward: input and weight gradients of a plain grouped GEMM
+                          (``transposed=True``: the weight gradient in that stored layout)
 ``down_weighted_bwd``     stage 4 backward of the row-weighted down GEMM: h recomputed from gate/up,
                           and the router-weight gradient per row
 ``silu_mul_bwd``          stage 4 backward: gradient of SiLU*up

@@ -134,11 +134,14 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
             _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
             _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
         ],
-        # The down GEMM's backward pair: gate and up tiles live in fp32 beside the accumulator, so
-        # smaller tiles than the plain GEMMs'; defaults = the least-spilling in the PVC gate (docs/xpu.md).
+        # The down weight gradient recomputing h in its B loads: the gate and up tiles sit in fp32
+        # beside the accumulator, so each work-item owns less of the tile than in the plain GEMM.
+        # At 16 dpas per thread and k-step (m128n64k32 with 8 warps, m128n128k32 with 16,
+        # m256n128k32 with 32) PVC spills 480-640 B; at 8 (these first three) nothing (docs/xpu.md).
         "grouped_mm_bwd_silu": [
-            _c("m128n64k32", 8, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
-            _c("m128n128k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
+            _c("m128n128k32", 32, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
+            _c("m256n128k16", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=16),
+            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
             _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
         ],
         "silu_mul_bwd": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],

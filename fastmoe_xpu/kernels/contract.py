@@ -76,14 +76,21 @@ class KernelBackend(Protocol):
         """Stage 4: ``(gate_up [R, 2I], h [R, I])``, the gathered gate/up GEMM and SiLU*up."""
         ...
 
-    def down_fwd(self, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
-        """Stage 4: ``y [R, H] = h @ w_down[e]^T`` per expert group."""
+    def down_fwd(
+        self, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
+    ) -> torch.Tensor:
+        """Stage 4: ``y [R, H] = h @ w_down[e]^T`` per expert group. ``transposed``: the weight is
+        stored ``[NR, I, H]`` (transformers' ``is_transposed`` layout) and ``y = h @ w_down[e]``,
+        read in place: no transposed copy of the weight is made."""
         ...
 
     def down_bwd(
-        self, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+        self, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+        transposed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 4 backward of a plain grouped GEMM: ``(dh [R, I], dw_down [NR, H, I])``."""
+        """Stage 4 backward of a plain grouped GEMM: ``(dh [R, I], dw_down [NR, H, I])``; with
+        ``transposed`` (weight stored ``[NR, I, H]``) the weight gradient comes in that stored
+        layout, ``[NR, I, H]``, so it lands on the parameter without a copy."""
         ...
 
     def down_weighted_bwd(
@@ -177,6 +184,16 @@ def check_gemm_inputs(a: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.
             f"{op}: cum_token_counts has {cum_token_counts.numel()} entries, expected {w.shape[0] + 1} "
             f"(one more than the {w.shape[0]} local experts)"
         )
+
+
+def check_stored_gemm_inputs(
+    a: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, op: str, transposed: bool
+) -> None:
+    """:func:`check_gemm_inputs` for a weight read as ``[NR, out, in]`` (``transposed=False``) or
+    stored ``[NR, in, out]`` (``transposed=True``; checked through a view, nothing is copied)."""
+    if not isinstance(transposed, bool):
+        raise TypeError(f"{op}: transposed must be a bool, got {transposed!r}")
+    check_gemm_inputs(a, w.transpose(-2, -1) if transposed and w.dim() == 3 else w, cum_token_counts, op)
 
 
 def check_float(op: str, device: torch.device | None, **tensors: torch.Tensor) -> None:

@@ -25,7 +25,6 @@ run in the interpreter, a correctness tool. A block argument other than ``"auto"
 from __future__ import annotations
 
 import functools
-import importlib
 import time
 from types import ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
@@ -33,6 +32,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from .. import settings
+from ..device import cpu_model
 from .contract import LAUNCHERS, STAGE4_LAUNCHERS, KernelBackend
 
 #: The engines, in the order ties are broken.
@@ -41,12 +41,6 @@ ENGINES = ("loop", "grouped_mm", "triton")
 CHOICES = settings.GEMM_ENGINES
 #: The stage-4 engine each kernel backend had before engines existed.
 NATIVE = {"torch": "loop", "triton": "triton"}
-
-_ENGINE_MODULES = {
-    "loop": "fastmoe_xpu.kernels.torch.grouped_gemm",
-    "grouped_mm": "fastmoe_xpu.kernels.grouped_mm",
-    "triton": "fastmoe_xpu.kernels.triton.grouped_gemm",
-}
 
 
 def check_choice(gemm_engine: str) -> str:
@@ -58,9 +52,15 @@ def check_choice(gemm_engine: str) -> str:
 
 def engine_module(engine: str) -> ModuleType:
     """The module holding ``engine``'s stage-4 launchers (imported on first use: triton stays optional)."""
-    if engine not in ENGINES:
+    if engine == "loop":
+        from .torch import grouped_gemm as module
+    elif engine == "grouped_mm":
+        from . import grouped_mm as module
+    elif engine == "triton":
+        from .triton import grouped_gemm as module
+    else:
         raise ValueError(f"unknown gemm engine {engine!r} (expected one of {ENGINES})")
-    return importlib.import_module(_ENGINE_MODULES[engine])
+    return module
 
 
 def unavailable_reason(engine: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -147,21 +147,8 @@ def device_name(device: torch.device | str) -> str:
         return f"cuda:{torch.cuda.get_device_name(dev)}"
     if dev.type == "xpu":
         return f"xpu:{torch.xpu.get_device_name(dev)}"
-    return f"{dev.type}:{_cpu_model()}x{torch.get_num_threads()}"
+    return f"{dev.type}:{cpu_model()}x{torch.get_num_threads()}"
 
-
-@functools.lru_cache(maxsize=1)
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 #: In-process choices: (device name, ShapeKey) -> engine.

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .contract import check_gemm_inputs
+from .contract import check_gemm_inputs, check_stored_gemm_inputs
 
 _ALIGN_BYTES = 16
 
@@ -120,18 +120,25 @@ def gate_up_fwd(
     return gate_up_R2I, h_RI
 
 
-def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
-    """``y [R, H] = h @ w_down[e]^T`` per expert group."""
-    check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
-    return _gmm(h_RI, w_down_NHI.transpose(-2, -1), _ends(cum_token_counts))
+def down_fwd(
+    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
+) -> torch.Tensor:
+    """``y [R, H] = h @ w_down[e]^T`` per expert group; ``transposed`` (``w_down`` stored
+    ``[NR, I, H]``): ``y = h @ w_down[e]``, the weight passed to grouped_mm as stored."""
+    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
+    return _gmm(h_RI, w_down_NHI if transposed else w_down_NHI.transpose(-2, -1), _ends(cum_token_counts))
 
 
 def down_bwd(
-    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+    transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
-    check_gemm_inputs(dy_RH, w_down_NHI.transpose(-2, -1), cum_token_counts, "down_bwd")
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts);
+    ``transposed`` (stored ``[NR, I, H]``): ``dh = dy @ w_down[e]^T``, ``dw_down [NR, I, H] = h_e^T @ dy_e``."""
+    check_stored_gemm_inputs(dy_RH, w_down_NHI, cum_token_counts, "down_bwd", not transposed)
     offs = _ends(cum_token_counts)
+    if transposed:
+        return _gmm(dy_RH, w_down_NHI.transpose(-2, -1), offs), _gmm(h_RI.t(), dy_RH, offs)
     dh_RI = _gmm(dy_RH, w_down_NHI, offs)
     dw_NHI = _gmm(dy_RH.t(), h_RI, offs)
     return dh_RI, dw_NHI

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import check_gemm_inputs
+from ..contract import check_gemm_inputs, check_stored_gemm_inputs
 from .buffers import cached_empty, piece_rows
 
 
@@ -77,33 +77,44 @@ def gate_up_fwd(
     return gate_up_R2I, h_RI
 
 
-def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
-    """``y [R, H] = h @ w_down[e]^T`` per expert group; R is ``h``'s rows, those past RT are zero."""
-    check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
+def down_fwd(
+    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
+) -> torch.Tensor:
+    """``y [R, H] = h @ w_down[e]^T`` per expert group; R is ``h``'s rows, those past RT are zero.
+    ``transposed``: ``w_down`` is stored ``[NR, I, H]`` and ``y = h @ w_down[e]``, read in place."""
+    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
     bounds = _bounds(cum_token_counts)
     rt = bounds[-1]
-    y_RH = cached_empty((max(rt, h_RI.shape[0]), w_down_NHI.shape[1]), h_RI)
+    out = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
+    y_RH = cached_empty((max(rt, h_RI.shape[0]), out), h_RI)
     if y_RH.shape[0] > rt:
         y_RH[rt:].zero_()
     for e, s, t in _groups(bounds):
         if t > s:
-            torch.mm(h_RI[s:t], w_down_NHI[e].t(), out=y_RH[s:t])
+            torch.mm(h_RI[s:t], w_down_NHI[e] if transposed else w_down_NHI[e].t(), out=y_RH[s:t])
     return y_RH
 
 
 def down_bwd(
-    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+    transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts).
+    ``transposed`` (``w_down`` stored ``[NR, I, H]``): ``dh = dy @ w_down[e]^T`` and the gradient in
+    the stored layout, ``dw_down [NR, I, H] = h_e^T @ dy_e``."""
     bounds = _bounds(cum_token_counts)
-    dh_RI = cached_empty((bounds[-1], w_down_NHI.shape[2]), dy_RH)
+    dh_RI = cached_empty((bounds[-1], w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]), dy_RH)
     dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
     for e, s, t in _groups(bounds):
         if t == s:
             dw_NHI[e].zero_()
             continue
-        torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
-        torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
+        if transposed:
+            torch.mm(dy_RH[s:t], w_down_NHI[e].t(), out=dh_RI[s:t])
+            torch.mm(h_RI[s:t].t(), dy_RH[s:t], out=dw_NHI[e])
+        else:
+            torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
+            torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
     return dh_RI, dw_NHI
 
 

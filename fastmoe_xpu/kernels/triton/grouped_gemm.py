@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..configs import backend_for, dot_precision, get_config, uses_block_ptr
-from ..contract import check_float, check_gemm_inputs, check_index
+from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
 from . import autotune
 from . import launch as _launch
 
@@ -499,28 +499,45 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     return dw
 
 
-def down_fwd(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
-    """``y [R, H] = h @ w_down[e]^T`` per expert group; rows past RT unspecified."""
-    check_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd")
+def down_fwd(
+    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
+) -> torch.Tensor:
+    """``y [R, H] = h @ w_down[e]^T`` per expert group; rows past RT unspecified. ``transposed``
+    (``w_down`` stored ``[NR, I, H]``): ``y = h @ w_down[e]``, the kernel's ``W_e`` variant (the one
+    the input gradients use), reading the weight in place."""
+    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
     check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
-    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, True)
+    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, not transposed)
 
 
 def down_bwd(
-    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor
+    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+    transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts)."""
+    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts).
+    ``transposed`` (stored ``[NR, I, H]``): ``dh = dy @ w_down[e]^T`` (the ``W_e^T`` variant) and
+    ``dw_down [NR, I, H] = h_e^T @ dy_e`` (the weight-gradient kernel with its operands swapped), so
+    the gradient is written in the stored layout. No new kernel variant: both are compiled already."""
+    if not isinstance(transposed, bool):
+        raise TypeError(f"down_bwd: transposed must be a bool, got {transposed!r}")
     check_float("down_bwd", None, dy=dy_RH, h=h_RI, w_down=w_down_NHI)
     check_index("down_bwd", dy_RH.device, cum_token_counts=cum_token_counts)
-    NR, H, I = w_down_NHI.shape
+    if w_down_NHI.dim() != 3:
+        raise ValueError(f"down_bwd: down_proj must be 3-D, got {tuple(w_down_NHI.shape)}")
+    NR = w_down_NHI.shape[0]
+    I, H = (w_down_NHI.shape[1], w_down_NHI.shape[2]) if transposed else (w_down_NHI.shape[2], w_down_NHI.shape[1])
     if dy_RH.dim() != 2 or dy_RH.shape[1] != H or h_RI.dim() != 2 or h_RI.shape != (dy_RH.shape[0], I):
         raise ValueError(f"down_bwd: dy {tuple(dy_RH.shape)} and h {tuple(h_RI.shape)} do not fit "
-                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {I}])")
+                         f"down_proj {tuple(w_down_NHI.shape)} (transposed={transposed}; expected [R, {H}] and "
+                         f"[R, {I}])")
     if cum_token_counts.numel() != NR + 1:
         raise ValueError(f"down_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
-    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
-    dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, transposed)
+    if transposed:
+        dw = _grouped_mm_wgrad(h_RI, dy_RH, None, cum_token_counts, w_down_NHI)
+    else:
+        dw = _grouped_mm_wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
     return dh, dw
 
 
