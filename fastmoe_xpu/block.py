@@ -23,7 +23,7 @@ import torch.nn as nn
 from . import ops as moe_ops
 from .autograd import DownCombineFunction, GateUpFunction
 from .device import resolve_backend
-from .dist.collectives import agree_on_inputs
+from .dist.collectives import agree_on_inputs, assert_same_tokens_on_device
 from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
 from .dist.env import check_group_device
 from .dist.sharding import EXPERT_IDS_NAME, expert_range
@@ -428,13 +428,24 @@ class FastSparseMoeBlock(nn.Module):
         except (TypeError, ValueError) as err:
             local_error = err
         num_tokens = hidden_states.numel() // self.hidden_size if local_error is None else -1
-        if self.check_inputs or self.dispatch == "alltoall":
+        # The agreement reads every rank's count on the host, which a graph cannot. Traced, allgather
+        # compares the counts on the device instead (an assertion in the graph, no host read);
+        # all-to-all needs no equal counts, only the offset of forced routing needs the others'.
+        traced = torch.compiler.is_compiling() and (self.dispatch == "allgather" or not self.forced_uniform_routing)
+        if traced:
+            if local_error is not None:
+                raise local_error
+            if self.check_inputs and self.dispatch == "allgather":
+                assert_same_tokens_on_device(group, num_tokens, device)
+            sizes = [num_tokens] * self.ep_size
+        elif self.check_inputs or self.dispatch == "alltoall":
             sizes = agree_on_inputs(group, num_tokens, local_error, device)
         elif local_error is not None:
             raise local_error
         else:
             sizes = [num_tokens] * self.ep_size
-        if self.dispatch == "allgather" and len(set(sizes)) > 1:
+        # (Traced, the sizes are all this rank's symbolic count: comparing them would only add a guard.)
+        if not traced and self.dispatch == "allgather" and len(set(sizes)) > 1:
             raise ValueError(
                 f"allgather dispatch needs the same number of tokens on every EP rank, got {sizes} "
                 "(batch*sequence per rank); pad the batches to one length or use dispatch='alltoall'"

@@ -151,8 +151,10 @@ class Trainer:
         if cfg.model.compile:
             if p.pp > 1:
                 raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
-            # Under EP the dispatch collectives and the input agreement break the graph (docs/compile.md).
-            compile_decoder(model, fullgraph=getattr(lay, "ep", 1) == 1, backend=cfg.model.compile_backend)
+            # Allgather dispatch traces whole under EP; all-to-all breaks the graph at its count read
+            # unless dynamo captures unbacked sizes (docs/compile.md), so it compiles in pieces.
+            whole = getattr(lay, "ep", 1) == 1 or cfg.model.ep_dispatch == "allgather"
+            compile_decoder(model, fullgraph=whole, backend=cfg.model.compile_backend)
         return model
 
     def _full_model(self, *, meta: bool = False) -> nn.Module:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 #: Backends whose ``reduce_scatter`` raised "not supported"; they use all_reduce + slice from then on.
 _REDUCE_SCATTER_FALLBACK: set[str] = set()
@@ -86,6 +87,10 @@ def all_to_all_dim0(
     """Rows ``[in_splits[0] | in_splits[1] | ...]`` go to ranks 0, 1, ...; ``out_splits[j]`` rows
     arrive from rank j, in rank order."""
     x_RX = x_RX.contiguous()
+    if torch.compiler.is_compiling():
+        # Splits read from a tensor are unbacked symbols in a trace: state the relation, do not branch on it.
+        torch._check(x_RX.shape[0] == sum(in_splits))
+        return funcol.all_to_all_single(x_RX, list(out_splits), list(in_splits), _traced_group(group))
     if x_RX.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all_dim0: {x_RX.shape[0]} rows but in_splits {list(in_splits)} sum to {sum(in_splits)}")
     out_RX = x_RX.new_empty((sum(out_splits), *x_RX.shape[1:]))
@@ -146,19 +151,35 @@ class _AllToAll(torch.autograd.Function):
         )
 
 
+# Under torch.compile / torch.export the collectives below take torch's functional collectives
+# (``torch.distributed._functional_collectives``), which dynamo traces into the graph and whose
+# ``*_autograd`` forms carry the reverse collective as their backward; the in-place c10d calls
+# inside the autograd Functions would break the graph. Eager keeps the Functions (their
+# reduce-scatter falls back to all_reduce + slice on backends without it, a host-side decision a
+# graph cannot take; gloo has the functional reduce-scatter in the PyTorch versions we support).
+def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
 def forward_allgather_backward_reducescatter(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather ``[S, ...] -> [W*S, ...]``; the gradient is reduce-scattered back to ``[S, ...]``."""
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor_autograd(x_SX.contiguous(), 0, _traced_group(group))
     return _AllGatherReduceScatter.apply(x_SX, group)
 
 
 def forward_allgather(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather without a gradient (routing indices)."""
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x_SX.detach().contiguous(), 0, _traced_group(group))
     with torch.no_grad():
         return all_gather_dim0(x_SX.detach(), group)
 
 
 def forward_reducescatter_backward_allgather(x_TX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Reduce-scatter ``[W*S, ...] -> [S, ...]`` (sum over ranks); the gradient is all-gathered."""
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor_autograd(x_TX.contiguous(), "sum", 0, _traced_group(group))
     return _ReduceScatterAllGather.apply(x_TX, group)
 
 
@@ -166,6 +187,9 @@ def all_to_all_autograd(
     x_RX: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """:func:`all_to_all_dim0` whose gradient takes the reverse all-to-all."""
+    if torch.compiler.is_compiling():
+        torch._check(x_RX.shape[0] == sum(in_splits))
+        return funcol.all_to_all_single_autograd(x_RX.contiguous(), list(out_splits), list(in_splits), _traced_group(group))
     return _AllToAll.apply(x_RX, list(out_splits), list(in_splits), group)
 
 
@@ -205,3 +229,17 @@ def agree_on_inputs(
             f"expert-parallel group rank(s) rejected their input: {who}; see the error raised on those ranks"
         )
     return [n for n, _ in table]
+
+
+def assert_same_tokens_on_device(group: dist.ProcessGroup | None, num_tokens: int, device: torch.device) -> None:
+    """The traced form of the allgather dispatch's size check: every rank's token count gathered
+    by a functional all-gather and compared on the device (``torch._assert_async``), so the graph
+    holds no host read. A mismatch fails the step on every rank, since all ranks gather the same
+    table; it cannot say which input was wrong, as :func:`agree_on_inputs` does eagerly."""
+    mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
+    table = funcol.all_gather_tensor(mine, 0, _traced_group(group))
+    torch._assert_async(
+        (table == table[0]).all(),
+        "allgather dispatch needs the same number of tokens on every EP rank; pad the batches to one "
+        "length or use dispatch='alltoall'",
+    )
