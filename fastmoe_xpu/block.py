@@ -12,7 +12,6 @@ token, NR local experts, R routed rows.
 """
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 from typing import Any
 
