@@ -397,10 +397,15 @@ def write_table3_chart(path: Path, header: dict, result: dict) -> bool:
         ax.set_title(COLUMN_TITLE[c], fontsize=9)
         ax.set_xticks(range(len(models)))
         ax.set_xticklabels([m.replace("mula-", "") for m in models], fontsize=7, rotation=30)
+    from matplotlib.patches import Patch
+
     axes[0].set_ylabel("speedup over the baseline")
-    axes[0].bar([], [], color="tab:blue", label="measured (scaled models)")
-    axes[0].bar([], [], color="white", edgecolor="tab:gray", hatch="//", label="published")
-    axes[0].legend(fontsize=7, loc="upper left")
+    values = [v for m in models for c in COLUMNS
+              for v in (result["rows"][m][c]["value"], result["published"][m][c]) if v is not None]
+    axes[0].set_ylim(0, 1.15 * max(values + [1.0]))  # room for the labels above the tallest bar
+    axes[-1].legend(handles=[Patch(color="tab:blue", label="measured (scaled models)"),
+                             Patch(facecolor="white", edgecolor="tab:gray", hatch="//", label="published")],
+                    fontsize=7, loc="upper right")
     mach = header["machine"]
     fig.suptitle(f"Table 3 on {mach['cpu_model']}, {mach['usable_cpus']} cpus, {result['dtype']} "
                  f"({header['date_utc'][:10]})", fontsize=9)
