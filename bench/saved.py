@@ -7,7 +7,7 @@ parameters left out, the input counted (a dense MLP saves it too). Contestants:
 
 * ``fastmoe``: :class:`fastmoe_xpu.FastSparseMoeBlock` of this tree (saves x, gate/up [R, 2I], the
   router's tensors and the routing metadata);
-* ``fastmoe@BASE``: the same block from git revision BASE (``--base``; before issue 22 it also saved
+* ``fastmoe@BASE``: the same block from git revision BASE (``--base``; revisions before the fused pair of Functions also saved
   h [R, I] and the expert outputs y [R, H]), imported from ``git archive`` as a second package;
 * ``transformers``: transformers' ``OlmoeSparseMoeBlock`` (v5, its default experts implementation).
 

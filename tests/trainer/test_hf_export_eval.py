@@ -1,4 +1,4 @@
-"""Hugging Face export, held-out evaluation, generation and MoE health (issue 20): the exported
+"""Hugging Face export, held-out evaluation, generation and MoE health: the exported
 directory loads in a process that cannot import fastmoe_xpu and reproduces the trainer's logits;
 the validation loss is the same on every layout and equals plain transformers' on the export."""
 from __future__ import annotations
