@@ -13,11 +13,11 @@ Legend: M, N, K = GEMM sizes; BM, BN, BK = block sizes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
+from dataclasses import dataclass
 import triton
 import triton.language as tl
+
+from .kernel_specs import KernelSpec
 
 
 @triton.jit
@@ -54,22 +54,9 @@ def _probe_fma_dot_kernel(a_ptr, b_ptr, c_ptr, B: tl.constexpr, PRECISION: tl.co
 
 
 @dataclass
-class ProbeSpec:
-    """Same fields as ``compile_check.KernelSpec`` (duck-typed by ``compile_xpu``)."""
+class ProbeSpec(KernelSpec):
+    """A :class:`KernelSpec` with the gate's expected verdict: the negative control expects no DPAS."""
 
-    name: str
-    fn: Any
-    signature: dict[str, str]
-    constexprs: dict[str, Any]
-    config_name: str
-    num_warps: int
-    num_stages: int
-    is_default: bool
-    extra_options: dict[str, Any] = field(default_factory=dict)
-    # Arguments the runtime would specialise as divisible by 16 (pointers from torch allocations,
-    # leading strides that are multiples of 16); Intel's backend needs them for 2D block IO.
-    divisible_by_16: tuple[str, ...] = ()
-    # Whether the gate should pass this spec; the negative control expects failure.
     expect_dpas: bool = True
 
 
@@ -96,6 +83,6 @@ def probe_specs() -> list[ProbeSpec]:
         name="probe_fma_dot", fn=_probe_fma_dot_kernel,
         signature={"a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "B": "constexpr", "PRECISION": "constexpr"},
         constexprs={"B": 32, "PRECISION": "ieee"}, config_name="fp32_ieee_w4", num_warps=4, num_stages=2,
-        is_default=True, divisible_by_16=("a_ptr", "b_ptr", "c_ptr"), expect_dpas=False,
+        is_default=True, extra_options={}, divisible_by_16=("a_ptr", "b_ptr", "c_ptr"), expect_dpas=False,
     ))
     return specs
