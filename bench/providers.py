@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from fastmoe_xpu.block import moe_experts_forward
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.kernels import engines
 
 from .baselines import HFv4SparseMoeBlock

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fastmoe_xpu.block import TOKEN_BLOCK_SIZE
+from fastmoe_xpu.kernels.contract import TOKEN_BLOCK_SIZE
 from fastmoe_xpu.kernels import get_ops
 from fastmoe_xpu.routing import topk_routing
 

@@ -36,13 +36,11 @@ from .. import ops as moe_ops
 from ..autograd import CombineFunction, DownCombineFunction, GateUpFunction
 from ..device import resolve_backend
 from ..kernels import get_ops
-from ..kernels.contract import KernelBackend
+from ..kernels.contract import TOKEN_BLOCK_SIZE, KernelBackend
 from ..kernels.engines import choose_engine, lazy_timer, with_engine
 
 #: The name under which the implementation is registered.
 NAME = "fastmoe"
-#: Token block size of the counting stage (the block's TOKEN_BLOCK_SIZE; repeated to avoid importing block.py).
-TOKEN_BLOCK_SIZE = 8
 #: Attributes ``@use_experts_implementation`` sets on every experts module, all honoured here.
 LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_concatenated", "is_transposed", "has_post_expert_norm")
 

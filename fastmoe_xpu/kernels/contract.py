@@ -21,6 +21,8 @@ import torch
 
 #: dtype of every metadata tensor (counts, prefix sums, row and slot indices).
 INDEX_DTYPE = torch.int32
+#: Token block size of the counting stage (TBS in the paper): tokens per block of the per-block counts.
+TOKEN_BLOCK_SIZE = 8
 #: Activation and weight dtypes the Triton kernels accept.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastmoe_xpu import FastSparseMoeBlock, reference, settings
-from fastmoe_xpu.block import moe_experts_forward
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.dist.testing import run_distributed
 from fastmoe_xpu.kernels import engine_cache, engines, get_ops
 from fastmoe_xpu.kernels.contract import LAUNCHERS, STAGE4_LAUNCHERS

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fastmoe_xpu.block import moe_experts_forward
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu import settings
 from fastmoe_xpu.kernels import torch as ops
 from fastmoe_xpu.kernels.torch import buffers

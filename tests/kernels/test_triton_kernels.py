@@ -34,7 +34,7 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu import FastSparseMoeBlock, reference  # noqa: E402
 from fastmoe_xpu.autograd import CombineFunction, DownCombineFunction, ExpertMLPFunction, GateUpFunction  # noqa: E402
-from fastmoe_xpu.block import moe_experts_forward  # noqa: E402
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu import settings  # noqa: E402
 from fastmoe_xpu.kernels import configs  # noqa: E402
 from fastmoe_xpu.kernels import torch as torch_ops  # noqa: E402
