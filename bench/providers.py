@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
-from fastmoe_xpu.kernels import engines
+from fastmoe_xpu.kernels import registry
 
 from .baselines import HFv4SparseMoeBlock
 from .cases import Case
@@ -76,9 +76,9 @@ def expand_names(names: list[str] | None) -> list[str]:
             out.append(n)
         elif n.startswith("fastmoe/") and "@" in n:
             backend, engine = n[len("fastmoe/"):].split("@", 1)
-            if backend not in FASTMOE_BACKENDS or engine not in engines.ENGINES:
+            if backend not in FASTMOE_BACKENDS or engine not in registry.ENGINES:
                 raise ValueError(f"unknown provider {n!r}; engine providers are fastmoe/<backend>@<engine> with "
-                                 f"backend in {FASTMOE_BACKENDS} and engine in {engines.ENGINES}")
+                                 f"backend in {FASTMOE_BACKENDS} and engine in {registry.ENGINES}")
             out.append(n)
         else:
             raise ValueError(f"unknown provider {n!r}; known: {list(ALL_PROVIDERS)} or 'fastmoe'")
@@ -216,9 +216,9 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         raise ValueError(f"unknown fastmoe backend {backend!r}")
     w_gu, w_d = case.w_gate_up_N2IH, case.w_down_NHI
     name = name or f"fastmoe/{backend}"
-    engines.check_choice(gemm_engine)
-    if gemm_engine in engines.ENGINES:
-        reason = engines.unavailable_reason(gemm_engine, backend, case.device, case.x_TH.dtype)
+    registry.check_choice(gemm_engine)
+    if gemm_engine in registry.ENGINES:
+        reason = registry.unavailable_reason(gemm_engine, backend, case.device, case.x_TH.dtype)
         if reason is not None:
             raise ProviderSkipped(f"{gemm_engine} engine: {reason}")
     note = f"FastSparseMoE stages 2-5, {backend} backend, {gemm_engine} GEMM engine"
@@ -228,7 +228,7 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         with torch.no_grad():
             moe_experts_forward(case.x_TH, case.weights_TK, case.topk_idx_TK, w_gu, w_d, backend=backend,
                                 expert_start=0, gemm_engine="auto")
-        chosen = engines.chosen_for(backend, case.device, case.x_TH.dtype,
+        chosen = registry.chosen_for(backend, case.device, case.x_TH.dtype,
                                     (w_gu.shape[2], w_d.shape[2], w_gu.shape[0], case.topk_idx_TK.numel()))
         note = f"FastSparseMoE stages 2-5, {backend} backend, GEMM engine auto -> {chosen}"
 

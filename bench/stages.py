@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastmoe_xpu.kernels.contract import TOKEN_BLOCK_SIZE
-from fastmoe_xpu.kernels import get_ops
+from fastmoe_xpu.kernels import kernels
 from fastmoe_xpu.routing import topk_routing
 
 from .bounds import GemmBound
@@ -106,7 +106,7 @@ def run_stages(case: Case, backends: list[str], *, rounds: int = 5, progress: bo
             out["backends"][b] = {"status": "skipped", "reason": str(exc)}
             log(f"  fastmoe/{b}: skipped: {exc}")
             continue
-        pipes[b] = _pipeline(case, get_ops(b))
+        pipes[b] = _pipeline(case, kernels(b))
     samples = {b: {k: [] for k in p if k != "_release"} for b, p in pipes.items()}
     bsamples = {k: [] for k in parts}
     dev = case.device

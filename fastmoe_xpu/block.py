@@ -26,7 +26,7 @@ from .dist.env import check_group_device
 from .dist.sharding import EXPERT_IDS_NAME, expert_range
 from .integrations.experts import when_interface_imported
 from .integrations.v4_keys import merge_v4_expert_keys
-from .kernels.engines import check_choice
+from .kernels.registry import check_choice
 from .routing import TopKRouter, forced_uniform_routing
 
 #: Token dispatch modes under expert parallelism.
@@ -163,7 +163,7 @@ class FastSparseMoeBlock(nn.Module):
             available engine, timed once per device, dtype and shape bucket on first use and cached
             on disk; rank 0's choice under expert parallelism; ``FASTMOE_GEMM_ENGINE`` overrides),
             ``"native"`` (the backend's own), ``"triton"``, ``"grouped_mm"`` or ``"loop"``
-            (``fastmoe_xpu/kernels/engines.py``).
+            (``fastmoe_xpu/kernels/registry.py``).
         check_inputs: under expert parallelism, agree on every rank's token count and input
             validity with one all-gather of two integers per rank before communicating, so that a
             bad or mismatched input raises on every rank instead of hanging. It reads the result on

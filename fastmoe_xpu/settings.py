@@ -19,7 +19,7 @@ from typing import Iterator, Mapping
 
 #: Kernel backends ``FASTMOE_BACKEND`` may force.
 KERNEL_BACKENDS = ("torch", "triton")
-#: Stage-4 engines ``FASTMOE_GEMM_ENGINE`` may force (see ``kernels/engines.py``).
+#: Stage-4 engines ``FASTMOE_GEMM_ENGINE`` may force (see ``kernels/registry.py``).
 GEMM_ENGINES = ("auto", "native", "triton", "grouped_mm", "loop")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
 CONFIG_TABLES = ("cuda", "hip", "xpu", "interpreter")
@@ -71,7 +71,7 @@ class Settings:
     gemm_engine: str | None = None
     """``FASTMOE_GEMM_ENGINE`` (``auto`` | ``native`` | ``triton`` | ``grouped_mm`` | ``loop``): the
     stage-4 engine of blocks built with ``gemm_engine="auto"``; unset or ``auto``: the fastest,
-    timed once per device, dtype and shape bucket (``kernels/engines.py``)."""
+    timed once per device, dtype and shape bucket (``kernels/registry.py``)."""
 
     gemm_cache: str | None = None
     """``FASTMOE_GEMM_CACHE``: the JSON file that remembers the timed engine choices; unset:

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from fastmoe_xpu import FastSparseMoeBlock, ops
-from fastmoe_xpu.kernels import get_ops
+from fastmoe_xpu import FastSparseMoeBlock
+from fastmoe_xpu.autograd import ops
+from fastmoe_xpu.kernels import kernels
 from tests.tolerances import assert_close
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the block's router")
@@ -47,10 +48,10 @@ def test_explain_reports_no_graph_break():
     assert explanation.graph_count == 1
     # The graph holds the stages as opaque ops, not their host-reading insides.
     text = "\n".join(str(g.graph) for g in explanation.graphs)
-    for name in ("count_tokens", "build_indices", "gate_up", "down_combine"):
+    for name in ("route", "mlp_combine"):
         assert f"fastmoe.{name}" in text
-    # The fused pair, as eager trains, not the stage-alone ops that keep h and the expert outputs.
-    assert "fastmoe.expert_mlp" not in text and "fastmoe.combine" not in text
+    # The fused op, as eager trains, not the stage-alone ops that keep h and the expert outputs.
+    assert "fastmoe.grouped_linear" not in text and "fastmoe.combine" not in text
 
 
 @pytest.mark.parametrize("norm, forced", [(False, False), (True, True)])
@@ -102,7 +103,7 @@ def test_export_gives_eager_numbers():
     seq = torch.export.Dim("seq", min=2, max=256)
     exported = torch.export.export(block, (x,), dynamic_shapes={"hidden_states": {0: batch, 1: seq}})
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
-    assert {"fastmoe.count_tokens.default", "fastmoe.gate_up.default", "fastmoe.down_combine.default"} <= targets
+    assert {"fastmoe.route.default", "fastmoe.mlp_combine.default"} <= targets
     with torch.no_grad():
         for shape in ((2, 6), (3, 11)):
             x = torch.randn(*shape, 16)
@@ -115,40 +116,41 @@ def _routing(T, K, E, seed):
     return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
 
 
+def _stage_alone(x, w_gu, w_d, weights, rows, kernels_name="torch"):
+    """Stages 4-5 through the stage-alone ops (grouped_linear, SiLU*up in torch, combine)."""
+    ii, oi, sel, ctok, cexp = rows
+    inter = w_gu.shape[1] // 2
+    gate_up = ops.grouped_linear(x.index_select(0, ii.long()), w_gu, ctok, kernels_name, False)
+    h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    y = ops.grouped_linear(h.contiguous(), w_d, ctok, kernels_name, False)
+    return ops.combine(y, weights, oi, sel, cexp, kernels_name)
+
+
 @pytest.mark.parametrize("expert_start, num_local", [(0, 5), (2, 2)], ids=["all_local", "ep_slice"])
 def test_opcheck_every_op(expert_start, num_local):
-    T, K, E, H, I, bs = 9, 2, 5, 12, 6, 4
+    T, K, E, H, I = 9, 2, 5, 12, 6
     idx = _routing(T, K, E, seed=expert_start)
-    backend = "torch"
-    counts = ops.count_tokens(idx, expert_start, num_local, bs, backend)
-    rows = ops.build_indices(idx, counts[1], counts[3], expert_start, num_local, bs, backend)
+    rows = ops.route(idx, expert_start, num_local, "torch", False)
     assert rows[0].shape == (T * K,)
     torch.manual_seed(0)
     x = torch.randn(T, H, requires_grad=True)
     w_gu = (0.3 * torch.randn(num_local, 2 * I, H)).requires_grad_()
     w_d = (0.3 * torch.randn(num_local, H, I)).requires_grad_()
     weights = torch.rand(T, K, requires_grad=True)
-    y, gate_up, h = ops.expert_mlp(x, w_gu, w_d, rows[0], rows[1], counts[4], counts[3], backend)
-    mlp_bwd_args = (torch.randn_like(y), x.detach(), w_gu.detach(), w_d.detach(), rows[0], rows[1], counts[4],
-                    counts[3], gate_up.detach(), h.detach(), backend)
-    comb_bwd_args = (torch.randn(T, H), y.detach(), weights.detach(), rows[1], rows[2], counts[3], backend)
-    g_args = (x, w_gu, rows[0], rows[1], counts[4], counts[3], backend)
-    gate_up, h = ops.gate_up(*g_args)
-    dc_args = (gate_up.detach().requires_grad_(), h.detach(), w_d, weights, rows[1], rows[2], counts[4], counts[3],
-               backend)
-    dc_bwd_args = (torch.randn(T, H), gate_up.detach(), w_d.detach(), weights.detach(), rows[1], rows[2], counts[4],
-                   counts[3], backend)
+    out, gate_up = ops.mlp_combine(x, w_gu, w_d, weights, *rows, "torch", "")
+    a_RH = x.detach().index_select(0, rows[0].long()).requires_grad_()
+    y = ops.grouped_linear(a_RH, w_gu.detach().transpose(1, 2).contiguous().requires_grad_(), rows[3], "torch", True)
+    d = lambda t: t.detach()  # noqa: E731
     cases = {
-        "count_tokens": (idx, expert_start, num_local, bs, backend),
-        "build_indices": (idx, counts[1], counts[3], expert_start, num_local, bs, backend),
-        "expert_mlp": (x, w_gu, w_d, rows[0], rows[1], counts[4], counts[3], backend),
-        "expert_mlp_backward": mlp_bwd_args,
-        "combine": (y.detach().requires_grad_(), weights, rows[1], rows[2], counts[3], backend),
-        "combine_backward": comb_bwd_args,
-        "gate_up": g_args,
-        "gate_up_backward": (torch.randn_like(gate_up), *[a.detach() if torch.is_tensor(a) else a for a in g_args]),
-        "down_combine": dc_args,
-        "down_combine_backward": dc_bwd_args,
+        "route": (idx, expert_start, num_local, "torch", False),
+        "mlp_combine": (x, w_gu, w_d, weights, *rows, "torch+loop", ""),
+        "mlp_combine_backward": (torch.randn(T, H), d(x), d(w_gu), d(w_d), d(weights), d(gate_up), *rows, "torch", ""),
+        "grouped_linear": (a_RH, w_gu.detach().transpose(1, 2).contiguous().requires_grad_(), rows[3], "torch", True),
+        "grouped_linear_backward": (torch.randn_like(y), d(a_RH), w_gu.detach().transpose(1, 2).contiguous(), rows[3],
+                                    "torch", True),
+        "combine": (y.detach()[:, :H].contiguous().requires_grad_(), weights, rows[1], rows[2], rows[4], "torch"),
+        "combine_backward": (torch.randn(T, H), y.detach()[:, :H].contiguous(), d(weights), rows[1], rows[2], rows[4],
+                             "torch"),
     }
     assert set(cases) == set(ops.OP_NAMES)
     for name, args in cases.items():
@@ -156,35 +158,39 @@ def test_opcheck_every_op(expert_start, num_local):
 
 
 def test_ops_equal_the_launchers_on_an_ep_slice():
-    """The ops' worst-case buffers hold the launchers' rows first; the rest is zero and unread."""
+    """The ops' worst-case buffers hold the launchers' rows first; the rest is zero and unread. Eager
+    (exact_rows) rows are the launchers' own."""
     T, K, E, H, I = 10, 3, 6, 8, 4
     idx = _routing(T, K, E, seed=7)
-    launchers = get_ops("torch")
+    launchers = kernels("torch")
     c = launchers.count_tokens(idx, 2, 3, 8)
     r = launchers.build_indices(idx, c.partial_cum_token_counts, c.cum_expert_counts, 2, 3, 8)
     rt = int(c.cum_token_counts[-1])
-    counts = ops.count_tokens(idx, 2, 3, 8, "torch")
-    rows = ops.build_indices(idx, counts[1], counts[3], 2, 3, 8, "torch")
-    for got, want in zip(counts, c):
-        assert torch.equal(got, want)
-    for got, want in zip(rows, r):
-        assert got.shape == (T * K,) and torch.equal(got[:rt], want)
+    rows = ops.route(idx, 2, 3, "torch", False)
+    exact = ops.route(idx, 2, 3, "torch", True)
+    assert torch.equal(rows[3], c.cum_token_counts) and torch.equal(rows[4], c.cum_expert_counts)
+    for got, got_exact, want in zip(rows[:3], exact[:3], r):
+        assert got.shape == (T * K,) and torch.equal(got[:rt], want) and torch.equal(got_exact, want)
     x, w_gu, w_d = torch.randn(T, H), torch.randn(3, 2 * I, H), torch.randn(3, H, I)
-    y, _, _ = ops.expert_mlp(x, w_gu, w_d, rows[0], rows[1], counts[4], counts[3], "torch")
+    weights = torch.rand(T, K)
+    out, gate_up = ops.mlp_combine(x, w_gu, w_d, weights, *rows, "torch", "")
     g, h = launchers.gate_up_fwd(x, r.input_indices, c.cum_token_counts, w_gu)
-    assert rt < T * K and torch.equal(y[rt:], torch.zeros_like(y[rt:]))
-    assert_close(y[:rt], launchers.down_fwd(h, c.cum_token_counts, w_d), msg="expert rows")
+    assert rt < T * K and gate_up.shape == (T * K, 2 * I) and torch.equal(gate_up[rt:], torch.zeros_like(gate_up[rt:]))
+    assert_close(gate_up[:rt], g, msg="gate/up rows")
+    y = launchers.down_fwd(h, c.cum_token_counts, w_d)
+    want = launchers.combine_fwd(y, weights, r.output_indices, r.selected_expert_indices, c.cum_expert_counts)
+    assert_close(out, want, msg="output")
 
 
-def test_fused_ops_equal_the_stage_alone_ops_on_an_ep_slice():
-    """gate_up + down_combine (what moe_experts traces) give the numbers of expert_mlp + combine,
-    gradients of x, both weights and the router weights included, with worst-case row buffers
-    whose rows past RT are never read."""
+@pytest.mark.parametrize("exact_rows", [True, False], ids=["exact", "worst-case"])
+def test_fused_op_equals_the_stage_alone_ops_on_an_ep_slice(exact_rows):
+    """mlp_combine (what the layer runs) gives the numbers of grouped_linear + SiLU*up + grouped_linear +
+    combine, gradients of x, both weights and the router weights included, with exact and with
+    worst-case row buffers (whose rows past RT are never read)."""
     T, K, E, H, I = 10, 3, 6, 8, 4
     idx = _routing(T, K, E, seed=8)
-    counts = ops.count_tokens(idx, 2, 3, 8, "torch")
-    rows = ops.build_indices(idx, counts[1], counts[3], 2, 3, 8, "torch")
-    rt = int(counts[4][-1])
+    rows = ops.route(idx, 2, 3, "torch", exact_rows)
+    rt = int(rows[3][-1])
     assert rt < T * K
     torch.manual_seed(1)
     leaves = [torch.randn(T, H), 0.3 * torch.randn(3, 2 * I, H), 0.3 * torch.randn(3, H, I), torch.rand(T, K)]
@@ -193,12 +199,10 @@ def test_fused_ops_equal_the_stage_alone_ops_on_an_ep_slice():
     def run(fused):
         x, w_gu, w_d, weights = (t.clone().requires_grad_() for t in leaves)
         if fused:
-            g, h = ops.gate_up(x, w_gu, rows[0], rows[1], counts[4], counts[3], "torch")
-            assert g.shape == (T * K, 2 * I) and not h.requires_grad
-            out = ops.down_combine(g, h, w_d, weights, rows[1], rows[2], counts[4], counts[3], "torch")
+            out, g = ops.mlp_combine(x, w_gu, w_d, weights, *rows, "torch", "")
+            assert g.shape == (rows[0].shape[0], 2 * I) and not g.requires_grad
         else:
-            y, _, _ = ops.expert_mlp(x, w_gu, w_d, rows[0], rows[1], counts[4], counts[3], "torch")
-            out = ops.combine(y, weights, rows[1], rows[2], counts[3], "torch")
+            out = _stage_alone(x, w_gu, w_d, weights, rows)
         out.backward(dout)
         return out.detach(), [t.grad for t in (x, w_gu, w_d, weights)]
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from fastmoe_xpu import settings
-from fastmoe_xpu.device import choose_kernels, resolve_backend
 from fastmoe_xpu.kernels import configs
+from fastmoe_xpu.kernels.registry import resolve_backend
 
 
 def test_defaults_without_variables():
@@ -54,12 +54,13 @@ def test_reloaded_and_override_restore_the_previous_settings(monkeypatch):
 def test_one_decision_for_backend_table_and_block_pointers():
     cpu = torch.device("cpu")
     with settings.override(backend=None, triton_configs=None):
-        assert choose_kernels(cpu).backend == "torch"
-        assert choose_kernels(cpu, "triton").config_table == "interpreter"
+        assert resolve_backend("auto", cpu) == "torch"
+        assert configs.table_for(cpu) == "interpreter"
     with settings.override(backend="torch"):
         assert resolve_backend("auto", cpu) == "torch"
     with configs.use("hip"):
-        assert configs.backend_for(cpu) == "hip" == choose_kernels(cpu, "triton").config_table
+        assert configs.table_for(cpu) == "hip"
     with settings.override(triton_block_ptr=False):
         assert not configs.uses_block_ptr("xpu")
-    assert not choose_kernels(cpu, "torch", config_table="xpu").block_ptr
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", cpu)

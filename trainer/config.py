@@ -53,7 +53,7 @@ class ModelConfig:
     """Kernel backend of FastSparseMoeBlock: ``"auto"``, ``"torch"`` or ``"triton"``."""
     gemm_engine: str = "auto"
     """Stage 4's grouped-GEMM engine: ``"auto"`` (timed once per shape, cached; rank 0's choice under
-    EP), ``"native"``, ``"triton"``, ``"grouped_mm"`` or ``"loop"`` (``fastmoe_xpu/kernels/engines.py``)."""
+    EP), ``"native"``, ``"triton"``, ``"grouped_mm"`` or ``"loop"`` (``fastmoe_xpu/kernels/registry.py``)."""
     ep_dispatch: str = "allgather"
     """Token exchange under EP: ``"allgather"`` (the paper's choice) or ``"alltoall"``."""
     ep_check_inputs: bool = False

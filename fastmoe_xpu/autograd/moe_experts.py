@@ -1,4 +1,11 @@
-"""Stages 2-5 of the MoE layer on this rank's experts: the one entry point every caller uses.
+"""Stages 2-5 of the MoE layer on this rank's experts: the one experts op.
+
+:func:`moe_experts_forward` is what every caller runs (``FastSparseMoeBlock``, the transformers
+``"fastmoe"`` experts function, the benchmark): ``fastmoe::route`` (stages 2-3), then either
+``fastmoe::mlp_combine`` (stages 4-5 fused: gather + gate/up GEMM + SiLU*up, down GEMM, weighted
+combine) or, for another layout, that layout's stage 4 on ``fastmoe::grouped_linear`` followed by
+``fastmoe::combine``. The same custom-op chain runs eagerly, under ``torch.compile`` and in
+``torch.export`` (:mod:`.ops`).
 
 Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts.
 """
@@ -7,68 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import ops as moe_ops
-from ..device import resolve_backend
-from ..kernels import get_ops
 from ..kernels.contract import TOKEN_BLOCK_SIZE
-from ..kernels.engines import choose_engine, lazy_timer, with_engine
-from .fused import DownCombineFunction, GateUpFunction
+from ..kernels.registry import check_choice, resolve_backend
+from .ops import ExpertRows, combine, mlp_combine, route
 
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
-
-
-def moe_experts_forward(
-    x_TH: torch.Tensor,
-    weights_TK: torch.Tensor,
-    topk_idx_TK: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-    w_down_NHI: torch.Tensor,
-    *,
-    backend: str = "torch",
-    expert_start: int = 0,
-    block_size: int = TOKEN_BLOCK_SIZE,
-    gemm_engine: str = "native",
-    ep_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
-    (partial sums when other ranks hold other experts). ``gemm_engine``: who runs stage 4
-    (``kernels/engines.py``; ``"auto"`` times the candidates here on first use, agreed across
-    ``ep_group``).
-
-    Under ``torch.compile`` / ``torch.export`` it runs through the ``fastmoe`` custom ops
-    (:mod:`fastmoe_xpu.ops`: no host read, no data-dependent shape in the graph), whose stage 4 is
-    the backend's own engine (a timed choice cannot be taken inside a graph); eager, through
-    the autograd Functions, which share the ops' forward and backward code but skip the custom-op
-    dispatch (about 0.1-0.2 ms a call on the CPU, 6% of a mid-size layer's F+B)."""
-    if torch.compiler.is_compiling():
-        return moe_ops.moe_experts(
-            x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI,
-            backend=backend, expert_start=expert_start, block_size=block_size,
-        )
-    ops = get_ops(backend)
-    num_local = w_gate_up_N2IH.shape[0]
-    with torch.no_grad():
-        counts = ops.count_tokens(topk_idx_TK, expert_start, num_local, block_size)
-        rows = ops.build_indices(
-            topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts, expert_start, num_local, block_size
-        )
-        engine = choose_engine(
-            gemm_engine, backend=backend, device=x_TH.device, dtype=x_TH.dtype,
-            shape=(w_gate_up_N2IH.shape[2], w_down_NHI.shape[2], num_local, topk_idx_TK.numel()),
-            measure=lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gate_up_N2IH, w_down_NHI),
-            group=ep_group,
-        )
-        ops = with_engine(ops, engine)
-    # h leaves GateUpFunction as a non-differentiable output: DownCombineFunction's backward
-    # recomputes it from gate_up, so neither h nor the expert outputs are kept for backward.
-    gate_up_R2I, h_RI = GateUpFunction.apply(
-        x_TH, w_gate_up_N2IH, rows.input_indices, rows.output_indices, counts.cum_token_counts,
-        counts.cum_expert_counts, ops,
-    )
-    return DownCombineFunction.apply(
-        gate_up_R2I, h_RI, w_down_NHI, weights_TK, rows.output_indices, rows.selected_expert_indices,
-        counts.cum_token_counts, counts.cum_expert_counts, ops,
-    )
 
 
 @torch.compiler.assume_constant_result
@@ -84,3 +34,48 @@ def _kernel_backend(backend: str, device_type: str, device_index: int) -> str:
 def kernel_backend(backend: str, device: torch.device) -> str:
     """``"torch"`` or ``"triton"``: the kernels stages 2-5 run on ``device`` for a block's ``backend``."""
     return _kernel_backend(backend, device.type, -1 if device.index is None else device.index)
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    if group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return ""
+    return group.group_name
+
+
+def moe_experts_forward(
+    x_TH: torch.Tensor,
+    weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    w_gate_up_N2IH: torch.Tensor | None,
+    w_down_NHI: torch.Tensor | None,
+    *,
+    backend: str = "torch",
+    expert_start: int = 0,
+    num_local: int | None = None,
+    gemm_engine: str = "native",
+    ep_group: dist.ProcessGroup | None = None,
+    expert_rows: ExpertRows | None = None,
+) -> torch.Tensor:
+    """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
+    (partial sums when other ranks hold other experts; choices of other experts are skipped).
+
+    ``backend``: ``"auto"``, ``"torch"`` or ``"triton"``. ``gemm_engine``: who runs stage 4
+    (:mod:`fastmoe_xpu.kernels.registry`; ``"auto"`` times the candidates on first use, agreed across
+    ``ep_group``). ``expert_rows``: another layout's stage 4 (its own gate, biases, norm, on
+    ``fastmoe::grouped_linear``), in which case the weights may be None and ``num_local`` is given;
+    else the fused gate/up -> SiLU*up -> down path over ``w_gate_up [NR, 2I, H]`` and
+    ``w_down [NR, H, I]``."""
+    check_choice(gemm_engine)
+    base = kernel_backend(backend, x_TH.device)
+    if num_local is None:
+        num_local = w_gate_up_N2IH.shape[0]
+    # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
+    # no shape in the graph depends on data.
+    rows = route(topk_idx_TK, expert_start, num_local, base, not torch.compiler.is_compiling())
+    if expert_rows is None:
+        out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm_engine}",
+                                _group_name(ep_group))
+        return out_TH
+    input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts = rows
+    y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base)
+    return combine(y_RH.contiguous(), weights_TK, output_indices, selected_expert_indices, cum_expert_counts, base)

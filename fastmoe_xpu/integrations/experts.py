@@ -32,12 +32,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import ops as moe_ops
-from ..autograd import CombineFunction, DownCombineFunction, GateUpFunction
-from ..device import resolve_backend
-from ..kernels import get_ops
-from ..kernels.contract import TOKEN_BLOCK_SIZE, KernelBackend
-from ..kernels.engines import choose_engine, lazy_timer, with_engine
+from ..autograd.moe_experts import moe_experts_forward
+from ..autograd.ops import grouped_linear
 
 #: The name under which the implementation is registered.
 NAME = "fastmoe"
@@ -121,43 +117,6 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
     return flags
 
 
-class GroupedLinear(torch.autograd.Function):
-    """``y [RT, O] = a [RT, In] @ w[e]^T`` per local expert group, on our stage-4 GEMM launchers.
-
-    ``down_fwd``/``down_bwd`` are a plain grouped GEMM and its gradients for any widths, so the
-    up projection of an unfused layout runs on them too (``w [E, O, In]``). ``transposed``: ``w`` is
-    stored ``[E, In, O]`` (``is_transposed``, GPT-OSS) and the launchers read it as stored: the
-    weight saved for backward is the parameter itself and its gradient comes in the stored layout,
-    so no copy of the weight is made in either direction."""
-
-    @staticmethod
-    def forward(ctx, a_RK: torch.Tensor, w_NOK: torch.Tensor, cum_token_counts: torch.Tensor, ops: KernelBackend,
-                transposed: bool = False):
-        ctx.save_for_backward(a_RK, w_NOK, cum_token_counts)
-        ctx.ops = ops
-        ctx.transposed = transposed
-        return ops.down_fwd(a_RK, cum_token_counts, w_NOK, transposed=transposed)
-
-    @staticmethod
-    def backward(ctx, dy_RO: torch.Tensor):
-        a_RK, w_NOK, cum_token_counts = ctx.saved_tensors
-        da_RK, dw_NOK = ctx.ops.down_bwd(dy_RO.contiguous(), a_RK, cum_token_counts, w_NOK,
-                                         transposed=ctx.transposed)
-        return da_RK, dw_NOK, None, None, None
-
-
-def _backend_for(module: nn.Module, device: torch.device) -> str:
-    # A per-module override (tests, benchmarks) wins; otherwise the package's one choice
-    # (FASTMOE_BACKEND, else Triton on xpu/cuda, torch on the CPU).
-    return resolve_backend(getattr(module, "fastmoe_backend", "auto"), device)
-
-
-@torch.compiler.assume_constant_result
-def _traced_backend(backend: str, device_type: str) -> str:
-    """:func:`resolve_backend` outside the traced graph (the compiler keeps its answer)."""
-    return resolve_backend(backend, torch.device(device_type))
-
-
 def _weight(module: nn.Module, name: str) -> torch.Tensor:
     """The weight in its stored orientation (``[E, out, in]``, or ``[E, in, out]`` when
     ``is_transposed``: the launchers take a flag for that), contiguous: the parameter itself
@@ -211,54 +170,27 @@ def fastmoe_experts_forward(
     w_up = getattr(self, up_name)
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
-    compiling = torch.compiler.is_compiling()
-    if not flags["expert_parallel"] and not compiling:  # traced: the custom ops below never read the ids back
+    if not flags["expert_parallel"] and not torch.compiler.is_compiling():
+        # traced, the custom ops never read the ids back
         check_ids(top_k_index, self.num_experts)
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
     x_TH = hidden_states.to(w_up.dtype).contiguous()
-    E = self.num_experts
-    if compiling and flags["fused"]:
-        # Traced: the fastmoe custom ops (no host read, worst-case shapes), backend fixed at trace time.
-        out_TH = moe_ops.moe_experts(
-            x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj"), _weight(self, "down_proj"),
-            backend=_traced_backend(getattr(self, "fastmoe_backend", "auto"), x_TH.device.type),
-            expert_start=0, block_size=TOKEN_BLOCK_SIZE,
-        )
-        return out_TH.to(hidden_states.dtype)
-    ops = get_ops(_backend_for(self, x_TH.device))
-    with torch.no_grad():
-        counts = ops.count_tokens(top_k_index, 0, E, TOKEN_BLOCK_SIZE)
-        rows = ops.build_indices(
-            top_k_index, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E, TOKEN_BLOCK_SIZE
-        )
+    # A per-module override (tests, benchmarks) wins; else the package's one choice (FASTMOE_BACKEND,
+    # else Triton on xpu/cuda, torch on the CPU).
+    backend = getattr(self, "fastmoe_backend", "auto")
     if flags["fused"]:
-        w_gu, w_d = _weight(self, "gate_up_proj"), _weight(self, "down_proj")
-        # Stage 4's grouped-GEMM engine (kernels/engines.py): the module's ``fastmoe_gemm_engine`` or
-        # auto. transformers' expert parallelism gives no group to agree on a timed choice, so its
-        # shards keep the backend's own engine: ranks must not round differently.
-        wanted = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
-        with torch.no_grad():
-            engine = choose_engine(
-                wanted, backend=ops.NAME, device=x_TH.device, dtype=x_TH.dtype,
-                shape=(w_gu.shape[2], w_d.shape[2], E, top_k_index.numel()),
-                measure=lazy_timer(ops, x_TH, rows.input_indices, counts.cum_token_counts, w_gu, w_d),
-            )
-        ops = with_engine(ops, engine)
-        # The layer's own saved set: x and gate/up; h and the expert rows are not kept.
-        gate_up_R2I, h_RI = GateUpFunction.apply(
-            x_TH, w_gu, rows.input_indices, rows.output_indices, counts.cum_token_counts, counts.cum_expert_counts,
-            ops,
-        )
-        out_TH = DownCombineFunction.apply(
-            gate_up_R2I, h_RI, w_d, top_k_weights, rows.output_indices, rows.selected_expert_indices,
-            counts.cum_token_counts, counts.cum_expert_counts, ops,
-        )
+        # Stage 4's engine: the module's ``fastmoe_gemm_engine`` or auto. transformers' expert
+        # parallelism gives no group to agree on a timed choice, so its shards keep the backend's own
+        # engine: ranks must not round differently.
+        engine = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj"),
+                                     _weight(self, "down_proj"), backend=backend, gemm_engine=engine)
     else:
-        y_RH = _plain_stage4(self, flags, x_TH, rows.input_indices, counts.cum_token_counts, ops, top_k_index.shape[1])
-        out_TH = CombineFunction.apply(
-            y_RH.contiguous(), top_k_weights, rows.output_indices, rows.selected_expert_indices,
-            counts.cum_expert_counts, ops,
-        )
+        def expert_rows(x, input_indices, cum_token_counts, kernels_name):
+            return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1])
+
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, None, None, backend=backend,
+                                     num_local=self.num_experts, expert_rows=expert_rows)
     return out_TH.to(hidden_states.dtype)
 
 
@@ -271,7 +203,7 @@ def _first_rows(t: torch.Tensor, rt: int) -> torch.Tensor:
 
 def _plain_stage4(
     module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor, ops: KernelBackend, top_k: int,
+    cum_token_counts: torch.Tensor, kernels_name: str, top_k: int,
 ) -> torch.Tensor:
     """Stage 4 for every layout the fused kernels do not cover: our grouped GEMMs, the family's gate."""
     rt = routed_rows(cum_token_counts, x_TH.shape[0], top_k, flags["expert_parallel"])
@@ -283,13 +215,13 @@ def _plain_stage4(
         row_expert = torch.repeat_interleave(torch.arange(sizes.numel(), device=x_TH.device), sizes, output_size=rt)
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     transposed = flags["is_transposed"]
-    h = _first_rows(GroupedLinear.apply(x_RH, _weight(module, up_name), cum_token_counts, ops, transposed), rt)
+    h = _first_rows(grouped_linear(x_RH, _weight(module, up_name), cum_token_counts, kernels_name, transposed), rt)
     if row_expert is not None:
         h = h + getattr(module, up_name + "_bias")[row_expert]
     # The module's own gate (custom ones included) or, without a gate, its activation.
     h = module._apply_gate(h) if flags["has_gate"] else module.act_fn(h)
-    y = _first_rows(GroupedLinear.apply(h.contiguous(), _weight(module, "down_proj"), cum_token_counts, ops, transposed),
-                    rt)
+    y = _first_rows(grouped_linear(h.contiguous(), _weight(module, "down_proj"), cum_token_counts, kernels_name,
+                                   transposed), rt)
     if row_expert is not None:
         y = y + module.down_proj_bias[row_expert]
     if flags["has_post_expert_norm"]:

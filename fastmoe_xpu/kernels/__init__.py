@@ -1,9 +1,10 @@
-"""Launchers of stages 2-5: one typed contract (:mod:`.contract`), two backends.
+"""Launchers of stages 2-5: one typed contract (:mod:`.contract`), implementations in one registry.
 
-``get_ops("torch")`` returns :mod:`fastmoe_xpu.kernels.torch` (plain PyTorch, the CPU backend);
-``get_ops("triton")`` returns :mod:`fastmoe_xpu.kernels.triton` (Triton kernels: xpu/cuda, or the
-CPU under ``TRITON_INTERPRET=1``). Both are typed as :class:`.contract.KernelBackend`, whose
-methods list every launcher:
+:func:`kernels` (from :mod:`.registry`) returns a kernel set by name: ``"torch"``
+(:mod:`fastmoe_xpu.kernels.torch`, plain PyTorch, the CPU's kernels), ``"triton"``
+(:mod:`fastmoe_xpu.kernels.triton`: xpu/cuda, or the CPU under ``TRITON_INTERPRET=1``), or a base
+with another stage-4 implementation (``"torch+grouped_mm"``). Each is typed as
+:class:`.contract.KernelBackend`, whose methods list every launcher:
 
 ========================  ======================================================================
 ``count_tokens``          stage 2: per-block counts of local experts and their prefix sums
@@ -23,24 +24,12 @@ methods list every launcher:
 ``router_weights_bwd``    stage 5 backward: the per-row router-weight gradients back to ``[T, K]``
 ========================  ======================================================================
 
-``configs.py`` holds the Triton tiles per device; which backend and table run is decided by
-:func:`fastmoe_xpu.device.choose_kernels`.
+``configs.py`` holds the Triton tiles per config table; ``timing.py`` the timer and cache of the
+measured choices.
 """
 from __future__ import annotations
 
 from .contract import KernelBackend
+from .registry import kernels
 
-
-def get_ops(backend: str) -> KernelBackend:
-    """The launchers of ``backend`` (``"torch"`` or ``"triton"``). Imported on first use, so that
-    triton stays optional and is imported only where its kernels run."""
-    # The imports stay inside the branches: "triton" needs the triton package, "torch" never does.
-    if backend == "torch":
-        from . import torch as torch_backend
-
-        return torch_backend
-    if backend == "triton":
-        from . import triton as triton_backend
-
-        return triton_backend
-    raise ValueError(f"unknown kernel backend {backend!r} (expected 'torch' or 'triton')")
+__all__ = ["KernelBackend", "kernels"]

@@ -1,4 +1,4 @@
-"""Block sizes, warps and pipeline stages of every Triton kernel, per backend, in one place.
+"""Block sizes, warps and pipeline stages of every Triton kernel, per config table (one per kind of device), in one place.
 
 Backends: ``"cuda"`` (NVIDIA, tuned for sm_90), ``"hip"`` (AMD, gfx942), ``"xpu"`` (Intel Data Center
 GPU Max, PVC) and ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU: small tiles so that tests
@@ -17,15 +17,15 @@ builds also accept ``"256"``); with it, 32 warps (sub-groups of 16 lanes) per wo
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
 from .. import settings
-from ..device import choose_kernels
-
-BACKENDS = settings.CONFIG_TABLES
+#: The config tables (one per kind of device, plus the interpreter's).
+TABLES = settings.CONFIG_TABLES
 
 #: Kernel families; each launcher picks its config by one of these names.
 KERNELS = (
@@ -167,45 +167,69 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
 }
 
 
-def backend_for(device: torch.device) -> str:
-    """The config table for Triton kernels on ``device``, as :func:`fastmoe_xpu.device.choose_kernels`
-    decides it (``FASTMOE_TRITON_CONFIGS`` or :func:`use` override the device's table)."""
-    return choose_kernels(device, "triton").config_table
+def table_for(device: torch.device | str) -> str:
+    """The config table for Triton kernels on ``device``: ``FASTMOE_TRITON_CONFIGS`` (or :func:`use`)
+    if set, else the device's own (``xpu``, ``cuda``, ``hip`` on ROCm, ``interpreter`` on the CPU)."""
+    table = settings.get().triton_configs
+    if table is None:
+        dev = torch.device(device)
+        if dev.type == "xpu":
+            table = "xpu"
+        elif dev.type == "cuda":
+            table = "hip" if getattr(torch.version, "hip", None) else "cuda"
+        else:
+            table = "interpreter"
+    if table not in TABLES:
+        raise ValueError(f"unknown Triton config table {table!r} (expected one of {TABLES})")
+    return table
 
 
-def use(backend: str) -> contextlib.AbstractContextManager[Any]:
-    """Run launchers with ``backend``'s configs (tests run every table under the interpreter)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown Triton config table {backend!r} (expected one of {BACKENDS})")
-    return settings.override(triton_configs=backend)
+def use(table: str) -> contextlib.AbstractContextManager[Any]:
+    """Run launchers with ``table``'s configs (tests run every table under the interpreter)."""
+    if table not in TABLES:
+        raise ValueError(f"unknown Triton config table {table!r} (expected one of {TABLES})")
+    return settings.override(triton_configs=table)
 
 
-def configs(backend: str, kernel: str) -> list[KernelConfig]:
-    """Every config of ``kernel`` on ``backend``, the default first."""
-    if backend not in CONFIGS:
-        raise ValueError(f"unknown backend {backend!r} (expected one of {BACKENDS})")
-    if kernel not in CONFIGS[backend]:
+def configs(table: str, kernel: str) -> list[KernelConfig]:
+    """Every config of ``kernel`` in config table ``table``, the default first."""
+    if table not in CONFIGS:
+        raise ValueError(f"unknown Triton config table {table!r} (expected one of {TABLES})")
+    if kernel not in CONFIGS[table]:
         raise ValueError(f"unknown kernel {kernel!r} (expected one of {KERNELS})")
-    return CONFIGS[backend][kernel]
+    return CONFIGS[table][kernel]
 
 
-def get_config(backend: str, kernel: str) -> KernelConfig:
-    return configs(backend, kernel)[0]
+def get_config(table: str, kernel: str) -> KernelConfig:
+    return configs(table, kernel)[0]
 
 
-def uses_block_ptr(backend: str) -> bool:
-    """Whether launchers using config table ``backend`` pass ``BLOCK_PTR=True`` (on for xpu;
-    ``FASTMOE_TRITON_BLOCK_PTR=0|1`` overrides), as :func:`fastmoe_xpu.device.choose_kernels` decides."""
-    return choose_kernels("cpu", "triton", config_table=backend).block_ptr
+def block_ptr_available() -> bool:
+    """Block pointers exist up to the Triton releases that still take ``boundary_check`` in
+    ``tl.load`` (Intel's XPU builds keep them; upstream removed them in favour of descriptors)."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return False
+    return "boundary_check" in inspect.signature(tl.load).parameters
 
 
-def dot_precision(backend: str, dtype: torch.dtype) -> str:
+def uses_block_ptr(table: str) -> bool:
+    """Whether launchers using config table ``table`` pass ``BLOCK_PTR=True``: on for xpu
+    (``FASTMOE_TRITON_BLOCK_PTR=0|1`` overrides), never where this Triton has no block pointers."""
+    wanted = settings.get().triton_block_ptr
+    if wanted is None:
+        wanted = table == "xpu"
+    return wanted and block_ptr_available()
+
+
+def dot_precision(table: str, dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision``: TF32 for fp32 operands only where PyTorch itself allows it
     for matmuls (so fp32 results match ``torch.mm``), and never on AMD, which lacks TF32 in Triton."""
-    if dtype != torch.float32 or backend == "hip":
+    if dtype != torch.float32 or table == "hip":
         return "ieee"
-    if backend == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if table == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
-    if backend == "xpu" and torch.get_float32_matmul_precision() != "highest":
+    if table == "xpu" and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"

@@ -150,7 +150,7 @@ LAUNCHERS = (
     "gate_up_bwd",
     "combine_fwd", "combine_bwd", "router_weights_bwd",
 )
-#: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/engines.py``).
+#: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/registry.py``).
 STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd", "gate_up_bwd")
 
 

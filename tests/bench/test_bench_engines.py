@@ -9,7 +9,7 @@ from bench.cases import make_case
 from bench.presets import PRESETS
 from bench.providers import ProviderSkipped, build_provider, expand_names
 from fastmoe_xpu import settings
-from fastmoe_xpu.kernels import engines
+from fastmoe_xpu.kernels import registry
 from tolerances import assert_close
 
 
@@ -28,10 +28,10 @@ def test_each_engine_computes_the_same_layer_and_auto_is_named(tmp_path):
         assert name.split("@")[1] + " GEMM engine" in p.note
         outs[name] = p.forward(case.x_TH, case.weights_TK, case.topk_idx_TK).detach()
     assert_close(outs["fastmoe/torch@grouped_mm"], outs["fastmoe/torch@loop"])
-    engines.forget_choices()
+    registry.forget_choices()
     with settings.override(gemm_engine=None, gemm_cache=str(tmp_path / "c.json")):
         auto = build_provider("fastmoe/torch", case)
-    engines.forget_choices()
+    registry.forget_choices()
     chosen = auto.note.rsplit("auto -> ", 1)[1]
     assert chosen in ("loop", "grouped_mm")
     with pytest.raises(ProviderSkipped, match="interpreter|TRITON_INTERPRET|GPU"):

@@ -3,7 +3,7 @@ import inspect
 
 import pytest
 
-from fastmoe_xpu.kernels import contract, get_ops
+from fastmoe_xpu.kernels import contract, kernels
 
 
 def _params(fn, drop_self: bool) -> list[tuple[str, object]]:
@@ -22,7 +22,7 @@ def test_protocol_lists_every_launcher():
 def test_backend_satisfies_the_contract(backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    ops = get_ops(backend)
+    ops = kernels(backend)
     assert ops.NAME == backend
     for name in contract.LAUNCHERS:
         fn = getattr(ops, name, None)
@@ -31,6 +31,6 @@ def test_backend_satisfies_the_contract(backend):
         assert _params(fn, drop_self=False) == want, f"{backend}.{name} differs from the contract"
 
 
-def test_get_ops_rejects_an_unknown_backend():
+def test_kernels_rejects_an_unknown_backend():
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        get_ops("cuda")
+        kernels("cuda")

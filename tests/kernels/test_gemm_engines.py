@@ -1,4 +1,4 @@
-"""Grouped-GEMM engines (kernels/engines.py): every engine equals the references, gradients
+"""Grouped-GEMM engines (kernels/registry.py): every engine equals the references, gradients
 included, at the suite's awkward shapes; the measured choice picks the fastest, survives a corrupt
 cache and agrees across expert-parallel ranks.
 
@@ -18,7 +18,7 @@ import torch
 from fastmoe_xpu import FastSparseMoeBlock, reference, settings
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.dist.testing import run_distributed
-from fastmoe_xpu.kernels import engine_cache, engines, get_ops
+from fastmoe_xpu.kernels import registry, timing
 from fastmoe_xpu.kernels.contract import LAUNCHERS, STAGE4_LAUNCHERS
 from tolerances import assert_close
 
@@ -42,7 +42,7 @@ def _backends(device: torch.device) -> list[str]:
     """Kernel backends whose row buffers the engines run on: the Triton backend's (worst case, rows
     past RT unspecified) wherever triton can run, the torch backend's (exact) on the CPU."""
     out = ["torch"] if device.type == "cpu" else []
-    if engines.unavailable_reason("triton", "triton", device, torch.float32) is None:
+    if registry.unavailable_reason("triton", "triton", device, torch.float32) is None:
         out.append("triton")
     return out
 
@@ -60,7 +60,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("engine", engines.ENGINES)
+@pytest.mark.parametrize("engine", registry.ENGINES)
 @pytest.mark.parametrize("T,K,E,start,num_local,H,I,pattern,dtype", CASES)
 def test_engine_matches_reference(device, engine, T, K, E, start, num_local, H, I, pattern, dtype):
     """Stages 2-5 with ``engine`` running stage 4 (through autograd, as the block runs them) equal
@@ -80,7 +80,7 @@ def test_engine_matches_reference(device, engine, T, K, E, start, num_local, H, 
     want_grads = torch.autograd.grad(want, leaves, g.float())
     ran = 0
     for backend in _backends(device):
-        reason = engines.unavailable_reason(engine, backend, device, dtype)
+        reason = registry.unavailable_reason(engine, backend, device, dtype)
         if reason is not None:
             continue
         ran += 1
@@ -95,7 +95,7 @@ def test_engine_matches_reference(device, engine, T, K, E, start, num_local, H, 
             assert torch.count_nonzero(grads[2][E // 2:]) == 0 and torch.count_nonzero(grads[3][E // 2:]) == 0
     if not ran:
         pytest.skip(f"{engine} cannot run on {device} in {dtype}: "
-                    f"{engines.unavailable_reason(engine, _backends(device)[0], device, dtype)}")
+                    f"{registry.unavailable_reason(engine, _backends(device)[0], device, dtype)}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -111,8 +111,8 @@ def test_block_on_the_device_with_every_engine(device, dtype):
     want.backward(g)
     backend = "triton" if device.type != "cpu" else "torch"
     ran = []
-    for engine in engines.ENGINES:
-        if engines.unavailable_reason(engine, backend, device, dtype) or (engine == "triton" and device.type == "cpu"):
+    for engine in registry.ENGINES:
+        if registry.unavailable_reason(engine, backend, device, dtype) or (engine == "triton" and device.type == "cpu"):
             continue
         block = FastSparseMoeBlock(_cfg(40, 24, 6, 2), backend=backend, gemm_engine=engine)
         block.load_state_dict(ref.state_dict())
@@ -132,18 +132,18 @@ def test_grouped_mm_runs_on_this_cpu_for_float_dtypes():
     """What torch 2.13 offers on the CPU, measured here: grouped_mm for fp32, bf16 and fp16, not fp64
     (so the engine is a real candidate here, and fp64 blocks keep the loop)."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert engines.unavailable_reason("grouped_mm", "torch", "cpu", dtype) is None, dtype
-    assert "Double" in engines.unavailable_reason("grouped_mm", "torch", "cpu", torch.float64)
-    assert engines.candidates("torch", "cpu", torch.float64) == ["loop"]
+        assert registry.unavailable_reason("grouped_mm", "torch", "cpu", dtype) is None, dtype
+    assert "Double" in registry.unavailable_reason("grouped_mm", "torch", "cpu", torch.float64)
+    assert registry.candidates("torch", "cpu", torch.float64) == ["loop"]
 
 
 def test_engines_compose_with_the_backend_by_the_contract():
     """Stage 4 from the engine, stages 2, 3 and 5 (and grouped_mm's missing silu_mul_bwd) from the
     backend; the native pairing is the backend itself."""
-    ops = get_ops("torch")
-    assert engines.with_engine(ops, "loop") is ops
-    mixed = engines.with_engine(ops, "grouped_mm")
-    assert mixed is engines.with_engine(ops, "grouped_mm")
+    ops = registry.kernels("torch")
+    assert registry.kernels("torch+loop") is ops
+    mixed = registry.kernels("torch+grouped_mm")
+    assert mixed is registry.kernels("torch+grouped_mm")
     from fastmoe_xpu.kernels import grouped_mm
 
     for name in LAUNCHERS:
@@ -151,7 +151,7 @@ def test_engines_compose_with_the_backend_by_the_contract():
         assert getattr(mixed, name) is getattr(expected, name), name
     assert set(grouped_mm.LAUNCHERS) < set(STAGE4_LAUNCHERS)
     with pytest.raises(ValueError, match="unknown gemm engine"):
-        engines.with_engine(ops, "cutlass")
+        registry.kernels("torch+cutlass")
     with pytest.raises(ValueError, match="gemm_engine must be one of"):
         FastSparseMoeBlock(_cfg(16, 8, 4, 2), gemm_engine="fast")
 
@@ -166,14 +166,14 @@ def _cfg(H: int, I: int, E: int, K: int) -> SimpleNamespace:
 def cache_file(tmp_path):
     """A private cache file and no remembered choices; auto not pinned by the suite's setting."""
     path = tmp_path / "engines.json"
-    engines.forget_choices()
+    registry.forget_choices()
     with settings.override(gemm_cache=str(path), gemm_engine=None):
         yield path
-    engines.forget_choices()
+    registry.forget_choices()
 
 
 def _choose(measure, shape=(16, 8, 4, 64), **kw):
-    return engines.choose_engine("auto", backend="torch", device="cpu", dtype=torch.float32, shape=shape,
+    return registry.choose_engine("auto", backend="torch", device="cpu", dtype=torch.float32, shape=shape,
                                  measure=measure, **kw)
 
 
@@ -194,7 +194,7 @@ def test_chooser_picks_the_fastest_and_caches_it(cache_file, fastest):
     (key, entry), = data["entries"].items()
     assert entry["engine"] == fastest and entry["seconds"] == times
     assert f"torch={torch.__version__}" in key and key.startswith("cpu:") and "rows<=64" in key
-    engines.forget_choices()
+    registry.forget_choices()
     assert _choose(lambda e: pytest.fail("a cached choice is not timed again")) == fastest  # from disk
     # Another shape bucket is timed on its own.
     assert _choose(lambda e: {"loop": 1.0, "grouped_mm": 3.0}[e], shape=(16, 8, 4, 1000)) == "loop"
@@ -203,14 +203,14 @@ def test_chooser_picks_the_fastest_and_caches_it(cache_file, fastest):
 
 def test_explicit_engine_and_setting_win_over_timing(cache_file):
     never = lambda e: pytest.fail("not timed")  # noqa: E731
-    assert engines.choose_engine("grouped_mm", backend="torch", device="cpu", dtype=torch.float32,
+    assert registry.choose_engine("grouped_mm", backend="torch", device="cpu", dtype=torch.float32,
                                  shape=(16, 8, 4, 64), measure=never) == "grouped_mm"
     with settings.override(gemm_engine="native"):
         assert _choose(never) == "loop"
     with settings.override(gemm_engine="grouped_mm"):
         assert _choose(never) == "grouped_mm"
     with pytest.raises(ValueError, match="cannot run here"):
-        engines.choose_engine("grouped_mm", backend="torch", device="cpu", dtype=torch.float64,
+        registry.choose_engine("grouped_mm", backend="torch", device="cpu", dtype=torch.float64,
                               shape=(16, 8, 4, 64), measure=never)
     assert not cache_file.exists()
 
@@ -223,18 +223,18 @@ def test_corrupt_or_stale_cache_warns_and_is_replaced(cache_file, content):
     with pytest.warns(RuntimeWarning, match="gemm engine cache"):
         assert _choose(lambda e: {"loop": 1.0, "grouped_mm": 2.0}[e]) == "loop"
     data = json.loads(cache_file.read_text())  # rewritten whole and valid
-    assert data["format"] == engine_cache.FORMAT and [v["engine"] for v in data["entries"].values()] == ["loop"]
+    assert data["format"] == timing.FORMAT and [v["engine"] for v in data["entries"].values()] == ["loop"]
 
 
 def test_unwritable_cache_location_warns_and_keeps_the_choice(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    engines.forget_choices()
+    registry.forget_choices()
     with settings.override(gemm_cache=str(blocker / "sub" / "engines.json"), gemm_engine=None):
         with pytest.warns(RuntimeWarning, match="not written"):
             assert _choose(lambda e: {"loop": 3.0, "grouped_mm": 1.0}[e]) == "grouped_mm"
         assert _choose(lambda e: pytest.fail("remembered in-process")) == "grouped_mm"
-    engines.forget_choices()
+    registry.forget_choices()
 
 
 def test_block_auto_times_once_on_real_shapes_and_matches_native(cache_file):
@@ -261,9 +261,9 @@ def test_block_auto_times_once_on_real_shapes_and_matches_native(cache_file):
 def test_cache_location_default_and_override(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with settings.override(gemm_cache=None):
-        assert engine_cache.cache_path() == tmp_path / "fastmoe_xpu" / "gemm_engines.json"
+        assert timing.cache_path() == tmp_path / "fastmoe_xpu" / "gemm_engines.json"
     with settings.override(gemm_cache=str(tmp_path / "x.json")):
-        assert engine_cache.cache_path() == tmp_path / "x.json"
+        assert timing.cache_path() == tmp_path / "x.json"
 
 
 def _rank_choice(cache_dir: str) -> tuple[str, list[str]]:
@@ -281,7 +281,7 @@ def _rank_choice(cache_dir: str) -> tuple[str, list[str]]:
 
     group = dist.new_group([0, 1])
     with settings.override(gemm_cache=f"{cache_dir}/rank{rank}.json", gemm_engine=None):
-        choice = engines.choose_engine("auto", backend="torch", device="cpu", dtype=torch.float32,
+        choice = registry.choose_engine("auto", backend="torch", device="cpu", dtype=torch.float32,
                                        shape=(16, 8, 2, 64 + 40 * rank), measure=measure, group=group)
     return choice, timed
 
@@ -295,10 +295,10 @@ def test_expert_parallel_ranks_agree_on_rank0_choice(tmp_path):
 def test_interpreted_triton_is_never_timed():
     """Under the interpreter, auto on the Triton backend is its own engine: timing an interpreter
     would always pick something else and leave the Triton kernels untested."""
-    assert engines.candidates("triton", "cpu", torch.float32) == ["triton"]
+    assert registry.candidates("triton", "cpu", torch.float32) == ["triton"]
     with settings.override(gemm_engine=None):
-        assert engines.choose_engine("auto", backend="triton", device="cpu", dtype=torch.float32,
+        assert registry.choose_engine("auto", backend="triton", device="cpu", dtype=torch.float32,
                                      shape=(16, 8, 4, 64), measure=lambda e: pytest.fail("timed")) == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert engines.rows_bucket(0) == 1 and engines.rows_bucket(64) == 64 and engines.rows_bucket(65) == 128
+        assert registry.rows_bucket(0) == 1 and registry.rows_bucket(64) == 64 and registry.rows_bucket(65) == 128

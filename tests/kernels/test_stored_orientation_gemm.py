@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmoe_xpu.kernels import engines
+from fastmoe_xpu.kernels import registry
 from fastmoe_xpu.kernels.contract import INDEX_DTYPE
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWar
 
 
 def _engine(name: str):
-    reason = engines.unavailable_reason(name, "torch", torch.device("cpu"), torch.float32)
+    reason = registry.unavailable_reason(name, "torch", torch.device("cpu"), torch.float32)
     if reason is not None:
         pytest.skip(reason)
-    return engines.engine_module(name)
+    return registry.module_of(name)
 
 
 def _problem(counts: list[int], d_in: int, d_out: int, seed: int = 0):

@@ -33,7 +33,7 @@ import torch
 pytest.importorskip("triton")
 
 from fastmoe_xpu import FastSparseMoeBlock, reference  # noqa: E402
-from fastmoe_xpu.autograd import CombineFunction, DownCombineFunction, ExpertMLPFunction, GateUpFunction  # noqa: E402
+from fastmoe_xpu.autograd import ops  # noqa: E402
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu import settings  # noqa: E402
 from fastmoe_xpu.kernels import configs  # noqa: E402
@@ -248,9 +248,10 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
         assert torch.count_nonzero(dw_gu[E // 2:]) == 0 and torch.count_nonzero(dw_d[E // 2:]) == 0
 
 
-def test_expert_mlp_function_with_triton_ops():
-    """ExpertMLPFunction and CombineFunction on the Triton launchers, against autograd through the
-    mask-based reference of stages 2-5 (expert parallelism: only experts 2..4 of 6 are local)."""
+def test_expert_ops_with_triton_kernels():
+    """The stage-alone ops (grouped_linear, combine) and the fused op (mlp_combine) on the Triton
+    kernels, against autograd through the mask-based reference of stages 2-5 (expert parallelism:
+    only experts 2..4 of 6 are local)."""
     torch.manual_seed(1)
     T, K, E, H, I, start, NR = 23, 3, 6, 18, 10, 2, 3
     idx = make_routing(T, K, E, "random", seed=3)
@@ -262,11 +263,17 @@ def test_expert_mlp_function_with_triton_ops():
     g = torch.randn(T, H)
     want = reference.reference_experts_forward(x, w, idx, w_gu, w_d, expert_start=start)
     ref_grads = torch.autograd.grad(want, (x, w, w_gu, w_d), g)
-    # Stage by stage (the expert rows y as a tensor), and the layer's pair (nothing but gate/up kept).
-    y = ExpertMLPFunction.apply(x, w_gu, w_d, inp, out, counts[4], counts[3], tops)
-    staged = CombineFunction.apply(y, w, out, sel, counts[3], tops)
-    gate_up, h = GateUpFunction.apply(x, w_gu, inp, out, counts[4], counts[3], tops)
-    fused = DownCombineFunction.apply(gate_up, h, w_d, w, out, sel, counts[4], counts[3], tops)
+    # Stage by stage (the expert rows y as a tensor), and the layer's fused op (nothing but gate/up kept).
+    rows = ops.route(idx, start, NR, "triton", True)
+    rt = int(counts[4][-1])
+    for got, want_t in zip(rows[:3], (inp, out, sel)):  # rows past RT are unspecified on Triton
+        assert torch.equal(got[:rt], want_t[:rt])
+    assert torch.equal(rows[3], counts[4]) and torch.equal(rows[4], counts[3])
+    gate_up = ops.grouped_linear(x.index_select(0, inp[:rt].long()), w_gu, counts[4], "triton", False)
+    h = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
+    y = ops.grouped_linear(h.contiguous(), w_d, counts[4], "triton", False)
+    staged = ops.combine(y, w, out, sel, counts[3], "triton")
+    fused, _ = ops.mlp_combine(x, w_gu, w_d, w, *rows, "triton", "")
     for got in (staged, fused):
         grads = torch.autograd.grad(got, (x, w, w_gu, w_d), g)
         assert_close(got, want)

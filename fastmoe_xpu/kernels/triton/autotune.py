@@ -15,12 +15,12 @@ says nothing about a GPU.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from ..configs import KernelConfig, configs
+from ..timing import best_seconds, pow2_bucket
 
 #: (kernel, config table, N, K, rows bucket) -> the config chosen for it.
 _CHOSEN: dict[tuple[str, str, int, int, int], KernelConfig] = {}
@@ -28,8 +28,7 @@ _CHOSEN: dict[tuple[str, str, int, int, int], KernelConfig] = {}
 
 def rows_per_expert_bucket(rows: int, num_experts: int) -> int:
     """Allocated rows per local expert rounded up to a power of two (at least 1)."""
-    per = -(-max(0, int(rows)) // max(1, int(num_experts)))
-    return 1 << max(0, per - 1).bit_length()
+    return pow2_bucket(-(-max(0, int(rows)) // max(1, int(num_experts))))
 
 
 def enabled(table: str, device: torch.device) -> bool:
@@ -37,28 +36,9 @@ def enabled(table: str, device: torch.device) -> bool:
     return device.type in ("cuda", "xpu") and table != "interpreter"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu":
-        torch.xpu.synchronize(device)
-
-
 def wall_timer(device: torch.device, repeats: int = 5) -> Callable[[Callable[[], None]], float]:
     """Best-of-``repeats`` seconds of a launch after one warm-up (which compiles), synchronised."""
-
-    def timer(run: Callable[[], None]) -> float:
-        run()
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            run()
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    return timer
+    return lambda run: best_seconds(run, device, repeats)
 
 
 def select(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import backend_for, get_config
+from ..configs import table_for, get_config
 from ..contract import check_float, check_index
 from . import launch as _launch
 
@@ -168,7 +168,7 @@ def combine_fwd(
     out = y_RH.new_empty(T, H)
     if T <= 0 or H == 0:
         return out
-    cfg = get_config(backend_for(dev), "combine_fwd")
+    cfg = get_config(table_for(dev), "combine_fwd")
     grid = (triton.cdiv(T, cfg.meta["BLOCK_T"]), triton.cdiv(H, cfg.meta["BLOCK_H"]))
     _launch.launch(
         _combine_fwd_kernel, grid,
@@ -217,7 +217,7 @@ def combine_bwd(
     row_w = torch.empty(R, dtype=torch.float32, device=dev)
     if T == 0 or H == 0:
         return dy, row_w
-    cfg = get_config(backend_for(dev), "combine_bwd")
+    cfg = get_config(table_for(dev), "combine_bwd")
     grid = (triton.cdiv(T, cfg.meta["BLOCK_T"]), triton.cdiv(H, cfg.meta["BLOCK_H"]))
     _launch.launch(
         _combine_bwd_kernel, grid,
@@ -244,7 +244,7 @@ def router_weights_bwd(
     dweights = torch.empty(T, K, dtype=weights_TK.dtype, device=dev)
     if T == 0:
         return dweights
-    cfg = get_config(backend_for(dev), "router_weights_bwd")
+    cfg = get_config(table_for(dev), "router_weights_bwd")
     _launch.launch(
         _router_weights_bwd_kernel, (triton.cdiv(T, cfg.meta["BLOCK_T"]),),
         (d_row_weights_R, output_indices, selected_expert_indices, cum_expert_counts, dweights, T, K),

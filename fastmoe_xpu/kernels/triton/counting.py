@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import backend_for, get_config
+from ..configs import table_for, get_config
 from ..contract import INDEX_DTYPE, TokenCounts, check_count_inputs, num_blocks
 from . import launch as _launch
 
@@ -147,7 +147,7 @@ def count_tokens(
     if T == 0:
         zeros = lambda n: torch.zeros(n, dtype=INDEX_DTYPE, device=dev)
         return TokenCounts(zeros(0), zeros(1), zeros(0), zeros(1), zeros(num_local + 1))
-    backend = backend_for(dev)
+    table = table_for(dev)
     partial = torch.empty(num_local * TH, dtype=INDEX_DTYPE, device=dev)
     expert_counts = torch.empty(T, dtype=INDEX_DTYPE, device=dev)
     block_totals = torch.empty(TH, dtype=INDEX_DTYPE, device=dev)
@@ -156,13 +156,13 @@ def count_tokens(
         _count_tokens_fwd_kernel, (TH,),
         (topk_idx_TK, partial, expert_counts, block_totals, expert_totals, T, K, TH, expert_start, num_local,
          block_size),
-        get_config(backend, "count_tokens"), dev,
+        get_config(table, "count_tokens"), dev,
         BLOCK_T=triton.next_power_of_2(block_size), BLOCK_K=triton.next_power_of_2(K),
     )
     partial_cum = torch.empty(num_local * TH + 1, dtype=INDEX_DTYPE, device=dev)
     cum_expert = torch.empty(T + 1, dtype=INDEX_DTYPE, device=dev)
     cum_token = torch.empty(num_local + 1, dtype=INDEX_DTYPE, device=dev)
-    cfg = get_config(backend, "cumsum_counts")
+    cfg = get_config(table, "cumsum_counts")
     block = max(cfg.meta["BLOCK"], triton.next_power_of_2(block_size))
     tokens_per_chunk = (block // block_size) * block_size
     _launch.launch(

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import backend_for, dot_precision, get_config, uses_block_ptr
+from ..configs import table_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
 from . import autotune
 from . import launch as _launch
@@ -439,17 +439,17 @@ def gate_up_fwd(
     h = x_TH.new_empty(R, I)
     if R == 0 or T == 0:
         return gate_up, h
-    backend = backend_for(dev)
+    table = table_for(dev)
 
     def go(cfg):
         grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
         _launch.launch(
             _gate_up_fwd_kernel, grid,
             (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
-            cfg, dev, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, x_TH.dtype),
+            cfg, dev, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, x_TH.dtype),
         )
 
-    go(autotune.choose("gate_up_fwd", backend, I, H, R, NR, dev, go))
+    go(autotune.choose("gate_up_fwd", table, I, H, R, NR, dev, go))
     return gate_up, h
 
 
@@ -461,16 +461,16 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
     if R == 0:
         return out
     dev = a_RK.device
-    backend = backend_for(dev)
+    table = table_for(dev)
 
     def go(cfg):
         grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
         _launch.launch(
             _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
-            TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(backend), DOT_PRECISION=dot_precision(backend, a_RK.dtype),
+            TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
         )
 
-    go(autotune.choose("grouped_mm_fwd", backend, N, K, R, NR, dev, go))
+    go(autotune.choose("grouped_mm_fwd", table, N, K, R, NR, dev, go))
     return out
 
 
@@ -481,7 +481,7 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     NR, M, N = w_like.shape
     dw = torch.empty_like(w_like)
     dev = a_RM.device
-    backend = backend_for(dev)
+    table = table_for(dev)
     kernel = "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu"
 
     def go(cfg):
@@ -490,12 +490,12 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
             _grouped_mm_bwd_kernel, grid,
             (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
              row_weights if row_weights is not None else dw, dw, M, N), cfg, dev,
-            GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(backend),
-            DOT_PRECISION=dot_precision(backend, a_RM.dtype), SILU_B=row_weights is not None,
+            GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table),
+            DOT_PRECISION=dot_precision(table, a_RM.dtype), SILU_B=row_weights is not None,
         )
 
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    go(autotune.choose(kernel, backend, N, M, a_RM.shape[0], NR, dev, go))
+    go(autotune.choose(kernel, table, N, M, a_RM.shape[0], NR, dev, go))
     return dw
 
 
@@ -572,7 +572,7 @@ def down_weighted_bwd(
     d_row_w = torch.empty(R, dtype=torch.float32, device=dy_RH.device)
     if R and I:
         dev = dy_RH.device
-        cfg = get_config(backend_for(dev), "row_dot_scale")
+        cfg = get_config(table_for(dev), "row_dot_scale")
         _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
                        (dh, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I, NR), cfg, dev)
     dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
@@ -602,7 +602,7 @@ def silu_mul_bwd(
     d_gate_up = _alloc_rows(dh_RI, R, 2 * I)
     if R == 0 or I == 0:
         return d_gate_up
-    cfg = get_config(backend_for(dev), "silu_mul_bwd")
+    cfg = get_config(table_for(dev), "silu_mul_bwd")
     grid = (triton.cdiv(R, cfg.meta["BLOCK_R"]), triton.cdiv(I, cfg.meta["BLOCK_I"]))
     has_counts = cum_token_counts is not None
     counts = cum_token_counts if has_counts else dh_RI  # an unread stand-in pointer without counts

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import backend_for, get_config
+from ..configs import table_for, get_config
 from ..contract import INDEX_DTYPE, RowIndices, check_count_inputs, check_index, num_blocks
 from . import launch as _launch
 
@@ -103,7 +103,7 @@ def build_indices(
         _build_indices_fwd_kernel, (TH,),
         (topk_idx_TK, partial_cum_token_counts, cum_expert_counts, input_indices, output_indices, selected,
          T, K, TH, expert_start, num_local, block_size),
-        get_config(backend_for(dev), "build_indices"), dev,
+        get_config(table_for(dev), "build_indices"), dev,
         BLOCK_K=block_k, BLOCK_J=triton.next_power_of_2(block_size) * block_k,
     )
     return RowIndices(input_indices, output_indices, selected)

@@ -1,4 +1,10 @@
-"""The disk cache of timed grouped-GEMM engine choices: one small JSON file.
+"""Timing for the measured choices: the synchronised best-of timer, the power-of-two shape buckets,
+the device names choices are keyed by, and the disk cache of timed engine choices.
+
+Both measured choices use it: the stage-4 implementation (:func:`.registry.choose_engine`, remembered
+on disk) and the Triton config of each grouped GEMM (``triton/autotune.py``, remembered in-process).
+
+The disk cache is one small JSON file.
 
 Location: ``FASTMOE_GEMM_CACHE`` if set, else ``$XDG_CACHE_HOME/fastmoe_xpu/gemm_engines.json``
 (``~/.cache/fastmoe_xpu/gemm_engines.json`` without XDG_CACHE_HOME). Layout::
@@ -23,16 +29,55 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .. import settings
+from ..device import cpu_model
 
 FORMAT = 1
 FILE_NAME = "gemm_engines.json"
 #: Engine names an entry may hold (every gemm_engine value that names one engine).
 KNOWN_ENGINES = tuple(e for e in settings.GEMM_ENGINES if e not in ("auto", "native"))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)
+
+
+def best_seconds(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Best of ``repeats`` synchronised wall-clock runs of ``run`` after one warm-up run (which
+    compiles, autotunes or fills buffers: first-use costs are not the speed being measured)."""
+    run()
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pow2_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (at least 1): sizes within a factor of two share a choice."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def device_name(device: torch.device | str) -> str:
+    """A name for the hardware behind ``device``: choices made on one GPU model or CPU (and thread
+    count) do not carry over to another."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    if dev.type == "xpu":
+        return f"xpu:{torch.xpu.get_device_name(dev)}"
+    return f"{dev.type}:{cpu_model()}x{torch.get_num_threads()}"
 
 
 def cache_path() -> Path:

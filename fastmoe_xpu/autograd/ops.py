@@ -1,0 +1,358 @@
+"""Stages 2-5 as ``torch.library`` custom ops in the ``fastmoe`` namespace, each differentiable op with
+its backward registered by ``register_autograd``: one path for eager runs, ``torch.compile`` and
+``torch.export``.
+
+Every op takes the kernel set that runs it by name (``kernels``: ``"torch"``, ``"triton"``,
+``"torch+grouped_mm"``, see :mod:`fastmoe_xpu.kernels.registry`; ``"<base>+auto"`` lets the registry
+time the stage-4 implementations on first use, inside the op, on the real tensors). A string is fixed
+when a graph is traced; the op's body resolves it and calls the launchers, host reads included (the
+torch backend reads the expert bounds on the host, which costs nothing on the CPU). The compiler sees
+only the fake implementations, whose shapes never depend on data: routed-row buffers are sized for
+the worst case, R = T*K rows (what the Triton backend allocates anyway). Eager calls pass
+``exact_rows=True`` to :func:`route`, so the torch backend keeps exactly RT rows under expert
+parallelism; a traced call passes False and gets the worst-case rows (past RT: zero on the torch
+backend, unspecified on Triton, never read).
+
+=================================  ==============================================================
+``fastmoe::route``                 stages 2-3 (no gradient): ``(input_indices, output_indices,
+                                   selected_expert_indices, cum_token_counts, cum_expert_counts)``
+``fastmoe::mlp_combine``           stages 4-5, the layer's fused path: ``(out [T, H], gate_up
+                                   [R, 2I])``; ``gate_up`` is returned so that autograd saves it
+                                   (the backward recomputes ``h`` from it; ``h`` and the expert
+                                   outputs never leave the op)
+``fastmoe::mlp_combine_backward``  ``(dx, dw_gate_up, dw_down, dweights)``
+``fastmoe::grouped_linear``        stage 4 for other layouts: ``a [R, in] @ w[e]^T`` per expert group
+                                   (``transposed``: ``w`` stored ``[NR, in, out]``, read in place)
+``fastmoe::grouped_linear_backward``  ``(da, dw)`` (``dw`` in the stored layout)
+``fastmoe::combine``               stage 5 for rows computed outside the fused path: ``out [T, H]``
+``fastmoe::combine_backward``      ``(dy [R, H], dweights [T, K])``
+=================================  ==============================================================
+
+The backward ops are ops themselves so that AOTAutograd traces a backward without entering the
+launchers. Double backward is not supported.
+
+Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, R routed-row
+buffer (R >= RT, the routed rows on this rank).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE, KernelBackend
+from ..kernels.registry import choose_engine, kernel_set_name, kernels
+
+__all__ = [
+    "OP_NAMES", "combine", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
+    "resolve_kernels", "route",
+]
+
+#: Every op this module registers, as ``torch.ops.fastmoe.<name>``.
+OP_NAMES = (
+    "route", "mlp_combine", "mlp_combine_backward", "grouped_linear", "grouped_linear_backward", "combine",
+    "combine_backward",
+)
+
+
+# ---------------------------------------------------------------- which kernels
+def _group(group_name: str) -> Any:
+    if not group_name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def resolve_kernels(
+    name: str, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, rows: tuple[torch.Tensor, ...], group_name: str = "",
+) -> KernelBackend:
+    """The launchers of kernel set ``name``: ``"<base>"``, or ``"<base>+<request>"`` with a
+    ``gemm_engine`` request (an engine name, ``native`` or ``auto``) that the registry checks and,
+    for ``auto``, decides by timing the candidates on these tensors, agreed across the
+    expert-parallel group ``group_name`` (its rank 0 decides)."""
+    base, _, request = name.partition("+")
+    if not request:
+        return kernels(base)
+    engine = choose_engine(
+        request, backend=base, device=x_TH.device, dtype=x_TH.dtype,
+        shape=(w_gate_up_N2IH.shape[2], w_down_NHI.shape[2], w_gate_up_N2IH.shape[0], weights_TK.numel()),
+        measure=lambda e: engine_seconds(kernel_set_name(base, e), x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
+                                         rows),
+        group=_group(group_name),
+    )
+    return kernels(kernel_set_name(base, engine))
+
+
+# ---------------------------------------------------------------- stages 2-3
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` grown to ``rows`` entries with zeros (a valid index for every reader, never read)."""
+    if t.shape[0] >= rows:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+@torch.library.custom_op("fastmoe::route", mutates_args=())
+def route(
+    topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, kernels_name: str, exact_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 2-3 for the local experts ``[expert_start, expert_start + num_local)``:
+    ``(input_indices [R], output_indices [R], selected_expert_indices [R], cum_token_counts [NR+1],
+    cum_expert_counts [T+1])`` (:class:`~fastmoe_xpu.kernels.contract.RowIndices` and the prefix sums of
+    :class:`~fastmoe_xpu.kernels.contract.TokenCounts`). ``exact_rows``: R = RT where the backend
+    sizes rows exactly (the torch backend), else R = T*K."""
+    launchers = kernels(kernels_name.partition("+")[0])
+    counts = launchers.count_tokens(topk_idx_TK, expert_start, num_local, TOKEN_BLOCK_SIZE)
+    rows = launchers.build_indices(topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts,
+                                   expert_start, num_local, TOKEN_BLOCK_SIZE)
+    if not exact_rows:
+        rows = tuple(_pad_rows(t, topk_idx_TK.numel()) for t in rows)
+    return (*rows, counts.cum_token_counts, counts.cum_expert_counts)
+
+
+@route.register_fake
+def _(topk_idx_TK, expert_start, num_local, kernels_name, exact_rows):
+    T, K = topk_idx_TK.shape
+    new = lambda n: topk_idx_TK.new_empty((n,), dtype=INDEX_DTYPE)  # noqa: E731
+    return new(T * K), new(T * K), new(T * K), new(num_local + 1), new(T + 1)
+
+
+# ---------------------------------------------------------------- stages 4-5, fused
+def mlp_combine_forward(
+    launchers: KernelBackend, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, input_indices: torch.Tensor, output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor, cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], gate_up [R, 2I])``: the gathered gate/up GEMM with SiLU*up, the down GEMM and the
+    weighted sum of each token's rows."""
+    gate_up_R2I, h_RI = launchers.gate_up_fwd(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
+    y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
+    out_TH = launchers.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+    return out_TH, gate_up_R2I
+
+
+def mlp_combine_backward_math(
+    launchers: KernelBackend, dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
+    w_down_NHI: torch.Tensor, weights_TK: torch.Tensor, gate_up_R2I: torch.Tensor, input_indices: torch.Tensor,
+    output_indices: torch.Tensor, selected_expert_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+    cum_expert_counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [T, H], dw_gate_up [NR, 2I, H], dw_down [NR, H, I], dweights [T, K])``.
+
+    The router-weight gradient ``dweights[t, k] = <dout_t, y_r> = <dout_t @ Wd_e, h_r>`` falls out of
+    the down GEMM's backward, where ``dout_t @ Wd_e`` is formed anyway, with ``h`` recomputed from the
+    saved pre-activation: neither ``h`` nor the expert outputs are kept (docs/algorithm.md, "Saved
+    tensors")."""
+    # Stage 5 backward: each row gets its token's gradient, unweighted, and its weight.
+    dy_RH, row_weights_R = launchers.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                                 cum_expert_counts)
+    # The down GEMM's backward applies the weights and reduces dy @ Wd against the recomputed h.
+    dh_RI, dw_down, d_row_weights_R = launchers.down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R,
+                                                                  cum_token_counts, w_down_NHI)
+    dweights_TK = launchers.router_weights_bwd(d_row_weights_R, weights_TK, output_indices, selected_expert_indices,
+                                               cum_expert_counts)
+    d_gate_up_R2I = launchers.silu_mul_bwd(gate_up_R2I, dh_RI, cum_token_counts)
+    dx_rows_RH, dw_gate_up = launchers.gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts,
+                                                   w_gate_up_N2IH)
+    # Each token's rows are summed back in slot order: deterministic, no atomics. Unweighted, so the
+    # selected-expert indices are not read (output_indices stands in for them).
+    dx_TH = launchers.combine_fwd(dx_rows_RH, None, output_indices, output_indices, cum_expert_counts)
+    return dx_TH, dw_gate_up, dw_down, dweights_TK
+
+
+def engine_seconds(
+    name: str, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    rows: tuple[torch.Tensor, ...], repeats: int = 2,
+) -> float:
+    """Seconds of the fused op's forward and backward bodies with kernel set ``name`` on these
+    tensors (best of ``repeats`` after a warm-up that compiles or autotunes): what ``auto`` times."""
+    from ..kernels.timing import best_seconds
+
+    launchers = kernels(name)
+    args = (x_TH.detach(), w_gate_up_N2IH.detach(), w_down_NHI.detach(), weights_TK.detach(), *rows)
+
+    def run() -> None:
+        out, gate_up = mlp_combine_forward(launchers, *args)
+        mlp_combine_backward_math(launchers, torch.ones_like(out), args[0], args[1], args[2], args[3], gate_up,
+                                  *rows)
+
+    with torch.no_grad():
+        return best_seconds(run, x_TH.device, repeats)
+
+
+@torch.library.custom_op("fastmoe::mlp_combine", mutates_args=())
+def mlp_combine(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    input_indices: torch.Tensor, output_indices: torch.Tensor, selected_expert_indices: torch.Tensor,
+    cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor, kernels_name: str, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 4-5: ``(out [T, H], gate_up [R, 2I])``. ``group_name``: the expert-parallel group whose
+    ranks agree on a timed choice (``""``: none)."""
+    rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
+    launchers = resolve_kernels(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name)
+    return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
+
+
+@mlp_combine.register_fake
+def _(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, input_indices, output_indices, selected_expert_indices,
+      cum_token_counts, cum_expert_counts, kernels_name, group_name):
+    return x_TH.new_empty((x_TH.shape[0], w_down_NHI.shape[1])), x_TH.new_empty(
+        (input_indices.shape[0], w_gate_up_N2IH.shape[1]))
+
+
+@torch.library.custom_op("fastmoe::mlp_combine_backward", mutates_args=())
+def mlp_combine_backward(
+    dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, gate_up_R2I: torch.Tensor, input_indices: torch.Tensor, output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor, cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
+    kernels_name: str, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [T, H], dw_gate_up [NR, 2I, H], dw_down [NR, H, I], dweights [T, K])``."""
+    rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
+    launchers = resolve_kernels(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name)
+    return mlp_combine_backward_math(launchers, dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,
+                                     *rows)
+
+
+@mlp_combine_backward.register_fake
+def _(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I, input_indices, output_indices,
+      selected_expert_indices, cum_token_counts, cum_expert_counts, kernels_name, group_name):
+    return (torch.empty_like(x_TH), torch.empty_like(w_gate_up_N2IH), torch.empty_like(w_down_NHI),
+            torch.empty_like(weights_TK))
+
+
+def _mlp_combine_setup(ctx, inputs, output) -> None:
+    x_TH, w_gate_up, w_down, weights_TK, *rows, kernels_name, group_name = inputs
+    gate_up_R2I = output[1]
+    # gate_up is a saved activation, not a result: nothing downstream differentiates it.
+    ctx.mark_non_differentiable(gate_up_R2I)
+    ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, *rows)
+    ctx.names = (kernels_name, group_name)
+
+
+def _mlp_combine_backward(ctx, dout_TH, _d_gate_up):
+    dx, dw_gate_up, dw_down, dweights = mlp_combine_backward(dout_TH.contiguous(), *ctx.saved_tensors, *ctx.names)
+    return dx, dw_gate_up, dw_down, dweights, None, None, None, None, None, None, None
+
+
+mlp_combine.register_autograd(_mlp_combine_backward, setup_context=_mlp_combine_setup)
+
+
+# ---------------------------------------------------------------- stage 4 for other layouts
+@torch.library.custom_op("fastmoe::grouped_linear", mutates_args=())
+def grouped_linear(
+    a_RK: torch.Tensor, w_NOK: torch.Tensor, cum_token_counts: torch.Tensor, kernels_name: str, transposed: bool,
+) -> torch.Tensor:
+    """``y [R, O] = a @ w[e]^T`` per local expert group (``transposed``: ``w`` stored ``[NR, K, O]`` and
+    ``y = a @ w[e]``, read in place); rows past RT unspecified."""
+    return kernels(kernels_name).down_fwd(a_RK, cum_token_counts, w_NOK, transposed=transposed)
+
+
+@grouped_linear.register_fake
+def _(a_RK, w_NOK, cum_token_counts, kernels_name, transposed):
+    return a_RK.new_empty((a_RK.shape[0], w_NOK.shape[2] if transposed else w_NOK.shape[1]))
+
+
+@torch.library.custom_op("fastmoe::grouped_linear_backward", mutates_args=())
+def grouped_linear_backward(
+    dy_RO: torch.Tensor, a_RK: torch.Tensor, w_NOK: torch.Tensor, cum_token_counts: torch.Tensor,
+    kernels_name: str, transposed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(da [R, K], dw)``, ``dw`` in ``w``'s stored layout, so it lands on the parameter without a copy.
+    ``da`` has ``a``'s rows: behind worst-case row buffers, an exact-rows backend's rows past RT are zero."""
+    da, dw = kernels(kernels_name).down_bwd(dy_RO, a_RK, cum_token_counts, w_NOK, transposed=transposed)
+    return _pad_rows(da, a_RK.shape[0]), dw
+
+
+@grouped_linear_backward.register_fake
+def _(dy_RO, a_RK, w_NOK, cum_token_counts, kernels_name, transposed):
+    return torch.empty_like(a_RK), torch.empty_like(w_NOK)
+
+
+def _grouped_linear_setup(ctx, inputs, output) -> None:
+    a_RK, w_NOK, cum_token_counts, kernels_name, transposed = inputs
+    ctx.save_for_backward(a_RK, w_NOK, cum_token_counts)
+    ctx.names = (kernels_name, transposed)
+
+
+def _grouped_linear_backward(ctx, dy_RO):
+    da, dw = grouped_linear_backward(dy_RO.contiguous(), *ctx.saved_tensors, *ctx.names)
+    return da, dw, None, None, None
+
+
+grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
+
+
+# ---------------------------------------------------------------- stage 5 for rows computed outside
+def combine_backward_math(
+    launchers: KernelBackend, dout_TH: torch.Tensor, y_RH: torch.Tensor, weights_TK: torch.Tensor,
+    output_indices: torch.Tensor, selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dy [R, H], dweights [T, K])`` of stage 5 alone, from the output gradient and the kept rows
+    ``y``: ``combine_bwd`` gives each row its token's gradient unweighted and its weight; the rows are
+    weighted here and the router-weight gradient is ``<dout_t, y_r>`` row by row. ``dy`` has ``y``'s
+    rows: where ``y`` is a worst-case buffer and the backend sized its rows exactly, the rest are zero."""
+    g_RH, row_weights_R = launchers.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                                cum_expert_counts)
+    # Either side may be a worst-case buffer of the other's exact rows: only the first R are read.
+    R = min(g_RH.shape[0], y_RH.shape[0])
+    g_RH, row_weights_R = g_RH[:R], row_weights_R[:R]
+    d_row_weights_R = torch.linalg.vecdot(g_RH.float(), y_RH[:R].float())
+    dy_RH = (g_RH.float() * row_weights_R[:, None]).to(y_RH.dtype)
+    if R < y_RH.shape[0]:
+        dy_RH = torch.cat([dy_RH, dy_RH.new_zeros(y_RH.shape[0] - R, y_RH.shape[1])])
+    dweights_TK = launchers.router_weights_bwd(d_row_weights_R, weights_TK, output_indices, selected_expert_indices,
+                                               cum_expert_counts)
+    return dy_RH, dweights_TK
+
+
+@torch.library.custom_op("fastmoe::combine", mutates_args=())
+def combine(
+    y_RH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor, kernels_name: str,
+) -> torch.Tensor:
+    """``out [T, H]``: each token's rows weighted by its routing weights and summed."""
+    return kernels(kernels_name).combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices,
+                                             cum_expert_counts)
+
+
+@combine.register_fake
+def _(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, kernels_name):
+    return y_RH.new_empty((weights_TK.shape[0], y_RH.shape[1]))
+
+
+@torch.library.custom_op("fastmoe::combine_backward", mutates_args=())
+def combine_backward(
+    dout_TH: torch.Tensor, y_RH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+    selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor, kernels_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dy [R, H], dweights [T, K])``."""
+    return combine_backward_math(kernels(kernels_name), dout_TH, y_RH, weights_TK, output_indices,
+                                 selected_expert_indices, cum_expert_counts)
+
+
+@combine_backward.register_fake
+def _(dout_TH, y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, kernels_name):
+    return torch.empty_like(y_RH), torch.empty_like(weights_TK)
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, kernels_name = inputs
+    ctx.save_for_backward(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+    ctx.kernels_name = kernels_name
+
+
+def _combine_backward(ctx, dout_TH):
+    dy_RH, dweights_TK = combine_backward(dout_TH.contiguous(), *ctx.saved_tensors, ctx.kernels_name)
+    return dy_RH, dweights_TK, None, None, None, None
+
+
+combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+#: ``(x [T, H], input_indices [R], cum_token_counts [NR+1], kernels name) -> y [R, H]``: a stage 4 of
+#: another layout (the transformers families' own gates, biases, norms), built on :func:`grouped_linear`.
+ExpertRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]

@@ -1,0 +1,382 @@
+"""The implementation registry: which kernels run stages 2-5, declared in one table and chosen in one place.
+
+Each :class:`Implementation` names the stages it provides (``route``: counting and index generation,
+stages 2-3; ``gemm``: the grouped GEMMs of stage 4; ``combine``: stage 5), the device types and
+dtypes it runs on, and the module holding its launchers (:class:`.contract.KernelBackend` methods).
+Adding an implementation (another GEMM engine, a low-precision or adapter variant) is one new entry
+in :data:`IMPLEMENTATIONS` plus its launcher module; nothing else is edited.
+
+========  ======================  ===============================================================
+name      stages                  runs
+========  ======================  ===============================================================
+torch     route, gemm, combine    plain PyTorch, any device (the CPU's kernels); its gemm is ``loop``
+triton    route, gemm, combine    Triton kernels: xpu, cuda, and CPU tensors under TRITON_INTERPRET=1
+loop      gemm                    one ``torch.mm`` per expert (``kernels/torch/grouped_gemm.py``)
+grouped_mm  gemm                  PyTorch's grouped GEMM (``kernels/grouped_mm.py``)
+========  ======================  ===============================================================
+
+A *kernel set* is a base implementation (``torch`` or ``triton``: stages 2, 3 and 5, and its native
+stage 4) with an optional other stage-4 implementation: its name is ``"<base>"`` or
+``"<base>+<gemm>"`` (``"torch+grouped_mm"``). :func:`kernels` turns a name into the launchers; the
+name is what the experts op (:mod:`fastmoe_xpu.autograd.ops`) carries, so a compiled graph holds a
+string, never a module.
+
+:func:`select` is the one choice: the base from the block's ``backend`` (``FASTMOE_BACKEND``), the
+stage-4 implementation from ``gemm_engine`` (``FASTMOE_GEMM_ENGINE``): a name, ``"native"`` or
+``"auto"`` (the default: the fastest available one, timed once per device, dtype and shape bucket on
+the real shapes, remembered in-process and on disk, :mod:`.timing`; under expert parallelism group
+rank 0 decides and every rank adopts its choice, since different engines round differently). Where
+timing means nothing (Triton kernels on CPU tensors run in the interpreter) ``auto`` is ``native``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from .. import settings
+from .contract import LAUNCHERS, STAGE4_LAUNCHERS, KernelBackend
+
+#: The stages an implementation may provide, and the launchers each stage consists of.
+STAGES: Mapping[str, tuple[str, ...]] = {
+    "route": ("count_tokens", "build_indices"),
+    "gemm": STAGE4_LAUNCHERS,
+    "combine": ("combine_fwd", "combine_bwd", "router_weights_bwd"),
+}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    # Triton's own switch, read where Triton reads it (not a FASTMOE_* setting).
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    if not _triton_available():
+        return "the triton package is not installed"
+    if device.type == "cpu" and not triton_interpreting():
+        return "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
+    return None
+
+
+def _grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    from .grouped_mm import unsupported_reason
+
+    return unsupported_reason(device, dtype)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One entry of the registry."""
+
+    name: str
+    stages: tuple[str, ...]
+    """Which of :data:`STAGES` it provides."""
+    devices: tuple[str, ...]
+    """Device types it runs on (``"cpu"``, ``"cuda"``, ``"xpu"``)."""
+    dtypes: tuple[torch.dtype, ...] | None
+    """Activation/weight dtypes it takes (None: any floating dtype)."""
+    module: str
+    """The module (under ``fastmoe_xpu.kernels``) holding its launchers."""
+    unavailable: Callable[[torch.device, torch.dtype], str | None] | None = None
+    """A further check beyond devices and dtypes (a package present, a probe call); None: none."""
+    native_gemm: str | None = None
+    """For an implementation of every stage: the gemm entry its own stage 4 is (``torch`` -> ``loop``)."""
+    timed: Callable[[torch.device], bool] = lambda device: True
+    """Whether ``auto`` may time it on this device (an interpreter is never timed for speed)."""
+
+    def launchers(self) -> tuple[str, ...]:
+        return tuple(name for stage in self.stages for name in STAGES[stage])
+
+    def reason_unavailable(self, device: torch.device | str, dtype: torch.dtype) -> str | None:
+        """None when this implementation runs for ``dtype`` on ``device``; else why not."""
+        dev = torch.device(device)
+        if dev.type not in self.devices:
+            return f"{self.name} runs on {'/'.join(self.devices)} tensors, not {dev.type}"
+        if self.dtypes is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"{self.name} takes {names}, not {str(dtype).removeprefix('torch.')}"
+        return self.unavailable(dev, dtype) if self.unavailable is not None else None
+
+
+#: Every implementation, by name. Order matters only for breaking timing ties (earlier wins).
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl
+    for impl in (
+        Implementation("torch", ("route", "combine"), ("cpu", "cuda", "xpu", "meta"), None, ".torch",
+                       native_gemm="loop"),
+        Implementation("loop", ("gemm",), ("cpu", "cuda", "xpu"), None, ".torch.grouped_gemm"),
+        Implementation("grouped_mm", ("gemm",), ("cpu", "cuda", "xpu"), None, ".grouped_mm",
+                       unavailable=_grouped_mm_reason),
+        Implementation("triton", ("route", "gemm", "combine"), ("cpu", "cuda", "xpu"), _FLOATS, ".triton",
+                       unavailable=_triton_reason, native_gemm="triton", timed=lambda device: device.type != "cpu"),
+    )
+}
+
+#: The base implementations (stages 2, 3 and 5): what a block's ``backend`` names.
+BASES = tuple(n for n, impl in IMPLEMENTATIONS.items() if {"route", "combine"} <= set(impl.stages))
+#: The stage-4 implementations ("engines"), in the order ties are broken.
+ENGINES = tuple(n for n, impl in IMPLEMENTATIONS.items() if "gemm" in impl.stages)
+#: Every value ``gemm_engine`` accepts.
+CHOICES = settings.GEMM_ENGINES
+#: The stage-4 engine of each base.
+NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
+
+
+def check_choice(gemm_engine: str) -> str:
+    """``gemm_engine`` itself, or a ValueError naming the accepted values."""
+    if gemm_engine not in CHOICES:
+        raise ValueError(f"gemm_engine must be one of {CHOICES}, got {gemm_engine!r}")
+    return gemm_engine
+
+
+def _implementation(name: str, role: str = "implementation") -> Implementation:
+    impl = IMPLEMENTATIONS.get(name)
+    if impl is None:
+        raise ValueError(f"unknown {role} {name!r} (expected one of {tuple(IMPLEMENTATIONS)})")
+    return impl
+
+
+def module_of(name: str) -> ModuleType:
+    """The module holding ``name``'s launchers (imported on first use: triton stays optional)."""
+    return importlib.import_module(_implementation(name).module, __package__)
+
+
+def unavailable_reason(engine: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """None when stage-4 implementation ``engine`` runs next to ``backend``'s buffers on ``device`` in
+    ``dtype``; else why not."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown gemm engine {engine!r} (expected one of {ENGINES})")
+    return IMPLEMENTATIONS[engine].reason_unavailable(device, dtype)
+
+
+# ---------------------------------------------------------------- kernel sets by name
+class KernelSet:
+    """A :class:`.contract.KernelBackend`: stages 2, 3 and 5 (and whatever stage-4 launcher the engine
+    lacks) from a base implementation, stage 4 from an engine."""
+
+    def __init__(self, base: str, engine: str) -> None:
+        base_module, engine_module = module_of(base), module_of(engine)
+        provided = IMPLEMENTATIONS[engine].launchers()
+        provided = getattr(engine_module, "LAUNCHERS", provided)
+        self.NAME = base if NATIVE[base] == engine else f"{base}+{engine}"
+        self.base = base
+        self.engine = engine
+        for name in LAUNCHERS:
+            source = engine_module if name in STAGE4_LAUNCHERS and name in provided else base_module
+            setattr(self, name, getattr(source, name))
+
+    def __repr__(self) -> str:
+        return f"<kernels {self.NAME}>"
+
+
+@functools.lru_cache(maxsize=None)
+def kernels(name: str) -> KernelBackend:
+    """The launchers of kernel set ``name`` (``"torch"``, ``"triton"``, ``"torch+grouped_mm"``, ...).
+    The same name gives the same object every call."""
+    base, _, engine = name.partition("+")
+    if base not in BASES:
+        raise ValueError(f"unknown kernel backend {base!r} (expected one of {BASES})")
+    engine = engine or NATIVE[base]
+    if engine not in ENGINES:
+        raise ValueError(f"unknown gemm engine {engine!r} (expected one of {ENGINES})")
+    if engine == NATIVE[base] and name != base:
+        return kernels(base)
+    if engine == NATIVE[base]:
+        return module_of(base)  # type: ignore[return-value]
+    return KernelSet(base, engine)  # type: ignore[return-value]
+
+
+def kernel_set_name(base: str, engine: str) -> str:
+    """The name of ``base`` with stage 4 on ``engine``."""
+    return base if NATIVE[base] == engine else f"{base}+{engine}"
+
+
+# ---------------------------------------------------------------- the base: stages 2, 3 and 5
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """A block's ``backend`` (``"auto"``, ``"torch"`` or ``"triton"``) as the base that runs on
+    ``device``: ``auto`` is ``FASTMOE_BACKEND`` if set, else Triton on xpu/cuda (when installed),
+    else torch. Raises when the choice cannot run there."""
+    if backend not in ("auto", *BASES):
+        raise ValueError(f"backend must be one of {('auto', *BASES)}, got {backend!r}")
+    dev = torch.device(device)
+    if backend == "auto":
+        backend = settings.get().backend or (
+            "triton" if dev.type in ("xpu", "cuda") and _triton_available() else "torch")
+    if backend == "triton":
+        if not _triton_available():
+            raise RuntimeError("backend='triton' needs the 'triton' package (pip install triton)")
+        if dev.type == "cpu" and not triton_interpreting():
+            raise RuntimeError(
+                "backend='triton' on CPU tensors runs only under the Triton interpreter: "
+                "set TRITON_INTERPRET=1 before importing triton, or use backend='torch'"
+            )
+    return backend
+
+
+# ---------------------------------------------------------------- the measured choice of stage 4
+class ShapeKey(NamedTuple):
+    """What a timed choice is valid for."""
+
+    backend: str
+    dtype: str
+    hidden: int
+    intermediate: int
+    local_experts: int
+    rows_bucket: int
+    """Routed rows T*K rounded up to a power of two (0 under expert parallelism, where ranks see
+    different row counts but must take one decision together)."""
+
+
+def rows_bucket(rows: int) -> int:
+    """``rows`` rounded up to a power of two (at least 1): shapes within a factor of two share a choice."""
+    from .timing import pow2_bucket
+
+    return pow2_bucket(rows)
+
+
+#: In-process choices: (device name, ShapeKey) -> engine.
+_CHOSEN: dict[tuple[str, ShapeKey], str] = {}
+
+
+def forget_choices() -> None:
+    """Drop the in-process choices (the disk cache stays); tests and benchmarks start afresh with it."""
+    _CHOSEN.clear()
+
+
+def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """The engines ``auto`` may time for ``backend`` on ``device``: the available, timeable ones
+    (only the native one where the base itself may not be timed, as in the Triton interpreter)."""
+    dev = torch.device(device)
+    native = NATIVE[backend]
+    if not IMPLEMENTATIONS[backend].timed(dev):
+        return [native]
+    out = [e for e in ENGINES if IMPLEMENTATIONS[e].timed(dev) and unavailable_reason(e, backend, dev, dtype) is None]
+    return out or [native]
+
+
+def resolve_request(gemm_engine: str, backend: str) -> str:
+    """A block's ``gemm_engine`` after ``FASTMOE_GEMM_ENGINE``: an engine name, or ``"auto"``."""
+    check_choice(gemm_engine)
+    if gemm_engine == "auto":
+        gemm_engine = settings.get().gemm_engine or "auto"
+    if gemm_engine == "native":
+        return NATIVE[backend]
+    return gemm_engine
+
+
+def choose_engine(
+    gemm_engine: str,
+    *,
+    backend: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    measure: Callable[[str], float] | None = None,
+    group: Any = None,
+    use_disk: bool = True,
+) -> str:
+    """The engine that runs stage 4.
+
+    ``shape``: ``(H, I, NR, routed rows T*K)``. ``gemm_engine`` other than ``auto`` is checked and
+    returned (ValueError when it cannot run here). ``auto``: the in-process choice for this device
+    and shape bucket, else the disk cache's, else the fastest candidate by ``measure(engine)`` (the
+    seconds of one forward+backward on the real shapes; injectable for tests). ``group``: the
+    expert-parallel process group; its rank 0 decides and every rank adopts that choice.
+    """
+    from ..dist.agree import broadcast_from_rank0, group_size
+    from .timing import device_name
+
+    dev = torch.device(device)
+    wanted = resolve_request(gemm_engine, backend)
+    if wanted != "auto":
+        reason = unavailable_reason(wanted, backend, dev, dtype)
+        if reason is not None:
+            raise ValueError(f"gemm_engine={wanted!r} cannot run here: {reason}")
+        return wanted
+    options = candidates(backend, dev, dtype)
+    if len(options) == 1:
+        return options[0]  # availability is the same on every rank of a group: nothing to agree on
+    ep = group_size(group) > 1
+    H, I, NR, rows = shape
+    key = ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR), 0 if ep else rows_bucket(rows))
+    name = device_name(dev)
+    memo = _CHOSEN.get((name, key))
+    if memo is not None:
+        return memo
+    if ep:
+        import torch.distributed as dist
+
+        choice = _decide(name, key, options, measure, use_disk) if dist.get_rank(group) == 0 else None
+        choice = broadcast_from_rank0(choice, group)
+        if choice not in ENGINES:
+            raise RuntimeError(f"expert-parallel rank 0 chose gemm engine {choice!r}, not one of {ENGINES}")
+    else:
+        choice = _decide(name, key, options, measure, use_disk)
+    _CHOSEN[(name, key)] = choice
+    return choice
+
+
+def _decide(name: str, key: ShapeKey, options: list[str], measure: Callable[[str], float] | None,
+            use_disk: bool) -> str:
+    from . import timing
+
+    if use_disk:
+        cached = timing.lookup(name, key)
+        if cached in options:
+            return cached
+    if measure is None:
+        raise RuntimeError("choose_engine: gemm_engine='auto' needs a measure to time the candidates")
+    seconds = {e: float(measure(e)) for e in options}
+    best = min(options, key=lambda e: (seconds[e], ENGINES.index(e)))
+    if use_disk:
+        timing.store(name, key, best, seconds)
+    return best
+
+
+def select(
+    backend: str,
+    gemm_engine: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    measure: Callable[[str], float] | None = None,
+    group: Any = None,
+) -> str:
+    """The kernel set that runs stages 2-5: the name of :func:`kernels`. ``backend``: ``"auto"``,
+    ``"torch"`` or ``"triton"``; ``gemm_engine``: see :func:`choose_engine`, whose arguments the
+    rest are."""
+    base = resolve_backend(backend, device)
+    engine = choose_engine(gemm_engine, backend=base, device=device, dtype=dtype, shape=shape, measure=measure,
+                           group=group)
+    return kernel_set_name(base, engine)
+
+
+def describe(choices: Mapping[tuple[str, ShapeKey], str] | None = None) -> list[str]:
+    """One line per in-process choice (for logs and the benchmark's notes)."""
+    items = (choices if choices is not None else _CHOSEN).items()
+    return [f"{name} {key.backend} {key.dtype} H={key.hidden} I={key.intermediate} NR={key.local_experts} "
+            f"rows<={key.rows_bucket or 'any'}: {engine}" for (name, key), engine in items]
+
+
+def chosen_for(backend: str, device: torch.device | str, dtype: torch.dtype,
+               shape: tuple[int, int, int, int]) -> str | None:
+    """The in-process auto choice for these shapes without expert parallelism (None if none yet)."""
+    from .timing import device_name
+
+    options = candidates(backend, device, dtype)
+    if len(options) == 1:
+        return options[0]
+    H, I, NR, rows = shape
+    key = ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR), rows_bucket(rows))
+    return _CHOSEN.get((device_name(device), key))
