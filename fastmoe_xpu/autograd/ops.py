@@ -45,7 +45,7 @@ from ..kernels.registry import choose_engine, kernel_set_name, kernels
 
 __all__ = [
     "OP_NAMES", "combine", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
-    "resolve_kernels", "route",
+    "resolve_kernels", "route", "route_rows",
 ]
 
 #: Every op this module registers, as ``torch.ops.fastmoe.<name>``.
@@ -95,6 +95,18 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def route_rows(
+    launchers: KernelBackend, topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, exact_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of :func:`route` on given launchers."""
+    counts = launchers.count_tokens(topk_idx_TK, expert_start, num_local, TOKEN_BLOCK_SIZE)
+    rows = launchers.build_indices(topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts,
+                                   expert_start, num_local, TOKEN_BLOCK_SIZE)
+    if not exact_rows:
+        rows = tuple(_pad_rows(t, topk_idx_TK.numel()) for t in rows)
+    return (*rows, counts.cum_token_counts, counts.cum_expert_counts)
+
+
 @torch.library.custom_op("fastmoe::route", mutates_args=())
 def route(
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, kernels_name: str, exact_rows: bool,
@@ -104,13 +116,7 @@ def route(
     cum_expert_counts [T+1])`` (:class:`~fastmoe_xpu.kernels.contract.RowIndices` and the prefix sums of
     :class:`~fastmoe_xpu.kernels.contract.TokenCounts`). ``exact_rows``: R = RT where the backend
     sizes rows exactly (the torch backend), else R = T*K."""
-    launchers = kernels(kernels_name.partition("+")[0])
-    counts = launchers.count_tokens(topk_idx_TK, expert_start, num_local, TOKEN_BLOCK_SIZE)
-    rows = launchers.build_indices(topk_idx_TK, counts.partial_cum_token_counts, counts.cum_expert_counts,
-                                   expert_start, num_local, TOKEN_BLOCK_SIZE)
-    if not exact_rows:
-        rows = tuple(_pad_rows(t, topk_idx_TK.numel()) for t in rows)
-    return (*rows, counts.cum_token_counts, counts.cum_expert_counts)
+    return route_rows(kernels(kernels_name.partition("+")[0]), topk_idx_TK, expert_start, num_local, exact_rows)
 
 
 @route.register_fake
