@@ -39,6 +39,6 @@ def test_compiled_generation_compiles_the_patched_forward_once():
         ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(seed))
         outs.append((model.generate(ids, compile_config=config, **kw), model.generate(ids, disable_compile=True, **kw)))
     assert len(graphs) == 1, f"{len(graphs)} graphs compiled for 2 x 10 decoding steps"
-    assert any("fastmoe.gate_up" in str(n.target) for n in graphs[0].graph.nodes)
+    assert any("fastmoe.mlp_combine" in str(n.target) for n in graphs[0].graph.nodes)
     for compiled, eager in outs:
         assert torch.equal(compiled, eager)

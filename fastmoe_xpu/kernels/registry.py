@@ -248,9 +248,15 @@ def rows_bucket(rows: int) -> int:
 _CHOSEN: dict[tuple[str, ShapeKey], str] = {}
 
 
+#: Answers of :func:`choose_engine` by its arguments and the settings in force, so that a layer's
+#: every call after the first costs one dict lookup.
+_ANSWERS: dict[tuple, str] = {}
+
+
 def forget_choices() -> None:
     """Drop the in-process choices (the disk cache stays); tests and benchmarks start afresh with it."""
     _CHOSEN.clear()
+    _ANSWERS.clear()
 
 
 def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -293,6 +299,18 @@ def choose_engine(
     seconds of one forward+backward on the real shapes; injectable for tests). ``group``: the
     expert-parallel process group; its rank 0 decides and every rank adopts that choice.
     """
+    answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
+    answer = _ANSWERS.get(answer_key)
+    if answer is not None:
+        return answer
+    answer = _ANSWERS[answer_key] = _choose_engine(gemm_engine, backend=backend, device=device, dtype=dtype,
+                                                   shape=shape, measure=measure, group=group, use_disk=use_disk)
+    return answer
+
+
+def _choose_engine(gemm_engine: str, *, backend: str, device: torch.device | str, dtype: torch.dtype,
+                   shape: tuple[int, int, int, int], measure: Callable[[str], float] | None, group: Any,
+                   use_disk: bool) -> str:
     from ..dist.agree import broadcast_from_rank0, group_size
     from .timing import device_name
 
