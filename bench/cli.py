@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"])
     ap.add_argument("--preset", nargs="+", metavar="NAME",
-                    help=f"presets to run ({', '.join(PRESETS)}, or 'all'); default: mula-7b-a1b-small mula-7b-a1b")
+                    help=f"presets to run ({', '.join(PRESETS)}, 'all' (the Mula presets) or 'sweep' (tiny, decode T=1/8/64, the Mula-7B layer)); default: mula-7b-a1b-small mula-7b-a1b")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--out", default="bench_out", help="directory for results.json, results.csv and the chart")
     ap.add_argument("--mode", default="fwdbwd", choices=[*MODES, "stages"],

@@ -53,6 +53,9 @@ PRESETS: dict[str, Preset] = {
                "Mula-20B-A2B local slice: 8 of 96 experts (EP=12), all-gathered 12 x 2048 tokens"),
         Preset("mula-220b-a10b", 3072, 1536, 240, 8, 2048, 12,
                "Mula-220B-A10B local slice: 20 of 240 experts (EP=12), all-gathered 12 x 2048 tokens"),
+        Preset("olmoe-decode-1", 2048, 1024, 64, 8, 1, 1, "OLMoE-1B-7B layer at decode: 1 token (8 rows)"),
+        Preset("olmoe-decode-8", 2048, 1024, 64, 8, 8, 1, "OLMoE-1B-7B layer at decode: 8 tokens (64 rows)"),
+        Preset("olmoe-decode-64", 2048, 1024, 64, 8, 64, 1, "OLMoE-1B-7B layer: 64 tokens (512 rows, 8 per expert)"),
         Preset("tiny", 64, 32, 8, 2, 48, 1, "tiny shapes for tests"),
         Preset("tiny-ep", 64, 32, 8, 2, 24, 2, "tiny local slice (EP=2) for tests"),
     )
@@ -60,6 +63,8 @@ PRESETS: dict[str, Preset] = {
 
 #: What ``python -m bench`` runs without ``--preset``: the two presets the CPU goals are stated on.
 DEFAULT_PRESETS = ("mula-7b-a1b-small", "mula-7b-a1b")
+#: The small-shape sweep (``--preset sweep``): a first try, decode and the Mula layer.
+SWEEP_PRESETS = ("tiny", "olmoe-decode-1", "olmoe-decode-8", "olmoe-decode-64", "mula-7b-a1b-small", "mula-7b-a1b")
 
 
 def resolve_presets(names: list[str] | None) -> list[Preset]:
@@ -68,10 +73,12 @@ def resolve_presets(names: list[str] | None) -> list[Preset]:
         names = list(DEFAULT_PRESETS)
     out: list[Preset] = []
     for n in names:
-        if n == "all":
-            out.extend(p for p in PRESETS.values() if not p.name.startswith("tiny"))
+        if n == "sweep":
+            out.extend(PRESETS[m] for m in SWEEP_PRESETS)
+        elif n == "all":
+            out.extend(p for p in PRESETS.values() if p.name.startswith("mula"))
         elif n in PRESETS:
             out.append(PRESETS[n])
         else:
-            raise ValueError(f"unknown preset {n!r}; known: {sorted(PRESETS)} or 'all'")
+            raise ValueError(f"unknown preset {n!r}; known: {sorted(PRESETS)}, 'all' or 'sweep'")
     return out
