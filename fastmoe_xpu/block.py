@@ -4,8 +4,10 @@
 GEMMs over the merged expert weights (gate/up, SiLU*up, down); (5) weighted output reduction.
 
 With an expert-parallel group of size EP, rank r holds experts ``[r*NR, (r+1)*NR)`` (NR = E/EP)
-and tokens reach them by allgather or all-to-all dispatch (:mod:`fastmoe_xpu.dist.dispatch`); the
-router is replicated.
+and tokens reach them through the block's token dispatcher (allgather or all-to-all,
+:mod:`fastmoe_xpu.dist.dispatch`; without expert parallelism the local one, which moves nothing);
+the router is replicated. The experts module, config checks and router factory live in
+:mod:`fastmoe_xpu.expert_weights`, :mod:`fastmoe_xpu.block_config` and :mod:`fastmoe_xpu.routing`.
 
 Legend: B batch, S sequence, T = B*S tokens, H hidden, I intermediate, E experts, K experts per
 token, NR local experts, R routed rows.
@@ -20,123 +22,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .autograd.moe_experts import kernel_backend, moe_experts_forward
-from .dist.collectives import agree_on_inputs, assert_same_tokens_on_device
-from .dist.dispatch import allgather_dispatch, alltoall_dispatch, token_offset
-from .dist.env import check_group_device
-from .dist.sharding import EXPERT_IDS_NAME, expert_range
-from .integrations.experts import when_interface_imported
-from .integrations.v4_keys import merge_v4_expert_keys
+from .block_config import check_backend, validate_config
+from .dist.dispatch import DISPATCH_MODES, check_dispatch_mode, make_dispatcher
+from .dist.groups import member_position
+from .dist.sharding import EXPERT_IDS_NAME, expert_range, slice_full_experts
+from .expert_weights import Experts, dispatch_experts_implementation, experts_implementation_name
+from .integrations.v4_keys import V4_NAMES, stack_v4_experts
 from .kernels.registry import check_choice
-from .routing import TopKRouter, forced_uniform_routing
+from .routing import TopKRouter, forced_uniform_routing, make_router
 
-#: Token dispatch modes under expert parallelism.
-DISPATCH_MODES = ("allgather", "alltoall")
-
-_REQUIRED_FIELDS = (
-    "hidden_size", "intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "hidden_act",
-)
-_SUPPORTED_ACTS = ("silu", "swish")
-
-
-def validate_config(config: Any) -> None:
-    """Raise a clear error for a config the block cannot be built from."""
-    missing = [f for f in _REQUIRED_FIELDS if not hasattr(config, f)]
-    if missing:
-        raise ValueError(f"config is missing field(s) {missing}; FastSparseMoeBlock needs {list(_REQUIRED_FIELDS)}")
-    for f in ("hidden_size", "intermediate_size", "num_experts", "num_experts_per_tok"):
-        v = getattr(config, f)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise TypeError(f"config.{f} must be an int, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"config.{f} must be >= 1, got {v}")
-    if config.num_experts_per_tok > config.num_experts:
-        raise ValueError(
-            f"num_experts_per_tok={config.num_experts_per_tok} exceeds num_experts={config.num_experts}"
-        )
-    if config.hidden_act not in _SUPPORTED_ACTS:
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (the fused kernels use SiLU)")
-
-
-def make_router(config: Any) -> nn.Module:
-    """transformers' own ``OlmoeTopKRouter`` when installed, so that its ``output_router_logits``
-    recording hooks (which match on that class) see our router; else the identical TopKRouter."""
-    try:
-        from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
-    except Exception:  # transformers missing or without v5's router
-        return TopKRouter(config)
-    return OlmoeTopKRouter(config)
-
-
-class Experts(nn.Module):
-    """The merged expert weights, named and shaped as transformers v5's ``OlmoeExperts``.
-
-    ``gate_up_proj [NR, 2I, H]`` (gate rows first, then up) and ``down_proj [NR, H, I]``. Also
-    loads transformers v4 per-expert keys (``{e}.gate_proj.weight``, ``{e}.up_proj.weight``,
-    ``{e}.down_proj.weight``).
-    """
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.hidden_dim = hidden_size
-        self.intermediate_dim = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.register_load_state_dict_pre_hook(merge_v4_expert_keys)
-        # What transformers' @use_experts_implementation sets, so that its MoE tooling (expert and
-        # tensor parallel plans, exporters) and its experts functions recognise these experts.
-        self.has_gate = True
-        self.has_bias = False
-        self.is_concatenated = True
-        self.is_transposed = False
-        self.has_post_expert_norm = False
-        self._is_expert_parallel = False
-        self.act_fn = nn.SiLU()
-        #: The model config whose ``_experts_implementation`` the block follows (set by patch_olmoe).
-        self.config: Any = None
-
-    def _apply_gate(self, gate_up_R2I: torch.Tensor) -> torch.Tensor:
-        """transformers' default gate: ``act_fn(gate) * up`` over the concatenated halves."""
-        gate, up = gate_up_R2I.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
-
-    def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
-
-
-def _adopt_default_gate(moe: Any) -> None:
-    """The very default gate function, so that transformers (and describe_layout) see the default gate;
-    without v5's experts interface the identical method above stays."""
-    fn = getattr(moe, "_default_apply_gate", None)
-    if fn is not None:
-        Experts._apply_gate = fn
-
-
-# when transformers' MoE module is imported (now, or later: importing it costs ~2 s, see
-# fastmoe_xpu/__init__.py); nothing happens without transformers
-when_interface_imported(_adopt_default_gate)
-
-
-def _slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """On an expert-parallel shard: cut a full (all-expert) state dict to this shard's experts, and
-    refuse a shard saved for other experts."""
-    ids_key = prefix + EXPERT_IDS_NAME
-    mine = module.expert_ids
-    if ids_key in state_dict:
-        theirs = state_dict[ids_key]
-        if theirs.shape != mine.shape or not torch.equal(theirs.cpu(), mine.cpu()):
-            error_msgs.append(
-                f"{prefix}: the state dict holds experts {theirs.tolist()} but this expert-parallel shard holds "
-                f"{mine.tolist()}; gather a full state dict (gather_full_state_dict) and load that instead"
-            )
-        return
-    total = module.global_num_experts
-    full = [prefix + n for n in ("gate_up_proj", "down_proj") if prefix + n in state_dict]
-    if full and all(state_dict[k].shape[0] == total for k in full) and total != module.num_experts:
-        index = mine.to(device=state_dict[full[0]].device)
-        for k in full:
-            state_dict[k] = state_dict[k].index_select(0, index)
-        state_dict[ids_key] = mine.clone()
+__all__ = [
+    "DISPATCH_MODES",
+    "Experts",
+    "FastSparseMoeBlock",
+    "dispatch_experts_implementation",
+    "make_router",
+    "validate_config",
+]
 
 
 class FastSparseMoeBlock(nn.Module):
@@ -185,10 +87,8 @@ class FastSparseMoeBlock(nn.Module):
         super().__init__()
         validate_config(config)
         self.gemm_engine = check_choice(gemm_engine)
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+        check_backend(backend)
+        check_dispatch_mode(dispatch)
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
         self.num_experts = config.num_experts
@@ -199,8 +99,10 @@ class FastSparseMoeBlock(nn.Module):
         self.ep_group = ep_group
         self.dispatch = dispatch
         self.check_inputs = bool(check_inputs)
-        self.ep_rank, self.ep_size = _ep_position(ep_group)
+        self.ep_rank, self.ep_size = member_position(ep_group)
         local_ids = expert_range(config.num_experts, self.ep_size, self.ep_rank)
+        #: How tokens reach this rank's experts: locally, or over ``ep_group`` in mode ``dispatch``.
+        self.dispatcher = make_dispatcher(ep_group, dispatch, config.num_experts, check_inputs=check_inputs)
         self.num_local_experts = len(local_ids)
         self.expert_start = local_ids.start
         self.gate = make_router(config)
@@ -210,7 +112,7 @@ class FastSparseMoeBlock(nn.Module):
             self.experts.register_buffer(
                 EXPERT_IDS_NAME, torch.arange(local_ids.start, local_ids.stop, dtype=torch.int64)
             )
-            self.experts.register_load_state_dict_pre_hook(_slice_full_experts)
+            self.experts.register_load_state_dict_pre_hook(slice_full_experts)
         self.reset_parameters(getattr(config, "initializer_range", 0.02))
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -256,9 +158,10 @@ class FastSparseMoeBlock(nn.Module):
             I, H = experts[0].gate_proj.weight.shape
             two_i = 2 * I
             with torch.no_grad():
-                w_gate_up = nn.Parameter(torch.stack(
-                    [torch.cat([m.gate_proj.weight, m.up_proj.weight], 0) for m in experts]))
-                w_down = nn.Parameter(torch.stack([m.down_proj.weight for m in experts]))
+                gate_up, down = stack_v4_experts(
+                    {e: {n: getattr(m, n).weight for n in V4_NAMES} for e, m in enumerate(experts)}, "experts."
+                )
+            w_gate_up, w_down = nn.Parameter(gate_up), nn.Parameter(down)
         else:
             raise TypeError(f"from_hf expects an OlmoeSparseMoeBlock, got {type(block).__name__}")
         top_k = getattr(gate, "top_k", None) or getattr(block, "top_k", None)
@@ -291,7 +194,8 @@ class FastSparseMoeBlock(nn.Module):
         return new
 
     # ---------------------------------------------------------------- forward
-    def _check_input(self, hidden_states: torch.Tensor) -> None:
+    def _check_input(self, hidden_states: torch.Tensor) -> int:
+        """The token count of ``hidden_states``; TypeError or ValueError when the block cannot take it."""
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
         if not hidden_states.dtype.is_floating_point:
@@ -305,6 +209,7 @@ class FastSparseMoeBlock(nn.Module):
             raise ValueError(f"hidden_states on {hidden_states.device} but the block's weights on {w.device}")
         if hidden_states.dtype != w.dtype:
             raise TypeError(f"hidden_states dtype {hidden_states.dtype} differs from the block's weights {w.dtype}")
+        return hidden_states.numel() // self.hidden_size
 
     def route(
         self, x_TH: torch.Tensor, token_offset: int = 0
@@ -317,108 +222,23 @@ class FastSparseMoeBlock(nn.Module):
         return logits_TE, weights_TK, idx_TK
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.ep_group is not None and self.ep_size > 1:
-            return self._forward_expert_parallel(hidden_states)
-        self._check_input(hidden_states)
-        shape = hidden_states.shape
-        x_TH = hidden_states.reshape(-1, self.hidden_size)
-        _, weights_TK, idx_TK = self.route(x_TH)
+        """Check (agreed over the EP group) -> route -> dispatch -> stages 2-5 -> combine."""
         other = dispatch_experts_implementation(self.experts)
         if other is not None:  # the model was switched to another experts implementation
-            return other(self.experts, x_TH, idx_TK, weights_TK).view(shape)
-        backend = kernel_backend(self.backend, x_TH.device)
-        out_TH = moe_experts_forward(
-            x_TH.contiguous(), weights_TK, idx_TK, self.experts.gate_up_proj, self.experts.down_proj,
-            backend=backend, expert_start=self.expert_start, gemm_engine=self.gemm_engine,
-        )
-        return out_TH.view(shape)
-
-    def _forward_expert_parallel(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if dispatch_experts_implementation(self.experts) is not None:
-            raise ValueError(
-                f"experts_implementation={self.experts.config._experts_implementation!r} cannot run on a "
-                "FastSparseMoeBlock sharded over an expert-parallel group (its experts hold only this rank's "
-                "slice); use 'fastmoe' or rebuild the model unsharded"
-            )
-        group = self.ep_group
+            self.dispatcher.check_experts_implementation(experts_implementation_name(self.experts))
         device = self.experts.gate_up_proj.device
-        # Checks that come out the same on every rank raise at once; a check that may fail on one
-        # rank only is shared through agree_on_inputs, so no rank is left waiting in a collective.
-        check_group_device(group, device)
-        backend = kernel_backend(self.backend, device)
-        local_error: Exception | None = None
-        try:
-            self._check_input(hidden_states)
-        except (TypeError, ValueError) as err:
-            local_error = err
-        num_tokens = hidden_states.numel() // self.hidden_size if local_error is None else -1
-        # The agreement reads every rank's count on the host, which a graph cannot. Traced, allgather
-        # compares the counts on the device instead (an assertion in the graph, no host read);
-        # all-to-all needs no equal counts, only the offset of forced routing needs the others'.
-        traced = torch.compiler.is_compiling() and (self.dispatch == "allgather" or not self.forced_uniform_routing)
-        if traced:
-            if local_error is not None:
-                raise local_error
-            if self.check_inputs and self.dispatch == "allgather":
-                assert_same_tokens_on_device(group, num_tokens, device)
-            sizes = [num_tokens] * self.ep_size
-        elif self.check_inputs or self.dispatch == "alltoall":
-            sizes = agree_on_inputs(group, num_tokens, local_error, device)
-        elif local_error is not None:
-            raise local_error
-        else:
-            sizes = [num_tokens] * self.ep_size
-        # (Traced, the sizes are all this rank's symbolic count: comparing them would only add a guard.)
-        if not traced and self.dispatch == "allgather" and len(set(sizes)) > 1:
-            raise ValueError(
-                f"allgather dispatch needs the same number of tokens on every EP rank, got {sizes} "
-                "(batch*sequence per rank); pad the batches to one length or use dispatch='alltoall'"
-            )
+        offset = self.dispatcher.prepare(
+            hidden_states, self._check_input, device=device, need_offset=self.forced_uniform_routing
+        )
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_size).contiguous()
-        _, weights_TK, idx_TK = self.route(x_TH, token_offset(sizes, group))
-
-        def local_experts(x_NH: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
-            return moe_experts_forward(
-                x_NH, w_NK, idx_NK, self.experts.gate_up_proj, self.experts.down_proj,
-                backend=backend, expert_start=self.expert_start, gemm_engine=self.gemm_engine, ep_group=group,
-            )
-
-        if self.dispatch == "allgather":
-            out_TH = allgather_dispatch(x_TH, weights_TK, idx_TK, local_experts, group)
-        else:
-            out_TH = alltoall_dispatch(x_TH, weights_TK, idx_TK, local_experts, group, self.num_local_experts)
-        return out_TH.view(shape)
-
-
-def dispatch_experts_implementation(experts: Experts) -> Any:
-    """The experts function of transformers' ``ExpertsInterface`` that ``experts.config`` selects
-    when it selects anything but ``"fastmoe"`` (None: run our stages). ``"eager"`` is the per-expert
-    loop of transformers' ``OlmoeExperts``, the class these experts stand in for."""
-    name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if name is None or name == "fastmoe":
-        return None
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if name == "eager":
-        from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
-
-        return OlmoeExperts.forward.__wrapped__
-    if name not in ALL_EXPERTS_FUNCTIONS:
-        raise ValueError(f"experts_implementation={name!r} is not registered in transformers' ExpertsInterface")
-    return ALL_EXPERTS_FUNCTIONS[name]
-
-
-def _ep_position(ep_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``ep_group``; ``(0, 1)`` without one."""
-    if ep_group is None:
-        return 0, 1
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("ep_group given but torch.distributed is not initialised (see fastmoe_xpu.dist.init_distributed)")
-    rank = dist.get_rank(ep_group)
-    if rank < 0:
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of ep_group "
-            f"{dist.get_process_group_ranks(ep_group)}"
+        _, weights_TK, idx_TK = self.route(x_TH, offset)
+        if other is not None:
+            return other(self.experts, x_TH, idx_TK, weights_TK).view(shape)
+        x_NH, weights_NK, idx_NK, state = self.dispatcher.dispatch(x_TH, weights_TK, idx_TK)
+        partial_NH = moe_experts_forward(
+            x_NH, weights_NK, idx_NK, self.experts.gate_up_proj, self.experts.down_proj,
+            backend=kernel_backend(self.backend, device), expert_start=self.expert_start,
+            gemm_engine=self.gemm_engine, ep_group=self.dispatcher.ep_group,
         )
-    return rank, dist.get_world_size(ep_group)
+        return self.dispatcher.combine(partial_NH, state).view(shape)

@@ -31,6 +31,16 @@ class TopKRouter(nn.Module):
         return (logits_TE, *topk_routing(logits_TE, self.top_k, self.norm_topk_prob))
 
 
+def make_router(config) -> nn.Module:
+    """transformers' own ``OlmoeTopKRouter`` when installed, so that its ``output_router_logits``
+    recording hooks (which match on that class) see our router; else the identical TopKRouter."""
+    try:
+        from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+    except Exception:  # transformers missing or without v5's router
+        return TopKRouter(config)
+    return OlmoeTopKRouter(config)
+
+
 def topk_routing(
     logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fastmoe_xpu.dist.sharding import is_expert_weight  # noqa: E402
 from trainer import checkpoint as ck  # noqa: E402
 from trainer import fault  # noqa: E402
 from trainer.optim import OPTIMIZERS  # noqa: E402
@@ -111,7 +112,7 @@ def make_layout(ep: int) -> SimpleNamespace:
 def build(optim: str, lay: Any, seed: int = 0) -> tuple[Toy, Any]:
     model = Toy(lay.ep, lay.ep_rank, seed)
     opt = OPTIMIZERS[optim](
-        model.named_parameters(), is_expert=ck.is_expert_name, dp_group=lay.dp_group, ep_group=lay.ep_group,
+        model.named_parameters(), is_expert=is_expert_weight, dp_group=lay.dp_group, ep_group=lay.ep_group,
         dpep_group=lay.dpep_group, norm_group=lay.world_group, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
     )
     return model, opt
@@ -136,7 +137,7 @@ def dump_state(model: Toy, opt: Any) -> dict[str, Any]:
     for b in opt.buckets:
         lo_me = b.group_rank * b.shard_numel
         hi_me = min(b.numel, lo_me + b.shard_numel)
-        for os_ in ck._bucket_segments(model, b, ck.is_expert_name):
+        for os_ in ck._bucket_segments(model, b, is_expert_weight):
             lo, hi = max(os_.offset, lo_me), min(os_.offset + os_.seg.numel, hi_me)
             if lo < hi:
                 for state, t in zip(ck.OPTIM_STATES, (b.master, b.exp_avg, b.exp_avg_sq)):

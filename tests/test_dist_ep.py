@@ -9,6 +9,7 @@ sharding and the byte formula run in this process.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import sys
 import traceback
@@ -21,12 +22,17 @@ import torch.distributed as dist
 
 from fastmoe_xpu import FastSparseMoeBlock, patch_olmoe, settings
 from fastmoe_xpu.dist import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    LocalDispatcher,
     ParallelMesh,
+    TokenDispatcher,
     all_to_all_autograd,
     choose_backend,
     detect_launch_env,
     expert_range,
     forward_allgather_backward_reducescatter,
+    make_dispatcher,
     forward_reducescatter_backward_allgather,
     gather_full_state_dict,
     init_distributed,
@@ -121,8 +127,12 @@ def _run_pair(cfg, sizes, *, dispatch, fur=False, dtype=torch.float32, favour=No
                 gate_grad_sum=gate_grad_sum, ids=ids, idx_full=idx_full)
 
 
+_DISPATCHERS = {"allgather": AllGatherDispatcher, "alltoall": AllToAllDispatcher}
+
+
 def _check_pair(res, cfg) -> None:
     ref, ep, ids = res["ref"], res["ep"], res["ids"]
+    assert type(ep.dispatcher) is _DISPATCHERS[ep.dispatch], (type(ep.dispatcher), ep.dispatch)
     _close(res["out"].reshape(-1, cfg.hidden_size), res["out_ref"], "output rows")
     _close(res["dx"].reshape(-1, cfg.hidden_size), res["dx_ref"], "input gradient rows")
     _close(res["gate_grad_sum"], ref.gate.weight.grad, "router gradient summed over EP ranks")
@@ -212,6 +222,36 @@ def case_bad_not_member():
         assert block.ep_size == 1 and block.experts.gate_up_proj.shape[0] == CFG["num_experts"]
         return "member"
     return _expect_error(lambda: FastSparseMoeBlock(_cfg(), ep_group=g), ValueError, "not a member")
+
+
+def case_local_dispatcher():
+    """A group of one rank picks the LocalDispatcher: bit for bit the block without a group (outputs
+    and every gradient), the forward being the same check -> route -> dispatch -> experts -> combine."""
+    r = dist.get_rank()
+    singles = [dist.new_group([q]) for q in range(dist.get_world_size())]  # collective: every rank creates all
+    cfg = _cfg()
+    plain = _reference_block(cfg, 4)
+    alone = FastSparseMoeBlock(cfg, backend="torch", ep_group=singles[r])
+    alone.load_state_dict({**plain.state_dict(), "experts.expert_ids": torch.arange(cfg.num_experts)})
+    assert type(plain.dispatcher) is LocalDispatcher and type(alone.dispatcher) is LocalDispatcher
+    x, g = _inputs([7], cfg.hidden_size, 4 + r, torch.float32)
+    got, want = [], []
+    for block, out in ((alone, got), (plain, want)):
+        xr = x.clone().requires_grad_(True)
+        y = block(xr)
+        y.backward(g)
+        out.extend([y.detach(), xr.grad, *(p.grad for p in block.parameters())])
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def case_bad_experts_implementation():
+    """transformers' per-expert loop needs every expert here: an EP block refuses it on every rank."""
+    block = FastSparseMoeBlock(_cfg(), ep_group=_group())
+    block.experts.config = SimpleNamespace(_experts_implementation="eager")
+    x = torch.randn(4, CFG["hidden_size"])
+    return _expect_error(lambda: block(x), ValueError, "cannot run on a FastSparseMoeBlock sharded")
 
 
 def case_bad_shard_for_other_rank():
@@ -428,6 +468,10 @@ CASES = {
     "bad-device-for-group": (case_bad_device_for_group, {}, (2,)),
     # a group this process is not part of
     "bad-not-member": (case_bad_not_member, {}, (2,)),
+    # a group of one rank: the local dispatcher, identical to no group
+    "local-dispatcher": (case_local_dispatcher, {}, (2,)),
+    # another experts implementation on an EP block
+    "bad-experts-implementation": (case_bad_experts_implementation, {}, (2,)),
     # loading another rank's shard
     "bad-shard-for-other-rank": (case_bad_shard_for_other_rank, {}, (2,)),
     # full <-> sharded state dicts (gather, scatter, local slicing, v4 keys)
@@ -618,6 +662,31 @@ def test_ep_group_without_process_group():
         FastSparseMoeBlock(_cfg(), ep_group=object())
     with pytest.raises(ValueError, match="dispatch must be one of"):
         FastSparseMoeBlock(_cfg(), dispatch="broadcast")
+
+
+def test_dispatchers_share_one_interface():
+    """Local, allgather and all-to-all dispatchers are TokenDispatchers with the base's signatures;
+    make_dispatcher picks the local one without a group, and only the EP ones refuse another experts
+    implementation."""
+    for cls in (LocalDispatcher, AllGatherDispatcher, AllToAllDispatcher):
+        assert issubclass(cls, TokenDispatcher)
+        for method in ("prepare", "dispatch", "combine", "check_experts_implementation", "run"):
+            mine = list(inspect.signature(getattr(cls, method)).parameters)
+            assert mine == list(inspect.signature(getattr(TokenDispatcher, method)).parameters), (cls, method)
+    for mode in ("allgather", "alltoall"):
+        assert type(make_dispatcher(None, mode, 8)) is LocalDispatcher
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        make_dispatcher(None, "broadcast", 8)
+    local = LocalDispatcher()
+    assert local.check_experts_implementation("eager") is None
+    x, w, idx = torch.randn(3, 4), torch.rand(3, 2), torch.randint(0, 8, (3, 2))
+    assert local.prepare(x, lambda h: h.shape[0], device=x.device, need_offset=True) == 0
+    moved = local.dispatch(x, w, idx)
+    assert moved[0] is x and moved[1] is w and moved[2] is idx
+    assert local.combine(x, moved[3]) is x
+    for ep in (AllGatherDispatcher(None), AllToAllDispatcher(None, 4)):
+        with pytest.raises(ValueError, match="cannot run on a FastSparseMoeBlock sharded"):
+            ep.check_experts_implementation("eager")
 
 
 def test_single_process_mesh():

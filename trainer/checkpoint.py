@@ -64,6 +64,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fastmoe_xpu.dist.groups import dist_on, global_rank, group_rank, group_size
+from fastmoe_xpu.dist.sharding import is_expert_weight
+
 from .layout import MeshPosition
 
 FORMAT_VERSION = 1
@@ -71,8 +74,6 @@ MANIFEST = "MANIFEST.json"
 META = "meta.json"
 SLOTS = ("A", "B")
 OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
-#: Names ending with one of these are merged expert weights ``[E_local, ...]`` (sharded over EP).
-EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
 _READ_CHUNK = 1 << 22
 
 
@@ -209,10 +210,6 @@ class Segment:
         return self.local_index is not None
 
 
-def is_expert_name(name: str) -> bool:
-    return name.endswith(EXPERT_SUFFIXES)
-
-
 def expert_ids(model: nn.Module, name: str, local_experts: int) -> list[int]:
     """Global ids of the experts an expert weight holds: the block's ``experts.expert_ids`` buffer
     under expert parallelism, ``0..E-1`` otherwise."""
@@ -227,7 +224,7 @@ def expert_ids(model: nn.Module, name: str, local_experts: int) -> list[int]:
 
 
 def param_segments(model: nn.Module, name: str, p: torch.Tensor,
-                   is_expert: Callable[[str], bool] = is_expert_name, tp_rank: int | None = None) -> list[Segment]:
+                   is_expert: Callable[[str], bool] = is_expert_weight, tp_rank: int | None = None) -> list[Segment]:
     """A weight's checkpoint segments: one per global expert for merged expert weights; under TP a
     split weight is keyed ``<param>/tp<r>`` (a checkpoint then loads at the same TP size only)."""
     if is_expert(name) and p.dim() >= 2:
@@ -238,7 +235,7 @@ def param_segments(model: nn.Module, name: str, p: torch.Tensor,
     return [Segment(name, name, None, tuple(p.shape))]
 
 
-def model_segments(model: nn.Module, is_expert: Callable[[str], bool] = is_expert_name,
+def model_segments(model: nn.Module, is_expert: Callable[[str], bool] = is_expert_weight,
                    tp_rank: int | None = None) -> list[Segment]:
     """Checkpoint segments of the model's trainable weights, in parameter order."""
     out: list[Segment] = []
@@ -422,14 +419,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 # ============================================================================ collectives
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _agree(ok: bool, message: str, payload: Any = None) -> list[tuple[bool, str, Any]]:
     """Every rank's ``(ok, message, payload)``; one all-gather, so all ranks take the same branch."""
     mine = (ok, message, payload)
-    if not _dist_on():
+    if not dist_on():
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -445,19 +438,11 @@ def _raise_if_failed(results: list[tuple[bool, str, Any]], what: str) -> None:
 
 
 def _broadcast(obj: Any) -> Any:
-    if not _dist_on():
+    if not dist_on():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _group_size(group: Any) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _group_rank(group: Any) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 try:
@@ -502,12 +487,6 @@ def _bucket_segments(model: nn.Module, bucket: Any, is_expert: Callable[[str], b
     return out
 
 
-def _global_rank(group: Any, group_rank: int) -> int:
-    if group is None:
-        return dist.get_rank() if _dist_on() else 0
-    return dist.get_global_rank(group, group_rank)
-
-
 def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str], bool],
                       tp_rank: int | None = None) -> dict[str, torch.Tensor]:
     """Unsharded fp32 states of the weights this rank writes, assembling weights that straddle
@@ -516,8 +495,8 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
     for b in optimizer.buckets:
         states = (b.master, b.exp_avg, b.exp_avg_sq)
         group = b.spec.shard_group
-        G, g, S = _group_size(group), _group_rank(group), b.shard_numel
-        R, j = _group_size(b.spec.pre_reduce_group), _group_rank(b.spec.pre_reduce_group)
+        G, g, S = group_size(group), group_rank(group), b.shard_numel
+        R, j = group_size(b.spec.pre_reduce_group), group_rank(b.spec.pre_reduce_group)
         lo_me = g * S
         full: dict[int, torch.Tensor] = {}
         sends: dict[int, list[tuple[int, int]]] = {}
@@ -544,11 +523,11 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
         recv_bufs = {}
         for dst, pieces in sends.items():
             payload = torch.cat([st[a:a + n] for st in states for a, n in pieces])
-            ops.append(dist.P2POp(dist.isend, payload, _global_rank(group, dst)))
+            ops.append(dist.P2POp(dist.isend, payload, global_rank(group, dst)))
         for src, pieces in recvs.items():
             n_total = sum(n for _, _, n in pieces)
             recv_bufs[src] = torch.empty(3 * n_total, dtype=torch.float32, device=b.master.device)
-            ops.append(dist.P2POp(dist.irecv, recv_bufs[src], _global_rank(group, src)))
+            ops.append(dist.P2POp(dist.irecv, recv_bufs[src], global_rank(group, src)))
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
@@ -573,7 +552,7 @@ def _optimizer_reads(model: nn.Module, optimizer: Any, is_expert: Callable[[str]
     want: dict[str, torch.Tensor] = {}
     copies = []
     for b in optimizer.buckets:
-        g, S = _group_rank(b.spec.shard_group), b.shard_numel
+        g, S = group_rank(b.spec.shard_group), b.shard_numel
         lo_me, hi_me = g * S, min(b.numel, (g + 1) * S)
         for os_ in _bucket_segments(model, b, is_expert, tp_rank):
             start, end = os_.offset, os_.offset + os_.seg.numel
@@ -619,7 +598,7 @@ def _dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(state, storage_writer=_storage_writer(path), no_dist=not _dist_on())
+        dcp.save(state, storage_writer=_storage_writer(path), no_dist=not dist_on())
 
 
 def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -628,7 +607,7 @@ def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
-            dcp.load(state, storage_reader=_storage_reader(path), no_dist=not _dist_on())
+            dcp.load(state, storage_reader=_storage_reader(path), no_dist=not dist_on())
         except _CheckpointException as e:
             raise CheckpointError(f"reading {path} failed: {_describe_os_error(e)}") from None
 
@@ -793,7 +772,7 @@ def _model_tensors(model: nn.Module, coords: Coords, dtype: torch.dtype | None,
 
 def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Module, optimizer: Any,
               layout: Any = None, meta: dict[str, Any] | None = None, rank_extra: Any = None,
-              is_expert: Callable[[str], bool] = is_expert_name) -> SaveStats:
+              is_expert: Callable[[str], bool] = is_expert_weight) -> SaveStats:
     """Write the full training state as checkpoint ``index`` into slot ``"AB"[index % 2]`` (collective).
 
     ``meta``: JSON-able, global (the step's data position, the config...), written by rank 0;
@@ -811,7 +790,7 @@ def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Modul
 
 def save_model(root: str | os.PathLike, *, step: int, model: nn.Module, layout: Any = None,
                dtype: str | None = "bf16", meta: dict[str, Any] | None = None,
-               is_expert: Callable[[str], bool] = is_expert_name) -> SaveStats:
+               is_expert: Callable[[str], bool] = is_expert_weight) -> SaveStats:
     """Write a persistent model-only checkpoint ``model-step-<step>`` (weights cast to ``dtype``,
     None keeps the parameter dtype); collective."""
     if dtype is not None and dtype not in _DTYPE_NAMES:
@@ -852,20 +831,20 @@ def _choose(root: str | os.PathLike) -> tuple[CheckpointInfo | None, list[tuple[
 def find_latest(root: str | os.PathLike) -> CheckpointInfo | None:
     """:func:`latest_valid`, verified by rank 0 and broadcast (collective when distributed)."""
     info = None
-    if not _dist_on() or dist.get_rank() == 0:
+    if not dist_on() or dist.get_rank() == 0:
         info = latest_valid(root)
     return _broadcast(info)
 
 
 @torch.no_grad()
 def load_model(path: str | os.PathLike, model: nn.Module, *, layout: Any = None, verify_first: bool = True,
-               is_expert: Callable[[str], bool] = is_expert_name) -> CheckpointInfo:
+               is_expert: Callable[[str], bool] = is_expert_weight) -> CheckpointInfo:
     """Load model weights (only) from a full or model-only checkpoint into ``model`` (collective).
     Any DP size and any EP size dividing E can read it; a different model gives a clear error."""
     path = Path(path)
     if verify_first:
         reason = None
-        if not _dist_on() or dist.get_rank() == 0:
+        if not dist_on() or dist.get_rank() == 0:
             reason = verify(path) if path.is_dir() else f"{path} is not a checkpoint directory"
         reason = _broadcast(reason)
         if reason is not None:
@@ -884,7 +863,7 @@ def load_model(path: str | os.PathLike, model: nn.Module, *, layout: Any = None,
 
 @torch.no_grad()
 def restore_full(info: CheckpointInfo, model: nn.Module, optimizer: Any, layout: Any = None,
-                 is_expert: Callable[[str], bool] = is_expert_name) -> RestoreResult:
+                 is_expert: Callable[[str], bool] = is_expert_weight) -> RestoreResult:
     """Restore weights, optimizer shards and steps (and, on the same layout, RNG states and rank
     extras) from a verified full checkpoint (collective)."""
     t0 = time.perf_counter()
@@ -920,7 +899,7 @@ class CheckpointManager:
     checkpoint every this many steps (0: never), cast to ``model_dtype`` (None: parameter dtype)."""
 
     def __init__(self, root: str | os.PathLike, *, layout: Any = None, interval: int = 0, model_interval: int = 0,
-                 model_dtype: str | None = "bf16", is_expert: Callable[[str], bool] = is_expert_name,
+                 model_dtype: str | None = "bf16", is_expert: Callable[[str], bool] = is_expert_weight,
                  allow_fresh_start: bool = False, failures_dir: str | os.PathLike | None = None) -> None:
         if interval < 0 or model_interval < 0:
             raise ValueError(f"checkpoint intervals must be >= 0, got {interval} and {model_interval}")
@@ -976,13 +955,13 @@ class CheckpointManager:
         (``failures_dir``, default the checkpoint root's parent); when none is left, a
         :class:`NoValidCheckpoint` lists every slot and why, unless ``allow_fresh_start``."""
         if info is None:
-            info, rejected = _broadcast(_choose(self.root) if not _dist_on() or dist.get_rank() == 0 else None)
+            info, rejected = _broadcast(_choose(self.root) if not dist_on() or dist.get_rank() == 0 else None)
             if rejected and info is None and not self.allow_fresh_start:
                 raise NoValidCheckpoint(
                     f"{self.root} holds checkpoints but none is valid: "
                     + "; ".join(f"{p.name}: {why}" for p, why in rejected)
                     + ". Fix or remove them, or pass --allow-fresh-start to start again from step 0")
-            if rejected and (not _dist_on() or dist.get_rank() == 0):
+            if rejected and (not dist_on() or dist.get_rank() == 0):
                 from .fault import FAILURES_FILE, append_jsonl
 
                 for p, why in rejected:

@@ -32,11 +32,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from fastmoe_xpu.dist.sharding import is_expert_weight
+
 from .checkpoint import (MANIFEST, META, CheckpointError, CheckpointInfo, _storage_reader, latest_valid,
                          model_checkpoints, read_info, verify)
 
 DEFAULT_MAX_SHARD = 2 << 30
-_EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
 #: TP-split weights: name suffix -> dimension their ``/tp<r>`` parts are concatenated along
 _TP_DIMS = {
     "self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
@@ -171,7 +172,7 @@ def hf_tensors(reader: _Reader, names: Sequence[str], num_experts: int) -> Itera
     """``(transformers save name, tensor)`` for every parameter in ``names`` (the stock model's
     merged names), one at a time."""
     for name in names:
-        if name.endswith(_EXPERT_SUFFIXES):
+        if is_expert_weight(name):
             base = name.rsplit(".", 1)[0]  # ...mlp.experts
             for e in range(num_experts):
                 key = f"model/{name}/{e}"
@@ -277,7 +278,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
             from tqdm import tqdm
 
             experts = m.num_experts if m.is_moe else 0
-            count = sum(experts * (2 if n.endswith("gate_up_proj") else 1) if n.endswith(_EXPERT_SUFFIXES) else 1
+            count = sum(experts * (2 if n.endswith("gate_up_proj") else 1) if is_expert_weight(n) else 1
                         for n in names)
             bar = tqdm(total=count, desc="export", unit="tensor", file=sys.stderr)
         dtype = None

@@ -11,21 +11,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fastmoe_xpu.dist.sharding import is_expert_weight
+
 from .config import ConfigError, ModelConfig
 
-#: Substrings that mark a parameter as an expert weight (sharded over EP, states over DP only).
-EXPERT_PARAM_MARKERS = (".experts.gate_up_proj", ".experts.down_proj")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-def is_expert_param(name: str) -> bool:
-    """True for the merged expert weights ``...mlp.experts.{gate_up_proj,down_proj}``."""
-    return any(name.endswith(m) for m in EXPERT_PARAM_MARKERS)
 
 
 def hf_config(m: ModelConfig, context: int) -> Any:
@@ -158,7 +153,7 @@ def _hf_param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCoun
     total = expert = 0
     for n, p in model.named_parameters():
         total += p.numel()
-        if is_expert_param(n):
+        if is_expert_weight(n):
             expert += p.numel()
     embed = model.get_input_embeddings().weight.numel()
     active = total - expert + (expert * m.top_k) // max(m.num_experts, 1)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from fastmoe_xpu.compiling import compile_decoder, compile_seconds
+from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from . import fault
 from .checkpoint import CheckpointManager, load_model, sync_master_from_model
@@ -45,7 +46,7 @@ from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import Layout, barrier, env_world_size, init_layout, init_tp_layout
 from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
-from .model import build_model, flops_per_token, is_expert_param, param_counts, torch_dtype
+from .model import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula
 from .parallelism.ac import apply_activation_checkpointing
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
@@ -108,10 +109,10 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(
             ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
-            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_param,
+            model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_weight,
             allow_fresh_start=ck.allow_fresh_start, failures_dir=self.out_dir)
         if ck.init_from:
-            load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_param)
+            load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_weight)
             sync_master_from_model(self.optimizer)
         self.heartbeat = fault.Heartbeat(self.out_dir, lay.rank)
         self._local_loss = torch.zeros(())
@@ -182,14 +183,14 @@ class Trainer:
                                localize=tp_localize(lay.tp_rank, tp) if tp > 1 else None)
         elif method != "none" and lay.dpep_group is not None:
             broadcast_replicas(model, group=lay.dpep_group, expert_group=lay.dp_group, method=method,
-                               is_expert=is_expert_param)
+                               is_expert=is_expert_weight)
 
     def build_optimizer(self) -> ZeroAdamW:
         o, lay = self.cfg.optim, self.layout
         tp = getattr(lay, "tp", 1)
         if tp == 1:
             return build_optimizer(
-                o.name, self.model, lay, is_expert=is_expert_param, betas=(o.beta1, o.beta2), eps=o.eps,
+                o.name, self.model, lay, is_expert=is_expert_weight, betas=(o.beta1, o.beta2), eps=o.eps,
                 weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
             )
         # TP-split weights are distinct on every TP rank; replicated ones (embedding, LM head) are
@@ -502,8 +503,8 @@ class Trainer:
     # ------------------------------------------------------------------------------ accounting
     def local_param_counts(self) -> tuple[int, int]:
         """(non-expert, expert) parameters this rank holds."""
-        dense = sum(p.numel() for n, p in self.model.named_parameters() if not is_expert_param(n))
-        expert = sum(p.numel() for n, p in self.model.named_parameters() if is_expert_param(n))
+        dense = sum(p.numel() for n, p in self.model.named_parameters() if not is_expert_weight(n))
+        expert = sum(p.numel() for n, p in self.model.named_parameters() if is_expert_weight(n))
         return dense, expert
 
     def state_bytes_formula(self) -> int:

@@ -10,12 +10,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .groups import group_size
 
-def group_size(group: Any) -> int:
-    """Ranks in ``group`` (1 when there is none or torch.distributed is not initialised)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+__all__ = ["broadcast_from_rank0"]
 
 
 def broadcast_from_rank0(value: Any, group: Any) -> Any:

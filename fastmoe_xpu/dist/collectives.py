@@ -1,6 +1,7 @@
 """Collectives along dim 0, and the autograd Functions the expert-parallel block is built from.
 
-Every tensor is split or concatenated along its first dimension, in group-rank order.
+Every tensor is split or concatenated along its first dimension, in group-rank order. A ``group``
+of None is torch.distributed's default (world) group, as in torch.distributed's own calls.
 ``reduce_scatter`` uses the backend's own collective; a backend that reports it unsupported (gloo
 in some PyTorch versions) falls back to ``all_reduce`` and a slice, which moves twice the bytes.
 
@@ -14,16 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .groups import group_rank, group_size, world_if_none
+
 #: Backends whose ``reduce_scatter`` raised "not supported"; they use all_reduce + slice from then on.
 _REDUCE_SCATTER_FALLBACK: set[str] = set()
 
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
-
-
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group)
 
 
 def _all_gather_fn():
@@ -43,14 +39,14 @@ def _backend_name(group: dist.ProcessGroup | None) -> str:
 def all_gather_dim0(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[S, ...]`` on every rank -> ``[W*S, ...]``, rank blocks in group-rank order (equal S needed)."""
     x_SX = x_SX.contiguous()
-    out_TX = x_SX.new_empty((group_size(group) * x_SX.shape[0], *x_SX.shape[1:]))
+    out_TX = x_SX.new_empty((group_size(world_if_none(group)) * x_SX.shape[0], *x_SX.shape[1:]))
     _all_gather_fn()(out_TX, x_SX, group=group)
     return out_TX
 
 
 def reduce_scatter_dim0(x_TX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[W*S, ...]`` on every rank -> this rank's ``[S, ...]`` block of the sum over ranks."""
-    world = group_size(group)
+    world = group_size(world_if_none(group))
     if x_TX.shape[0] % world:
         raise ValueError(f"reduce_scatter_dim0: {x_TX.shape[0]} rows do not split over {world} ranks")
     x_TX = x_TX.contiguous()
@@ -70,11 +66,11 @@ def reduce_scatter_dim0(x_TX: torch.Tensor, group: dist.ProcessGroup | None) -> 
 
 
 def _reduce_scatter_by_all_reduce(x_TX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    world = group_size(group)
+    world = group_size(world_if_none(group))
     rows = x_TX.shape[0] // world
     summed = x_TX.clone()
     dist.all_reduce(summed, group=group)
-    r = group_rank(group)
+    r = group_rank(world_if_none(group))
     return summed[r * rows:(r + 1) * rows].clone()
 
 
@@ -90,7 +86,7 @@ def all_to_all_dim0(
     if torch.compiler.is_compiling():
         # Splits read from a tensor are unbacked symbols in a trace: state the relation, do not branch on it.
         torch._check(x_RX.shape[0] == sum(in_splits))
-        return funcol.all_to_all_single(x_RX, list(out_splits), list(in_splits), _traced_group(group))
+        return funcol.all_to_all_single(x_RX, list(out_splits), list(in_splits), world_if_none(group))
     if x_RX.shape[0] != sum(in_splits):
         raise ValueError(f"all_to_all_dim0: {x_RX.shape[0]} rows but in_splits {list(in_splits)} sum to {sum(in_splits)}")
     out_RX = x_RX.new_empty((sum(out_splits), *x_RX.shape[1:]))
@@ -157,21 +153,17 @@ class _AllToAll(torch.autograd.Function):
 # inside the autograd Functions would break the graph. Eager keeps the Functions (their
 # reduce-scatter falls back to all_reduce + slice on backends without it, a host-side decision a
 # graph cannot take; gloo has the functional reduce-scatter in the PyTorch versions we support).
-def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
-
-
 def forward_allgather_backward_reducescatter(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather ``[S, ...] -> [W*S, ...]``; the gradient is reduce-scattered back to ``[S, ...]``."""
     if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor_autograd(x_SX.contiguous(), 0, _traced_group(group))
+        return funcol.all_gather_tensor_autograd(x_SX.contiguous(), 0, world_if_none(group))
     return _AllGatherReduceScatter.apply(x_SX, group)
 
 
 def forward_allgather(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather without a gradient (routing indices)."""
     if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor(x_SX.detach().contiguous(), 0, _traced_group(group))
+        return funcol.all_gather_tensor(x_SX.detach().contiguous(), 0, world_if_none(group))
     with torch.no_grad():
         return all_gather_dim0(x_SX.detach(), group)
 
@@ -179,7 +171,7 @@ def forward_allgather(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> to
 def forward_reducescatter_backward_allgather(x_TX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Reduce-scatter ``[W*S, ...] -> [S, ...]`` (sum over ranks); the gradient is all-gathered."""
     if torch.compiler.is_compiling():
-        return funcol.reduce_scatter_tensor_autograd(x_TX.contiguous(), "sum", 0, _traced_group(group))
+        return funcol.reduce_scatter_tensor_autograd(x_TX.contiguous(), "sum", 0, world_if_none(group))
     return _ReduceScatterAllGather.apply(x_TX, group)
 
 
@@ -189,7 +181,7 @@ def all_to_all_autograd(
     """:func:`all_to_all_dim0` whose gradient takes the reverse all-to-all."""
     if torch.compiler.is_compiling():
         torch._check(x_RX.shape[0] == sum(in_splits))
-        return funcol.all_to_all_single_autograd(x_RX.contiguous(), list(out_splits), list(in_splits), _traced_group(group))
+        return funcol.all_to_all_single_autograd(x_RX.contiguous(), list(out_splits), list(in_splits), world_if_none(group))
     return _AllToAll.apply(x_RX, list(out_splits), list(in_splits), group)
 
 
@@ -237,7 +229,7 @@ def assert_same_tokens_on_device(group: dist.ProcessGroup | None, num_tokens: in
     holds no host read. A mismatch fails the step on every rank, since all ranks gather the same
     table; it cannot say which input was wrong, as :func:`agree_on_inputs` does eagerly."""
     mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
-    table = funcol.all_gather_tensor(mine, 0, _traced_group(group))
+    table = funcol.all_gather_tensor(mine, 0, world_if_none(group))
     torch._assert_async(
         (table == table[0]).all(),
         "allgather dispatch needs the same number of tokens on every EP rank; pad the batches to one "

@@ -7,19 +7,29 @@ accepted as input); a shard holds ``[NR, ...]`` slices plus ``experts.expert_ids
 """
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .collectives import group_rank, group_size
+from ..integrations.v4_keys import merge_v4_expert_keys
+from .groups import group_rank, group_size, world_if_none
 
+#: The merged expert weights of an experts module (``[E, ...]`` full, ``[NR, ...]`` on a shard).
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
+#: The buffer of an expert-parallel shard's experts module holding its experts' global ids.
 EXPERT_IDS_NAME = "expert_ids"
-_V4_KEY = re.compile(r"^(?P<prefix>.*experts\.)(?P<e>\d+)\.(?P<name>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_expert_weight(name: str, *, with_ids: bool = False) -> bool:
+    """True for the merged expert weights ``[...].experts.{gate_up_proj,down_proj}`` of a parameter
+    or state-dict name (the tensors expert parallelism shards); ``with_ids``: also the shard's
+    ``experts.expert_ids`` buffer."""
+    module, _, leaf = name.rpartition(".")
+    if module != "experts" and not module.endswith(".experts"):
+        return False
+    return leaf in EXPERT_PARAM_NAMES or (with_ids and leaf == EXPERT_IDS_NAME)
 
 
 def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
@@ -37,25 +47,27 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def merge_v4_expert_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Return a copy with transformers-v4 per-expert keys merged into v5's two tensors per block."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    for key, value in state_dict.items():
-        m = _V4_KEY.match(key)
-        if m is None:
-            out[key] = value
-        else:
-            groups[m["prefix"]][int(m["e"])][m["name"]] = value
-    for prefix, experts in groups.items():
-        ids = sorted(experts)
-        if ids != list(range(len(ids))) or any(len(experts[e]) != 3 for e in ids):
-            raise ValueError(f"incomplete transformers-v4 expert keys under {prefix!r}: experts {ids}")
-        out[prefix + "gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in ids]
-        )
-        out[prefix + "down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
-    return out
+def slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs):
+    """``load_state_dict`` pre-hook of an expert-parallel shard's experts module: cut a full
+    (all-expert) state dict to this shard's experts, and refuse a shard saved for other experts."""
+    ids_key = prefix + EXPERT_IDS_NAME
+    mine = module.expert_ids
+    if ids_key in state_dict:
+        theirs = state_dict[ids_key]
+        if theirs.shape != mine.shape or not torch.equal(theirs.cpu(), mine.cpu()):
+            error_msgs.append(
+                f"{prefix}: the state dict holds experts {theirs.tolist()} but this expert-parallel shard holds "
+                f"{mine.tolist()}; gather a full state dict (gather_full_state_dict) and load that instead"
+            )
+        return
+    total = module.global_num_experts
+    full = [prefix + n for n in EXPERT_PARAM_NAMES if prefix + n in state_dict]
+    if full and all(state_dict[k].shape[0] == total for k in full) and total != module.num_experts:
+        index = mine.to(device=state_dict[full[0]].device)
+        for k in full:
+            state_dict[k] = state_dict[k].index_select(0, index)
+        state_dict[ids_key] = mine.clone()
 
 
 def _expert_prefixes(keys) -> list[str]:
@@ -99,10 +111,11 @@ def gather_full_state_dict(
     global ids; ``expert_ids`` entries are dropped; everything else is this rank's (replicated)
     copy. Returns the dict on ``dst`` and None elsewhere. Tensors come back on the CPU.
     """
+    ep_group = world_if_none(ep_group)  # None: the default group, as in torch.distributed's calls
     local = module.state_dict()
     world = group_size(ep_group)
     me = group_rank(ep_group)
-    dst_global = dist.get_global_rank(ep_group, dst) if ep_group is not None else dst
+    dst_global = dist.get_global_rank(ep_group, dst)
     prefixes = _sharded_prefixes(module)
     out: dict[str, torch.Tensor] | None = {} if me == dst else None
     expert_keys = {p + n for p in prefixes for n in (*EXPERT_PARAM_NAMES, EXPERT_IDS_NAME)}
@@ -141,11 +154,12 @@ def scatter_full_state_dict(
     ready for ``module.load_state_dict``: expert tensors are scattered by the experts each rank's
     module holds, everything else is broadcast from ``src``.
     """
+    ep_group = world_if_none(ep_group)  # None: the default group, as in torch.distributed's calls
     me = group_rank(ep_group)
     if me == src and full is None:
         raise ValueError("scatter_full_state_dict: the source rank must pass the full state dict")
     world = group_size(ep_group)
-    src_global = dist.get_global_rank(ep_group, src) if ep_group is not None else src
+    src_global = dist.get_global_rank(ep_group, src)
     local = module.state_dict()
     prefixes = _sharded_prefixes(module)
     expert_keys = {p + n for p in prefixes for n in (*EXPERT_PARAM_NAMES, EXPERT_IDS_NAME)}

@@ -1,6 +1,6 @@
 """Stage 4 on PyTorch's own grouped GEMM (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``).
 
-The ``grouped_mm`` engine of :mod:`fastmoe_xpu.kernels.engines`: the four GEMM launchers of the
+The ``grouped_mm`` engine of :mod:`fastmoe_xpu.kernels.registry`: the four GEMM launchers of the
 contract (``gate_up_fwd``, ``down_fwd``, ``down_bwd``, ``gate_up_bwd``) as grouped GEMMs over the
 merged expert weights, with the gather (``index_select``) and SiLU*up in plain torch around them.
 ``silu_mul_bwd`` and stages 2, 3 and 5 stay with the kernel backend the engine is combined with.

@@ -311,7 +311,8 @@ def choose_engine(
 def _choose_engine(gemm_engine: str, *, backend: str, device: torch.device | str, dtype: torch.dtype,
                    shape: tuple[int, int, int, int], measure: Callable[[str], float] | None, group: Any,
                    use_disk: bool) -> str:
-    from ..dist.agree import broadcast_from_rank0, group_size
+    from ..dist.agree import broadcast_from_rank0
+    from ..dist.groups import group_rank, group_size
     from .timing import device_name
 
     dev = torch.device(device)
@@ -332,9 +333,7 @@ def _choose_engine(gemm_engine: str, *, backend: str, device: torch.device | str
     if memo is not None:
         return memo
     if ep:
-        import torch.distributed as dist
-
-        choice = _decide(name, key, options, measure, use_disk) if dist.get_rank(group) == 0 else None
+        choice = _decide(name, key, options, measure, use_disk) if group_rank(group) == 0 else None
         choice = broadcast_from_rank0(choice, group)
         if choice not in ENGINES:
             raise RuntimeError(f"expert-parallel rank 0 chose gemm engine {choice!r}, not one of {ENGINES}")

@@ -14,15 +14,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fastmoe_xpu.dist.sharding import is_expert_weight
 from fastmoe_xpu.dist.testing import run_distributed
 from trainer.optim import EPSO, OPTIMIZERS, ShardedAdamW, state_bytes_formula
 
 BETAS, EPS, WD = (0.9, 0.99), 1e-8, 0.1
 RTOL, ATOL = 1e-5, 1e-7  # fp32
-
-
-def is_expert(name: str) -> bool:
-    return name.endswith(".experts.gate_up_proj")
 
 
 class Toy(nn.Module):
@@ -155,14 +152,14 @@ def _dp_ep_worker(dp: int, ep: int, steps: int) -> dict:
         with torch.no_grad():
             model.dense.weight.copy_(dense["weight"])
             model.dense.bias.copy_(dense["bias"])
-        opt = cls(model.named_parameters(), is_expert=is_expert, dp_group=lay.dp_group, ep_group=lay.ep_group,
+        opt = cls(model.named_parameters(), is_expert=is_expert_weight, dp_group=lay.dp_group, ep_group=lay.ep_group,
                   dpep_group=lay.dpep_group, norm_group=lay.world_group, betas=BETAS, eps=EPS, weight_decay=WD)
         for step in range(steps):
             model.loss(make_data(step, lay.data_rank)).backward()
             lr, clip = lr_clip(step)
             opt.step(lr, clip)
-        n_dense = sum(p.numel() for n, p in model.named_parameters() if not is_expert(n))
-        n_expert = sum(p.numel() for n, p in model.named_parameters() if is_expert(n))
+        n_dense = sum(p.numel() for n, p in model.named_parameters() if not is_expert_weight(n))
+        n_expert = sum(p.numel() for n, p in model.named_parameters() if is_expert_weight(n))
         out[kind] = {
             "weight": model.dense.weight.detach().clone(), "bias": model.dense.bias.detach().clone(),
             "expert": model.moe.experts.gate_up_proj.detach().clone(), "ep_rank": lay.ep_rank,

@@ -39,19 +39,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.adamw import adamw as _adamw_functional
 
+from fastmoe_xpu.dist.groups import group_rank, group_size
+
 #: Bytes of optimizer state per parameter of a shard: fp32 master weight, exp_avg and exp_avg_sq.
 STATE_BYTES_PER_PARAM = 12
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _group_size(group: Any) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _group_rank(group: Any) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 @dataclass
@@ -87,8 +81,8 @@ class _Bucket:
         self.params = [p for _, p in spec.params]
         self.names = [n for n, _ in spec.params]
         self.numel = sum(p.numel() for p in self.params)
-        self.group_size = _group_size(spec.shard_group)
-        self.group_rank = _group_rank(spec.shard_group)
+        self.group_size = group_size(spec.shard_group)
+        self.group_rank = group_rank(spec.shard_group)
         self.shard_numel = math.ceil(self.numel / self.group_size)
         self.padded_numel = self.shard_numel * self.group_size
         self.offsets: list[int] = []
@@ -295,7 +289,7 @@ def split_params(named_params: Iterable[tuple[str, nn.Parameter]],
 
 
 def _is_first(group: Any) -> bool:
-    return group is None or dist.get_rank(group) == 0
+    return group_rank(group) == 0
 
 
 class ReplicatedAdamW(ZeroAdamW):

@@ -26,18 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fastmoe_xpu.dist.groups import global_rank, group_rank, world_if_none
+from fastmoe_xpu.dist.sharding import is_expert_weight
+from fastmoe_xpu.integrations.v4_keys import merge_v4_expert_keys
+
 METHODS = ("broadcast", "all_reduce")
 
 #: (name, full tensor, this rank's model) -> this rank's part of it, or None to drop it.
 Localize = Callable[[str, torch.Tensor, nn.Module], "torch.Tensor | None"]
-
-
-def _group_rank(group: Any) -> int:
-    return dist.get_rank(group) if group is not None else dist.get_rank()
-
-
-def _global_rank(group: Any, group_rank: int) -> int:
-    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -90,28 +86,6 @@ def read_hf_directory(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def merge_v4_experts(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers-v4 per-expert keys (``experts.{e}.{gate,up,down}_proj.weight``) merged into v5's
-    ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]``; other keys unchanged."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for key, value in sd.items():
-        head, sep, tail = key.rpartition("experts.")
-        parts = tail.split(".")
-        if sep and len(parts) == 3 and parts[0].isdigit() and parts[2] == "weight" and parts[1] in (
-                "gate_proj", "up_proj", "down_proj"):
-            groups.setdefault(head + sep, {}).setdefault(int(parts[0]), {})[parts[1]] = value
-        else:
-            out[key] = value
-    for prefix, experts in groups.items():
-        ids = sorted(experts)
-        if ids != list(range(len(ids))) or any(len(experts[e]) != 3 for e in ids):
-            raise ValueError(f"incomplete transformers-v4 expert keys under {prefix!r}")
-        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in ids])
-        out[prefix + "down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
-    return out
-
-
 def _local_expert_ids(model: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor | None:
     """Global ids of the experts ``name`` (``...experts.gate_up_proj`` / ``down_proj``) holds here."""
     experts_name = name.rpartition(".")[0]
@@ -136,7 +110,7 @@ def default_localize(name: str, full: torch.Tensor, model: nn.Module, local: tor
         return None
     if tuple(local.shape) == tuple(full.shape):
         return full
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and local.shape[1:] == full.shape[1:]:
+    if is_expert_weight(name) and local.shape[1:] == full.shape[1:]:
         ids = _local_expert_ids(model, name, local)
         if ids is not None and ids.numel() == local.shape[0]:
             return full[ids.to(full.device)]
@@ -177,20 +151,20 @@ def load_and_broadcast(model: nn.Module, path: str | os.PathLike | None, *, grou
     """Fill ``model`` on every rank of ``group`` from the full state dict that only group rank
     ``src`` reads (from ``path``, or given as ``state_dict``); other ranks never open ``path``.
 
-    Call on every rank of ``group``. The source first sends the names, shapes and dtypes, then every
+    Call on every rank of ``group`` (None: the whole world). The source first sends the names, shapes and dtypes, then every
     tensor; each rank keeps its part (see :func:`default_localize`). Returns the model's state-dict
     entries that the source did not provide (rotary buffers, ``expert_ids``), and raises ValueError
     on every rank when a parameter is missing or the source could not read the file."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
-    me = _group_rank(group)
-    is_src = me == src
-    src_global = _global_rank(group, src)
+    group = world_if_none(group)  # None: the whole world
+    is_src = group_rank(group) == src
+    src_global = global_rank(group, src)
     full: Mapping[str, torch.Tensor] | None = None
     header: list[Any] = [None]
     if is_src:
         try:
-            full = merge_v4_experts(state_dict if state_dict is not None else read_state_dict(path))  # type: ignore[arg-type]
+            full = merge_v4_expert_keys(state_dict if state_dict is not None else read_state_dict(path))  # type: ignore[arg-type]
             header = [("ok", [(k, tuple(v.shape), v.dtype) for k, v in full.items()])]
         except Exception as e:  # every rank must learn about it, not just the reader
             header = [("error", f"{type(e).__name__}: {e}")]
@@ -234,7 +208,8 @@ def broadcast_replicas(model: nn.Module, *, group: Any, expert_group: Any = _SAM
     model structure. Returns the number of tensors sent."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
-    is_expert = is_expert or (lambda n: n.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.expert_ids")))
+    is_expert = is_expert or (lambda n: is_expert_weight(n, with_ids=True))
+    group = world_if_none(group)  # None: the whole world
     dev = _comm_device(model, group)
     count = 0
     for name, t in model.state_dict(keep_vars=True).items():
@@ -244,7 +219,7 @@ def broadcast_replicas(model: nn.Module, *, group: Any, expert_group: Any = _SAM
                 continue  # one rank per expert shard: nothing to agree on
             g = expert_group
         buf = t.detach().to(dev).contiguous()
-        _transport(buf, is_src=_group_rank(g) == src, src_global=_global_rank(g, src), group=g, method=method)
+        _transport(buf, is_src=group_rank(g) == src, src_global=global_rank(g, src), group=g, method=method)
         t.data.copy_(buf)
         count += 1
     return count
@@ -264,7 +239,7 @@ def state_digest(model: nn.Module) -> list[tuple[str, str]]:
 @torch.no_grad()
 def load_and_broadcast_local(model: nn.Module, path: str) -> None:
     """One process: load the file's weights into ``model`` (the same reading rules as the broadcast)."""
-    sd = merge_v4_experts(read_state_dict(path))
+    sd = merge_v4_expert_keys(read_state_dict(path))
     local = model.state_dict(keep_vars=True)
     missing = [n for n, _ in model.named_parameters() if n not in sd]
     if missing:
