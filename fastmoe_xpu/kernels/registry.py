@@ -303,19 +303,16 @@ def choose_engine(
     answer = _ANSWERS.get(answer_key)
     if answer is not None:
         return answer
-    answer = _ANSWERS[answer_key] = _choose_engine(gemm_engine, backend=backend, device=device, dtype=dtype,
-                                                   shape=shape, measure=measure, group=group, use_disk=use_disk)
+    answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure, group,
+                                            use_disk)
     return answer
 
 
-def _choose_engine(gemm_engine: str, *, backend: str, device: torch.device | str, dtype: torch.dtype,
-                   shape: tuple[int, int, int, int], measure: Callable[[str], float] | None, group: Any,
-                   use_disk: bool) -> str:
+def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -> str:  # noqa: ANN001
     from ..dist.agree import broadcast_from_rank0
     from ..dist.groups import group_rank, group_size
     from .timing import device_name
 
-    dev = torch.device(device)
     wanted = resolve_request(gemm_engine, backend)
     if wanted != "auto":
         reason = unavailable_reason(wanted, backend, dev, dtype)
