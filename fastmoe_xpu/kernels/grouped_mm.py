@@ -99,6 +99,10 @@ def _gather_rows(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_coun
     R = input_indices.shape[0]
     if R == 0 or x_TH.shape[0] == 0:
         return x_TH.new_zeros(R, x_TH.shape[1])
+    if input_indices.device.type == "cpu" and R <= int(cum_token_counts[-1]):
+        # Every row is routed (the torch backend sizes rows exactly; a host read is free on the
+        # CPU): no mask, three ops fewer, about 4 us of a 45 us gate_up_fwd at T=48 H=64 E=8 K=2.
+        return x_TH.index_select(0, input_indices)
     valid = torch.arange(R, device=input_indices.device, dtype=input_indices.dtype) < cum_token_counts[-1]
     safe = torch.where(valid, input_indices, torch.zeros((), dtype=input_indices.dtype, device=input_indices.device))
     return x_TH.index_select(0, safe)
@@ -116,7 +120,7 @@ def gate_up_fwd(
     inter = w_gate_up_N2IH.shape[1] // 2
     rows_RH = _gather_rows(x_TH, input_indices, cum_token_counts)
     gate_up_R2I = _gmm(rows_RH, w_gate_up_N2IH.transpose(-2, -1), _ends(cum_token_counts))
-    h_RI = torch.nn.functional.silu(gate_up_R2I[:, :inter]).mul_(gate_up_R2I[:, inter:])
+    h_RI = torch._C._nn.silu(gate_up_R2I[:, :inter]).mul_(gate_up_R2I[:, inter:])
     return gate_up_R2I, h_RI
 
 
@@ -156,10 +160,12 @@ def down_weighted_bwd(
     recomputed from ``gate_up`` as a temporary, the row dot products and scaling run in fp32."""
     R, inter = dy_RH.shape[0], w_down_NHI.shape[2]
     gate, up = gate_up_R2I[:R, :inter].float(), gate_up_R2I[:R, inter:].float()
-    h = torch.nn.functional.silu(gate) * up
+    h = torch._C._nn.silu(gate).mul_(up)
     w = row_weights_R[:R, None]
     g_RI, dw_NHI = down_bwd(dy_RH, (h * w).to(dy_RH.dtype), cum_token_counts, w_down_NHI)
     d_row_weights_R = torch.linalg.vecdot(g_RI.float(), h)
+    if g_RI.dtype == torch.float32:  # scaled in place: g is this call's own fresh output
+        return g_RI.mul_(w), dw_NHI, d_row_weights_R
     return (g_RI.float() * w).to(dy_RH.dtype), dw_NHI, d_row_weights_R
 
 
