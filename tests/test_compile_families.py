@@ -31,9 +31,10 @@ pytest.importorskip("transformers.integrations.moe")
 import fastmoe_xpu  # noqa: E402,F401  (registers "fastmoe")
 from fastmoe_xpu.compiling import compile_decoder  # noqa: E402
 from fastmoe_xpu.integrations.experts import describe_layout  # noqa: E402
-from fastmoe_xpu.integrations.families import NOT_BUILT_TINY, build_model, discover_families, tiny_config  # noqa: E402
+from fastmoe_xpu.integrations.families import build_model, discover_families, tiny_config  # noqa: E402
+from family_util import family_params  # noqa: E402
 from tests.tolerances import assert_close  # noqa: E402
-from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+from compile_util import generate_compiled_and_eager  # noqa: E402
 
 FAMILIES = discover_families()
 #: Families compiled forward and backward: fused SiLU (qwen3_moe, mixtral; qwen2_moe with a shared
@@ -55,11 +56,7 @@ PLAIN_OPS = {"fastmoe.route.default", "fastmoe.grouped_linear.default", "fastmoe
 
 
 def _params() -> list:
-    out = []
-    for fam in FAMILIES:
-        marks = [pytest.mark.xfail(strict=True, reason=NOT_BUILT_TINY[fam.name])] if fam.name in NOT_BUILT_TINY else []
-        out.append(pytest.param(fam.name, marks=marks, id=fam.name))
-    return out
+    return family_params(FAMILIES)
 
 
 class Graphs:
@@ -171,20 +168,7 @@ def _generate(impl: str, act: str, calls: int = 2):
     with torch.no_grad():
         for p in model.parameters():  # larger weights than the init's, so routing differs per token
             p.normal_(0, 0.2)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        # A plain function: transformers deep-copies its compile config, and a function survives that.
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
-    outs = []
-    for seed in range(calls):  # two calls, new prompts of the same length: the compiled forward is reused
-        ids = torch.randint(3, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(seed))
-        outs.append((model.generate(ids, compile_config=config, **kw), model.generate(ids, disable_compile=True, **kw)))
+    graphs, outs = generate_compiled_and_eager(model, low=3, high=cfg.vocab_size, new_tokens=4, calls=calls)
     unique = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return graphs, unique, outs
 

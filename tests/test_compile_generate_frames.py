@@ -9,7 +9,7 @@ from fastmoe_xpu import patch_olmoe
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the OLMoE model tests")
 from transformers import OlmoeConfig, OlmoeForCausalLM  # noqa: E402
-from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+from compile_util import generate_compiled_and_eager  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, num_experts=6, num_experts_per_tok=2, max_position_embeddings=64,
@@ -24,20 +24,7 @@ def test_compiled_generation_compiles_the_patched_forward_once():
         for p in model.parameters():  # larger weights than the init's, so routing differs per token
             p.normal_(0, 0.2)
     assert patch_olmoe(model, backend="torch") == TINY["num_hidden_layers"]
-    graphs = []
-
-    def backend(gm, example_inputs):
-        # A plain function survives transformers' deep copy of its compile config as itself.
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, cache_implementation="static")
-    outs = []
-    for seed in (0, 1):  # two calls, new prompts of the same length: the compiled forward is reused
-        ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(seed))
-        outs.append((model.generate(ids, compile_config=config, **kw), model.generate(ids, disable_compile=True, **kw)))
+    graphs, outs = generate_compiled_and_eager(model, low=1, high=97, new_tokens=10)
     assert len(graphs) == 1, f"{len(graphs)} graphs compiled for 2 x 10 decoding steps"
     assert any("fastmoe.mlp_combine" in str(n.target) for n in graphs[0].graph.nodes)
     for compiled, eager in outs:

@@ -9,7 +9,7 @@ from tests.tolerances import assert_close
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the OLMoE model tests")
 from transformers import OlmoeConfig, OlmoeForCausalLM  # noqa: E402
-from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+from compile_util import graph_keeping_config  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, num_experts=6, num_experts_per_tok=2, max_position_embeddings=64,
@@ -73,16 +73,7 @@ def test_generate_with_compiled_forward_matches_eager_tokens():
     ids = torch.randint(1, 97, (2, 6))
     kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
     eager = model.generate(ids, disable_compile=True, **kw)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        # A plain function: transformers deep-copies its compile config, and a function survives that
-        # as itself (a counter object would be copied and count nothing).
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
-    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    config, graphs = graph_keeping_config()
     compiled = model.generate(ids, compile_config=config, **kw)
     assert graphs, "generation did not run the compiled forward"
     ops_in_graphs = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}

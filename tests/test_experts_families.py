@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers.integrations.moe")
 
 import fastmoe_xpu  # noqa: E402  (registers "fastmoe")
+from family_util import family_params  # noqa: E402
 from fastmoe_xpu.integrations.families import NOT_BUILT_TINY, build_model, discover_families, tiny_config  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
@@ -26,11 +27,7 @@ NO_BF16_EAGER = {
 
 
 def _params() -> list:
-    out = []
-    for fam in FAMILIES:
-        marks = [pytest.mark.xfail(strict=True, reason=NOT_BUILT_TINY[fam.name])] if fam.name in NOT_BUILT_TINY else []
-        out.append(pytest.param(fam.name, marks=marks, id=fam.name))
-    return out
+    return family_params(FAMILIES)
 
 
 @pytest.fixture

@@ -51,7 +51,9 @@ STAGES: Mapping[str, tuple[str, ...]] = {
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_available() -> bool:
+    """Whether triton is installed (looked up once: every layer call on the Triton backend asks)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -129,7 +129,7 @@ def test_weighted_down_backward_one_piece_and_pieces_agree(monkeypatch, T, H, I,
 ])
 def test_layer_gradients_through_launchers(engine, T, H, I, E, K, start, nl, offset):
     """Forward and backward of stages 2-5 through the launchers' backward contract
-    (autograd/fused.py's Functions) against autograd through the mask-based reference."""
+    (the experts op fastmoe::mlp_combine) against autograd through the mask-based reference."""
     from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
     from fastmoe_xpu.kernels.grouped_mm import unsupported_reason
 
