@@ -39,6 +39,9 @@ from ..autograd.ops import grouped_linear
 NAME = "fastmoe"
 #: Attributes ``@use_experts_implementation`` sets on every experts module, all honoured here.
 LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_concatenated", "is_transposed", "has_post_expert_norm")
+#: Attributes that later transformers releases added to the decorator, with the value that means what
+#: the releases before them did (5.17 has no post-expert norm: no module it decorates sets the flag).
+LAYOUT_DEFAULTS = {"has_post_expert_norm": False}
 
 
 class ExpertsLayoutError(ValueError):
@@ -68,6 +71,9 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
     the first attribute that is missing or that this implementation cannot honour."""
     flags: dict[str, Any] = {}
     for attr in LAYOUT_ATTRIBUTES:
+        if not hasattr(module, attr) and attr in LAYOUT_DEFAULTS:
+            flags[attr] = LAYOUT_DEFAULTS[attr]
+            continue
         if not hasattr(module, attr):
             raise ExpertsLayoutError(
                 f"{type(module).__name__} has no attribute {attr!r}: the fastmoe experts implementation serves "
