@@ -238,8 +238,8 @@ def provide_wheels(wheel_dir: Path, target: Path) -> list[str]:
 
 def step_env(out: Path) -> dict[str, str]:
     """What every step runs with: the unpacked kit wheels importable, the compilers' caches in ``out``."""
-    env = {"TRITON_CACHE_DIR": str(out / "cache" / "triton"),
-           "TORCHINDUCTOR_CACHE_DIR": str(out / "cache" / "inductor")}
+    env = {"TRITON_CACHE_DIR": str((out / "cache" / "triton").resolve()),
+           "TORCHINDUCTOR_CACHE_DIR": str((out / "cache" / "inductor").resolve())}
     pylib = out / "pylib"
     if pylib.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pylib.resolve()), os.environ.get("PYTHONPATH")) if p)

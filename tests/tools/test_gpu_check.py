@@ -64,10 +64,10 @@ def test_kit_wheels_unpack_into_the_output_folder_only_where_missing(tmp_path: P
     assert provide_wheels(wheels, out / "pylib") == ["fastmoe_kit_probe-1.0-py3-none-any.whl"]
     assert not (out / "pylib" / "json").exists()
     env = step_env(out)
-    assert env["TRITON_CACHE_DIR"].startswith(str(out)) and env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(out))
+    assert all(Path(env[k]).is_relative_to(out.resolve()) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"))
     got = subprocess.run(_py("import fastmoe_kit_probe as m; print(m.VALUE, m.__file__)"), env=env,
                          capture_output=True, text=True, check=True).stdout.split()
-    assert got[0] == "42" and Path(got[1]).is_relative_to(out / "pylib")
+    assert got[0] == "42" and Path(got[1]).is_relative_to(out.resolve() / "pylib")
     _wheel(wheels / "native-1.0-cp312-cp312-linux_x86_64.whl", "native")
     with pytest.raises(ValueError, match="not a pure-Python wheel"):
         provide_wheels(wheels, out / "pylib")
