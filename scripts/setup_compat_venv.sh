@@ -52,19 +52,12 @@ TEST_DEPS=("numpy>=2.4" "pytest" "pytest-benchmark")
 started=$SECONDS
 say() { echo "[setup_compat_venv] $*"; }
 
-if [[ ! -x "$venv/bin/python" ]]; then
-    say "creating $venv"
-    "$python" -m venv "$venv"
-fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-# pip warns about every local index folder that lacks a package; those lines are noise here.
-pip_install() {
-    "${pip[@]}" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-    return "${PIPESTATUS[0]}"
-}
+# shellcheck source=scripts/venv_common.sh
+source "$repo_root/scripts/venv_common.sh"
+make_venv
 
 stamp="$venv/.fastmoe-compat-installed"
-want="$(cat "$repo_root/setup.py" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
+want="$(files_stamp "$repo_root/setup.py" "${BASH_SOURCE[0]}")"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     # torch last: installed before them, pip would list its CUDA requirements left out on purpose as conflicts.
     say "pip install triton==$TRITON_VERSION transformers==$TRANSFORMERS_VERSION and the test tools"
