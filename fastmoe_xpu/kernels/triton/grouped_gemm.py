@@ -569,14 +569,24 @@ def down_weighted_bwd(
     # The plain input-gradient GEMM (unweighted dy @ W_e), then one pass over its rows for the
     # router-weight dots and the weights: fused into the GEMM's epilogue, that pass spilled on PVC.
     dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
-    d_row_w = torch.empty(R, dtype=torch.float32, device=dy_RH.device)
-    if R and I:
-        dev = dy_RH.device
-        cfg = get_config(table_for(dev), "row_dot_scale")
-        _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
-                       (dh, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I, NR), cfg, dev)
+    d_row_w = row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts)
     dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
     return dh, dw, d_row_w
+
+
+def row_dot_scale(dh_RI: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                  cum_token_counts: torch.Tensor) -> torch.Tensor:
+    """``d_row_weights [R] fp32 = <dh_r, h_r>`` with ``h`` recomputed from ``gate_up``, then
+    ``dh_r *= row_weights[r]`` in place (``_row_dot_scale_kernel``; rows past RT untouched)."""
+    R, I = dh_RI.shape
+    d_row_w = torch.empty(R, dtype=torch.float32, device=dh_RI.device)
+    if R and I:
+        dev = dh_RI.device
+        cfg = get_config(table_for(dev), "row_dot_scale")
+        _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
+                       (dh_RI, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I,
+                        cum_token_counts.numel() - 1), cfg, dev)
+    return d_row_w
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
