@@ -100,8 +100,14 @@ SHAPE_SETS: dict[str, tuple[Preset, ...]] = {
 }
 
 
+def _scaled(width: int, scale: int) -> int:
+    """``width / scale`` rounded down to a multiple of 8 (at least 8), so that rows stay 16-byte
+    aligned as the real widths are (grouped GEMMs and TMA descriptors require it)."""
+    return width if scale == 1 else max(8, width // scale // 8 * 8)
+
+
 def shape_set(name: str, *, scale: int = 1, tokens: int | None = None) -> list[Preset]:
-    """The presets of shape set ``name`` with H and I divided by ``scale`` (a machine too small or
+    """The presets of shape set ``name`` with H and I divided by ``scale`` (:func:`_scaled`; a machine too small or
     slow for the real layer; the name says so) and T = ``tokens`` (all-gathered T under EP)."""
     if name not in SHAPE_SETS:
         raise ValueError(f"unknown shape set {name!r}; known: {sorted(SHAPE_SETS)}")
@@ -111,6 +117,6 @@ def shape_set(name: str, *, scale: int = 1, tokens: int | None = None) -> list[P
     for p in SHAPE_SETS[name]:
         per_rank = p.tokens_per_rank if tokens is None else max(1, tokens // p.ep)
         suffix = f"/{scale}" if scale > 1 else ""
-        out.append(replace(p, name=p.name + suffix, hidden=max(1, p.hidden // scale),
-                           intermediate=max(1, p.intermediate // scale), tokens_per_rank=per_rank))
+        out.append(replace(p, name=p.name + suffix, hidden=_scaled(p.hidden, scale),
+                           intermediate=_scaled(p.intermediate, scale), tokens_per_rank=per_rank))
     return out
