@@ -13,6 +13,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastmoe_xpu.settings import GEMM_ENGINES
+
 from .errors import ConfigError
 
 from .parallelism.ac_spec import parse_ac
@@ -336,7 +338,7 @@ _CHOICES = {
     ("model", "arch"): ("olmoe", "olmo", "hf"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
-    ("model", "gemm_engine"): ("auto", "native", "triton", "grouped_mm", "loop"),
+    ("model", "gemm_engine"): GEMM_ENGINES,
     ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),
