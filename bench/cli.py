@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fastmoe_xpu.settings import GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
 
 from .cases import DTYPES, make_case
 from .measure import set_clock

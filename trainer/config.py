@@ -13,7 +13,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastmoe_xpu.settings import GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
 
 from .errors import ConfigError
 
