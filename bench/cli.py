@@ -1,4 +1,4 @@
-"""``python -m bench``: every provider side by side in one process; table, JSON, CSV and PNG."""
+"""``fastmoe-bench``: every provider side by side in one process; table, JSON, CSV and PNG."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ from .runner import run_case
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m bench",
+        prog="fastmoe-bench",
         description="Benchmark FastSparseMoE's expert layer against transformers' references "
                     "(hf_v4, hf_v5_eager, hf_v5_grouped_mm), with the dense-matmul ceiling and the "
                     "layer's GEMM-only bound measured in the same run.",

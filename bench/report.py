@@ -62,7 +62,7 @@ def machine_description(device: torch.device) -> dict:
 def run_header(device: torch.device, settings: dict) -> dict:
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+        "command": " ".join(["fastmoe-bench", *sys.argv[1:]]),
         "machine": machine_description(device),
         "settings": settings,
     }

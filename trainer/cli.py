@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainer --preset NAME [overrides...]`` (under torchrun for many processes).
+"""Command line: ``fastmoe-train --preset NAME [overrides...]`` (under torchrun for many processes).
 
 Every config field is an option named ``--section.field`` (``--optim.lr 1e-3``,
 ``--model.moe_impl hf``, ``--logging.tensorboard/--no-logging.tensorboard``); the common ones also
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import sys
 import types
@@ -50,6 +51,7 @@ ALIASES: dict[str, str] = {
 }
 
 EXIT_CONFIG_ERROR = 2
+DEFAULT_PRESET = "tiny-moe"
 
 
 def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
@@ -73,13 +75,41 @@ def _parse_value(raw: str, typ: type, optional: bool, name: str) -> Any:
         raise ConfigError(f"--{name} expects {typ.__name__}, got {raw!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m trainer",
-        description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage block left out of errors: one ``error:`` line, and for an unknown
+    option the nearest known ones (abbreviations are refused, so ``--step`` never becomes ``--steps``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = []
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("--"):
+                    hints += difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.75)
+            if hints:
+                message += f" (did you mean {' or '.join(dict.fromkeys(hints))}?)"
+        self.exit(EXIT_CONFIG_ERROR, f"error: {message}; {self.prog} --help lists every option\n")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None or value == "" else str(value)
+
+
+def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
+    """The parser; ``shown`` is the config whose values ``--help`` names as each option's default
+    (the ``--preset`` given, else ``tiny-moe``). Options default to None, so an option given on
+    the command line is told apart from the preset's value."""
+    p = _OneLineParser(
+        prog="fastmoe-train",
+        description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP. "
+                    "Under torchrun: torchrun --nproc-per-node N -m fastmoe_trainer [options].",
+        allow_abbrev=False,  # --step must not quietly become --steps
     )
-    p.add_argument("--preset", default="tiny-moe", help=f"one of: {', '.join(PRESETS)}")
+    if shown is None:
+        shown = get_preset(DEFAULT_PRESET)
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default: {DEFAULT_PRESET})")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--list-presets", action="store_true", help="list presets with parameter counts and exit")
     p.add_argument("--dry-run", action="store_true",
@@ -89,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     top_docs = field_docs(TrainConfig)
     for name in ("seed",):
         flags = [f"--{name}"]
-        p.add_argument(*flags, dest=name, default=None, metavar="INT", help=top_docs.get(name, ""))
+        p.add_argument(*flags, dest=name, default=None, metavar="INT",
+                       help=f"{top_docs.get(name, '')} ({shown.preset}: {_shown(getattr(shown, name))})")
     for section, cls in section_classes().items():
         docs = field_docs(cls)
         types_ = _field_types(cls)
@@ -100,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
             flags = [f"--{key}"]
             if key in reverse:
                 flags.append(f"--{reverse[key]}")
-            help_text = docs.get(f.name, "")
+            help_text = f"{docs.get(f.name, '')} ({shown.preset}: {_shown(getattr(getattr(shown, section), f.name))})"
             if typ is bool:
                 group.add_argument(*flags, dest=key, default=None, action=argparse.BooleanOptionalAction,
                                    help=help_text)
@@ -111,7 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     """Parse ``argv`` into a config (preset, then overrides); raises ConfigError on bad values."""
-    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset", default=DEFAULT_PRESET)
+    try:
+        shown = get_preset(pre.parse_known_args(argv)[0].preset)
+    except (ConfigError, ValueError, KeyError):
+        shown = None  # the full parse below reports the unknown preset
+    parser = build_parser(shown)
     args = parser.parse_args(argv)
     cfg = get_preset(args.preset)
     if args.seed is not None:
@@ -127,6 +164,11 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
             typ, optional = types_[f.name]
             value = raw if typ is bool else _parse_value(raw, typ, optional, key)
             setattr(sub, f.name, value)
+    if cfg.data.path is not None and getattr(args, "data.context") is None:
+        # a data set of one's own: its manifest records the context it was cut to
+        from .data.loader import load_manifest
+
+        cfg.data.context = int(load_manifest(cfg.data.path)["context"])
     return cfg, args
 
 

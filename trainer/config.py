@@ -113,7 +113,7 @@ class DataConfig:
     """Seed of the global shuffle of training instances."""
     valid: float = 0.05
     """Held-out validation split of the embedded default corpus: a fraction in (0, 1) or a count of instances
-    (0: none); a data set of your own keeps the split ``python -m trainer.data.preprocess --valid`` gave it."""
+    (0: none); a data set of your own keeps the split ``fastmoe-preprocess --valid`` gave it."""
 
 
 @dataclass
@@ -235,7 +235,7 @@ class EvalConfig:
     moe_health: bool = True
     """Log per-layer MoE health (expert load, router entropy, per-layer losses) and plot it at the end."""
     export_hf: str | None = None
-    """At the end, write the trained model as a transformers directory here (``python -m trainer.export``)."""
+    """At the end, write the trained model as a transformers directory here (``fastmoe-export``)."""
     overwrite: bool = False
     """Let ``--eval.export_hf`` replace an existing directory."""
     samples: bool = True

@@ -87,8 +87,9 @@ class Trainer:
         manifest = load_manifest(self.manifest_path)
         if int(manifest["context"]) != cfg.data.context:
             raise ConfigError(
-                f"data set {self.manifest_path} has context {manifest['context']}, config asks for {cfg.data.context}"
-            )
+                f"data set {self.manifest_path} has context {manifest['context']}, --data.context asks for "
+                f"{cfg.data.context}; leave --data.context (--context) out to train at the data set's, or "
+                f"preprocess again with --context {cfg.data.context}")
         data_vocab = int(manifest["tokenizer"]["vocab_size"])
         if m.vocab_size == 0:
             m.vocab_size = data_vocab
@@ -454,7 +455,7 @@ class Trainer:
             ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset, **self._export_meta()})
 
     def _export_meta(self) -> dict[str, Any]:
-        """What ``python -m trainer.export`` needs beside the weights: the config and the tokenizer
+        """What ``fastmoe-export`` needs beside the weights: the config and the tokenizer
         (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
         meta = {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
                 "data_manifest": self.manifest_path}

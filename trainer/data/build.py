@@ -1,5 +1,5 @@
 """Turn text into shuffled, sharded training instances (the library behind
-`python -m trainer.data.preprocess`).
+`fastmoe-preprocess`).
 
 Three steps, each with a progress bar:
 1. tokenize: every document, followed by EOS, is appended to one token stream (input files in the

@@ -1,6 +1,6 @@
 """Command line of the preprocessing step:
 
-    python -m trainer.data.preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
+    fastmoe-preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
         --context C --out DIR [--shards N] [--seed S]
 
 Tokenizes, shuffles and shards the inputs (see `trainer.data.build`); every bad input ends with
@@ -22,7 +22,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _OneLineParser(prog="python -m trainer.data.preprocess", description="Tokenize, shuffle and shard text into .npy training instances.")
+    p = _OneLineParser(prog="fastmoe-preprocess", description="Tokenize, shuffle and shard text into .npy training instances.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text/JSONL/Parquet/Arrow files or directories")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizers JSON file")
     p.add_argument("--context", type=int, required=True, help="tokens of input per instance (instances hold C+1)")
