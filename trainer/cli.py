@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -24,6 +25,7 @@ ALIASES: dict[str, str] = {
     "steps": "schedule.steps",
     "compile": "model.compile",
     "allow-fresh-start": "checkpoint.allow_fresh_start",
+    "reschedule": "checkpoint.reschedule",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",
     "warmup": "schedule.warmup_steps",
@@ -192,6 +194,20 @@ def list_presets() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .stop import StopRequest, Stopped
+
+    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step, checkpoint, one line (trainer/stop.py)
+    try:
+        return _main(argv, stop)
+    except Stopped as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        stop.uninstall()
+
+
+def _main(argv: Sequence[str] | None, stop: Any) -> int:
     from .layout import env_world_size
 
     try:
@@ -218,18 +234,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
+    trainer.stop = stop
     try:
-        history = trainer.fit()
+        trainer.fit()
+    except ConfigError as e:  # found on resume (a changed schedule)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except SoftFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SOFT_FAILURE
     except CheckpointError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CHECKPOINT_FAILURE
-    if trainer.layout.is_main and history:
-        h = history
-        print(json.dumps({"steps": len(h), "loss_first": round(h[0]["loss"], 4), "loss_last": round(h[-1]["loss"], 4),
-                          "out": cfg.logging.out}))
+    sm = trainer.summary  # the whole run's, earlier runs on this --out included
+    if trainer.layout.is_main and sm:
+        print(json.dumps({"steps": sm["steps"], "loss_first": round(sm["loss_first"], 4),
+                          "loss_last": round(sm["loss_last"], 4), "out": cfg.logging.out}))
     if trainer.layout.distributed:
         import torch.distributed as dist
 

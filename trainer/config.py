@@ -198,6 +198,9 @@ class CheckpointConfig:
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
     allow_fresh_start: bool = False
     """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
+    reschedule: bool = False
+    """Resume although --steps, --warmup, --lr or --min-lr differ from the checkpoint's (default: refuse, naming
+    the change): the learning rate follows the new schedule from the next step."""
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-#: Prompts of the embedded corpus's kind: plain English prose.
-PROMPTS = ("The ", "Once upon a time", "In the beginning", "It is")
+#: Prompts of the embedded corpus's kind: the Python reference documentation (prose about code, and code).
+PROMPTS = ("The ", "def ", "class ", "import ")
 
 
 @torch.no_grad()
