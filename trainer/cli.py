@@ -117,6 +117,10 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the layout, parameters and memory per rank for --world ranks and exit (no model built)")
     p.add_argument("--world", type=int, default=None, help="world size for --dry-run (default: this launch's)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start N training processes on this machine (torchrun's launcher, run in this process: "
+                        "the same as torchrun --standalone --nproc-per-node N -m fastmoe_trainer; Ctrl-C stops "
+                        "them all after their step with one line)")
     reverse = {v: k for k, v in ALIASES.items()}
     top_docs = field_docs(TrainConfig)
     for name in ("seed",):
@@ -174,6 +178,19 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
     return cfg, args
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc-per-node N`` (or ``--nproc-per-node=N``): the workers' arguments."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    return out
+
+
 def _human(n: int) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.3f}M"
 
@@ -212,6 +229,12 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
 
     try:
         cfg, args = config_from_args(argv)
+        if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+            from .local_launch import launch
+
+            validate(dataclasses.replace(cfg), args.nproc_per_node)  # fail here, not in N processes at once
+            stop.uninstall()  # the launcher's handlers pass signals on to the workers
+            return launch(args.nproc_per_node, _without_nproc(sys.argv[1:] if argv is None else list(argv)))
         if args.list_presets:
             print(list_presets())
             return 0

@@ -23,8 +23,6 @@ import sys
 import threading
 from typing import Any
 
-import torch
-
 #: The signals that stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -86,6 +84,7 @@ class StopRequest:
         ``distributed``."""
         if not distributed:
             return self.signum
+        import torch
         import torch.distributed as dist
 
         flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=device)

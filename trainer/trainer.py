@@ -508,7 +508,7 @@ class Trainer:
                     warmup=sv.get("warmup_steps", s.warmup_steps), total=sv.get("steps", s.steps))
         now = lr_at(step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
         what = (f"the checkpoint {path} (step {step}) was trained on another schedule ({', '.join(changed)}): "
-                f"the learning rate of step {step + 1} would be {now:.2e} instead of {was:.2e}")
+                f"the learning rate of step {step + 1} is {now:.2e} on the new one, {was:.2e} on the checkpoint's")
         if not self.cfg.checkpoint.reschedule:
             raise ConfigError(f"{what}; pass --checkpoint.reschedule to continue on the new schedule, or give "
                               f"the old values")

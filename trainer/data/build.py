@@ -112,7 +112,7 @@ def _tokenize(sources: list[Source], tok: Tokenizer, dtype: np.dtype, stream_pat
     stats = []
     total_bytes = sum(s.size for s in sources)
     with open(stream_path, "wb") as out, tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="1/3 tokenize", disable=not progress, file=sys.stderr
+        total=total_bytes, unit="B", unit_scale=True, desc="1/3 tokenize", disable=not (progress and sys.stderr.isatty()), file=sys.stderr
     ) as bar:
         for src in sources:
             n_docs = n_tok = 0
@@ -191,7 +191,7 @@ def build_dataset(
         if shards > num:
             raise ValueError(f"shards ({shards}) exceeds the number of instances ({num}); use at most {num}")
 
-        with tqdm(total=num, unit="inst", desc="2/3 shuffle", disable=not progress, file=sys.stderr) as bar:
+        with tqdm(total=num, unit="inst", desc="2/3 shuffle", disable=not (progress and sys.stderr.isatty()), file=sys.stderr) as bar:
             perm = np.random.default_rng(seed).permutation(num)
             bar.update(num)
 
@@ -216,7 +216,7 @@ def build_dataset(
         shard_meta = []
         rows_per_gather = max(1, _GATHER_TOKENS // (context + 1))
         start = 0
-        with tqdm(total=num, unit="inst", desc="3/3 shard", disable=not progress, file=sys.stderr) as bar:
+        with tqdm(total=num, unit="inst", desc="3/3 shard", disable=not (progress and sys.stderr.isatty()), file=sys.stderr) as bar:
             for k, n in enumerate(shard_sizes(num, shards)):
                 name = f"shard-{k:05d}-of-{shards:05d}.npy"
                 path = os.path.join(staging, name)
@@ -308,7 +308,7 @@ def split_validation(windows: np.ndarray, perm: np.ndarray, n_valid: int,
     train = perm[:-n_valid]
     keep = np.ones(train.shape[0], dtype=bool)
     step = 1 << 14
-    with tqdm(total=train.shape[0], unit="inst", desc="   hold out", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(total=train.shape[0], unit="inst", desc="   hold out", disable=not (progress and sys.stderr.isatty()), file=sys.stderr) as bar:
         for a in range(0, train.shape[0], step):
             rows = windows[train[a:a + step]]
             keep[a:a + rows.shape[0]] = [instance_hash(r) not in held for r in rows]
