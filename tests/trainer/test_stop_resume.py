@@ -63,10 +63,10 @@ def _interrupt(cmd: list[str], out: Path, after_steps: int, sig: int) -> subproc
 
 
 @pytest.mark.slow
-def test_ctrl_c_under_the_launcher_then_sigterm_saves_and_resumes(tmp_path, data_cache):  # noqa: F811
-    """Two processes (``--nproc-per-node 2``, torchrun's launcher) stopped by SIGINT, then the
-    same run resumed on one process and stopped by SIGTERM. About 30 s: each start imports torch
-    in every process."""
+def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_says_so(tmp_path, data_cache):  # noqa: F811
+    """Two processes (``--nproc-per-node 2``, torchrun's launcher) stopped by SIGINT. About 25 s on
+    two shared cores: the launcher and both workers import torch; it is the one end-to-end check of
+    the signal path through torchrun's agent."""
     out = tmp_path / "run"
     first = _interrupt(_train_cmd(out, data_cache, "--nproc-per-node", "2"), out, 2, signal.SIGINT)
     assert first.returncode == 130, first.stderr[-3000:]
@@ -80,17 +80,7 @@ def test_ctrl_c_under_the_launcher_then_sigterm_saves_and_resumes(tmp_path, data
     assert newest is not None and newest.step == step and Path(newest.path) == Path(ckpt)
     assert [r["step"] for r in _strict(out / "metrics.jsonl")] == list(range(1, step + 1))
 
-    second = _interrupt(_train_cmd(out, data_cache), out, step + 2, signal.SIGTERM)
-    assert second.returncode == 143, second.stderr[-3000:]
-    assert f"at step {step} " in second.stdout, second.stdout
-    (line,) = [ln for ln in second.stderr.splitlines() if ln.startswith("stopped at step")]
-    end = int(line.split()[3])
-    assert end > step and "(SIGTERM)" in line
-    records = _strict(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, end + 1))  # no step twice
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == end and summary["steps_this_run"] == end - step
-    assert summary["loss_first"] == records[0]["loss"]  # the whole run's first step, not the resume's
+    # resuming from it: test_resume_on_another_schedule_is_refused_unless_asked (in-process)
 
 
 def test_a_second_signal_aborts_at_once():
