@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 #: Prompts of the embedded corpus's kind: the Python reference documentation (prose about code, and code).
-PROMPTS = ("The ", "def ", "class ", "import ")
+PROMPTS = ("The ", "If ", "class ", ">>> ")
 
 
 @torch.no_grad()
