@@ -1,8 +1,8 @@
 """The documented first run, installed: preprocess one's own text, train on two processes under
 torchrun, export, from a directory outside the checkout, against the installed wheel.
 
-The commands are read from docs/trainer.md ("Own data, two processes, export") and run as they
-stand, the training line with a smaller ``--steps``, batch and checkpoint interval appended (later
+The commands are read from docs/trainer.md ("Own data, two processes, export"; README.md shows the
+same lines) and run as they stand, the training line with a smaller ``--steps``, batch and checkpoint interval appended (later
 options win). The wheel is built offline from a copy of the sources (as tests/test_packaging.py
 does) and installed into a fresh virtual environment; that environment reaches torch,
 transformers and the rest through one ``.pth`` line naming the project venv's site-packages (a
@@ -84,6 +84,8 @@ def test_documented_commands_run_installed_outside_the_checkout(tmp_path):
     cmds = documented_commands()
     assert [c[0] for c in cmds] == ["fastmoe-preprocess", "torchrun", "fastmoe-export"]
     assert cmds[1][cmds[1].index("-m") + 1] == "fastmoe_trainer"
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert all(shlex.join(c) in readme for c in cmds), "README.md shows other commands than docs/trainer.md"
     venv = _venv_with(_build_wheel(tmp_path), tmp_path)
     work = tmp_path / "user"  # outside the checkout: nothing there is importable
     work.mkdir()
