@@ -10,6 +10,10 @@ signal aborts at once (the checkpoint being written, if any, is never taken for 
 manifest is written last). Before the first step and after the last the signal stops the run
 at once, with one line and the same status.
 
+Under an elastic agent that restarts failed workers (``fastmoe-launch --max-restarts N``, N > 0)
+only SIGINT is handled so: there SIGTERM is the agent's way of ending the survivors before a
+restart, and it keeps ending them at once.
+
 Under ``torchrun`` the workers run in their own session, so the terminal's Ctrl-C reaches
 torchrun, which sends the signal on to every worker: each finishes its step, and the ranks agree
 (one all-reduce of the flag per step) on the step they stop after, so none waits in a collective
@@ -25,6 +29,18 @@ from typing import Any
 
 #: The signals that stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def handled_signals() -> tuple[int, ...]:
+    """SIGINT and SIGTERM; SIGINT alone under an elastic agent that restarts workers
+    (``TORCHELASTIC_MAX_RESTARTS`` > 0, as ``fastmoe-launch --max-restarts N`` sets it): there SIGTERM
+    is how the agent ends the survivors of a failed worker before it restarts them, and they must
+    end at once, not try to finish a step whose peers are gone."""
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        restarts = 0
+    return (signal.SIGINT,) if restarts > 0 else STOP_SIGNALS
 
 
 class Stopped(Exception):
@@ -60,7 +76,7 @@ class StopRequest:
 
     def install(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
+            for sig in handled_signals():
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

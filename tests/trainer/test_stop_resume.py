@@ -161,3 +161,14 @@ def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["stopped by SIGTERM before training began or after it ended"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
+
+
+def test_sigterm_is_left_to_an_agent_that_restarts_workers(monkeypatch):
+    from trainer.stop import handled_signals
+
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # plain torchrun
+    assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # fastmoe-launch --max-restarts 3
+    assert handled_signals() == (signal.SIGINT,)
