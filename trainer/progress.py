@@ -28,7 +28,7 @@ class LineProgress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        if self.n - self._last_printed >= self.every or self.n >= self.total:
+        if self.n - self._last_printed >= self.every or (self.n >= self.total > self._last_printed):
             self._print()
 
     def set_postfix(self, **kw: Any) -> None:
@@ -42,7 +42,14 @@ class LineProgress:
         self._last_printed = self.n
 
     def close(self) -> None:
-        pass
+        if self.n != self._last_printed:  # the last count, when no line showed it yet
+            self._print()
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step", file: TextIO | None = None) -> Any:
@@ -53,3 +60,14 @@ def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step
 
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=file)
     return LineProgress(total, initial, desc, unit, file)
+
+
+def stage_bar(total: int, desc: str, unit: str, enabled: bool, file: TextIO | None = None, **tqdm_kw: Any) -> Any:
+    """One stage of a longer job (data preprocessing): a tqdm bar on a terminal, else one line when
+    the stage ends; nothing when not ``enabled``."""
+    file = file if file is not None else sys.stderr
+    if enabled and not file.isatty():
+        return LineProgress(total, 0, desc, unit, file, every=max(1, total))
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=file, **tqdm_kw)

@@ -9,7 +9,6 @@ import os
 import pytest
 
 from trainer.cli import build_parser, config_from_args, main
-from trainer.config import ConfigError
 from trainer.data.build import preprocess_files
 from trainer.data.preprocess import main as preprocess_main
 
