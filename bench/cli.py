@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     fam.add_argument("--family-scale", type=int, default=1,
                      help="with --family: divide H and I by this (a layer too large or slow here; printed)")
     fam.add_argument("--tokens", type=int, default=None, help="with --family: tokens of the layer call (default 2048)")
+    sh = ap.add_argument_group("shapes", "one MoE layer at each shape of a published set, in TFLOP/s beside a dense "
+                               "torch.mm of the same FLOPs (bench/practitioners.py)")
+    sh.add_argument("--shapes", default=None, choices=["practitioners"],
+                    help="OLMoE-1B-7B, Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-20B, Mixtral-8x7B, DeepSeek-V3 EP=8 slice")
+    sh.add_argument("--shape-tokens", type=int, default=None, help="with --shapes: T (default 32768 on a GPU, 256 here)")
+    sh.add_argument("--shape-scale", type=int, default=None,
+                    help="with --shapes: divide H and I by this (default 1 on a GPU, 8 on the CPU)")
     cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
     cg.add_argument("--compile", action="store_true",
                     help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
@@ -113,6 +120,10 @@ def _run(args: argparse.Namespace) -> int:
         from .families import run_family
 
         return run_family(args)
+    if args.shapes:
+        from .practitioners import run_shapes
+
+        return run_shapes(args)
     if args.compile:
         from .compiled import main_compile
 

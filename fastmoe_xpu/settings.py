@@ -20,7 +20,7 @@ from typing import Iterator, Mapping
 #: Kernel backends ``FASTMOE_BACKEND`` may force.
 KERNEL_BACKENDS = ("torch", "triton")
 #: Stage-4 engines ``FASTMOE_GEMM_ENGINE`` may force (see ``kernels/registry.py``).
-GEMM_ENGINES = ("auto", "native", "triton", "grouped_mm", "loop")
+GEMM_ENGINES = ("auto", "native", "triton", "grouped_mm", "loop", "triton_tma")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
 CONFIG_TABLES = ("cuda", "hip", "xpu", "interpreter")
 

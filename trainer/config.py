@@ -13,6 +13,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastmoe_xpu.settings import GEMM_ENGINES
+
 from .errors import ConfigError
 
 from .parallelism.ac_spec import parse_ac
@@ -248,6 +250,20 @@ class EvalConfig:
 
 
 @dataclass
+class LoraSection:
+    """LoRA fine-tuning of the expert weights (PEFT adapters, run inside the grouped GEMMs; trainer/lora.py)."""
+
+    rank: int = 0
+    """Adapter rank r of every targeted expert weight; 0 trains the whole model instead."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapters are scaled by alpha / rank."""
+    targets: str = "gate_up_proj,down_proj"
+    """Comma-separated expert weights to adapt (``gate_up_proj``, ``down_proj``); everything else is frozen."""
+    export: str | None = None
+    """Where the trained adapter is written in PEFT's layout at the end of the run (default ``OUT/lora``)."""
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs."""
 
@@ -263,6 +279,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -298,6 +315,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "eval": EvalConfig,
+    "lora": LoraSection,
 }
 
 
@@ -323,7 +341,7 @@ _CHOICES = {
     ("model", "arch"): ("olmoe", "olmo", "hf"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
-    ("model", "gemm_engine"): ("auto", "native", "triton", "grouped_mm", "loop"),
+    ("model", "gemm_engine"): GEMM_ENGINES,
     ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),
@@ -339,6 +357,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
     size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
     m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
+    from .lora import check_lora_config
+
+    check_lora_config(cfg)
     if m.hf_config and m.arch == "olmoe":
         m.arch = "hf"  # --model.hf_config on top of any preset trains that config
     for (section, name), allowed in _CHOICES.items():

@@ -106,6 +106,11 @@ class Trainer:
             from .hf_family import HfMoeRun
 
             self.hf = HfMoeRun(self.model, m, self.device)
+        self.lora_config = None  # --lora.rank: PEFT adapters on the expert weights, the rest frozen (trainer/lora.py)
+        if cfg.lora.rank > 0:
+            from .lora import apply_lora
+
+            self.lora_config = apply_lora(self.model, cfg.lora)
         self.optimizer: ZeroAdamW = self.build_optimizer()
         self.step = 0
         ck = cfg.checkpoint
@@ -466,6 +471,11 @@ class Trainer:
         (from an fp32 model-only checkpoint) and generated samples; a summary of the paths (rank 0)."""
         from .run_end import finish_run
 
+        if self.lora_config is not None and self.layout.is_main:
+            from .lora import export_adapter
+
+            self.artefacts["lora_adapter"] = export_adapter(
+                self.model, self.lora_config, self.cfg.lora.export or os.path.join(self.out_dir, "lora"))
         finish_run(self)
 
     def resume(self) -> bool:
