@@ -159,12 +159,19 @@ _INTERPRETER_NOTE = pytest.StashKey["str | None"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Triton 3.6's interpreter against numpy >= 2.4 (tests/interpreter_compat.py); said in the header.
+    # Triton 3.6's interpreter against numpy >= 2.4 (tests/interpreter_compat.py); said in the header and summary.
     config.stash[_INTERPRETER_NOTE] = ensure_scalar_index() if TEST_DEVICE == "cpu" else None
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     return config.stash.get(_INTERPRETER_NOTE, None)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    # again at the end, where -q (which drops the header) still prints it
+    note = config.stash.get(_INTERPRETER_NOTE, None)
+    if note:
+        terminalreporter.write_line(note)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
