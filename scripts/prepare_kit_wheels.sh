@@ -8,7 +8,7 @@
 # pyarrow, tensorboard (with protobuf), peft. Of the project's imports it lacks only tensorboardX
 # (the trainer's TensorBoard event files), whose own requirements (numpy, packaging, protobuf) are there.
 #
-# kit_wheels/ is git-ignored: carry it to the machine with the checkout (the device runner's `carry`).
+# kit_wheels/ is git-ignored: copy it to the machine with the checkout.
 # Only *-none-any.whl files are kept; anything else would not run on every machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,7 +16,9 @@ pytest.importorskip("transformers.integrations.moe")
 
 import fastmoe_xpu  # noqa: E402  (registers "fastmoe")
 from family_util import family_params  # noqa: E402
-from fastmoe_xpu.integrations.families import NOT_BUILT_TINY, _models_dir, build_model, discover_families, tiny_config  # noqa: E402
+from fastmoe_xpu.integrations.families import (  # noqa: E402
+    NOT_BUILT_TINY, _models_dir, build_model, discover_families, tiny_config,
+)
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 FAMILIES = discover_families()
