@@ -142,3 +142,35 @@ def test_lora_experts_on_triton_kernels() -> None:
     dout = torch.randn_like(out)
     for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
         assert_close(a, b, msg=f"gradient {i}")
+
+
+@pytest.mark.parametrize("which", ["both", "down"])
+def test_opcheck_lora_ops(which) -> None:
+    """Every LoRA op through torch.library's opcheck (schema, fake, autograd registration, dispatch),
+    on worst-case row buffers as a traced call sees them; the ops' bodies are in ops.BODIES, where
+    bench.audit finds them."""
+    from fastmoe_xpu.autograd import lora_ops, ops
+
+    assert set(lora_ops.LORA_OP_NAMES) <= set(ops.BODIES)
+    T, H, I, E, K, r = SHAPES[0]
+    x, weights, idx, w_gu, w_d, (A1, B1, s1), (A2, B2, s2) = _case(T, H, I, E, K, r)
+    if which == "down":
+        A1 = B1 = None
+    rows = route(idx, 0, E, "torch", False)
+    out, gate_up, t1, t2 = torch.ops.fastmoe.lora_mlp_combine(x, w_gu, w_d, weights, A1, B1, A2, B2, *rows, s1, s2,
+                                                              "torch", "")
+    d = lambda t: None if t is None else t.detach()  # noqa: E731
+    a = torch.randn(T * K, H).requires_grad_()
+    la, lb = torch.randn(E, r, H).requires_grad_(), torch.randn(E, 2 * I, r).requires_grad_()
+    y, t = torch.ops.fastmoe.lora_grouped_linear(a, w_gu, la, lb, rows[3], s1, "torch", False)
+    cases = {
+        "lora_mlp_combine": (x, w_gu, w_d, weights, A1, B1, A2, B2, *rows, s1, s2, "torch", ""),
+        "lora_mlp_combine_backward": (torch.randn(T, H), d(x), w_gu, w_d, d(weights), d(A1), d(B1), d(A2), d(B2),
+                                      gate_up, t1, t2, *rows, s1, s2, "torch", ""),
+        "lora_grouped_linear": (a, w_gu, la, lb, rows[3], s1, "torch", False),
+        "lora_grouped_linear_backward": (torch.randn_like(y), d(a), d(t), w_gu, la.detach(), lb.detach(), rows[3], s1,
+                                         "torch", False),
+    }
+    assert set(cases) == set(lora_ops.LORA_OP_NAMES)
+    for name, args in cases.items():
+        torch.library.opcheck(getattr(torch.ops.fastmoe, name).default, args)
