@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.contract import KernelBackend
-from ..kernels.registry import kernels
+from ..kernels.registry import kernels, low_rank_kernels
 from .ops import _ROWS_SCHEMA, _below_autograd, _define, _differentiable, _pad_rows, resolve_kernels
 
 __all__ = ["LORA_OP_NAMES", "ExpertsLora", "LoraWeights", "lora_grouped_linear", "lora_mlp_combine"]
@@ -93,6 +93,12 @@ def _gather(x_TH: torch.Tensor, input_indices: torch.Tensor) -> torch.Tensor:
     return x_TH.index_select(0, input_indices.clamp(0, x_TH.shape[0] - 1))
 
 
+def _thin(launchers: KernelBackend, like: torch.Tensor) -> KernelBackend:
+    """The launchers of the ``r``-wide products next to ``launchers`` (the registry's ``low_rank_gemm``
+    choice: one batched grouped GEMM where the base's own stage 4 would loop over the experts)."""
+    return low_rank_kernels(launchers.NAME, like.device, like.dtype)
+
+
 def _low_rank(launchers: KernelBackend, a_RK: torch.Tensor, cum: torch.Tensor, lora: tuple) -> torch.Tensor:
     """``t [R, r] = scaling * a @ A_e^T`` per expert group."""
     A, _, scaling = lora
@@ -128,16 +134,17 @@ def lora_mlp_combine_forward(
     R = input_indices.shape[0]
     x_RH = _gather(x_TH, input_indices)  # one gather, shared by the base and the low-rank GEMMs
     gate_up_R2I = launchers.down_fwd(x_RH, cum_token_counts, w_gate_up_N2IH)
+    thin = _thin(launchers, x_TH)
     t1 = x_TH.new_zeros((R, 0))
     if lora_gate_up is not None:
-        t1 = _low_rank(launchers, x_RH, cum_token_counts, lora_gate_up)
-        _add_up(launchers, gate_up_R2I, t1, cum_token_counts, lora_gate_up[1])
+        t1 = _low_rank(thin, x_RH, cum_token_counts, lora_gate_up)
+        _add_up(thin, gate_up_R2I, t1, cum_token_counts, lora_gate_up[1])
     h_RI = _silu_mul(gate_up_R2I)
     y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
     t2 = x_TH.new_zeros((R, 0))
     if lora_down is not None:
-        t2 = _low_rank(launchers, h_RI, cum_token_counts, lora_down)
-        _add_up(launchers, y_RH, t2, cum_token_counts, lora_down[1])
+        t2 = _low_rank(thin, h_RI, cum_token_counts, lora_down)
+        _add_up(thin, y_RH, t2, cum_token_counts, lora_down[1])
     out_TH = launchers.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
     return out_TH, gate_up_R2I, _pad_rows(t1, R), _pad_rows(t2, R)
 
@@ -161,15 +168,16 @@ def lora_mlp_combine_backward_math(
     d_row_w = torch.linalg.vecdot(g_RI.float(), h_RI.float())
     dh_RI = (g_RI.float() * row_w[:, None]).to(g_RI.dtype)
     dA1, dB1, dA2, dB2 = (x_TH.new_zeros(0) for _ in range(4))  # distinct: outputs may not alias
+    thin = _thin(launchers, x_TH)
     if lora_down is not None:
         A2, B2, s2 = lora_down
         # dB2_e = sum_r w_r dy_r^T t2_r: the row weights scale the r-wide t2, not dy.
-        u_Rr, dB2 = launchers.down_bwd(dy_RH, (t2.float() * row_w[:, None]).to(t2.dtype), cum, B2)
+        u_Rr, dB2 = thin.down_bwd(dy_RH, (t2.float() * row_w[:, None]).to(t2.dtype), cum, B2)
         u_Rr = _pad_rows(u_Rr, R)[:R]
         d_row_w = d_row_w + torch.linalg.vecdot(u_Rr.float(), t2.float())
         # u is dy @ B2 unweighted; the row weight and the scale go onto it before A2's GEMMs.
         dt2 = (u_Rr.float() * (row_w * s2)[:, None]).to(u_Rr.dtype)
-        dh_lora, dA2 = launchers.down_bwd(dt2, h_RI, cum, A2)
+        dh_lora, dA2 = thin.down_bwd(dt2, h_RI, cum, A2)
         dh_lora = _pad_rows(dh_lora, R)
         dh_RI[: dh_lora.shape[0]] += dh_lora[:R]
     dweights_TK = launchers.router_weights_bwd(d_row_w, weights_TK, output_indices, selected_expert_indices,
@@ -178,7 +186,7 @@ def lora_mlp_combine_backward_math(
     dx_rows = _pad_rows(launchers.down_fwd(d_gate_up, cum, w_gate_up_N2IH, transposed=True), R)[:R]
     if lora_gate_up is not None:
         A1, B1, s1 = lora_gate_up
-        dx_lora, dA1, dB1 = _lora_bwd(launchers, d_gate_up, _gather(x_TH, input_indices), t1, cum, A1, B1, s1)
+        dx_lora, dA1, dB1 = _lora_bwd(thin, d_gate_up, _gather(x_TH, input_indices), t1, cum, A1, B1, s1)
         dx_lora = _pad_rows(dx_lora, R)
         dx_rows[: dx_lora.shape[0]] += dx_lora[:R]
     # Each token's rows summed back in slot order (unweighted: output_indices stands in for the slots' k).
@@ -308,8 +316,9 @@ def _lora_grouped_linear(
     ``transposed``: ``W`` stored ``[NR, in, out]`` and read in place (the adapters never are)."""
     launchers = kernels(kernels_name)
     y = launchers.down_fwd(a_RK, cum_token_counts, w, transposed=transposed)
-    t = _low_rank(launchers, a_RK, cum_token_counts, (lora_a, lora_b, scaling))
-    _add_up(launchers, y, t, cum_token_counts, lora_b)
+    thin = _thin(launchers, a_RK)
+    t = _low_rank(thin, a_RK, cum_token_counts, (lora_a, lora_b, scaling))
+    _add_up(thin, y, t, cum_token_counts, lora_b)
     R = a_RK.shape[0]
     return _pad_rows(y, R), _pad_rows(t, R)
 
@@ -327,7 +336,7 @@ def _lora_grouped_linear_backward_body(
     launchers = kernels(kernels_name)
     R = a_RK.shape[0]
     da = _pad_rows(launchers.down_fwd(dy_RO, cum_token_counts, w, transposed=not transposed), R)[:R]
-    da_lora, dA, dB = _lora_bwd(launchers, dy_RO, a_RK, t_Rr, cum_token_counts, lora_a, lora_b, scaling)
+    da_lora, dA, dB = _lora_bwd(_thin(launchers, a_RK), dy_RO, a_RK, t_Rr, cum_token_counts, lora_a, lora_b, scaling)
     da[: da_lora.shape[0]] += da_lora[:R]
     return da, dA, dB
 

@@ -4,6 +4,8 @@ input, the router weights and both adapters included; the frozen base weights ge
 launcher ever forms one."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -67,27 +69,78 @@ def test_lora_bf16_forward_and_gradients() -> None:
         assert_close(a, b, torch.bfloat16, f"gradient {i}")
 
 
-def test_no_base_weight_gradient_is_formed(monkeypatch) -> None:
-    """Only adapter-shaped weights ever reach a weight-gradient launcher; the base weights' own
-    backward launchers are never called."""
-    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
-    torch_kernels = registry.kernels("torch")
-    seen = []
-    real_down_bwd = torch_kernels.down_bwd
+@pytest.fixture(params=["grouped_mm", "loop"])
+def low_rank_engine(request, monkeypatch):
+    """The engine of the adapters' r-wide products (the registry's ``low_rank_gemm`` for the torch
+    base: grouped_mm where it runs, else the per-expert loop); both are run."""
+    impl = registry.IMPLEMENTATIONS["torch"]
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "torch", dataclasses.replace(impl, low_rank_gemm=(request.param,)))
+    registry._low_rank_set.cache_clear()
+    if registry.unavailable_reason(request.param, "torch", "cpu", torch.float32) is not None:
+        pytest.skip(f"{request.param} does not run here")
+    yield request.param
+    registry._low_rank_set.cache_clear()
 
-    def down_bwd(dy, a, cum, w, transposed=False):
-        seen.append(tuple(w.shape))
-        return real_down_bwd(dy, a, cum, w, transposed=transposed)
+
+def test_low_rank_products_run_on_the_registry_choice(low_rank_engine, monkeypatch) -> None:
+    """The r-wide products run on the engine the registry names (grouped_mm: one call per product,
+    not one per expert), the base GEMMs on the kernel set's own; the results match the reference
+    at an awkward shape with an empty expert either way."""
+    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
+    calls = []
+    for engine, module in (("loop", registry.kernels("torch")), ("grouped_mm", registry.module_of("grouped_mm"))):
+        for name in ("down_fwd", "down_bwd"):
+            def spy(*a, __real=getattr(module, name), __what=(engine, name), **k):
+                calls.append((*__what, tuple(a[2 if __what[1] == "down_fwd" else 3].shape)))
+                return __real(*a, **k)
+
+            monkeypatch.setattr(module, name, spy)
+    registry.kernels.cache_clear()
+    try:
+        lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
+        ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
+        assert_close(out, ref, msg="forward")
+        inputs = [x, weights, *lg[:2], *ld[:2]]
+        dout = torch.randn_like(out)
+        for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
+            assert_close(a, b, msg=f"gradient {i}")
+    finally:
+        registry.kernels.cache_clear()
+    adapter_shapes = {tuple(t.shape) for t in (*lg[:2], *ld[:2])}
+    thin = [(engine, name) for engine, name, shape in calls if shape in adapter_shapes]
+    # 4 forward products (A and B of both adapters) and 4 backward calls (each forms dA or dB), all on
+    # the chosen engine; the base GEMMs (native: the loop) take the base weights
+    assert sorted(thin) == [(low_rank_engine, "down_bwd")] * 4 + [(low_rank_engine, "down_fwd")] * 4
+    assert {(e, sh) for e, _, sh in calls if sh not in adapter_shapes} == {("loop", tuple(w_gu.shape)),
+                                                                            ("loop", tuple(w_d.shape))}
+
+
+def test_no_base_weight_gradient_is_formed(monkeypatch) -> None:
+    """Only adapter-shaped weights ever reach a weight-gradient launcher (of the base's kernels or
+    of the engine running the r-wide products); the base weights' own backward launchers are never
+    called."""
+    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
+    seen = []
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a base-weight gradient launcher ran")
 
-    monkeypatch.setattr(torch_kernels, "down_bwd", down_bwd)
-    for name in ("gate_up_bwd", "down_weighted_bwd"):
-        monkeypatch.setattr(torch_kernels, name, forbidden)
-    lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
-    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
-    out.square().sum().backward()
+    for module in {registry.kernels("torch"), registry.module_of("grouped_mm"), registry.module_of("loop")}:
+        def down_bwd(dy, a, cum, w, transposed=False, __real=module.down_bwd):
+            seen.append(tuple(w.shape))
+            return __real(dy, a, cum, w, transposed=transposed)
+
+        monkeypatch.setattr(module, "down_bwd", down_bwd)
+        for name in ("gate_up_bwd", "down_weighted_bwd"):
+            monkeypatch.setattr(module, name, forbidden)
+    registry.kernels.cache_clear()
+    try:
+        lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
+        out.square().sum().backward()
+    finally:
+        registry.kernels.cache_clear()
     adapter_shapes = {tuple(t.shape) for t in (*lg[:2], *ld[:2])}
     assert seen and set(seen) <= adapter_shapes
     assert w_gu.grad is None and w_d.grad is None
