@@ -6,7 +6,10 @@ Both contestants are one module: the family's own experts class at its bench sha
 (:data:`bench.families.FAMILY_SHAPES`, ``--scale`` divides H and I), wrapped by PEFT exactly as
 ``LoraConfig(target_parameters=[...])`` wraps it in a model; ``config._experts_implementation`` is
 switched per call, so every weight and adapter is shared. ``--low-rank ENGINE`` adds a ``fastmoe``
-contestant whose adapters' ``r``-wide products run on ``ENGINE`` instead of the registry's choice.
+contestant whose adapters' ``r``-wide products run on ``ENGINE`` instead of the registry's choice;
+``--handed-in`` one whose adapters reach the experts function through
+:func:`fastmoe_xpu.integrations.peft_lora.run_adapters_in_experts` instead of PEFT's per-call
+parametrization (whose registration folds ``W + delta`` once per forward, for every contestant).
 
 Time: the steps are interleaved (one step of each contestant per round) and each contestant's
 minimum over the rounds is kept, of the CPU time of the calling thread (``time.thread_time``) and of
@@ -77,21 +80,42 @@ def low_rank_engine(engine: str | None) -> Iterator[None]:
         registry._low_rank_set.cache_clear()
 
 
-def contestants(low_rank: list[str]) -> dict[str, tuple[str, str | None]]:
-    """name -> (experts implementation, low-rank engine override)."""
+HANDED_IN = "handed-in"
+
+
+@contextlib.contextmanager
+def handed_in(wrapper: nn.Module, on: bool) -> Iterator[None]:
+    """PEFT's adapters handed to the experts function directly for a while (``run_adapters_in_experts``)."""
+    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+
+    if not on:
+        yield
+        return
+    run_adapters_in_experts(wrapper)
+    try:
+        yield
+    finally:
+        del wrapper.forward  # back to the class's (PEFT's) forward
+
+
+def contestants(low_rank: list[str], handed: bool = False) -> dict[str, tuple[str, str | None]]:
+    """name -> (experts implementation, low-rank engine override or ``HANDED_IN``)."""
     out = {BASELINE: (BASELINE, None), OURS: (OURS, None)}
     out.update({f"{OURS} (r-wide on {e})": (OURS, e) for e in low_rank})
+    if handed:
+        out[f"{OURS} (adapters handed in)"] = (OURS, HANDED_IN)
     return out
 
 
-def step_fn(wrapper: nn.Module, experts: nn.Module, impl: str, low_rank: str | None, inputs: tuple) -> Callable[[], None]:
+def step_fn(wrapper: nn.Module, experts: nn.Module, impl: str, option: str | None, inputs: tuple) -> Callable[[], None]:
     """One forward + backward of contestant ``impl`` (the adapters' gradients reset first)."""
     x, idx, w = inputs
     x = x.detach().requires_grad_()
+    low_rank = None if option == HANDED_IN else option
 
     def run() -> None:
         experts.config._experts_implementation = impl
-        with low_rank_engine(low_rank):
+        with low_rank_engine(low_rank), handed_in(wrapper, option == HANDED_IN):
             out = wrapper(x, idx, w)
             out.backward(torch.ones_like(out))
 
@@ -119,11 +143,12 @@ def peak_bytes(fn: Callable[[], None]) -> int:
     return peak
 
 
-def run(family: str, scale: int, tokens: int, rank: int, rounds: int, low_rank: list[str]) -> dict[str, Any]:
+def run(family: str, scale: int, tokens: int, rank: int, rounds: int, low_rank: list[str],
+        handed: bool = False) -> dict[str, Any]:
     from fastmoe_xpu import release_buffers
 
     wrapper, experts, inputs = build(family, scale, tokens, rank)
-    who = contestants(low_rank)
+    who = contestants(low_rank, handed)
     steps = {name: step_fn(wrapper, experts, impl, lr, inputs) for name, (impl, lr) in who.items()}
     grads: dict[str, list[torch.Tensor]] = {}
     for name, fn in steps.items():  # warm-up (the auto engine choice is timed here); the adapter gradients
@@ -182,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU time is the whole step's)")
     ap.add_argument("--low-rank", action="append", default=[], choices=("loop", "grouped_mm"),
                     help="also time fastmoe with the adapters' r-wide products on this engine (repeat)")
+    ap.add_argument("--handed-in", action="store_true",
+                    help="also time fastmoe with the adapters handed to the experts function (run_adapters_in_experts)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -194,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
           "step's start (torch.profiler profile_memory)")
     print(HEADER)
     for family in args.family or list(FAMILY_SHAPES):
-        r = run(family, args.scale, args.tokens, args.rank, args.rounds, args.low_rank)
+        r = run(family, args.scale, args.tokens, args.rank, args.rounds, args.low_rank, args.handed_in)
         print("\n".join(format_row(r)), flush=True)
         results.append(r)
     if args.json:

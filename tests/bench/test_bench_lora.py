@@ -29,13 +29,14 @@ def test_lora_bench_tiny(tmp_path, capsys) -> None:
     old = torch.get_num_threads()
     try:
         rc = main(["--family", "mixtral", "--scale", "64", "--tokens", "12", "--rounds", "1", "--low-rank", "loop",
-                   "--json", str(tmp_path / "lora.json")])
+                   "--handed-in", "--json", str(tmp_path / "lora.json")])
     finally:
         torch.set_num_threads(old)
     assert rc == 0
     printed = capsys.readouterr().out
     (r,) = json.loads((tmp_path / "lora.json").read_text())
-    assert set(r["cpu_s"]) == {"grouped_mm", "fastmoe", "fastmoe (r-wide on loop)"}
+    assert set(r["cpu_s"]) == {"grouped_mm", "fastmoe", "fastmoe (r-wide on loop)",
+                                "fastmoe (adapters handed in)"}
     for name in r["cpu_s"]:
         assert r["cpu_s"][name] > 0 and r["wall_s"][name] > 0 and r["peak_bytes"][name] > 0
         assert f"| {name} |" in printed or name == "grouped_mm"
