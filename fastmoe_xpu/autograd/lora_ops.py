@@ -114,6 +114,17 @@ def _add_up(launchers: KernelBackend, y_RO: torch.Tensor, t_Rr: torch.Tensor, cu
     return y_RO
 
 
+def _adapted(launchers: KernelBackend, thin: KernelBackend, a_RK: torch.Tensor, cum: torch.Tensor, w: torch.Tensor,
+             lora: tuple, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y = a @ W_e^T + t @ B_e^T, t = s a @ A_e^T)`` per expert group: the up-projection in the base
+    GEMM's epilogue where the kernel set fuses it (``down_fwd_lora``), else a grouped GEMM added after."""
+    t = _low_rank(thin, a_RK, cum, lora)
+    fused = getattr(launchers, "down_fwd_lora", None)
+    if fused is not None:
+        return fused(a_RK, cum, w, t, lora[1], transposed=transposed), t
+    return _add_up(thin, launchers.down_fwd(a_RK, cum, w, transposed=transposed), t, cum, lora[1]), t
+
+
 def _lora_bwd(
     launchers: KernelBackend, dy_RO: torch.Tensor, a_RK: torch.Tensor, t_Rr: torch.Tensor, cum: torch.Tensor,
     A: torch.Tensor, B: torch.Tensor, scaling: float,
@@ -133,18 +144,17 @@ def lora_mlp_combine_forward(
     input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts = rows
     R = input_indices.shape[0]
     x_RH = _gather(x_TH, input_indices)  # one gather, shared by the base and the low-rank GEMMs
-    gate_up_R2I = launchers.down_fwd(x_RH, cum_token_counts, w_gate_up_N2IH)
     thin = _thin(launchers, x_TH)
-    t1 = x_TH.new_zeros((R, 0))
+    t1 = t2 = x_TH.new_zeros((R, 0))
     if lora_gate_up is not None:
-        t1 = _low_rank(thin, x_RH, cum_token_counts, lora_gate_up)
-        _add_up(thin, gate_up_R2I, t1, cum_token_counts, lora_gate_up[1])
+        gate_up_R2I, t1 = _adapted(launchers, thin, x_RH, cum_token_counts, w_gate_up_N2IH, lora_gate_up)
+    else:
+        gate_up_R2I = launchers.down_fwd(x_RH, cum_token_counts, w_gate_up_N2IH)
     h_RI = _silu_mul(gate_up_R2I)
-    y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
-    t2 = x_TH.new_zeros((R, 0))
     if lora_down is not None:
-        t2 = _low_rank(thin, h_RI, cum_token_counts, lora_down)
-        _add_up(thin, y_RH, t2, cum_token_counts, lora_down[1])
+        y_RH, t2 = _adapted(launchers, thin, h_RI, cum_token_counts, w_down_NHI, lora_down)
+    else:
+        y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
     out_TH = launchers.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
     return out_TH, gate_up_R2I, _pad_rows(t1, R), _pad_rows(t2, R)
 
@@ -315,10 +325,8 @@ def _lora_grouped_linear(
     """``(y [R, O] = a @ W_e^T + t @ B_e^T, t [R, r] = scaling * a @ A_e^T)`` per local expert group;
     ``transposed``: ``W`` stored ``[NR, in, out]`` and read in place (the adapters never are)."""
     launchers = kernels(kernels_name)
-    y = launchers.down_fwd(a_RK, cum_token_counts, w, transposed=transposed)
-    thin = _thin(launchers, a_RK)
-    t = _low_rank(thin, a_RK, cum_token_counts, (lora_a, lora_b, scaling))
-    _add_up(thin, y, t, cum_token_counts, lora_b)
+    y, t = _adapted(launchers, _thin(launchers, a_RK), a_RK, cum_token_counts, w, (lora_a, lora_b, scaling),
+                    transposed)
     R = a_RK.shape[0]
     return _pad_rows(y, R), _pad_rows(t, R)
 

@@ -188,7 +188,14 @@ def test_lora_experts_on_triton_kernels() -> None:
     pytest.importorskip("triton")
     x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
     lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
-    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="triton", gemm_engine="native", lora=lora)
+    from fastmoe_xpu.kernels import triton as triton_kernels
+
+    fused = []
+    real = triton_kernels.down_fwd_lora
+    with pytest.MonkeyPatch.context() as mp:  # the up-projections run in the base GEMMs' epilogue
+        mp.setattr(triton_kernels, "down_fwd_lora", lambda *a, **k: (fused.append(a[4].shape), real(*a, **k))[1])
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="triton", gemm_engine="native", lora=lora)
+    assert fused == [lg[1].shape, ld[1].shape]
     ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
     assert_close(out, ref, msg="forward")
     inputs = [x, weights, *lg[:2], *ld[:2]]
@@ -227,3 +234,32 @@ def test_opcheck_lora_ops(which) -> None:
     assert set(cases) == set(lora_ops.LORA_OP_NAMES)
     for name, args in cases.items():
         torch.library.opcheck(getattr(torch.ops.fastmoe, name).default, args)
+
+
+@pytest.mark.parametrize("rank", [1, 20], ids=["r1", "r20"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["W", "W_stored_in_out"])
+def test_triton_lora_epilogue(transposed, rank) -> None:
+    """The Triton grouped GEMM with the LoRA up-projection in its epilogue (``down_fwd_lora``, under
+    the interpreter) against per-expert torch: odd widths, an empty expert, a rank below one dot
+    chunk and one over it (two chunks of 16), worst-case rows past RT (never read)."""
+    pytest.importorskip("triton")
+    from fastmoe_xpu.kernels.triton import grouped_gemm
+
+    g = torch.Generator().manual_seed(5)
+    E, IN, OUT = 4, 19, 13
+    counts = [5, 0, 9, 3]
+    RT = sum(counts)
+    R = RT + 6
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    h = torch.randn(R, IN, generator=g)
+    w = torch.randn(E, OUT, IN, generator=g)
+    t = torch.randn(R, rank, generator=g)
+    B = torch.randn(E, OUT, rank, generator=g)
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    y = grouped_gemm.down_fwd_lora(h, cum, stored, t, B, transposed=transposed)
+    bounds = cum.tolist()
+    want = torch.cat([h[s:e] @ w[i].t() + t[s:e] @ B[i].t() for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    assert y.shape == (R, OUT)
+    assert_close(y[:RT], want, msg="fused epilogue")
+    with pytest.raises(ValueError, match="down_fwd_lora"):
+        grouped_gemm.down_fwd_lora(h, cum, stored, t, B[:, :-1], transposed=transposed)
