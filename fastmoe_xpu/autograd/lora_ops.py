@@ -3,8 +3,10 @@
 An adapter on a stacked expert weight ``W [NR, out, in]`` is ``A [NR, r, in]``, ``B [NR, out, r]`` and a
 scale ``s``: expert e computes ``a @ (W_e + s B_e A_e)^T = a @ W_e^T + (s a @ A_e^T) @ B_e^T``. Both
 low-rank products are grouped GEMMs over the same routed rows as the base GEMM (the same
-``cum_token_counts``, the same launchers: ``down_fwd``/``down_bwd`` of the kernel set), so the gather
-of a token's rows is done once and shared, and ``W + s B A`` is never formed.
+``cum_token_counts``; ``down_fwd``/``down_bwd`` of the engine the registry names for these thin
+products, :func:`~fastmoe_xpu.kernels.registry.low_rank_kernels`), so the gather of a token's rows is
+done once and shared, and ``W + s B A`` is never formed. Where the kernel set has ``down_fwd_lora``
+(Triton), the up-projection ``t @ B_e^T`` runs in the base GEMM's epilogue.
 
 The base weights are frozen: no launcher that forms a base-weight gradient is called, in forward or
 backward. Their backward needs only ``dy @ W_e`` (``down_fwd`` on the stored weight read the other
