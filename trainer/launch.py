@@ -512,7 +512,7 @@ def run_node(opts: NodeOptions) -> int:
         return 0
     if agent.outcome == "left":
         _leave_rendezvous(handler)
-        events.log("left", exit_code=agent.exit_code)
+        events.log("left", exit_code=agent.exit_code, stop_s=agent._last_stop_s)
         return agent.exit_code
     _close(handler)
     if result.is_failed():
@@ -623,7 +623,9 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
     print(f"[launch] nodes exited with {codes}; {'finished' if finished else 'not finished'}", flush=True)
     if finished:
         return 0
-    return next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c), EXIT_GAVE_UP)
+    # a launcher's own verdict (fatal first) before a node killed by a signal
+    return (next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c and c > 0), None)
+            or EXIT_GAVE_UP)
 
 
 def descendants(pid: int) -> list[int]:
