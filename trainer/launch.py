@@ -44,6 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+# The launcher's own C++ warnings are off (torch reads this when it loads; the workers get the
+# user's setting back in run_node): when the store's host dies, c10's TCPStore prints a broken pipe
+# with some 30 C++ frames before the launcher's one-line error could say what happened.
+_CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+_QUIET_CPP = __name__ == "__main__" and _CPP_LOG_ENV not in os.environ and "torch" not in sys.modules
+if _QUIET_CPP:
+    os.environ[_CPP_LOG_ENV] = "ERROR"
+
 from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, check_out_dir
 from .records import append_jsonl, read_failures
 from .watchdog import (
@@ -439,6 +447,8 @@ def run_node(opts: NodeOptions) -> int:
     )
 
     events = Events(opts.out, opts.label)
+    if _QUIET_CPP:
+        os.environ.pop(_CPP_LOG_ENV, None)  # torch has read it; the workers keep their C++ warnings
     os.environ[HOST_ENV] = opts.label
     os.environ[TIMEOUT_ENV] = str(opts.heartbeat_timeout)
     os.environ[CHECKPOINT_TIMEOUT_ENV] = str(opts.checkpoint_timeout)
