@@ -394,6 +394,15 @@ def _make_agent_class():
     return NodeAgent
 
 
+def agent_kwargs(agent_base: Any, kill_grace: float) -> dict[str, Any]:
+    """Keyword arguments for torch's ``LocalElasticAgent``: ``shutdown_timeout`` only where its
+    signature has it (torch 2.13 does, 2.11 does not; the agent then sets the attribute itself)."""
+    kw: dict[str, Any] = {"exit_barrier_timeout": 60}
+    if _accepts(agent_base.__init__, "shutdown_timeout"):
+        kw["shutdown_timeout"] = kill_grace
+    return kw
+
+
 def _accepts(fn: Any, name: str) -> bool:
     """Whether ``fn`` takes a parameter ``name`` (a feature check across torch versions)."""
     import inspect
@@ -493,10 +502,8 @@ def run_node(opts: NodeOptions) -> int:
     # line per rank in the "failure" event (a peer's death makes every other rank print a stack)
     logs = DefaultLogsSpecs(log_dir=str(opts.out / "logs" / opts.label), redirects=Std.ALL, tee=Std.OUT)
     agent_cls = _make_agent_class()
-    kw: dict[str, Any] = {"exit_barrier_timeout": 60}
-    if _accepts(agent_cls.__mro__[1].__init__, "shutdown_timeout"):  # torch 2.13 has it, 2.11 not
-        kw["shutdown_timeout"] = opts.kill_grace
-    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events, **kw)
+    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events,
+                      **agent_kwargs(agent_cls.__mro__[1], opts.kill_grace))
     try:
         result = agent.run()
     except (RendezvousClosedError, RendezvousGracefulExitError):

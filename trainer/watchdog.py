@@ -150,6 +150,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._watched = threading.get_ident()  # the training thread: the one that creates the watchdog
         self._last_pulse = 0.0
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
         self._thread.start()
 
@@ -182,9 +183,13 @@ class Watchdog:
             return self.startup_timeout
         return self.timeout
 
+    def stop(self) -> None:
+        """End the watching thread (it does not fire after this returns)."""
+        self._stopped.set()
+        self._thread.join()
+
     def _run(self) -> None:
-        while True:
-            time.sleep(self.poll)
+        while not self._stopped.wait(self.poll):
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 print(f"[watchdog] rank {self.rank}: the node agent (pid {self.parent_pid}) is gone; exiting",
                       file=sys.stderr, flush=True)
