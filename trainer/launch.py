@@ -199,6 +199,8 @@ class RoundGuard:
         self.handler, self.n_nodes, self.quorum_timeout = handler, n_nodes, quorum_timeout
         self.have = 0
         self.quorum_expired: tuple[int, float] | None = None
+        #: monotonic time since which this node waits in a round short of nodes (None: it does not)
+        self.short_since: float | None = None
         self.installed = False
         try:
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -251,18 +253,18 @@ class _JoinOp:
         if st.complete and not st.closed and full and ctx.node in st.wait_list:
             return action.REMOVE_FROM_WAIT_LIST  # and next, torch's op puts it on the redundancy list
         spare = ctx.node in st.redundancy_list
+        now = time.monotonic()
         if spare:
             self.quorum_deadline = None  # a spare waits as long as the job runs
-        elif st.round > 0 and not st.closed:
-            now = time.monotonic()
+        elif st.round > 0 and not st.closed and not (st.complete and ctx.node in st.participants):
             if self.quorum_deadline is None:
                 self.quorum_deadline = now + g.quorum_timeout
-            if not (st.complete and ctx.node in st.participants):
-                if now <= self.quorum_deadline:
-                    g.have = len(set(st.participants) | set(st.wait_list) | {ctx.node})
-                elif g.quorum_expired is None:
-                    g.quorum_expired = (g.have, g.quorum_timeout)
-                deadline = min(deadline, self.quorum_deadline)
+            g.short_since = self.quorum_deadline - g.quorum_timeout
+            if now > self.quorum_deadline and g.quorum_expired is None:
+                g.quorum_expired = (g.have, g.quorum_timeout)
+            deadline = min(deadline, self.quorum_deadline)
+        if not spare and now <= deadline:
+            g.have = len(set(st.participants) | set(st.wait_list) | {ctx.node})
         return self.base(ctx, deadline)
 
 
@@ -312,10 +314,16 @@ def _make_agent_class():
         def _rendezvous(self, worker_group: Any) -> None:
             t0 = time.time()
             super()._rendezvous(worker_group)
+            self._guard_short_done()
             self._round_started = time.time()
             self.events.log("round", group_rank=worker_group.group_rank, nodes=worker_group.group_world_size,
                             ranks=[w.global_rank for w in worker_group.workers] if worker_group.workers else None,
                             waited_s=round(self._round_started - t0, 3), stop_s=self._last_stop_s)
+
+        def _guard_short_done(self) -> None:
+            guard = getattr(self, "guard", None)
+            if guard is not None:
+                guard.short_since = None
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kw: Any) -> None:
             t0 = time.time()
@@ -504,9 +512,14 @@ def run_node(opts: NodeOptions) -> int:
     agent_cls = _make_agent_class()
     agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events,
                       **agent_kwargs(agent_cls.__mro__[1], opts.kill_grace))
+    agent.guard = guard
     try:
         result = agent.run()
     except (RendezvousClosedError, RendezvousGracefulExitError):
+        if guard.short_since is not None:  # another node of this short round gave up first
+            waited = time.monotonic() - guard.short_since
+            return _fail(events, str(QuorumLost(guard.have, opts.n_max, waited, "the rendezvous was closed")),
+                         None)
         result = None
     except RendezvousTimeoutError as e:
         if guard.quorum_expired is not None:
