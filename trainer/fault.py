@@ -231,6 +231,15 @@ def check_out_dir(path: str | os.PathLike) -> None:
 
 
 # ============================================================================ heartbeat
+def first_new_step(out_dir: str | os.PathLike, since: float, exclude_pid: int | None = None) -> float | None:
+    """When the first training step completed after ``since`` (a failure) by a process started
+    for it (``new_steps`` counts steps done by the process; ``exclude_pid`` is the failed one), from
+    the heartbeat files; None while there is none. Recovery time = the result - ``since``."""
+    done = [h["mtime"] for h in read_heartbeats(out_dir).values()
+            if h.get("new_steps", 0) >= 1 and h["mtime"] > since and h.get("pid") != exclude_pid]
+    return min(done) if done else None
+
+
 class Heartbeat:
     """Per-rank liveness file ``OUT/heartbeat/rank-<r>.json``, rewritten atomically on every beat."""
 

@@ -147,10 +147,7 @@ def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, he
         first_new = None
         while time.time() < deadline and any(p.poll() is None for h, p in nodes.items()):
             if first_new is None:
-                done = [b for b in fault.read_heartbeats(run).values()
-                        if b["new_steps"] >= 1 and b["mtime"] > t0 and b["pid"] != beat["pid"]]
-                if done:
-                    first_new = min(b["mtime"] for b in done)
+                first_new = fault.first_new_step(run, t0, beat["pid"])
             time.sleep(0.05)
         codes = {h: p.wait(timeout=max(1.0, deadline - time.time())) for h, p in nodes.items()}
     finally:

@@ -100,14 +100,7 @@ def test_kill9_of_a_node_tree_the_spare_takes_over(tmp_path: Path, reference) ->
     (node_pid,) = [e["pid"] for e in read_events(out) if e["event"] == "node_start" and e["node"] == victim]
     killed_at = time.time()
     _kill_tree(node_pid)  # the node launcher, its agent's workers and anything they started
-    first_new = None
-    while p.poll() is None and time.time() < end:
-        if first_new is None:
-            done = [h for h in fault.read_heartbeats(out).values()
-                    if h["new_steps"] >= 1 and h["mtime"] > killed_at and h["pid"] != b["pid"]]
-            if done:
-                first_new = min(h["mtime"] for h in done)
-        time.sleep(0.02)
+    first_new = _first_new_step(out, killed_at, b["pid"], end, p)
     _finish(p)
     ev = read_events(out)
     assert [e["node"] for e in ev if e["event"] == "finished"] and victim not in \
@@ -129,10 +122,9 @@ def _rounds_after(ev: list[dict], t0: float) -> int:
 def _first_new_step(out: Path, since: float, old_pid: int, end: float, p: subprocess.Popen) -> float | None:
     """Wait for the first step completed after ``since`` by a process other than ``old_pid``."""
     while p.poll() is None and time.time() < end:
-        done = [h for h in fault.read_heartbeats(out).values()
-                if h["new_steps"] >= 1 and h["mtime"] > since and h["pid"] != old_pid]
-        if done:
-            return min(h["mtime"] for h in done)
+        first = fault.first_new_step(out, since, old_pid)
+        if first is not None:
+            return first
         time.sleep(0.02)
     return None
 
