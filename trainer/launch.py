@@ -25,7 +25,15 @@ What this module adds to the agent:
   (``TRAINER_HOST``), and ``OUT/launcher.jsonl``, appended by whichever node observes an event;
 * a check that every node was started with the same ``--nnodes``/``--nproc-per-node``;
 * ``--serve-store``: the rendezvous store in a process of its own, so that losing a training node
-  never loses the store (``--local-nodes`` does this for its nodes).
+  never loses the store (``--local-nodes`` does this for its nodes);
+* one rendezvous round per failure: a node that loses the race for the last slot waits as a spare
+  instead of making every agent restart its workers again (:class:`RoundGuard`);
+* workers stopped within ``--kill-grace`` s on every path (SIGCONT + SIGTERM, then SIGKILL), so a
+  stopped worker does not hold a restart for torch's 30 s;
+* ``--quorum-timeout``: once the job has trained, a round short of nodes stops the job with one line
+  saying how many nodes it has and needs, instead of waiting ``join_timeout``;
+* the rendezvous store's loss as one ``error:`` line (workers' stderr goes to their log files;
+  each failure event carries one line per failed rank).
 
 Exit codes and the cluster command lines: docs/fault.md.
 """
@@ -276,7 +284,7 @@ def _make_agent_class():
     class NodeAgent(LocalElasticAgent):
         """The elastic agent plus blame, fatal codes and events (see the module docstring)."""
 
-        def __init__(self, *args: Any, opts: NodeOptions, events: Events, **kw: Any) -> None:
+        def __init__(self, *args: Any, opts: NodeOptions, events: Events, guard: RoundGuard, **kw: Any) -> None:
             super().__init__(*args, **kw)
             self.opts, self.events = opts, events
             self.started = time.time()
@@ -284,10 +292,7 @@ def _make_agent_class():
             self.exit_code = 0
             self._round_started = 0.0
             self._last_stop_s = 0.0
-            handler = self._worker_group.spec.rdzv_handler
-            self._rdzv_probe = handler.num_nodes_waiting
-            if not _accepts(LocalElasticAgent.__init__, "shutdown_timeout"):
-                self._shutdown_timeout = opts.kill_grace  # what the keyword sets where torch takes it
+            self.guard = guard
 
         def _last_errors(self, result: Any) -> dict[str, str]:
             """Each failed rank's last error line from its stderr log (workers' stderr goes to
@@ -314,16 +319,11 @@ def _make_agent_class():
         def _rendezvous(self, worker_group: Any) -> None:
             t0 = time.time()
             super()._rendezvous(worker_group)
-            self._guard_short_done()
+            self.guard.short_since = None  # a full round formed
             self._round_started = time.time()
             self.events.log("round", group_rank=worker_group.group_rank, nodes=worker_group.group_world_size,
                             ranks=[w.global_rank for w in worker_group.workers] if worker_group.workers else None,
                             waited_s=round(self._round_started - t0, 3), stop_s=self._last_stop_s)
-
-        def _guard_short_done(self) -> None:
-            guard = getattr(self, "guard", None)
-            if guard is not None:
-                guard.short_since = None
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kw: Any) -> None:
             t0 = time.time()
@@ -351,7 +351,7 @@ def _make_agent_class():
         def _store_gone(self) -> BaseException | None:
             """The error of one read of the rendezvous state, or None when the store answers."""
             try:
-                self._rdzv_probe()
+                self.guard.handler.num_nodes_waiting()
             except Exception as e:  # noqa: BLE001 - any failure to read it means the same here
                 return e
             return None
@@ -404,7 +404,8 @@ def _make_agent_class():
 
 def agent_kwargs(agent_base: Any, kill_grace: float) -> dict[str, Any]:
     """Keyword arguments for torch's ``LocalElasticAgent``: ``shutdown_timeout`` only where its
-    signature has it (torch 2.13 does, 2.11 does not; the agent then sets the attribute itself)."""
+    signature has it (torch 2.13 does, 2.11 does not). Either way the agent's ``_shutdown`` applies
+    ``--kill-grace`` itself."""
     kw: dict[str, Any] = {"exit_barrier_timeout": 60}
     if _accepts(agent_base.__init__, "shutdown_timeout"):
         kw["shutdown_timeout"] = kill_grace
@@ -510,9 +511,8 @@ def run_node(opts: NodeOptions) -> int:
     # line per rank in the "failure" event (a peer's death makes every other rank print a stack)
     logs = DefaultLogsSpecs(log_dir=str(opts.out / "logs" / opts.label), redirects=Std.ALL, tee=Std.OUT)
     agent_cls = _make_agent_class()
-    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events,
+    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events, guard=guard,
                       **agent_kwargs(agent_cls.__mro__[1], opts.kill_grace))
-    agent.guard = guard
     try:
         result = agent.run()
     except (RendezvousClosedError, RendezvousGracefulExitError):
