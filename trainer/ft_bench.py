@@ -147,7 +147,7 @@ def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, he
         first_new = None
         while time.time() < deadline and any(p.poll() is None for h, p in nodes.items()):
             if first_new is None:
-                first_new = fault.first_new_step(run, t0, beat["pid"])
+                first_new = fault.first_new_step(run, t0)
             time.sleep(0.05)
         codes = {h: p.wait(timeout=max(1.0, deadline - time.time())) for h, p in nodes.items()}
     finally:

@@ -100,7 +100,7 @@ def test_kill9_of_a_node_tree_the_spare_takes_over(tmp_path: Path, reference) ->
     (node_pid,) = [e["pid"] for e in read_events(out) if e["event"] == "node_start" and e["node"] == victim]
     killed_at = time.time()
     _kill_tree(node_pid)  # the node launcher, its agent's workers and anything they started
-    first_new = _first_new_step(out, killed_at, b["pid"], end, p)
+    first_new = _first_new_step(out, killed_at, end, p)
     _finish(p)
     ev = read_events(out)
     assert [e["node"] for e in ev if e["event"] == "finished"] and victim not in \
@@ -119,10 +119,10 @@ def _rounds_after(ev: list[dict], t0: float) -> int:
     return sum(1 for i, t in enumerate(times) if i == 0 or t - times[i - 1] > 1.0)
 
 
-def _first_new_step(out: Path, since: float, old_pid: int, end: float, p: subprocess.Popen) -> float | None:
-    """Wait for the first step completed after ``since`` by a process other than ``old_pid``."""
+def _first_new_step(out: Path, since: float, end: float, p: subprocess.Popen) -> float | None:
+    """Wait for the first step completed by a process started after ``since``."""
     while p.poll() is None and time.time() < end:
-        first = fault.first_new_step(out, since, old_pid)
+        first = fault.first_new_step(out, since)
         if first is not None:
             return first
         time.sleep(0.02)
@@ -168,7 +168,7 @@ def test_rank_kill_one_round_and_a_late_spare_restarts_nobody(tmp_path: Path, re
             "a spare that arrived while the group was complete restarted it"
         killed_at = time.time()
         os.kill(b["pid"], signal.SIGKILL)
-        first_new = _first_new_step(out, killed_at, b["pid"], end, nodes["h0"])
+        first_new = _first_new_step(out, killed_at, end, nodes["h0"])
         codes = {h: _wait(q, LIMIT)[0] for h, q in nodes.items()}
     finally:
         store.terminate()
@@ -194,7 +194,7 @@ def test_a_stopped_rank_is_blamed_its_node_leaves_and_it_is_killed_at_once(tmp_p
     b = _beat_at(out, 1, INTERVAL + 1, p, end)
     stopped_at = time.time()
     os.kill(b["pid"], signal.SIGSTOP)
-    first_new = _first_new_step(out, stopped_at, b["pid"], end, p)
+    first_new = _first_new_step(out, stopped_at, end, p)
     _finish(p)
     ev = read_events(out)
     hangs = [r for r in fault.read_failures(out) if r["kind"] == "hang"]
