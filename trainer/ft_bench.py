@@ -3,8 +3,8 @@ the per-rank bytes formula at the Mula presets, the model-only vs full ratio, an
 times under ``trainer.launch`` (``kill -9`` of a rank, of a whole node, a stopped rank found by the
 watchdogs) to the first new step, with their medians and the effective training time they imply.
 
-    python -m trainer.ft_bench [--out OUT] [--repeats 5] [--tries 3] [--faults rank,node,hang]
-                               [--no-checkpoint] [--no-recovery]
+    python -m fastmoe_trainer.ft_bench [--out OUT] [--repeats 5] [--tries 3] [--faults rank,node,hang]
+                                       [--no-checkpoint] [--no-recovery]
 
 Writes ``OUT/ft_bench.json`` and prints Markdown tables (docs/fault.md quotes them).
 """
@@ -190,7 +190,7 @@ def _gb(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.ft_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/ft_bench")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-recovery", action="store_true", help="skip the recovery runs")
