@@ -56,7 +56,8 @@ from typing import Any, Sequence
 # user's setting back in run_node): when the store's host dies, c10's TCPStore prints a broken pipe
 # with some 30 C++ frames before the launcher's one-line error could say what happened.
 _CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
-_QUIET_CPP = __name__ == "__main__" and _CPP_LOG_ENV not in os.environ and "torch" not in sys.modules
+_QUIET_CPP = ((__name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "fastmoe-launch")
+              and _CPP_LOG_ENV not in os.environ and "torch" not in sys.modules)
 if _QUIET_CPP:
     os.environ[_CPP_LOG_ENV] = "ERROR"
 
