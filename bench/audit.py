@@ -1,6 +1,6 @@
 """Count kernel launches and host synchronisations of one MoE layer, forward and backward.
 
-``python -m bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
+``python -m fastmoe_bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
 on the Triton backend (the CPU runs it under ``TRITON_INTERPRET=1``), our block on the torch
 backend and the transformers-v4-style reference block: Triton launches, other device ops
 dispatched by PyTorch, and host synchronisations, per phase.

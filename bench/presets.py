@@ -61,7 +61,7 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-#: What ``python -m bench`` runs without ``--preset``: the two presets the CPU goals are stated on.
+#: What ``fastmoe-bench`` runs without ``--preset``: the two presets the CPU goals are stated on.
 DEFAULT_PRESETS = ("mula-7b-a1b-small", "mula-7b-a1b")
 #: The small-shape sweep (``--preset sweep``): a first try, decode and the Mula layer.
 SWEEP_PRESETS = ("tiny", "olmoe-decode-1", "olmoe-decode-8", "olmoe-decode-64", "mula-7b-a1b-small", "mula-7b-a1b")

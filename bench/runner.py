@@ -32,7 +32,7 @@ BOUND = "gemm_bound"
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # in a log file a bar is thousands of redraws on one line
         return None
     try:
         from tqdm import tqdm

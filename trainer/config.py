@@ -13,7 +13,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastmoe_xpu.settings import GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
 
 from .errors import ConfigError
 
@@ -115,7 +115,7 @@ class DataConfig:
     """Seed of the global shuffle of training instances."""
     valid: float = 0.05
     """Held-out validation split of the embedded default corpus: a fraction in (0, 1) or a count of instances
-    (0: none); a data set of your own keeps the split ``python -m trainer.data.preprocess --valid`` gave it."""
+    (0: none); a data set of your own keeps the split ``fastmoe-preprocess --valid`` gave it."""
 
 
 @dataclass
@@ -200,6 +200,9 @@ class CheckpointConfig:
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
     allow_fresh_start: bool = False
     """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
+    reschedule: bool = False
+    """Resume although --steps, --warmup, --lr or --min-lr differ from the checkpoint's (default: refuse, naming
+    the change): the learning rate follows the new schedule from the next step."""
 
 
 @dataclass
@@ -237,7 +240,7 @@ class EvalConfig:
     moe_health: bool = True
     """Log per-layer MoE health (expert load, router entropy, per-layer losses) and plot it at the end."""
     export_hf: str | None = None
-    """At the end, write the trained model as a transformers directory here (``python -m trainer.export``)."""
+    """At the end, write the trained model as a transformers directory here (``fastmoe-export``)."""
     overwrite: bool = False
     """Let ``--eval.export_hf`` replace an existing directory."""
     samples: bool = True

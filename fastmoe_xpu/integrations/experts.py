@@ -262,6 +262,37 @@ def register(interface: Any = None) -> bool:
                 "implementation needs it; FastSparseMoeBlock and patch_olmoe work without it"
             ) from err
     interface.register(NAME, fastmoe_experts_forward)
+    record_in_saved_configs()
+    return True
+
+
+def record_in_saved_configs() -> bool:
+    """Make ``save_pretrained`` keep the choice of :data:`NAME`.
+
+    transformers drops its internal ``_experts_implementation`` when it writes ``config.json``, so
+    a model saved with ``"fastmoe"`` came back as ``grouped_mm`` without a word. A config whose
+    experts implementation is :data:`NAME` now also writes the public key ``experts_implementation``,
+    which transformers' ``PretrainedConfig.__init__`` reads back as the choice (an explicit
+    ``from_pretrained(..., experts_implementation=...)`` still wins). Loading such a model needs
+    ``import fastmoe_xpu`` first, as creating one does. Other implementations are saved unchanged.
+    Returns False when transformers' config class cannot be patched."""
+    try:
+        from transformers.configuration_utils import PretrainedConfig
+    except ImportError:
+        return False
+    to_dict = PretrainedConfig.to_dict
+    if getattr(to_dict, "_keeps_fastmoe", False):
+        return True
+
+    def to_dict_keeping_fastmoe(self: Any) -> dict[str, Any]:
+        out = to_dict(self)
+        if getattr(self, "_experts_implementation_internal", None) == NAME:
+            out["experts_implementation"] = NAME
+        return out
+
+    to_dict_keeping_fastmoe._keeps_fastmoe = True  # type: ignore[attr-defined]
+    to_dict_keeping_fastmoe.__doc__ = to_dict.__doc__
+    PretrainedConfig.to_dict = to_dict_keeping_fastmoe  # type: ignore[method-assign]
     return True
 
 

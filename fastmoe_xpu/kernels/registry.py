@@ -153,8 +153,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
 BASES = tuple(n for n, impl in IMPLEMENTATIONS.items() if {"route", "combine"} <= set(impl.stages))
 #: The stage-4 implementations ("engines"), in the order ties are broken.
 ENGINES = tuple(n for n, impl in IMPLEMENTATIONS.items() if "gemm" in impl.stages)
-#: Every value ``gemm_engine`` accepts.
-CHOICES = settings.GEMM_ENGINES
+#: Every value ``gemm_engine`` (and ``FASTMOE_GEMM_ENGINE``) accepts.
+CHOICES = ("auto", "native", *ENGINES)
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
 
