@@ -34,6 +34,16 @@ def _case(T, H, I, E, K, r, dtype=torch.float32, seed=0):
     return x, weights, idx, w_gu, w_d, (A1, B1, 0.75), (A2, B2, 2.0)
 
 
+def _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld) -> None:
+    """``out`` and its gradients (input, router weights, every adapter) against the reference."""
+    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
+    assert_close(out, ref, msg="forward")
+    inputs = [x, weights] + [t for ad in (lg, ld) if ad is not None for t in ad[:2]]
+    dout = torch.randn_like(out)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
+        assert_close(a, b, msg=f"gradient {i}")
+
+
 @pytest.mark.parametrize("which", ["both", "gate_up", "down"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_lora_experts_match_reference(shape, which) -> None:
@@ -43,14 +53,7 @@ def test_lora_experts_match_reference(shape, which) -> None:
     ld = ld if which in ("both", "down") else None
     lora = ExpertsLora(None if lg is None else LoraWeights(*lg), None if ld is None else LoraWeights(*ld))
     out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
-    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
-    assert_close(out, ref, msg="forward")
-    inputs = [x, weights] + [t for ad in (lg, ld) if ad is not None for t in ad[:2]]
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, inputs, dout)
-    want = torch.autograd.grad(ref, inputs, dout)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_close(a, b, msg=f"gradient {i}")
+    _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
 
 
 def test_lora_bf16_forward_and_gradients() -> None:
@@ -99,12 +102,7 @@ def test_low_rank_products_run_on_the_registry_choice(low_rank_engine, monkeypat
     try:
         lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
         out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
-        ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
-        assert_close(out, ref, msg="forward")
-        inputs = [x, weights, *lg[:2], *ld[:2]]
-        dout = torch.randn_like(out)
-        for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
-            assert_close(a, b, msg=f"gradient {i}")
+        _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
     finally:
         registry.kernels.cache_clear()
     adapter_shapes = {tuple(t.shape) for t in (*lg[:2], *ld[:2])}
@@ -196,12 +194,7 @@ def test_lora_experts_on_triton_kernels() -> None:
         mp.setattr(triton_kernels, "down_fwd_lora", lambda *a, **k: (fused.append(a[4].shape), real(*a, **k))[1])
         out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="triton", gemm_engine="native", lora=lora)
     assert fused == [lg[1].shape, ld[1].shape]
-    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
-    assert_close(out, ref, msg="forward")
-    inputs = [x, weights, *lg[:2], *ld[:2]]
-    dout = torch.randn_like(out)
-    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
-        assert_close(a, b, msg=f"gradient {i}")
+    _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
 
 
 @pytest.mark.parametrize("which", ["both", "down"])
