@@ -226,6 +226,8 @@ def test_opcheck_lora_ops(which) -> None:
     }
     assert set(cases) == set(lora_ops.LORA_OP_NAMES)
     for name, args in cases.items():
+        if which == "down" and "grouped_linear" in name:
+            continue  # no optional adapter there: checked once, with "both"
         torch.library.opcheck(getattr(torch.ops.fastmoe, name).default, args)
 
 
