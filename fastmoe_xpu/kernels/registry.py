@@ -155,6 +155,7 @@ BASES = tuple(n for n, impl in IMPLEMENTATIONS.items() if {"route", "combine"} <
 ENGINES = tuple(n for n, impl in IMPLEMENTATIONS.items() if "gemm" in impl.stages)
 #: Every value ``gemm_engine`` (and ``FASTMOE_GEMM_ENGINE``) accepts.
 CHOICES = ("auto", "native", *ENGINES)
+settings.declare_gemm_engines(ENGINES)
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
 
@@ -320,6 +321,8 @@ def resolve_request(gemm_engine: str, backend: str) -> str:
     check_choice(gemm_engine)
     if gemm_engine == "auto":
         gemm_engine = settings.get().gemm_engine or "auto"
+        if gemm_engine not in CHOICES:
+            raise ValueError(f"FASTMOE_GEMM_ENGINE must be one of {CHOICES}, got {gemm_engine!r}")
     if gemm_engine == "native":
         return NATIVE[backend]
     return gemm_engine
