@@ -9,7 +9,9 @@ transformers versions found there (no network), and writes everything into one f
 3. ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, whose choice the report names; the
-   benchmark's GEMM-only bound is its dense ``torch.mm`` of the same FLOPs in the same run;
+   benchmark's GEMM-only bound is its dense ``torch.mm`` of the same FLOPs in the same run; then
+   ``bench --shapes practitioners``: TFLOP/s of one layer at the shapes published kernels are
+   compared on (T=32k), beside a dense ``torch.mm`` of the same FLOPs;
 4. ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` over a small forward+backward
    (CUDA, where the tool is installed; otherwise the step says why it did not run; where the tool
    refuses the device, e.g. ``Device not supported``, the step is reported as not run with the tool's
@@ -45,7 +47,7 @@ from pathlib import Path
 
 PRESETS = ("mula-7b-a1b", "mula-7b-a1b-small", "mula-20b-a2b", "mula-220b-a10b")
 BASELINES = ("hf_v4", "hf_v5_grouped_mm", "hf_v5_eager")
-ENGINES = ("triton", "grouped_mm", "loop")
+ENGINES = ("triton", "triton_tma", "grouped_mm", "loop")
 NO_DEVICE_EXIT = 2
 #: compute-sanitizer's words when it cannot instrument the GPU it finds (seen on an H200).
 SANITIZER_REFUSALS = ("Device not supported",)
@@ -110,7 +112,13 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
         [python, "-m", _bench_module(), "--device", device, "--dtype", "bf16", "--mode", "fwdbwd",
          "--preset", *PRESETS, "--providers", *providers, "--rounds", "5", "--budget", str(int(0.08 * budget_s)),
          "--no-progress", "--out", str(out / "bench")],
-        timeout_s=0.45 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
+        timeout_s=0.35 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
+    ))
+    steps.append(Step(
+        "bench bf16 TFLOP/s at the practitioners' shapes (OLMoE, Qwen3, GPT-OSS, Mixtral, DeepSeek-V3 slice)",
+        [python, "-m", _bench_module(), "--shapes", "practitioners", "--device", device, "--dtype", "bf16",
+         "--rounds", "3", "--no-progress", "--out", str(out / "practitioners")],
+        timeout_s=0.2 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
     ))
     sanitizer = shutil.which("compute-sanitizer")
     for tool in ("memcheck", "racecheck"):
