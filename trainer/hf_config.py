@@ -35,8 +35,23 @@ def _first(cfg: Any, names: Sequence[str]) -> Any:
     return None
 
 
+#: Fields a family's ``config.json`` must set itself (any one name of a tuple): left out, the config
+#: class would fill in its own default (Qwen3-MoE: 128 experts, a 151,936-token vocabulary), a model
+#: nobody asked for.
+REQUIRED_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",),
+    _SIZE_FIELDS["intermediate_size"], _SIZE_FIELDS["num_experts"], _SIZE_FIELDS["top_k"],
+)
+
+
+def missing_fields(d: dict[str, Any]) -> list[str]:
+    """The :data:`REQUIRED_FIELDS` that the config dict ``d`` does not set (alternatives joined by " / ")."""
+    return [" / ".join(names) for names in REQUIRED_FIELDS if not any(d.get(n) is not None for n in names)]
+
+
 def load_config_file(path: str) -> Any:
-    """The transformers config of a ``config.json`` (or a directory holding one); ConfigError otherwise."""
+    """The transformers config of a ``config.json`` (or a directory holding one); ConfigError otherwise,
+    also when the file leaves out a field the model needs (:data:`REQUIRED_FIELDS`)."""
     from transformers import CONFIG_MAPPING
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -53,9 +68,18 @@ def load_config_file(path: str) -> Any:
     if mt not in CONFIG_MAPPING:
         raise ConfigError(f"--model.hf_config {file}: transformers knows no model_type {mt!r}")
     try:
-        return CONFIG_MAPPING[mt].from_dict(d)
+        cfg = CONFIG_MAPPING[mt].from_dict(d)
     except Exception as e:  # a field the config class rejects
         raise ConfigError(f"--model.hf_config {file}: {type(e).__name__}: {e}") from None
+    if _first(cfg, _SIZE_FIELDS["num_experts"]) is None:
+        raise ConfigError(f"--model.hf_config {file} ({mt}) is not a mixture of experts: no "
+                          f"{' / '.join(_SIZE_FIELDS['num_experts'])} field")
+    missing = missing_fields(d)
+    if missing:
+        raise ConfigError(f"--model.hf_config {file} ({mt}) does not set {', '.join(missing)}: the model needs "
+                          f"{'it' if len(missing) == 1 else 'them'} (the config class's default would be a "
+                          "different model); add the field to the file")
+    return cfg
 
 
 def family_config(m: Any, context: int, vocab_size: int) -> Any:

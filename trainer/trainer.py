@@ -89,7 +89,7 @@ class Trainer:
             raise ConfigError(
                 f"data set {self.manifest_path} has context {manifest['context']}, config asks for {cfg.data.context}"
             )
-        data_vocab = int(manifest["tokenizer"]["vocab_size"])
+        data_vocab = self.data_vocab = int(manifest["tokenizer"]["vocab_size"])
         if m.vocab_size == 0:
             m.vocab_size = data_vocab
         elif m.vocab_size < data_vocab:
@@ -341,6 +341,9 @@ class Trainer:
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
                                         start_step=self.step)
             self._write_run_info()
+            from .startup import startup_summary
+
+            print(startup_summary(self), flush=True)
         bar = None
         if lay.is_main and cfg.logging.progress:
             from tqdm import tqdm
