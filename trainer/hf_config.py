@@ -141,18 +141,13 @@ def check_hf(cfg: Any) -> None:
     if bool(m.hf_config) == bool(m.hf_family):
         raise ConfigError("--model.arch hf needs exactly one of --model.hf_config PATH (a config.json) or "
                           "--model.hf_family NAME (a transformers MoE family, e.g. qwen3_moe)")
-    for name, value in (("parallel.ep", p.ep), ("parallel.pp", p.pp), ("parallel.tp", p.tp)):
+    for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp)):
         if value != 1:
-            raise ConfigError(f"--{name} {value}: --model.arch hf trains any transformers MoE family with data "
-                              "parallelism only; EP, PP and TP are implemented for the OLMoE block (--model.arch olmoe)")
-    if p.ac:
-        raise ConfigError(f"--parallel.ac {p.ac!r}: activation checkpointing targets the OLMoE block; "
-                          "not supported with --model.arch hf")
-    if getattr(m, "compile", False):
-        raise ConfigError("--model.compile compiles the OLMoE decoder stack; not supported with --model.arch hf")
-    if cfg.eval.export_hf:
-        raise ConfigError("--eval.export_hf: the transformers export covers OLMoE and OLMo runs; export of "
-                          "--model.arch hf runs is not implemented (refused before training rather than after it)")
+            raise ConfigError(f"--{name} {value}: --model.arch hf trains any transformers MoE family with data and "
+                              "expert parallelism (--ep); PP and TP are implemented for the OLMoE block and the dense "
+                              "model (--model.arch olmoe / olmo)")
+    if p.ep > 1 and m.moe_impl != "fastmoe":
+        raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     if m.forced_uniform_routing:
         raise ConfigError("--model.forced_uniform_routing needs the OLMoE block (--model.arch olmoe)")
     if m.router_bias_update_rate < 0:
@@ -171,4 +166,6 @@ def check_hf(cfg: Any) -> None:
         m.vocab_size = int(hf.vocab_size)
     if not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"need 1 <= top_k <= num_experts, got top_k={m.top_k}, num_experts={m.num_experts}")
+    if m.num_experts % p.ep:
+        raise ConfigError(f"num_experts={m.num_experts} is not divisible by EP={p.ep}")
     m.load_balancing_coef, m.z_loss_coef, _ = family_losses(hf)

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from fastmoe_xpu.compiling import compile_decoder, compile_seconds
+from fastmoe_xpu.compiling import compile_seconds
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from . import fault
@@ -48,10 +48,10 @@ from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_l
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula
-from .parallelism.ac import apply_activation_checkpointing
+from .parallelism.apply import parallelize
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
-from .parallelism.tp import apply_tensor_parallel, tp_localize
+from .parallelism.tp import tp_localize
 from .schedule import clipping_active, lr_at
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
@@ -133,12 +133,13 @@ class Trainer:
         TP), identical weights on every replica."""
         cfg, lay = self.cfg, self.layout
         p = cfg.parallel
-        tp = getattr(lay, "tp", 1)
+        if cfg.model.compile and p.pp > 1:
+            raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
 
         def prepare(module: nn.Module) -> None:
-            if tp > 1:
-                apply_tensor_parallel(module, lay.tp_group, rank=lay.tp_rank, tp=tp)
-            apply_activation_checkpointing(module, p.ac)
+            # TP -> EP -> activation checkpointing -> compile (traced at the first call, after the
+            # weights below are final)
+            parallelize(module, lay, cfg)
 
         if p.pp > 1:
             self.pipeline = parallelize_pipeline(cfg, lay, self.device,
@@ -149,13 +150,6 @@ class Trainer:
             model = self._full_model()
             prepare(model)
         self._synchronise_weights(model)
-        if cfg.model.compile:
-            if p.pp > 1:
-                raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
-            # Allgather dispatch traces whole under EP; all-to-all breaks the graph at its count read
-            # unless dynamo captures unbacked sizes (docs/compile.md), so it compiles in pieces.
-            whole = getattr(lay, "ep", 1) == 1 or cfg.model.ep_dispatch == "allgather"
-            compile_decoder(model, fullgraph=whole, backend=cfg.model.compile_backend)
         return model
 
     def _full_model(self, *, meta: bool = False) -> nn.Module:

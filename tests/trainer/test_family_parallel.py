@@ -1,0 +1,84 @@
+"""Expert parallelism on transformers MoE families (``--model.arch hf --ep 2``): real gloo
+processes, both dispatchers, EPSO, train exactly like one process over the same global batch
+(fp32, losses and gradient norms to 1e-5, every weight on the rank that holds it).
+
+Families: Qwen3-MoE (softmax top-k, the family's aux loss), Mixtral, DeepSeek-V3 (sigmoid
+group-limited router with the score-correction bias update, a shared expert, the first layer dense)
+and GPT-OSS (transposed expert weights with biases, the clamped SwiGLU gate)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastmoe_xpu.integrations.families import tiny_config
+from parallel_util import run_workers
+from trainer.config import validate
+from trainer.trainer import Trainer
+from trainer_util import RTOL, assert_states_close, data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
+
+
+def family_cfg(data_cache: str, out: str, family: str, steps: int = 3, **over):
+    """3 steps of tiny-qwen3-moe's sizes on ``family`` (DeepSeek-V3: a config.json with a dense first
+    layer); EPSO; no validation pass. lr 1e-3: the EP exchange sums partial expert outputs in another
+    order, and Adam turns that ~1e-7 rounding into an O(lr) move of elements whose gradient is ~0
+    (measured: at 1e-3 one element of 4096 off by 1.3e-5, 1.04e-5 relative in norm of its tensor; losses
+    and gradient norms equal to 1e-6)."""
+    if family == "deepseek_v3_dense1":
+        path = f"{out}.config.json"
+        d = tiny_config("deepseek_v3", vocab_size=258, hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                        intermediate_size=48, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4,
+                        max_position_embeddings=16).to_dict()
+        with open(path, "w") as f:
+            json.dump(d, f)
+        over = {"model__hf_config": path, "model__hf_family": "", **over}
+    else:
+        over = {"model__hf_family": family, **over}
+    cfg = small_cfg(data_cache, out, "tiny-qwen3-moe", steps=steps, optim__name="epso", optim__lr=1e-3, **over)
+    cfg.eval.enabled = False
+    cfg.eval.moe_health = False
+    return cfg
+
+
+def _ep_worker(data_cache: str, out: str, family: str, dispatch: str) -> dict:
+    t = Trainer(family_cfg(data_cache, out, family, parallel__ep=2, model__ep_dispatch=dispatch))
+    hist = t.fit()
+    ids = {n.rpartition(".")[0]: b.clone() for n, b in t.model.named_buffers() if n.endswith("expert_ids")}
+    state = {k: v.detach().clone() for k, v in t.model.state_dict().items() if not k.endswith("expert_ids")}
+    bias = t.hf.state() if t.hf.routers else {}
+    return {"losses": [r["loss"] for r in hist], "grad_norms": [r["grad_norm"] for r in hist], "state": state,
+            "expert_ids": ids, "loads": [r["moe_tokens_per_expert"] for r in hist], "bias": bias,
+            "describe": t.layout.describe()}
+
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3_dense1", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_ep_equals_one_process(data_cache, tmp_path, family) -> None:
+    ref = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family), 1))
+    hist = ref.fit()
+    ref_state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    if family == "deepseek_v3_dense1":  # the first layer is dense: only layer 1 has experts and a bias
+        assert list(ref.hf.experts) == [1] and list(ref.hf.routers) == [1]
+        assert any(v != 0 for v in ref.hf.state()["1"])
+    for dispatch in ("allgather", "alltoall"):
+        results = run_workers(_ep_worker, 2, data_cache, str(tmp_path / dispatch), family, dispatch)
+        for r in results:
+            assert r["losses"] == pytest.approx([h["loss"] for h in hist], rel=RTOL), (dispatch, r["describe"])
+            assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL), dispatch
+            assert r["loads"] == [h["moe_tokens_per_expert"] for h in hist]  # summed over the DP x EP ranks
+            assert r["bias"] == (ref.hf.state() if ref.hf.routers else {})
+            mine = {}
+            for k, v in r["state"].items():
+                ids = r["expert_ids"].get(k.rpartition(".")[0])
+                mine[k] = (v, ref_state[k][ids] if ids is not None else ref_state[k])
+            assert len(r["expert_ids"]) == len(ref.hf.experts)
+            # weights after Adam to lr / 10, elementwise and relative in norm: a wrong update moves an
+            # element by ~lr, while a ~0 gradient's rounding flips it (see family_cfg)
+            assert_states_close({k: a for k, (a, _) in mine.items()}, {k: b for k, (_, b) in mine.items()},
+                                rtol=1e-4, atol=1e-4)
+        halves = [sorted(int(i) for ids in r["expert_ids"].values() for i in ids[:1]) for r in results]
+        assert halves[0] != halves[1]  # the two ranks hold different experts
