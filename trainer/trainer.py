@@ -455,8 +455,11 @@ class Trainer:
         (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
         meta = {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
                 "data_manifest": self.manifest_path}
-        if self.hf is not None and self.hf.routers:
-            meta["router_bias"] = self.hf.state()  # buffers: the weights segments do not carry them
+        if self.hf is not None:
+            # the family's config as built (a --model.hf_config file need not exist at export time)
+            meta["hf_config"] = self.model.config.to_dict()
+            if self.hf.routers:
+                meta["router_bias"] = self.hf.state()  # buffers: the weights segments do not carry them
         return meta
 
     def _write_run_info(self) -> None:
