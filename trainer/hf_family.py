@@ -100,7 +100,11 @@ class HfMoeRun:
 
     def _hook(self, row: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not module.training or torch._C._current_graph_task_id() != -1:  # eval, or a recompute in backward
+            if not module.training:
+                return
+            # a recompute in backward (activation checkpointing) must not count twice; traced, the
+            # graph's backward recomputes without running this hook, and the check cannot be traced
+            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
                 return
             idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
             with torch.no_grad():

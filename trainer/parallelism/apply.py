@@ -42,7 +42,9 @@ def parallelize(model: nn.Module, layout: Any, cfg: Any) -> nn.Module:
         from fastmoe_xpu.compiling import compile_decoder
 
         # Allgather dispatch traces whole under EP; all-to-all breaks the graph at its count read
-        # unless dynamo captures unbacked sizes (docs/compile.md), so it compiles in pieces.
-        whole = layout.ep == 1 or m.ep_dispatch == "allgather"
+        # unless dynamo captures unbacked sizes (docs/compile.md), so it compiles in pieces. A
+        # family's experts function reads its routed row count on the host under EP (sentinel rows
+        # are skipped): it compiles in pieces under either dispatcher.
+        whole = layout.ep == 1 or (m.ep_dispatch == "allgather" and not m.is_hf)
         compile_decoder(model, fullgraph=whole, backend=m.compile_backend)
     return model
