@@ -108,3 +108,22 @@ def test_family_compile_equals_eager(data_cache, tmp_path) -> None:
     assert [r["moe_tokens_per_expert"] for r in compiled] == [r["moe_tokens_per_expert"] for r in eager]
     assert [r["router_bias_absmax"] for r in compiled] == [r["router_bias_absmax"] for r in eager]
     assert compiled[0]["compile_s"] > 0 and compiled[1]["compile_s"] == 0.0
+
+
+def _save_worker(data_cache: str, out: str, family: str) -> None:
+    Trainer(family_cfg(data_cache, out, family, steps=2, parallel__ep=2, model__ep_dispatch="alltoall",
+                       checkpoint__interval=2)).fit()
+
+
+def test_family_resume_on_another_layout(data_cache, tmp_path) -> None:
+    """A DeepSeek-V3 checkpoint written at EP=2 (experts keyed by global id, the router bias in its
+    metadata) resumes in one process and continues exactly as the uninterrupted one-process run."""
+    family = "deepseek_v3_dense1"
+    full = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family, steps=3), 1))
+    hist = full.fit()
+    run_workers(_save_worker, 2, data_cache, str(tmp_path / "ep"), family)
+    again = Trainer(validate(family_cfg(data_cache, str(tmp_path / "ep"), family, steps=3, checkpoint__interval=2), 1))
+    rest = again.fit()
+    assert again.layout.world == 1 and [r["step"] for r in rest] == [3]
+    assert rest[0]["loss"] == pytest.approx(hist[2]["loss"], rel=RTOL)
+    assert rest[0]["router_bias_absmax"] == pytest.approx(hist[2]["router_bias_absmax"], rel=RTOL)
