@@ -1,6 +1,7 @@
-"""Expert parallelism on transformers MoE families (``--model.arch hf --ep 2``): real gloo
-processes, both dispatchers, EPSO, train exactly like one process over the same global batch
-(fp32, losses and gradient norms to 1e-5, every weight on the rank that holds it).
+"""Data and expert parallelism on transformers MoE families (``--model.arch hf``, DP=2 and EP=2 with
+both dispatchers): real gloo processes with EPSO train exactly like one process over the same global
+batch (fp32, losses and gradient norms to 1e-5, every weight on the rank that holds it); compile,
+and resume on another layout.
 
 Families: Qwen3-MoE (softmax top-k, the family's aux loss), Mixtral, DeepSeek-V3 (sigmoid
 group-limited router with the score-correction bias update, a shared expert, the first layer dense)
@@ -47,7 +48,9 @@ AC = {"gpt_oss": "norm,attn,moe", "deepseek_v3_dense1": "moe"}
 
 
 def _ep_worker(data_cache: str, out: str, family: str, dispatch: str) -> dict:
-    t = Trainer(family_cfg(data_cache, out, family, parallel__ep=2, model__ep_dispatch=dispatch,
+    """``dispatch``: EP=2 with that dispatcher, or ``"dp"``: DP=2 (no EP)."""
+    ep = {"ep": 1, "dispatch": "allgather"} if dispatch == "dp" else {"ep": 2, "dispatch": dispatch}
+    t = Trainer(family_cfg(data_cache, out, family, parallel__ep=ep["ep"], model__ep_dispatch=ep["dispatch"],
                            parallel__ac=AC.get(family, "")))
     if family in AC:
         from trainer.parallelism.ac import checkpointed_modules
@@ -73,7 +76,7 @@ def test_family_ep_equals_one_process(data_cache, tmp_path, family) -> None:
     if family == "deepseek_v3_dense1":  # the first layer is dense: only layer 1 has experts and a bias
         assert list(ref.hf.experts) == [1] and list(ref.hf.routers) == [1]
         assert any(v != 0 for v in ref.hf.state()["1"])
-    for dispatch in ("allgather", "alltoall"):
+    for dispatch in ("allgather", "alltoall", "dp"):
         results = run_workers(_ep_worker, 2, data_cache, str(tmp_path / dispatch), family, dispatch)
         for r in results:
             assert r["losses"] == pytest.approx([h["loss"] for h in hist], rel=RTOL), (dispatch, r["describe"])
@@ -84,13 +87,14 @@ def test_family_ep_equals_one_process(data_cache, tmp_path, family) -> None:
             for k, v in r["state"].items():
                 ids = r["expert_ids"].get(k.rpartition(".")[0])
                 mine[k] = (v, ref_state[k][ids] if ids is not None else ref_state[k])
-            assert len(r["expert_ids"]) == len(ref.hf.experts)
+            assert len(r["expert_ids"]) == (0 if dispatch == "dp" else len(ref.hf.experts))
             # weights after Adam to lr / 10, elementwise and relative in norm: a wrong update moves an
             # element by ~lr, while a ~0 gradient's rounding flips it (see family_cfg)
             assert_states_close({k: a for k, (a, _) in mine.items()}, {k: b for k, (_, b) in mine.items()},
                                 rtol=1e-4, atol=1e-4)
-        halves = [sorted(int(i) for ids in r["expert_ids"].values() for i in ids[:1]) for r in results]
-        assert halves[0] != halves[1]  # the two ranks hold different experts
+        if dispatch != "dp":
+            halves = [sorted(int(i) for ids in r["expert_ids"].values() for i in ids[:1]) for r in results]
+            assert halves[0] != halves[1]  # the two ranks hold different experts
 
 
 
