@@ -141,11 +141,13 @@ def check_hf(cfg: Any) -> None:
     if bool(m.hf_config) == bool(m.hf_family):
         raise ConfigError("--model.arch hf needs exactly one of --model.hf_config PATH (a config.json) or "
                           "--model.hf_family NAME (a transformers MoE family, e.g. qwen3_moe)")
-    for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp)):
-        if value != 1:
-            raise ConfigError(f"--{name} {value}: --model.arch hf trains any transformers MoE family with data and "
-                              "expert parallelism (--ep); PP and TP are implemented for the OLMoE block and the dense "
-                              "model (--model.arch olmoe / olmo)")
+    if p.tp != 1:
+        raise ConfigError(f"--parallel.tp {p.tp}: --model.arch hf trains any transformers MoE family with data, "
+                          "expert and pipeline parallelism (--ep, --pp); TP is implemented for the dense model "
+                          "(--model.arch olmo)")
+    if p.pp > 1 and p.pp_meta_init:
+        raise ConfigError("--parallel.pp_meta_init initialises stages as OLMoE does; a family's stages are built "
+                          "from the seed instead (drop --parallel.pp_meta_init)")
     if p.ep > 1 and m.moe_impl != "fastmoe":
         raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     if m.forced_uniform_routing:

@@ -104,6 +104,9 @@ class Trainer:
             from .hf_family import HfMoeRun
 
             self.hf = HfMoeRun(self.model, m, self.device)
+            if self.pipeline is not None:
+                pipe = self.pipeline
+                self.hf.paused = lambda: pipe.inferring
         self.optimizer: ZeroAdamW = self.build_optimizer()
         self.step = 0
         ck = cfg.checkpoint
@@ -237,10 +240,10 @@ class Trainer:
         """Forward and backward over this rank's micro-batches (through the pipeline schedule under
         PP); gradients accumulate in the optimizer's flat buffers. Returns the global sums."""
         global_targets = global_target_count(micro_batches, self.layout.dpep_group, self.device)
-        if self.hf is not None:
-            return self.hf.forward_backward(self, micro_batches, global_targets)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(micro_batches, global_targets)
+        if self.hf is not None:
+            return self.hf.forward_backward(self, micro_batches, global_targets)
         acc: MicroLoss | None = None
         want_router = self.cfg.model.is_moe
         for mb in micro_batches:
@@ -320,7 +323,7 @@ class Trainer:
             mean = sum(tpe) / len(tpe)
             rec["expert_load_max_over_mean"] = max(tpe) / mean if mean > 0 else 0.0
         if self.hf is not None:  # per-expert load and the router bias update (after the weights moved)
-            rec.update(self.hf.end_step(self.layout.dpep_group))
+            rec.update(self.hf.end_step(self.layout.dpep_group, self._stages_group()))
         return rec
 
     # ------------------------------------------------------------------------------ the run
@@ -458,9 +461,16 @@ class Trainer:
         if self.hf is not None:
             # the family's config as built (a --model.hf_config file need not exist at export time)
             meta["hf_config"] = self.model.config.to_dict()
-            if self.hf.routers:
-                meta["router_bias"] = self.hf.state()  # buffers: the weights segments do not carry them
+            bias = self.hf.state(self._stages_group())  # buffers: the weights segments do not carry them
+            if bias:
+                meta["router_bias"] = bias
         return meta
+
+    def _stages_group(self) -> Any:
+        """The pipeline group under PP (the family statistics gather over it), else None."""
+        from .layout import pp_group
+
+        return pp_group(self.layout) if self.pipeline is not None else None
 
     def _write_run_info(self) -> None:
         cfg, lay = self.cfg, self.layout

@@ -131,3 +131,38 @@ def test_family_resume_on_another_layout(data_cache, tmp_path) -> None:
     assert again.layout.world == 1 and [r["step"] for r in rest] == [3]
     assert rest[0]["loss"] == pytest.approx(hist[2]["loss"], rel=RTOL)
     assert rest[0]["router_bias_absmax"] == pytest.approx(hist[2]["router_bias_absmax"], rel=RTOL)
+
+
+def _pp_worker(data_cache: str, out: str, family: str) -> dict:
+    t = Trainer(family_cfg(data_cache, out, family, parallel__pp=2))
+    hist = t.fit()
+    state = {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+    return {"losses": [r["loss"] for r in hist], "grad_norms": [r["grad_norm"] for r in hist],
+            "lb": [r["lb_loss"] for r in hist], "state": state, "stage": t.pipeline.modules[0].stage,
+            "loads": [r["moe_tokens_per_expert"] for r in hist]}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3_dense1", "mixtral"])
+def test_family_pp_equals_one_process(data_cache, tmp_path, family) -> None:
+    """PP=2 (1F1B over the decoder layers, a layer per stage) on a family: the stages carry the router
+    logits forward so the last computes the family's own aux loss; losses, the aux loss, gradient norms,
+    expert loads (DeepSeek-V3: its bias update on the second stage) and every weight of each stage equal
+    one process."""
+    ref = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family), 1))
+    hist = ref.fit()
+    ref_state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    results = run_workers(_pp_worker, 2, data_cache, str(tmp_path / "pp"), family)
+    assert sorted(r["stage"] for r in results) == [0, 1]
+    names = set()
+    for r in results:
+        assert r["losses"] == pytest.approx([h["loss"] for h in hist], rel=RTOL), r["stage"]
+        assert r["lb"] == pytest.approx([h["lb_loss"] for h in hist], rel=RTOL, abs=1e-9)
+        assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL)
+        # every stage's layers, gathered over the pipeline (the shape-inference forward not counted)
+        assert r["loads"] == [h["moe_tokens_per_expert"] for h in hist]
+        assert_states_close(r["state"], {k: ref_state[k] for k in r["state"]}, rtol=1e-4, atol=1e-4)
+        names |= set(r["state"])
+    assert {k for k in ref_state if k in names} == {k for k, _ in ref.model.named_parameters()} | \
+        {k for k in names if k.endswith("e_score_correction_bias")}
+    if family != "deepseek_v3_dense1":
+        assert all(v > 0 for v in results[0]["lb"])  # the family's aux loss is on

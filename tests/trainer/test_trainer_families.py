@@ -161,8 +161,8 @@ def test_bad_hf_config(tmp_path, case, match) -> None:
 @pytest.mark.parametrize("flags,match", [
     (["--ep", "2", "--model.moe_impl", "hf"], "needs --model.moe_impl fastmoe"),
     (["--ep", "3"], "not divisible by EP=3"),
-    (["--pp", "2"], "PP and TP are implemented for the OLMoE block"),
-    (["--tp", "2"], "PP and TP are implemented for the OLMoE block"),
+    (["--tp", "2"], "TP is implemented for the dense model"),
+    (["--pp", "2", "--parallel.pp_meta_init"], "pp_meta_init"),
     (["--model.hf_family", "no_such_family"], "hf_family"),
     (["--model.router_bias_update_rate", "-1"], "router_bias_update_rate"),
     (["--model.hf_config", "x.json"], "exactly one of"),
