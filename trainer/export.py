@@ -326,18 +326,26 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
         GenerationConfig(eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"]
                          ).save_pretrained(str(tmp))
         files.append("generation_config.json")
-        (tmp / "fastmoe_export.json").write_text(json.dumps(
-            {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"),
-             "preset": cfg.preset}, indent=2))
+        _finish(tmp, out, ckpt, info, {"preset": cfg.preset})
         files.append("fastmoe_export.json")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=sorted(files),
                         total_bytes=total, peak_bytes=peak, seconds=time.perf_counter() - t0)
+
+
+def _finish(tmp: Path, out: Path, ckpt: Path, info: CheckpointInfo, extra: dict[str, Any]) -> list[str]:
+    """Record where the export came from (``fastmoe_export.json``) and move ``tmp`` to ``out``;
+    returns the files written."""
+    (tmp / "fastmoe_export.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"), **extra},
+        indent=2))
+    files = sorted(f.name for f in tmp.iterdir())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return files
 
 
 # ------------------------------------------------------------------------------ transformers families
@@ -410,14 +418,8 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
         # every field written out, not only those differing from the class's defaults: a reader (and
         # --model.hf_config) never depends on another version's defaults
         hf.to_json_file(str(tmp / "config.json"), use_diff=False)
-        (tmp / "fastmoe_export.json").write_text(json.dumps(
-            {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"),
-             "preset": cfg.preset, "family": hf.model_type}, indent=2))
-        files = sorted(f.name for f in tmp.iterdir())
         total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        files = _finish(tmp, out, ckpt, info, {"preset": cfg.preset, "family": hf.model_type})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
