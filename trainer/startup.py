@@ -41,7 +41,7 @@ def summary_lines(trainer: Any) -> list[str]:
     data_vocab = trainer.data_vocab
     lines.append(f"vocabulary: model {m.vocab_size}, data {data_vocab}"
                  + (f" ({m.vocab_size - data_vocab} rows the data never uses)" if m.vocab_size > data_vocab else ""))
-    tp = getattr(lay, "tp", 1)
+    tp = lay.tp
     dispatch = f", dispatcher {m.ep_dispatch}" if lay.ep > 1 else ""
     lines.append(f"layout: world {lay.world} = PP {lay.pp} x DP {lay.dp} x EP {lay.ep} x TP {tp}{dispatch} "
                  f"on {trainer.device}")

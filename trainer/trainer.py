@@ -43,7 +43,7 @@ from fastmoe_xpu.dist.sharding import is_expert_weight
 from . import fault
 from .checkpoint import CheckpointManager, load_model, sync_master_from_model
 from .config import ConfigError, TrainConfig, validate, validated_for
-from .layout import Layout, barrier, env_world_size, init_layout, init_tp_layout
+from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, param_counts, torch_dtype
@@ -65,7 +65,7 @@ class Trainer:
     ``cfg`` is used as it is when :func:`trainer.config.validate` passed it for this world (the
     CLI's), else a validated copy is."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, layout: DeviceMesh | None = None) -> None:
         # a bad --out fails here, in one line, before any process group or model exists
         fault.check_out_dir(cfg.logging.out)
         world = layout.world if layout is not None else env_world_size()
@@ -74,7 +74,7 @@ class Trainer:
             cfg = validate(copy.deepcopy(cfg), world)
         self.cfg = cfg
         if layout is None:
-            layout = init_tp_layout(cfg) if cfg.parallel.tp > 1 else init_layout(cfg.parallel)
+            layout = init_layout(cfg.parallel)
         self.layout = layout
         self.pipeline: Pipeline | None = None
         lay = self.layout
@@ -175,7 +175,7 @@ class Trainer:
             if not lay.distributed:
                 load_and_broadcast_local(model, path)
                 return
-            tp = getattr(lay, "tp", 1)
+            tp = lay.tp
             load_and_broadcast(model, path, group=None, method="broadcast" if method == "none" else method,
                                localize=tp_localize(lay.tp_rank, tp) if tp > 1 else None)
         elif method != "none" and lay.dpep_group is not None:
@@ -184,7 +184,7 @@ class Trainer:
 
     def build_optimizer(self) -> ZeroAdamW:
         o, lay = self.cfg.optim, self.layout
-        tp = getattr(lay, "tp", 1)
+        tp = lay.tp
         if tp == 1:
             return build_optimizer(
                 o.name, self.model, lay, is_expert=is_expert_weight, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -476,7 +476,8 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         info = {
             "config": cfg.to_dict(),
-            "layout": {"world": lay.world, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "device": str(self.device)},
+            "layout": {"world": lay.world, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp,
+                       "device": str(self.device)},
             "data": self.manifest_path,
             "params": {"total": self.counts.total, "active": self.counts.active, "embedding": self.counts.embedding,
                        "expert": self.counts.expert},

@@ -22,13 +22,13 @@ import torch.nn as nn
 
 def parallelize(model: nn.Module, layout: Any, cfg: Any) -> nn.Module:
     """Apply TP -> EP -> activation checkpointing -> compile to ``model`` for ``layout`` (a
-    :class:`trainer.layout.Layout`) as ``cfg`` (a validated :class:`trainer.config.TrainConfig`)
+    :class:`trainer.layout.DeviceMesh`) as ``cfg`` (a validated :class:`trainer.config.TrainConfig`)
     asks; returns ``model`` (changed in place). Compilation is lazy: the graph is traced at the first
     call, so weights may still be loaded or broadcast in place after this."""
     from .ac import apply_activation_checkpointing
 
     m, p = cfg.model, cfg.parallel
-    tp = getattr(layout, "tp", 1)
+    tp = layout.tp
     if tp > 1:
         from .tp import apply_tensor_parallel
 

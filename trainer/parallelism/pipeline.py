@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
-from ..layout import Layout, pp_group
+from ..layout import DeviceMesh, pp_group
 from ..loss import MicroLoss, MoeLossConfig, _lm_loss, pipeline_loss
 from .plan import split_layers
 
@@ -352,7 +352,7 @@ class Pipeline:
         return list(self.loss_cfg.parts[-self.n_microbatches:])
 
 
-def parallelize_pipeline(cfg: TrainConfig, layout: Layout, device: torch.device, build: Callable[[int], nn.Module],
+def parallelize_pipeline(cfg: TrainConfig, layout: DeviceMesh, device: torch.device, build: Callable[[int], nn.Module],
                          prepare: Callable[[nn.Module], None]) -> Pipeline:
     """This rank's stage(s) of the model ``build`` returns, each passed through ``prepare`` (TP,
     activation checkpointing), run by the schedule ``cfg`` names with the trainer's loss."""
