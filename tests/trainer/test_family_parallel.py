@@ -48,7 +48,7 @@ AC = {"gpt_oss": "norm,attn,moe", "deepseek_v3_dense1": "moe"}
 
 
 def _ep_worker(data_cache: str, out: str, family: str, dispatch: str) -> dict:
-    """``dispatch``: EP=2 with that dispatcher, or ``"dp"``: DP=2 (no EP)."""
+    """``dispatch``: EP=2 with that dispatcher (DP = the rest of the world), or ``"dp"``: no EP."""
     ep = {"ep": 1, "dispatch": "allgather"} if dispatch == "dp" else {"ep": 2, "dispatch": dispatch}
     t = Trainer(family_cfg(data_cache, out, family, parallel__ep=ep["ep"], model__ep_dispatch=ep["dispatch"],
                            parallel__ac=AC.get(family, "")))
@@ -68,34 +68,38 @@ def _ep_worker(data_cache: str, out: str, family: str, dispatch: str) -> dict:
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3_dense1", "gpt_oss"]
 
 
+def _check_against(results: list[dict], ref: Trainer, hist: list[dict], label: str) -> None:
+    ref_state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    for r in results:
+        assert r["losses"] == pytest.approx([h["loss"] for h in hist], rel=RTOL), (label, r["describe"])
+        assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL), label
+        assert r["loads"] == [h["moe_tokens_per_expert"] for h in hist]  # summed over the DP x EP ranks
+        assert r["bias"] == (ref.hf.state() if ref.hf.routers else {})
+        mine = {}
+        for k, v in r["state"].items():
+            ids = r["expert_ids"].get(k.rpartition(".")[0])
+            mine[k] = (v, ref_state[k][ids] if ids is not None else ref_state[k])
+        # weights after Adam to lr / 10, elementwise and relative in norm: a wrong update moves an
+        # element by ~lr, while a ~0 gradient's rounding flips it (see family_cfg)
+        assert_states_close({k: a for k, (a, _) in mine.items()}, {k: b for k, (_, b) in mine.items()},
+                            rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_ep_equals_one_process(data_cache, tmp_path, family) -> None:
     ref = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family), 1))
     hist = ref.fit()
-    ref_state = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
     if family == "deepseek_v3_dense1":  # the first layer is dense: only layer 1 has experts and a bias
         assert list(ref.hf.experts) == [1] and list(ref.hf.routers) == [1]
         assert any(v != 0 for v in ref.hf.state()["1"])
     for dispatch in ("allgather", "alltoall", "dp"):
         results = run_workers(_ep_worker, 2, data_cache, str(tmp_path / dispatch), family, dispatch)
+        _check_against(results, ref, hist, dispatch)
         for r in results:
-            assert r["losses"] == pytest.approx([h["loss"] for h in hist], rel=RTOL), (dispatch, r["describe"])
-            assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL), dispatch
-            assert r["loads"] == [h["moe_tokens_per_expert"] for h in hist]  # summed over the DP x EP ranks
-            assert r["bias"] == (ref.hf.state() if ref.hf.routers else {})
-            mine = {}
-            for k, v in r["state"].items():
-                ids = r["expert_ids"].get(k.rpartition(".")[0])
-                mine[k] = (v, ref_state[k][ids] if ids is not None else ref_state[k])
             assert len(r["expert_ids"]) == (0 if dispatch == "dp" else len(ref.hf.experts))
-            # weights after Adam to lr / 10, elementwise and relative in norm: a wrong update moves an
-            # element by ~lr, while a ~0 gradient's rounding flips it (see family_cfg)
-            assert_states_close({k: a for k, (a, _) in mine.items()}, {k: b for k, (_, b) in mine.items()},
-                                rtol=1e-4, atol=1e-4)
         if dispatch != "dp":
             halves = [sorted(int(i) for ids in r["expert_ids"].values() for i in ids[:1]) for r in results]
             assert halves[0] != halves[1]  # the two ranks hold different experts
-
 
 
 def test_family_compile_equals_eager(data_cache, tmp_path) -> None:
@@ -166,3 +170,14 @@ def test_family_pp_equals_one_process(data_cache, tmp_path, family) -> None:
         {k for k in names if k.endswith("e_score_correction_bias")}
     if family != "deepseek_v3_dense1":
         assert all(v > 0 for v in results[0]["lb"])  # the family's aux loss is on
+
+
+def test_family_dp2_ep2_world4(data_cache, tmp_path) -> None:
+    """World 4 = DP 2 x EP 2 (all-to-all) on DeepSeek-V3: the bias update from loads summed over the
+    four data ranks, the shared expert replicated, experts split over EP and replicated over DP."""
+    family = "deepseek_v3_dense1"
+    ref = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family), 1))
+    hist = ref.fit()
+    results = run_workers(_ep_worker, 4, data_cache, str(tmp_path / "w4"), family, "alltoall")
+    _check_against(results, ref, hist, "dp2 x ep2")
+    assert [r["describe"].split(";")[0] for r in results] == ["world=4 = PP 1 x DP 2 x EP 2"] * 4
