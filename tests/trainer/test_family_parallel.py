@@ -9,6 +9,7 @@ and GPT-OSS (transposed expert weights with biases, the clamped SwiGLU gate)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -32,8 +33,10 @@ def family_cfg(data_cache: str, out: str, family: str, steps: int = 3, **over):
                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
                         intermediate_size=48, n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4,
                         max_position_embeddings=16).to_dict()
-        with open(path, "w") as f:
+        tmp = f"{path}.{os.getpid()}"  # every rank writes it: atomically, so none reads a partial file
+        with open(tmp, "w") as f:
             json.dump(d, f)
+        os.replace(tmp, path)
         over = {"model__hf_config": path, "model__hf_family": "", **over}
     else:
         over = {"model__hf_family": family, **over}
