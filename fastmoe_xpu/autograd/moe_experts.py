@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..kernels.contract import TOKEN_BLOCK_SIZE
 from ..kernels.registry import check_choice, resolve_backend
+from .lora_ops import ExpertsLora, lora_mlp_combine
 from .ops import ExpertRows, combine, mlp_combine, route
 
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
@@ -55,6 +56,7 @@ def moe_experts_forward(
     gemm_engine: str = "native",
     ep_group: dist.ProcessGroup | None = None,
     expert_rows: ExpertRows | None = None,
+    lora: ExpertsLora | None = None,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
     (partial sums when other ranks hold other experts; choices of other experts are skipped).
@@ -64,7 +66,9 @@ def moe_experts_forward(
     ``ep_group``). ``expert_rows``: another layout's stage 4 (its own gate, biases, norm, on
     ``fastmoe::grouped_linear``), in which case the weights may be None and ``num_local`` is given;
     else the fused gate/up -> SiLU*up -> down path over ``w_gate_up [NR, 2I, H]`` and
-    ``w_down [NR, H, I]``."""
+    ``w_down [NR, H, I]``. ``lora``: per-expert adapters on those two weights (frozen then), run
+    inside the fused path by ``fastmoe::lora_mlp_combine`` (:mod:`.lora_ops`); another layout's
+    ``expert_rows`` applies its own."""
     check_choice(gemm_engine)
     base = kernel_backend(backend, x_TH.device)
     if num_local is None:
@@ -72,6 +76,9 @@ def moe_experts_forward(
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
     # no shape in the graph depends on data.
     rows = route(topk_idx_TK, expert_start, num_local, base, not torch.compiler.is_compiling())
+    if expert_rows is None and lora:
+        return lora_mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, lora, f"{base}+{gemm_engine}",
+                                _group_name(ep_group))
     if expert_rows is None:
         out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm_engine}",
                                 _group_name(ep_group))

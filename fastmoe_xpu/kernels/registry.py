@@ -13,6 +13,8 @@ torch     route, gemm, combine    plain PyTorch, any device (the CPU's kernels);
 triton    route, gemm, combine    Triton kernels: xpu, cuda, and CPU tensors under TRITON_INTERPRET=1
 loop      gemm                    one ``torch.mm`` per expert (``kernels/torch/grouped_gemm.py``)
 grouped_mm  gemm                  PyTorch's grouped GEMM (``kernels/grouped_mm.py``)
+triton_tma  gemm                  persistent TMA grouped GEMMs for sm_90+ (``kernels/triton/tma_gemm.py``);
+                                  CPU tensors only under TRITON_INTERPRET=1, never timed there
 ========  ======================  ===============================================================
 
 A *kernel set* is a base implementation (``torch`` or ``triton``: stages 2, 3 and 5, and its native
@@ -70,6 +72,23 @@ def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _tma_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = _triton_reason(device, dtype)
+    if reason is not None:
+        return reason
+    import triton.language as tl
+
+    if not hasattr(tl, "make_tensor_descriptor") or importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
+        return "this triton has no tensor descriptors (triton >= 3.4)"
+    if device.type == "cuda":
+        if getattr(torch.version, "hip", None):
+            return "triton_tma runs on NVIDIA GPUs (TMA), not ROCm"
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return f"triton_tma needs TMA (sm_90 or newer), this GPU is sm_{major}x"
+    return None
+
+
 def _grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     from .grouped_mm import unsupported_reason
 
@@ -121,6 +140,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_grouped_mm_reason),
         Implementation("triton", ("route", "gemm", "combine"), ("cpu", "cuda", "xpu"), _FLOATS, ".triton",
                        unavailable=_triton_reason, native_gemm="triton", timed=lambda device: device.type != "cpu"),
+        Implementation("triton_tma", ("gemm",), ("cpu", "cuda"), _FLOATS, ".triton.tma_gemm",
+                       unavailable=_tma_reason, timed=lambda device: device.type == "cuda"),
     )
 }
 
@@ -128,8 +149,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
 BASES = tuple(n for n, impl in IMPLEMENTATIONS.items() if {"route", "combine"} <= set(impl.stages))
 #: The stage-4 implementations ("engines"), in the order ties are broken.
 ENGINES = tuple(n for n, impl in IMPLEMENTATIONS.items() if "gemm" in impl.stages)
-#: Every value ``gemm_engine`` accepts.
-CHOICES = settings.GEMM_ENGINES
+#: Every value ``gemm_engine`` (and ``FASTMOE_GEMM_ENGINE``) accepts.
+CHOICES = ("auto", "native", *ENGINES)
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
 
