@@ -388,6 +388,9 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
     meta = info.meta.get("meta", {}) or {}
     if meta.get("hf_config"):
         d = dict(meta["hf_config"])
+        # the trainer ran with experts_implementation="fastmoe"; the export is for any transformers
+        for key in ("experts_implementation", "_experts_implementation"):
+            d.pop(key, None)
         hf = AutoConfig.for_model(d.pop("model_type"), **d)
     else:
         hf = hf_model_config(m, cfg.data.context)
