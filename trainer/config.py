@@ -26,7 +26,7 @@ class ModelConfig:
 
     arch: str = "olmoe"
     """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM), ``"olmo"`` (dense OlmoForCausalLM) or ``"hf"``
-    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; data parallel only)."""
+    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; DP, EP, PP)."""
     num_layers: int = 2
     """Decoder layers (L)."""
     hidden_size: int = 64

@@ -22,8 +22,9 @@ Each family keeps its own router, shared experts and auxiliary losses:
 
 Per-expert load is measured where every family agrees: a forward pre-hook on each decorated experts
 module reads the ``top_k_index`` it is handed (on the device; one all-reduce and one host read per
-step). Only data parallelism is supported here: EP, PP, TP and activation checkpointing target the
-OLMoE block and are refused for ``arch="hf"`` by :func:`check_hf`.
+step). Data, expert and pipeline parallelism, activation checkpointing and compilation are applied
+as for the OLMoE model (:func:`trainer.parallelism.apply.parallelize`, :mod:`trainer.parallelism.ep`,
+:mod:`trainer.parallelism.pipeline`); TP is refused by :func:`trainer.hf_config.check_hf`.
 """
 from __future__ import annotations
 
