@@ -41,6 +41,9 @@ from .peft_lora import parametrized_weights, stored_weight
 NAME = "fastmoe"
 #: Attributes ``@use_experts_implementation`` sets on every experts module, all honoured here.
 LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_concatenated", "is_transposed", "has_post_expert_norm")
+#: Attributes that later transformers releases added to the decorator, with the value that means what
+#: the releases before them did (5.17 has no post-expert norm: no module it decorates sets the flag).
+LAYOUT_DEFAULTS = {"has_post_expert_norm": False}
 
 
 class ExpertsLayoutError(ValueError):
@@ -70,6 +73,9 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
     the first attribute that is missing or that this implementation cannot honour."""
     flags: dict[str, Any] = {}
     for attr in LAYOUT_ATTRIBUTES:
+        if not hasattr(module, attr) and attr in LAYOUT_DEFAULTS:
+            flags[attr] = LAYOUT_DEFAULTS[attr]
+            continue
         if not hasattr(module, attr):
             raise ExpertsLayoutError(
                 f"{type(module).__name__} has no attribute {attr!r}: the fastmoe experts implementation serves "
@@ -148,10 +154,13 @@ def fastmoe_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    lora: ExpertsLora | None = None,
 ) -> torch.Tensor:
     """The ``"fastmoe"`` experts implementation: ``[T, H]`` from ``hidden_states [T, H]``,
     ``top_k_index [T, K]`` (ids ``>= num_experts`` are expert-parallel sentinels: rows this rank
-    does not own, skipped) and ``top_k_weights [T, K]``."""
+    does not own, skipped) and ``top_k_weights [T, K]``. ``lora``: adapters on the stored (frozen)
+    weights handed over directly (:func:`.peft_lora.run_adapters_in_experts`); else PEFT's active
+    parametrization, if any, is read."""
     flags = describe_layout(self)
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
@@ -164,7 +173,10 @@ def fastmoe_experts_forward(
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     # PEFT's LoRA on the 3-D weights (target_parameters): the frozen weights and the adapters, which
     # run inside the grouped GEMMs (peft_lora.py); else the weights as they read.
-    (w_up, w_down), lora = parametrized_weights(self, (up_name, "down_proj"), flags["is_transposed"])
+    if lora is None:
+        (w_up, w_down), lora = parametrized_weights(self, (up_name, "down_proj"), flags["is_transposed"])
+    else:
+        w_up, w_down = stored_weight(self, up_name), stored_weight(self, "down_proj")
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     if not flags["expert_parallel"] and not torch.compiler.is_compiling():
