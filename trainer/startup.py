@@ -46,7 +46,8 @@ def summary_lines(trainer: Any) -> list[str]:
     lines.append(f"layout: world {lay.world} = PP {lay.pp} x DP {lay.dp} x EP {lay.ep} x TP {tp}{dispatch} "
                  f"on {trainer.device}")
     autocast = "none" if trainer._autocast_dtype is None else "bf16"
-    lines.append(f"optimizer: {cfg.optim.name}, lr {cfg.optim.lr:g}; precision: weights {m.param_dtype}, "
+    optim = "FSDP2 on the non-expert weights + AdamW, experts' states over DP" if (p.dp_shard == "fsdp" and lay.dpep_group is not None) else cfg.optim.name
+    lines.append(f"optimizer: {optim}, lr {cfg.optim.lr:g}; precision: weights {m.param_dtype}, "
                  f"autocast {autocast}, gradient reduction {cfg.optim.grad_reduce_dtype}")
     extras = [f"compile {'on (' + m.compile_backend + ')' if m.compile else 'off'}",
               f"activation checkpointing {p.ac or 'off'}"]

@@ -195,6 +195,12 @@ class Trainer:
     def build_optimizer(self) -> ZeroAdamW:
         o, lay = self.cfg.optim, self.layout
         tp = lay.tp
+        if self.cfg.parallel.dp_shard == "fsdp" and lay.dpep_group is not None:
+            from .optim.fsdp import FsdpAdamW
+
+            return FsdpAdamW(self.model.named_parameters(), is_expert=is_expert_weight, dp_group=lay.dp_group,
+                             norm_group=lay.world_group, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype))
         if tp == 1:
             return build_optimizer(
                 o.name, self.model, lay, is_expert=is_expert_weight, betas=(o.beta1, o.beta2), eps=o.eps,

@@ -185,3 +185,38 @@ def test_family_dp2_ep2_world4(data_cache, tmp_path) -> None:
     results = run_workers(_ep_worker, 4, data_cache, str(tmp_path / "w4"), family, "alltoall")
     _check_against(results, ref, hist, "dp2 x ep2")
     assert [r["describe"].split(";")[0] for r in results] == ["world=4 = PP 1 x DP 2 x EP 2"] * 4
+
+
+def _fsdp_worker(data_cache: str, out: str, family: str, ep: int) -> dict:
+    t = Trainer(family_cfg(data_cache, out, family, parallel__ep=ep, model__ep_dispatch="alltoall",
+                           parallel__dp_shard="fsdp"))
+    from torch.distributed.tensor import DTensor
+
+    dense = [p for n, p in t.model.named_parameters() if ".experts." not in n]
+    assert dense and all(isinstance(p, DTensor) for p in dense)
+    hist = t.fit()
+    dense_local = sum(p.to_local().numel() for p in dense)
+    expert_local = sum(p.numel() for n, p in t.model.named_parameters() if ".experts." in n)
+    return {"losses": [r["loss"] for r in hist], "grad_norms": [r["grad_norm"] for r in hist],
+            "dense": dense_local, "expert": expert_local, "state_bytes": t.optimizer.state_bytes()}
+
+
+def test_family_fsdp_equals_one_process(data_cache, tmp_path) -> None:
+    """``--parallel.dp_shard fsdp`` on Qwen3-MoE, DP=2 and EP=2 (all-to-all): FSDP2 shards the
+    non-expert weights over the two ranks, experts stay EP; losses and gradient norms equal one process."""
+    family = "qwen3_moe"
+    ref = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family), 1))
+    hist = ref.fit()
+    dense = sum(p.numel() for n, p in ref.model.named_parameters() if ".experts." not in n)
+    expert = sum(p.numel() for n, p in ref.model.named_parameters() if ".experts." in n)
+    for ep in (1, 2):
+        results = run_workers(_fsdp_worker, 2, data_cache, str(tmp_path / f"ep{ep}"), family, ep)
+        for r in results:
+            assert r["losses"] == pytest.approx([h["loss"] for h in hist], rel=RTOL), ep
+            assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL), ep
+            assert r["expert"] == expert // ep  # experts stay whole per EP rank, replicated over DP
+            # fp32 master + two moments of this rank's dense shard and expert bucket shard
+            assert r["state_bytes"] >= 12 * (r["dense"] + expert // ep // (2 // ep))
+        # every dense weight lives on exactly one of the two ranks, each holding about half
+        assert sum(r["dense"] for r in results) == dense
+        assert all(r["dense"] < 0.6 * dense for r in results)

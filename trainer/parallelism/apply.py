@@ -1,6 +1,7 @@
 """One way parallelism is applied to a model: :func:`parallelize` runs, in this order, tensor
-parallelism -> expert parallelism -> activation checkpointing -> compilation on one model (or one
-pipeline stage), the same for the OLMoE block and for every transformers family.
+parallelism -> expert parallelism -> activation checkpointing -> FSDP2 on the non-expert weights
+(``--parallel.dp_shard fsdp``) -> compilation on one model (or one pipeline stage), the same for the
+OLMoE block and for every transformers family.
 
 * TP (``--tp``): attention heads and MLP columns of the dense model (:mod:`.tp`);
 * EP (``--ep``): the OLMoE block is built sharded (``patch_olmoe(ep_group=...)``); a family's
@@ -38,6 +39,12 @@ def parallelize(model: nn.Module, layout: Any, cfg: Any) -> nn.Module:
 
         apply_expert_parallel(model, layout.ep_group, dispatch=m.ep_dispatch, check_inputs=m.ep_check_inputs)
     apply_activation_checkpointing(model, p.ac)
+    if getattr(p, "dp_shard", "none") == "fsdp" and layout.dpep_group is not None:
+        from fastmoe_xpu.dist.sharding import is_expert_weight
+
+        from ..optim.fsdp import apply_fsdp
+
+        apply_fsdp(model, layout.dpep_group, is_expert=is_expert_weight, device_type=layout.device.type)
     if m.compile:
         from fastmoe_xpu.compiling import compile_decoder
 
