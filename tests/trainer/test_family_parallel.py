@@ -202,7 +202,7 @@ def _fsdp_worker(data_cache: str, out: str, family: str, ep: int) -> dict:
 
 
 def test_family_fsdp_equals_one_process(data_cache, tmp_path) -> None:
-    """``--parallel.dp_shard fsdp`` on Qwen3-MoE, DP=2 and EP=2 (all-to-all): FSDP2 shards the
+    """``--parallel.dp_shard fsdp`` on Qwen3-MoE at world 2, DP=2 and EP=2 (all-to-all): FSDP2 shards the
     non-expert weights over the two ranks, experts stay EP; losses and gradient norms equal one process."""
     family = "qwen3_moe"
     ref = Trainer(validate(family_cfg(data_cache, str(tmp_path / "one"), family), 1))
