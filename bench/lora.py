@@ -8,7 +8,7 @@ Both contestants are one module: the family's own experts class at its bench sha
 switched per call, so every weight and adapter is shared. ``--low-rank ENGINE`` adds a ``fastmoe``
 contestant whose adapters' ``r``-wide products run on ``ENGINE`` instead of the registry's choice;
 ``--handed-in`` one whose adapters reach the experts function through
-:func:`fastmoe_xpu.integrations.peft_lora.run_adapters_in_experts` instead of PEFT's per-call
+:func:`fastmoe_xpu.integrations.experts.run_adapters_in_experts` instead of PEFT's per-call
 parametrization (whose registration folds ``W + delta`` once per forward, for every contestant).
 
 Time: the steps are interleaved (one step of each contestant per round) and each contestant's
@@ -86,7 +86,7 @@ HANDED_IN = "handed-in"
 @contextlib.contextmanager
 def handed_in(wrapper: nn.Module, on: bool) -> Iterator[None]:
     """PEFT's adapters handed to the experts function directly for a while (``run_adapters_in_experts``)."""
-    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+    from fastmoe_xpu.integrations.experts import run_adapters_in_experts
 
     if not on:
         yield

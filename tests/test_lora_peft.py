@@ -149,7 +149,7 @@ def test_fullgraph_compile_with_adapters_in_experts(family, monkeypatch) -> None
     rules), PEFT on grouped_mm's loss and adapter gradients, and PEFT's fold never runs at all."""
     import torch._dynamo.testing
 
-    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+    from fastmoe_xpu.integrations.experts import run_adapters_in_experts
 
     ref, ours = _pair(family)
     ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(4))

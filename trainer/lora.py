@@ -72,7 +72,7 @@ def apply_lora(model: nn.Module, section: Any) -> Any:
         from peft import inject_adapter_in_model
     except ImportError as err:
         raise ConfigError("--lora.rank needs the peft package (scripts/setup_venv.sh installs it)") from err
-    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+    from fastmoe_xpu.integrations.experts import run_adapters_in_experts
 
     config = peft_config(section)
     inject_adapter_in_model(config, model)

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..autograd.moe_experts import moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
-from .peft_lora import parametrized_weights, stored_weight
+from .peft_lora import is_peft_wrapper, parametrized_weights, stored_weight, unwrap_experts, wrapper_chain
 
 #: The name under which the implementation is registered.
 NAME = "fastmoe"
@@ -159,7 +159,7 @@ def fastmoe_experts_forward(
     """The ``"fastmoe"`` experts implementation: ``[T, H]`` from ``hidden_states [T, H]``,
     ``top_k_index [T, K]`` (ids ``>= num_experts`` are expert-parallel sentinels: rows this rank
     does not own, skipped) and ``top_k_weights [T, K]``. ``lora``: adapters on the stored (frozen)
-    weights handed over directly (:func:`.peft_lora.run_adapters_in_experts`); else PEFT's active
+    weights handed over directly (:func:`run_adapters_in_experts`); else PEFT's active
     parametrization, if any, is read."""
     flags = describe_layout(self)
     if hidden_states.dim() != 2:
@@ -408,3 +408,31 @@ def register_lazily() -> str:
 
 def _eager() -> str:
     return "now" if register() else "absent"
+
+
+def run_adapters_in_experts(model: nn.Module) -> int:
+    """Let the ``"fastmoe"`` experts of ``model`` take PEFT's expert adapters directly: each outermost
+    parameter wrapper around a transformers experts module gets a forward that unwraps the active
+    adapters (:func:`unwrap_experts`) and calls the experts function with them, without PEFT's
+    per-call parametrization, so that ``torch.compile(model, fullgraph=True)`` traces one graph.
+    Experts switched to another implementation keep PEFT's own forward (checked per call). Returns
+    how many experts modules were set up; call it again after adding adapters to new modules."""
+    wrappers = [m for m in model.modules() if is_peft_wrapper(m)]
+    inner = {id(m.base_layer) for m in wrappers}
+    count = 0
+    for outer in (w for w in wrappers if id(w) not in inner):
+        _, experts = wrapper_chain(outer)
+        if not hasattr(getattr(experts, "config", None), "_experts_implementation"):
+            continue  # not a transformers experts module (FastSparseMoeBlock unwraps its experts itself)
+        peft_forward = type(outer).forward.__get__(outer)
+
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    *args: Any, __outer: nn.Module = outer, __peft: Any = peft_forward, **kwargs: Any) -> torch.Tensor:
+            experts, lora = unwrap_experts(__outer)
+            if args or kwargs or experts.config._experts_implementation != NAME:
+                return __peft(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            return fastmoe_experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=lora)
+
+        outer.forward = forward
+        count += 1
+    return count
