@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.contract import TOKEN_BLOCK_SIZE
-from ..kernels.registry import check_choice, resolve_backend
+from ..kernels.registry import check_choice, check_precision, precision_engine, resolve_backend
 from .ops import ExpertRows, combine, mlp_combine, route
 
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
@@ -55,6 +55,7 @@ def moe_experts_forward(
     gemm_engine: str = "native",
     ep_group: dist.ProcessGroup | None = None,
     expert_rows: ExpertRows | None = None,
+    expert_precision: str | None = None,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
     (partial sums when other ranks hold other experts; choices of other experts are skipped).
@@ -64,18 +65,24 @@ def moe_experts_forward(
     ``ep_group``). ``expert_rows``: another layout's stage 4 (its own gate, biases, norm, on
     ``fastmoe::grouped_linear``), in which case the weights may be None and ``num_local`` is given;
     else the fused gate/up -> SiLU*up -> down path over ``w_gate_up [NR, 2I, H]`` and
-    ``w_down [NR, H, I]``."""
+    ``w_down [NR, H, I]``. ``expert_precision``: ``"int8"`` or ``"fp8"`` runs every stage-4 GEMM
+    quantized, on the registry's implementation of that precision (which then replaces
+    ``gemm_engine``); None: full precision."""
     check_choice(gemm_engine)
+    check_precision(expert_precision)
     base = kernel_backend(backend, x_TH.device)
+    gemm = gemm_engine
+    if expert_precision is not None:
+        gemm = precision_engine(expert_precision, base, x_TH.device, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
     # no shape in the graph depends on data.
     rows = route(topk_idx_TK, expert_start, num_local, base, not torch.compiler.is_compiling())
     if expert_rows is None:
-        out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm_engine}",
+        out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm}",
                                 _group_name(ep_group))
         return out_TH
     input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts = rows
-    y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base)
+    y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base if expert_precision is None else f"{base}+{gemm}")
     return combine(y_RH.contiguous(), weights_TK, output_indices, selected_expert_indices, cum_expert_counts, base)
