@@ -36,6 +36,13 @@ def kernel_backend(backend: str, device: torch.device) -> str:
     return _kernel_backend(backend, device.type, -1 if device.index is None else device.index)
 
 
+@torch.compiler.assume_constant_result
+def _precision_engine(precision: str, base: str, device_type: str, device_index: int, dtype: torch.dtype) -> str:
+    """:func:`precision_engine` outside any traced graph (it probes the device with a tiny GEMM once)."""
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    return precision_engine(precision, base, device, dtype)
+
+
 def _group_name(group: dist.ProcessGroup | None) -> str:
     if group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return ""
@@ -73,7 +80,8 @@ def moe_experts_forward(
     base = kernel_backend(backend, x_TH.device)
     gemm = gemm_engine
     if expert_precision is not None:
-        gemm = precision_engine(expert_precision, base, x_TH.device, x_TH.dtype)
+        dev = x_TH.device
+        gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that

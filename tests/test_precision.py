@@ -1,0 +1,174 @@
+"""Quantized expert GEMMs (``expert_precision="int8"`` / ``"fp8"``) against the plain-PyTorch
+statement of the same maths (``fastmoe_xpu/kernels/quantized/reference.py``), gradients included,
+at awkward shapes; the quantizers, the padded int8 GEMM, the per-call weight codes and the errors.
+Expert parallelism with quantized GEMMs runs in tests/test_dist_ep.py (``int8-*``, ``fp8-*``)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastmoe_xpu import FastSparseMoeBlock
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
+from fastmoe_xpu.kernels import kernels, registry
+from fastmoe_xpu.kernels.quantized import core
+from fastmoe_xpu.kernels.quantized import reference as qref
+from fastmoe_xpu.routing import topk_routing
+
+# int8: the integer GEMMs are exact and the epilogue rounds as the reference does, so only the
+# combine's summation order differs; fp8: _scaled_mm accumulates in fp32 in its own order.
+TOL = {"int8": dict(rtol=1e-5, atol=1e-6), "fp8": dict(rtol=2e-5, atol=1e-6)}
+
+# (T, H, I, E, K): odd widths, K not dividing E, T not a multiple of the token block, a router
+# that leaves experts empty, a single token.
+SHAPES = [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, fmt: str, what: str) -> None:
+    tol = TOL[fmt]
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got.detach().float(), want.float(), rtol=tol["rtol"],
+                               atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{fmt} {what}: {m}")
+
+
+def _case(T, H, I, E, K, seed=0, empty=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    if empty:  # every token to experts [0, K + 1): the rest stay empty
+        logits[:, K + 1:] -= 100
+    weights, idx = topk_routing(logits, K, True)
+    w_gu = torch.randn(E, 2 * I, H, generator=g) * 0.3
+    w_d = torch.randn(E, H, I, generator=g) * 0.3
+    dout = torch.randn(T, H, generator=g)
+    return x, weights, idx, w_gu, w_d, dout
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+def test_experts_op_matches_reference(fmt, shape):
+    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
+                              expert_precision=fmt)
+    out.backward(dout)
+    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, fmt)
+    _close(out, want[0], fmt, "output")
+    _close(leaves[0].grad, want[1], fmt, "input gradient")
+    _close(leaves[2].grad, want[2], fmt, "gate_up weight gradient")
+    _close(leaves[3].grad, want[3], fmt, "down weight gradient")
+    _close(leaves[1].grad, want[4], fmt, "router-weight gradient")
+    if shape[0] == 5:
+        assert int(idx.max()) <= shape[4], "the routing did not leave experts empty"
+        assert torch.count_nonzero(leaves[2].grad[shape[4] + 1:]) == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_close_to_full_precision(fmt):
+    """The straight-through gradients are the gradients of the layer up to quantization noise."""
+    x, weights, idx, w_gu, w_d, dout = _case(64, 48, 32, 4, 2, seed=1)
+    outs = {}
+    for prec in (None, fmt):
+        leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
+                                  expert_precision=prec)
+        out.backward(dout)
+        outs[prec] = [out.detach(), *(t.grad for t in leaves)]
+    bound = {"int8": 0.03, "fp8": 0.15}[fmt]  # relative error of 8-bit codes (e5m2 has 2 mantissa bits)
+    for name, a, b in zip(("out", "dx", "dweights", "dw_gate_up", "dw_down"), outs[fmt], outs[None]):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < bound, (name, rel)
+        assert rel > 0, (name, "quantization changed nothing: the precision was not applied")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_linear_launchers(fmt, transposed):
+    """``down_fwd`` / ``down_bwd`` (the other layouts' stage 4) against :func:`qref.qlinear` per expert."""
+    g = torch.Generator().manual_seed(3)
+    counts = [5, 0, 19, 1]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    a = torch.randn(sum(counts), 11, generator=g)
+    w = torch.randn(4, 13, 11, generator=g)  # [NR, O, In]
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    dy = torch.randn(sum(counts), 13, generator=g)
+    ks = kernels(f"torch+{fmt}")
+    y = ks.down_fwd(a, cum, stored, transposed=transposed)
+    da, dw = ks.down_bwd(dy, a, cum, stored, transposed=transposed)
+    for e in range(4):
+        s, t = int(cum[e]), int(cum[e + 1])
+        if s == t:
+            assert torch.count_nonzero(dw[e]) == 0
+            continue
+        _close(y[s:t], qref.qlinear(a[s:t], w[e], fmt), fmt, f"expert {e} forward")
+        want_da, want_dw = qref.qlinear_backward(dy[s:t], a[s:t], w[e], fmt)
+        _close(da[s:t], want_da, fmt, f"expert {e} input gradient")
+        _close(dw[e].t() if transposed else dw[e], want_dw, fmt, f"expert {e} weight gradient")
+
+
+def test_block_surface_and_bf16():
+    cfg = SimpleNamespace(hidden_size=24, intermediate_size=16, num_experts=6, num_experts_per_tok=2,
+                          norm_topk_prob=True, hidden_act="silu")
+    torch.manual_seed(0)
+    blocks = {p: FastSparseMoeBlock(cfg, backend="torch", expert_precision=p) for p in (None, "int8")}
+    blocks["int8"].load_state_dict(blocks[None].state_dict())
+    assert "expert_precision='int8'" in repr(blocks["int8"])
+    x = torch.randn(2, 9, 24)
+    out = {p: b(x) for p, b in blocks.items()}
+    rel = ((out["int8"] - out[None]).norm() / out[None].norm()).item()
+    assert 0 < rel < 0.03, rel
+    b16 = blocks["int8"].to(torch.bfloat16)
+    y = b16(x.bfloat16())
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and b16.experts.gate_up_proj.grad.dtype == torch.bfloat16
+    assert ((y.float() - out[None]).norm() / out[None].norm()).item() < 0.05
+
+
+def test_precision_errors():
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=8, num_experts=2, num_experts_per_tok=1,
+                          norm_topk_prob=False, hidden_act="silu")
+    with pytest.raises(ValueError, match="expert_precision must be one of"):
+        FastSparseMoeBlock(cfg, expert_precision="int4")
+    with pytest.raises(RuntimeError, match="expert_precision='int8' cannot run here: .*meta"):
+        registry.precision_engine("int8", "torch", "meta", torch.float32)
+    # precision entries are never a gemm_engine choice, and auto never times them
+    assert "int8" not in registry.ENGINES and "int8" not in registry.candidates("torch", "cpu", torch.float32)
+    assert registry.PRECISIONS == {"int8": ("int8",), "fp8": ("fp8",)}
+
+
+@pytest.mark.parametrize("shape", [(5, 13, 11), (16, 8, 8), (40, 24, 7)])
+def test_int_mm_padding_is_exact(shape):
+    M, K, N = shape
+    g = torch.Generator().manual_seed(M)
+    a = torch.randint(-127, 128, (M, K), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (K, N), generator=g, dtype=torch.int8)
+    want = (a.long() @ b.long()).int()
+    assert torch.equal(core.int_mm(a, b, pad=True), want)
+    assert torch.equal(core.int_mm(a, b, pad=False), want)
+
+
+def test_quantizers():
+    v = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5], [-3.0, 3.0, 1e-3]])
+    q, s = core.quantize_rows(v, torch.int8)
+    assert q.dtype == torch.int8 and s.tolist()[0] == 1.0 and q[0].eq(0).all()  # all-zero row
+    assert q[1].tolist() == [64, -127, 32] and q[2].tolist() == [-127, 127, 0]
+    torch.testing.assert_close(q.float() * s[:, None], v, atol=3 / 254, rtol=0)
+    qc, sc = core.quantize_cols(v, torch.int8)
+    assert torch.equal(qc, core.quantize_rows(v.t(), torch.int8)[0].t()) and torch.equal(sc, core.quantize_rows(v.t(), torch.int8)[1])
+    q8, s8 = core.quantize_rows(v, torch.float8_e4m3fn)
+    assert q8.dtype == torch.float8_e4m3fn and q8.float().abs().amax(1).tolist() == [0.0, 448.0, 448.0]
+
+
+def test_weight_codes_follow_updates():
+    """The backward reuses the forward's weight codes only while the weight is unchanged."""
+    w = torch.randn(3, 8, 5)
+    first = core.quantized_weight(w, torch.int8)
+    assert core.quantized_weight(w, torch.int8, reuse=True) is first
+    w.mul_(2).add_(0.5)  # an optimizer step: the version moves
+    again = core.quantized_weight(w, torch.int8, reuse=True)
+    fresh = core.quantize_rows(w, torch.int8)
+    assert again is not first and torch.equal(again.codes, fresh[0]) and torch.equal(again.scales, fresh[1])
+    key = id(w)
+    del w, first, again
+    assert key not in core._WEIGHTS
