@@ -21,6 +21,8 @@ from typing import Iterator, Mapping
 KERNEL_BACKENDS = ("torch", "triton")
 #: Stage-4 engines ``FASTMOE_GEMM_ENGINE`` may force (see ``kernels/registry.py``).
 GEMM_ENGINES = ("auto", "native", "triton", "grouped_mm", "loop")
+#: Expert-GEMM precisions ``FASTMOE_EXPERT_PRECISION`` may ask for (see ``kernels/quantized``).
+EXPERT_PRECISIONS = ("int8", "fp8")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
 CONFIG_TABLES = ("cuda", "hip", "xpu", "interpreter")
 
@@ -77,6 +79,11 @@ class Settings:
     """``FASTMOE_GEMM_CACHE``: the JSON file that remembers the timed engine choices; unset:
     ``$XDG_CACHE_HOME/fastmoe_xpu/gemm_engines.json`` (``~/.cache/...``)."""
 
+    expert_precision: str | None = None
+    """``FASTMOE_EXPERT_PRECISION`` (``int8`` | ``fp8``): quantized expert GEMMs for the transformers
+    ``"fastmoe"`` experts function when neither the module nor its config names a precision; unset:
+    full precision (docs/precision.md)."""
+
 
 #: Field name -> environment variable.
 ENV_NAMES: Mapping[str, str] = {
@@ -91,6 +98,7 @@ ENV_NAMES: Mapping[str, str] = {
     "data_cache": "FASTMOE_DATA_CACHE",
     "gemm_engine": "FASTMOE_GEMM_ENGINE",
     "gemm_cache": "FASTMOE_GEMM_CACHE",
+    "expert_precision": "FASTMOE_EXPERT_PRECISION",
 }
 
 
@@ -149,6 +157,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         data_cache=_raw(env, "data_cache") or None,
         gemm_engine=_choice(env, "gemm_engine", GEMM_ENGINES),
         gemm_cache=_raw(env, "gemm_cache") or None,
+        expert_precision=_choice(env, "expert_precision", EXPERT_PRECISIONS),
     )
 
 

@@ -172,3 +172,47 @@ def test_weight_codes_follow_updates():
     key = id(w)
     del w, first, again
     assert key not in core._WEIGHTS
+
+
+@pytest.mark.parametrize("flags", [{}, {"is_transposed": True}], ids=["fused", "plain-transposed"])
+def test_transformers_experts_function(flags, monkeypatch):
+    """The ``"fastmoe"`` experts function takes the precision from the module, its config, or
+    ``FASTMOE_EXPERT_PRECISION``, on the fused and the plain path alike."""
+    pytest.importorskip("transformers.integrations.moe")
+    from test_experts_interface import _config, _make_class, _routing
+
+    from fastmoe_xpu import settings
+
+    torch.manual_seed(0)
+    module = _make_class(**flags)(_config("fastmoe"))
+    x = torch.randn(13, 16)
+    idx, w = _routing(13, 2)
+
+    def run():
+        module.zero_grad(set_to_none=True)
+        out = module(x, idx, w)
+        out.sum().backward()
+        return out.detach(), module.down_proj.grad
+
+    full = run()
+    module.config.fastmoe_expert_precision = "int8"
+    by_config = run()
+    del module.config.fastmoe_expert_precision
+    with settings.override(expert_precision="int8"):
+        by_env = run()
+    module.fastmoe_expert_precision = "int8"
+    by_module = run()
+    for a, b in zip(by_config, by_env):
+        assert torch.equal(a, b)
+    for a, b in zip(by_config, by_module):
+        assert torch.equal(a, b)
+    for a, b in zip(by_config, full):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 0 < rel < 0.03, rel
+    if not flags:  # the fused path is the experts op itself with that precision
+        want = moe_experts_forward(x, w, idx, module.gate_up_proj.detach(), module.down_proj.detach(),
+                                   backend="torch", expert_precision="int8")
+        torch.testing.assert_close(by_config[0], want, rtol=1e-6, atol=1e-7)
+    monkeypatch.setenv("FASTMOE_EXPERT_PRECISION", "int4")
+    with pytest.raises(ValueError, match="FASTMOE_EXPERT_PRECISION must be one of"):
+        settings.read()
