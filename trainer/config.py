@@ -54,6 +54,10 @@ class ModelConfig:
     gemm_engine: str = "auto"
     """Stage 4's grouped-GEMM engine: ``"auto"`` (timed once per shape, cached; rank 0's choice under
     EP), ``"native"``, ``"triton"``, ``"grouped_mm"`` or ``"loop"`` (``fastmoe_xpu/kernels/registry.py``)."""
+    expert_precision: str = "none"
+    """Precision of the expert GEMMs: ``"none"`` (the weights' dtype), ``"int8"`` (every expert GEMM,
+    forward and backward, quantized to int8 with per-row / per-channel scales) or ``"fp8"`` (e4m3
+    forward, e5m2 gradients); docs/precision.md."""
     ep_dispatch: str = "allgather"
     """Token exchange under EP: ``"allgather"`` (the paper's choice) or ``"alltoall"``."""
     ep_check_inputs: bool = False
@@ -321,6 +325,7 @@ _CHOICES = {
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
     ("model", "gemm_engine"): ("auto", "native", "triton", "grouped_mm", "loop"),
+    ("model", "expert_precision"): ("none", "int8", "fp8"),
     ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),
@@ -386,6 +391,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     elif p.ep != 1 and not m.is_hf:
         raise ConfigError(f"arch={m.arch!r} has no experts; EP must be 1, got {p.ep}")
+    if m.expert_precision != "none" and (not m.is_moe or m.moe_impl != "fastmoe"):
+        raise ConfigError(f"--model.expert_precision {m.expert_precision} needs a MoE model with --model.moe_impl "
+                          f"fastmoe, got arch={m.arch!r}, moe_impl={m.moe_impl!r}")
     if world_size is not None:
         if p.dp == 0:
             if world_size % (p.pp * p.ep * p.tp):

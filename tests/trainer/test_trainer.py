@@ -110,10 +110,14 @@ def test_trainer_equals_torch_adamw(data_cache, tmp_path, preset, moe_impl, opti
 @pytest.mark.parametrize("over", [
     {"model__autocast": "bf16"},  # bf16 autocast (the GPU default) on fp32 weights
     {"model__param_dtype": "bf16"},  # bf16 weights and gradients, fp32 master weights in the optimizer
+    {"model__expert_precision": "int8"},  # every expert GEMM quantized to int8, forward and backward
 ])
 def test_bf16_runs_track_fp32(data_cache, tmp_path, over) -> None:
     fp32 = [r["loss"] for r in Trainer(small_cfg(data_cache, str(tmp_path / "fp32"))).fit()]
     t = Trainer(small_cfg(data_cache, str(tmp_path / "bf16"), **over))
+    if "model__expert_precision" in over:
+        blocks = [m for m in t.model.modules() if hasattr(m, "expert_precision")]
+        assert blocks and all(m.expert_precision == "int8" for m in blocks)
     bf16 = [r["loss"] for r in t.fit()]
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16[-1] < bf16[0]
