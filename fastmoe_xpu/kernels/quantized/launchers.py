@@ -37,8 +37,8 @@ def _input_grad(g: torch.Tensor, w_scales: torch.Tensor, b: torch.Tensor, grad_d
                 out: torch.Tensor) -> None:
     """``out = (g * sW) @ b`` with ``g * sW`` quantized per row: the input gradient through the
     forward's weight codes ``b`` (oriented ``[O, In]``)."""
-    qg, sg = quantize_rows(g.float() * w_scales, grad_dtype)
-    qmm(qg, sg, b, torch.ones(b.shape[1], device=b.device), out=out)
+    qg, sg = quantize_rows(g, grad_dtype, w_scales)
+    qmm(qg, sg, b, None, out=out)
 
 
 def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fwd: torch.dtype,

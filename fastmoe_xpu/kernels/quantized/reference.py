@@ -17,7 +17,7 @@ backward, ``dy_r = dout_t`` (unweighted) for the row of slot (t, k)::
     dX   = [d_gate_up * s(W_gu)]_row qW_gu   dW_gu = [d_gate_up]_col^T [X]_col      dx_t = sum_k dX_tk
 
 where ``[v]_row`` / ``[v]_col`` quantize with one scale per row / per column (over that expert's
-rows), ``qW`` are the weight codes (one scale ``s(W)`` per output channel), in the forward format
+rows; codes ``round(v * qmax / amax)``), ``qW`` are the weight codes (one scale ``s(W)`` per output channel), in the forward format
 (int8, or fp8 e4m3) and the gradient format (int8, or fp8 e5m2) for the gradient operands.
 """
 from __future__ import annotations
@@ -31,14 +31,15 @@ def _fake(v: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch.Tensor, 
     """``(codes as float64, fp32 scales)``, one scale per slice along ``dim`` (reduced)."""
     v = v.float()
     amax = v.abs().amax(dim=dim, keepdim=True)
-    s = amax / qmax(dtype)
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    q = v / s
+    inv = torch.where(amax > 0, qmax(dtype) / amax, torch.zeros_like(amax))  # zero rows: zero codes
+    q = v * inv
     if dtype == torch.int8:
-        q = torch.clamp(torch.round(q), -127, 127)
+        q = torch.round(q)
+        if q.abs().max() > 127:
+            raise AssertionError("an int8 code left [-127, 127]")
     else:
         q = q.to(dtype).float()
-    return q.double(), s.squeeze(dim)
+    return q.double(), (amax / qmax(dtype)).squeeze(dim)
 
 
 def rows_q(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +50,11 @@ def cols_q(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return _fake(v, dtype, -2)
 
 
-def qgemm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-    """``sa[:, None] * sb[None, :] * (qa @ qb)``: the codes multiplied exactly, then scaled in fp32."""
-    return (qa @ qb).float() * sa[:, None] * sb[None, :]
+def qgemm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor | None) -> torch.Tensor:
+    """``sa[:, None] * sb[None, :] * (qa @ qb)``: the codes multiplied exactly, then scaled in fp32
+    (``sb`` None: no column scales)."""
+    out = (qa @ qb).float() * sa[:, None]
+    return out if sb is None else out * sb[None, :]
 
 
 def qlinear(a: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -67,7 +70,7 @@ def qlinear_backward(dy: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fmt: st
     f = FORMATS[fmt]
     qw, sw = rows_q(w, f.forward)
     qg, sg = rows_q(dy.float() * sw, f.grad)
-    da = qgemm(qg, sg, qw, torch.ones(w.shape[1]))
+    da = qgemm(qg, sg, qw, None)
     qd, sd = cols_q(dy, f.grad)
     qa, sa = cols_q(a, f.forward)
     return da, qgemm(qd.t(), sd, qa, sa)
@@ -105,7 +108,7 @@ def moe_forward_backward(
         # down GEMM backward: unweighted g, weight gradient against w * h
         qw_d, sw_d = rows_q(w_down_NHI[e], f.forward)
         qg, sg = rows_q(dy * sw_d, f.grad)
-        g = qgemm(qg, sg, qw_d, torch.ones(inter))
+        g = qgemm(qg, sg, qw_d, None)
         qd, sd = cols_q(dy, f.grad)
         qh, sh = cols_q(h * w, f.forward)
         dw_d[e] = qgemm(qd.t(), sd, qh, sh)
