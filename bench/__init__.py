@@ -1,1 +1,1 @@
-"""Microbenchmarks of FastSparseMoE against the Hugging Face references: ``python -m bench --help``."""
+"""Microbenchmarks of FastSparseMoE against the Hugging Face references: ``fastmoe-bench --help``."""

@@ -1,6 +1,6 @@
 """Count kernel launches and host synchronisations of one MoE layer, forward and backward.
 
-``python -m bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
+``python -m fastmoe_bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
 on the Triton backend (the CPU runs it under ``TRITON_INTERPRET=1``), our block on the torch
 backend and the transformers-v4-style reference block: Triton launches, other device ops
 dispatched by PyTorch, and host synchronisations, per phase.
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
-from torch._library.custom_ops import _maybe_get_opdef
+from fastmoe_xpu.autograd.ops import BODIES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmoe_xpu.kernels.triton import launch as _launch
@@ -62,12 +62,12 @@ class _Mode(TorchDispatchMode):
                 a.record_sync(name + " (boolean mask)")
             if not func.is_view and name not in _ALLOC_OPS:
                 a.ops[a.phase][name] += 1
-        opdef = _maybe_get_opdef(func) if func.namespace == "fastmoe" else None
-        if opdef is not None:
+        body = BODIES.get(func._schema.name.partition("::")[2]) if func.namespace == "fastmoe" else None
+        if body is not None:
             # A fastmoe custom op: run its body with this mode still active, so that the launches,
             # ATen ops and host reads inside it are seen as well.
             with self:
-                return opdef._init_fn(*args, **kwargs)
+                return body(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -16,18 +16,28 @@ from .cases import Case
 
 
 class DenseCeiling:
-    """``C [n, n] = A @ B`` into a preallocated C."""
+    """``C [m, n] = A [m, k] @ B [k, n]`` into a preallocated C (square ``n x n`` unless ``m``, ``k``
+    are given)."""
 
-    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device, m: int | None = None,
+                 k: int | None = None) -> None:
         g = torch.Generator(device="cpu").manual_seed(1)
-        self.n = n
-        self.a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-        self.b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-        self.c = torch.empty(n, n, device=device, dtype=dtype)
+        m, k = m or n, k or n
+        self.n, self.shape = n, (m, k, n)
+        self.a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+        self.b = torch.randn(k, n, generator=g).to(device=device, dtype=dtype)
+        self.c = torch.empty(m, n, device=device, dtype=dtype)
+
+    @classmethod
+    def same_flops(cls, case: Case) -> "DenseCeiling":
+        """The dense ``[RT, H] @ [H, 3I]`` with the layer's forward FLOPs (``6*RT*H*I``)."""
+        p = case.preset
+        return cls(3 * p.intermediate, case.dtype, case.device, m=max(1, case.rows), k=p.hidden)
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.n ** 3
+        m, k, n = self.shape
+        return 2.0 * m * k * n
 
     def run(self) -> None:
         torch.mm(self.a, self.b, out=self.c)

@@ -1,4 +1,4 @@
-"""``python -m bench``: every provider side by side in one process; table, JSON, CSV and PNG."""
+"""``fastmoe-bench``: every provider side by side in one process; table, JSON, CSV and PNG."""
 from __future__ import annotations
 
 import argparse
@@ -10,20 +10,20 @@ from pathlib import Path
 
 import torch
 
-from fastmoe_xpu.settings import GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
 
 from .cases import DTYPES, make_case
 from .measure import set_clock
 from .presets import PRESETS, resolve_presets
 from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names, with_precisions
-from .report import (MODES, derive, format_case, format_markdown, format_summary, run_header, write_chart,
+from .report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header, write_chart,
                      write_csv, write_json)
 from .runner import run_case
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m bench",
+        prog="fastmoe-bench",
         description="Benchmark FastSparseMoE's expert layer against transformers' references "
                     "(hf_v4, hf_v5_eager, hf_v5_grouped_mm), with the dense-matmul ceiling and the "
                     "layer's GEMM-only bound measured in the same run.",
@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     fam.add_argument("--family-scale", type=int, default=1,
                      help="with --family: divide H and I by this (a layer too large or slow here; printed)")
     fam.add_argument("--tokens", type=int, default=None, help="with --family: tokens of the layer call (default 2048)")
+    sh = ap.add_argument_group("shapes", "one MoE layer at each shape of a published set, in TFLOP/s beside a dense "
+                               "torch.mm of the same FLOPs (bench/practitioners.py)")
+    sh.add_argument("--shapes", default=None, choices=["practitioners"],
+                    help="OLMoE-1B-7B, Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-20B, Mixtral-8x7B, DeepSeek-V3 EP=8 slice")
+    sh.add_argument("--shape-tokens", type=int, default=None, help="with --shapes: T (default 32768 on a GPU, 256 here)")
+    sh.add_argument("--shape-scale", type=int, default=None,
+                    help="with --shapes: divide H and I by this (default 1 on a GPU, 8 on the CPU)")
     cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
     cg.add_argument("--compile", action="store_true",
                     help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
@@ -78,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     t3.add_argument("--table3", action="store_true",
                     help="measure the five Table-3 columns for the four Mula models, the published rows beside")
     t3.add_argument("--demo", action="store_true",
-                    help="a first number in well under a minute: the F+B column at the Mula-7B-A1B layer, with "
-                         "the bound and the published figure")
+                    help="a first number in well under a minute: forward+backward of a Mula-7B-A1B layer slice, "
+                         "fastmoe against transformers' default (grouped_mm), with the GEMM-only bound")
     t3.add_argument("--quick", action="store_true", help="with --table3: tiny sizes, one round (tests)")
     t3.add_argument("--models", dest="table3_models", nargs="+", metavar="NAME",
                     help="with --table3: a subset of mula-7b-a1b mula-20b-a2b mula-100b-a7b mula-220b-a10b")
@@ -98,35 +105,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_device(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible to torch")
+        raise ValueError("--device cuda: no CUDA device is visible to torch")
     if device == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        raise SystemExit("--device xpu: no XPU device is visible to torch")
+        raise ValueError("--device xpu: no XPU device is visible to torch")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as exc:  # bad input (an unknown preset, a value out of range): one line, no traceback
+        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     _check_device(args.device)
     if args.family:
         from .families import run_family
 
         return run_family(args)
+    if args.shapes:
+        from .practitioners import run_shapes
+
+        return run_shapes(args)
     if args.compile:
         from .compiled import main_compile
 
         return main_compile(args)
-    if args.table3 or args.demo:
-        from .table3 import main_table3, run_demo
+    if args.demo:
+        from .demo import run_demo
 
-        try:
-            return run_demo(args) if args.demo else main_table3(args)
-        except ValueError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        return run_demo(args)
+    if args.table3:
+        from .table3 import main_table3
+
+        return main_table3(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     set_clock(args.clock)
     args.rounds = 5 if args.rounds is None else args.rounds
     if args.rounds < 1:
-        raise SystemExit("--rounds must be >= 1")
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     presets = resolve_presets(args.preset)
     names = with_precisions(expand_names(args.providers), args.precision)
     device = torch.device(args.device)
@@ -188,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
 
     header["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    print()
+    print("\n".join(headline(results, mode, fast)))
     print()
     print(format_summary(results, mode, fast))
     print(f"# load average at end: {header['machine']['load_average_at_end']}")

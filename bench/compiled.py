@@ -1,4 +1,4 @@
-"""``python -m bench --compile``: whole-model forward+backward, eager against ``torch.compile``, for
+"""``fastmoe-bench --compile``: whole-model forward+backward, eager against ``torch.compile``, for
 fastmoe and for transformers' ``grouped_mm`` experts, in one process.
 
 Four contestants per model (fastmoe eager, fastmoe compiled, transformers grouped_mm eager and

@@ -1,4 +1,4 @@
-"""``python -m bench --family NAME``: one experts layer of a transformers MoE family at its published
+"""``fastmoe-bench --family NAME``: one experts layer of a transformers MoE family at its published
 shape, run by the family's own experts module with ``experts_implementation`` ``"eager"``,
 ``"grouped_mm"`` and ``"fastmoe"``, in the same run, interleaved, min over rounds.
 
@@ -132,7 +132,7 @@ def family_providers(family: str, case: Case, seed: int = 0) -> dict[str, Provid
 
 
 def run_family(args: Any) -> int:
-    """The ``--family`` entry of ``python -m bench`` (``args`` from :func:`bench.cli.build_parser`)."""
+    """The ``--family`` entry of ``fastmoe-bench`` (``args`` from :func:`bench.cli.build_parser`)."""
     from .measure import set_clock
 
     if args.mode not in MODES:

@@ -8,7 +8,7 @@ Legend: T tokens, H hidden, I intermediate, E experts, K experts per token, NR l
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ PRESETS: dict[str, Preset] = {
     )
 }
 
-#: What ``python -m bench`` runs without ``--preset``: the two presets the CPU goals are stated on.
+#: What ``fastmoe-bench`` runs without ``--preset``: the two presets the CPU goals are stated on.
 DEFAULT_PRESETS = ("mula-7b-a1b-small", "mula-7b-a1b")
 #: The small-shape sweep (``--preset sweep``): a first try, decode and the Mula layer.
 SWEEP_PRESETS = ("tiny", "olmoe-decode-1", "olmoe-decode-8", "olmoe-decode-64", "mula-7b-a1b-small", "mula-7b-a1b")
@@ -81,4 +81,42 @@ def resolve_presets(names: list[str] | None) -> list[Preset]:
             out.append(PRESETS[n])
         else:
             raise ValueError(f"unknown preset {n!r}; known: {sorted(PRESETS)}, 'all' or 'sweep'")
+    return out
+
+
+#: The layers the published MoE kernels compare on (one MoE layer each; ``--shapes practitioners``),
+#: at T = 32768 tokens: (H, I, E, K) from each model's configuration. DeepSeek-V3 is its local slice
+#: at EP=8 (32 of 256 experts on the rank, the 32768 tokens all-gathered from 8 x 4096).
+SHAPE_SETS: dict[str, tuple[Preset, ...]] = {
+    "practitioners": (
+        Preset("olmoe-1b-7b", 2048, 1024, 64, 8, 32768, 1, "OLMoE-1B-7B"),
+        Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 32768, 1, "Qwen3-30B-A3B"),
+        Preset("qwen3-235b-a22b", 4096, 1536, 128, 8, 32768, 1, "Qwen3-235B-A22B"),
+        Preset("gpt-oss-20b", 2880, 2880, 32, 4, 32768, 1, "GPT-OSS-20B (its experts' shape; SwiGLU without "
+               "GPT-OSS's clamp and biases)"),
+        Preset("mixtral-8x7b", 4096, 14336, 8, 2, 32768, 1, "Mixtral-8x7B"),
+        Preset("deepseek-v3-ep8", 7168, 2048, 256, 8, 4096, 8, "DeepSeek-V3 local slice at EP=8 (32 of 256 experts)"),
+    ),
+}
+
+
+def _scaled(width: int, scale: int) -> int:
+    """``width / scale`` rounded down to a multiple of 8 (at least 8), so that rows stay 16-byte
+    aligned as the real widths are (grouped GEMMs and TMA descriptors require it)."""
+    return width if scale == 1 else max(8, width // scale // 8 * 8)
+
+
+def shape_set(name: str, *, scale: int = 1, tokens: int | None = None) -> list[Preset]:
+    """The presets of shape set ``name`` with H and I divided by ``scale`` (:func:`_scaled`; a machine too small or
+    slow for the real layer; the name says so) and T = ``tokens`` (all-gathered T under EP)."""
+    if name not in SHAPE_SETS:
+        raise ValueError(f"unknown shape set {name!r}; known: {sorted(SHAPE_SETS)}")
+    if scale < 1 or (tokens is not None and tokens < 1):
+        raise ValueError(f"scale and tokens must be >= 1, got scale={scale}, tokens={tokens}")
+    out = []
+    for p in SHAPE_SETS[name]:
+        per_rank = p.tokens_per_rank if tokens is None else max(1, tokens // p.ep)
+        suffix = f"/{scale}" if scale > 1 else ""
+        out.append(replace(p, name=p.name + suffix, hidden=_scaled(p.hidden, scale),
+                           intermediate=_scaled(p.intermediate, scale), tokens_per_rank=per_rank))
     return out

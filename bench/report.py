@@ -62,7 +62,7 @@ def machine_description(device: torch.device) -> dict:
 def run_header(device: torch.device, settings: dict) -> dict:
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+        "command": " ".join(["fastmoe-bench", *sys.argv[1:]]),
         "machine": machine_description(device),
         "settings": settings,
     }
@@ -137,7 +137,26 @@ def case_title(result: dict) -> str:
             f"[{r['min']}..{r['max']}]; {c['dtype']} on {c['device']}")
 
 
-SUMMARY_BASELINES = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager"]
+#: The baselines of the summary, transformers' default experts implementation first (the headline).
+SUMMARY_BASELINES = ["hf_v5_grouped_mm", "hf_v4", "hf_v5_eager"]
+#: What each baseline is, in the words the tables print.
+BASELINE_NAMES = {"hf_v5_grouped_mm": "transformers' default experts implementation (grouped_mm)",
+                  "hf_v4": "the transformers-4-style per-expert loop (the published baseline, correctness reference)",
+                  "hf_v5_eager": "transformers 5's eager per-expert loop"}
+#: The GEMM-only bound in one line.
+BOUND_LINE = ("GEMM-only bound: the time of the same expert matmuls of forward and backward with nothing else "
+              "(no routing, gather, combine or allocation), what an implementation without overhead would take")
+#: One line per column of the per-case table.
+CASE_COLUMNS = (
+    "median ms / min ms: time per call over the timed rounds; spread: (max - min) / median",
+    "GFLOP/s: the layer's FLOPs over the min time; %ceil: that as a share of the dense-matmul ceiling",
+    "x bound: min time over the GEMM-only bound's min time (1.00 = as fast as the bare matmuls); %bound: its inverse; "
+    "paired: x bound as the median of same-round ratios",
+    "speedup: the provider's time over fastmoe's (min over rounds | median of same-round ratios; >1: fastmoe faster)",
+    "saved MB: tensors kept for backward; faults: minor page faults per call; rounds: timed rounds; "
+    "correct: outputs and gradients against hf_v4 (largest relative error)",
+)
+BUDGET_NOTE = "* fewer rounds than asked (time budget); a kept cold call pairs with no round"
 
 
 def _pair(a: float, b: float | None, sep: str, unit: str = "") -> str:
@@ -201,6 +220,8 @@ def format_case(result: dict, mode: str, fast: str) -> str:
                      f"{r['ceil']:>5.0f}% {r['x_bound']:>8.2f} {100 / r['x_bound']:>5.0f}% {r['x_paired']:>7} "
                      f"{r['speedup']:>23} {r['saved']:>9} {r['faults']:>7} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
     lines += [f"  * {name}: {note}" for name, note in _budget_notes(result)]
+    lines.append(f"  {BOUND_LINE}")
+    lines += [f"  {c}" for c in CASE_COLUMNS]
     return "\n".join(lines)
 
 
@@ -230,12 +251,26 @@ def format_summary(results: list[dict], mode: str, fast: str) -> str:
            + f" {'x bound':>13} {'bound %ceil':>11}")
     lines = [f"{fast} {MODE_TITLE[mode]} speedup, min over interleaved rounds | median of same-round ratios "
              "(>1: fastmoe is faster)", hdr, "-" * len(hdr)]
-    for r, cells, xb in _summary_rows(results, mode, fast, " | ", "*"):
+    rows = _summary_rows(results, mode, fast, " | ", "*")
+    for r, cells, xb in rows:
         lines.append(f"{r['case']['preset']['name']:<20} {r['case']['rows_per_expert']['mean']:>8.0f} "
                      + " ".join(f"{c:>20}" for c in cells)
                      + f" {xb:>13} {100 * r['metrics'][mode]['bound']['frac_ceiling']:>10.0f}%")
-    lines.append("* fewer rounds than asked (time budget); a kept cold call pairs with no round")
+    lines += [f"vs {o}: {BASELINE_NAMES[o]}" for o in SUMMARY_BASELINES]
+    lines += ["rows/exp: routed rows per expert; x bound: fastmoe's time over the GEMM-only bound's; "
+              "bound %ceil: the bound's speed as a share of the dense-matmul ceiling", BOUND_LINE]
+    if any(c.endswith("*") for _, cells, _ in rows for c in cells):
+        lines.append(BUDGET_NOTE)
     return "\n".join(lines)
+
+
+def headline(results: list[dict], mode: str, fast: str) -> list[str]:
+    """One line per case: fastmoe against transformers' default experts implementation."""
+    out = []
+    for r, cells, xb in _summary_rows(results, mode, fast, " | ", "*"):
+        out.append(f"{r['case']['preset']['name']}: fastmoe vs {BASELINE_NAMES['hf_v5_grouped_mm']}: "
+                   f"{cells[0]} (min | paired); {xb.split(' | ')[0]}x the GEMM-only bound")
+    return out
 
 
 # ---------------------------------------------------------------- files
@@ -359,7 +394,9 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
     for r, cells, xb in _summary_rows(results, mode, fast, " / ", " *"):
         out.append(f"| {r['case']['preset']['name']} | {r['case']['rows_per_expert']['mean']:.0f} | "
                    + " | ".join(cells) + f" | {xb} | {100 * r['metrics'][mode]['bound']['frac_ceiling']:.0f}% |")
-    out += ["", "\\* fewer rounds than asked (time budget): see the case's note.", ""]
+    out += [""] + [f"vs {o}: {BASELINE_NAMES[o]}.  " for o in SUMMARY_BASELINES] + [f"{BOUND_LINE}.", ""]
+    if any(c.endswith("*") for _, cells, _ in _summary_rows(results, mode, fast, " / ", " *") for c in cells):
+        out += ["\\* fewer rounds than asked (time budget): see the case's note.", ""]
     for r in results:
         m = r["metrics"].get(mode)
         if m is None:

@@ -32,7 +32,7 @@ BOUND = "gemm_bound"
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # in a log file a bar is thousands of redraws on one line
         return None
     try:
         from tqdm import tqdm
@@ -54,12 +54,13 @@ def run_case(
     gemm_engine: str = "auto",
     build: Callable[[str, Case], Provider] | None = None,
     reference: str = REFERENCE,
+    ceiling: DenseCeiling | None = None,
 ) -> dict:
     """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
     engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs).
     ``build`` makes a provider from its name (``bench --family`` passes its own; the default is
     :func:`build_provider` with ``gemm_engine``), ``reference`` names the one the others are checked
-    against."""
+    against; ``ceiling``: the dense matmul to time beside them (default the ``ceiling_n`` square)."""
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
                     "budget_s": budget_s}
     providers: dict[str, Provider] = {}
@@ -70,7 +71,7 @@ def run_case(
             result["providers"][name] = {"status": "skipped", "reason": str(exc)}
             log(f"  {name}: skipped: {exc}")
 
-    ceiling = DenseCeiling(ceiling_n, case.dtype, case.device)
+    ceiling = ceiling or DenseCeiling(ceiling_n, case.dtype, case.device)
     bound = GemmBound(case)
     dev = case.device
 
@@ -156,7 +157,7 @@ def run_case(
         f = sorted(faults[name])
         return f[len(f) // 2] if f else None
 
-    result["ceiling"] = {"size": ceiling_n, "flops": ceiling.flops, **stats([f for f, _ in samples[CEILING]])}
+    result["ceiling"] = {"size": ceiling.n, "shape": list(ceiling.shape), "flops": ceiling.flops, **stats([f for f, _ in samples[CEILING]])}
     result["bound"] = split(BOUND)
     result["bound"]["page_faults_per_call"] = median_faults(BOUND)
     for name in providers:

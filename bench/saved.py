@@ -16,7 +16,7 @@ pre-activation of a dense MLP of the same active size) and the routing metadata 
 fastmoe block (integer tensors). ``--time`` also times forward+backward of ``fastmoe`` and
 ``fastmoe@BASE`` in the same process, interleaved, min over rounds, same weights and input.
 
-    python -m bench.saved --base dc12205 --tokens 128 2048 --time --rounds 3
+    python -m fastmoe_bench.saved --base dc12205 --tokens 128 2048 --time --rounds 3
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def _fb(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.saved", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m fastmoe_bench.saved", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", nargs="+", default=[p.name for p in MULA], choices=sorted(PRESETS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[128, 2048])
     ap.add_argument("--base", default=None, help="git revision whose block is measured beside this tree's")

@@ -1,4 +1,4 @@
-"""``python -m bench --table3``: the published Table 3 (speedups over the Hugging Face baseline),
+"""``fastmoe-bench --table3``: the published Table 3 (speedups over the Hugging Face baseline),
 measured on the machine at hand, each measured row printed above the published one.
 
 Columns (a speedup is the baseline's time over ours, min over rounds; >1: ours is faster):
@@ -429,7 +429,7 @@ def _scale_from_args(args: argparse.Namespace) -> Scale:
 
 def main_table3(args: argparse.Namespace, columns: tuple[str, ...] = COLUMNS, models: list[str] | None = None,
                 scale: Scale | None = None, not_run: str | None = None) -> int:
-    """The ``--table3`` (and ``--demo``) run of ``python -m bench``: print, then write JSON, CSV,
+    """The ``--table3`` run of ``fastmoe-bench``: print, then write JSON, CSV,
     Markdown and the chart into ``--out``."""
     s = scale or _scale_from_args(args)
     if args.dtype != "fp32" and args.device == "cpu":
@@ -464,19 +464,6 @@ def main_table3(args: argparse.Namespace, columns: tuple[str, ...] = COLUMNS, mo
         print("# CORRECTNESS FAILURE: " + "; ".join(failed), file=sys.stderr)
         return 1
     return 0
-
-
-#: ``--demo``: the Mula-7B-A1B layer at 256 tokens (32 rows per expert: the per-expert overheads
-#: FastSparseMoE removes are a visible share of the step), three rounds, a small ceiling.
-DEMO = Scale(fb_tokens_per_rank=256, rounds=3, ceiling_n=1024)
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    """``python -m bench --demo`` (``make demo``): the F+B column of Table 3 at the 7B layer, with
-    the GEMM-only bound and the published figure, in well under a minute on two cores."""
-    s = DEMO if args.rounds is None else replace(DEMO, rounds=args.rounds)
-    return main_table3(args, columns=("fsmoe_fb",), models=["mula-7b-a1b"], scale=s,
-                       not_run="--demo measures the F+B column only; python -m bench --table3 measures all five")
 
 
 def state_bytes_match(result: dict) -> bool:

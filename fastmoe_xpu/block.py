@@ -27,6 +27,7 @@ from .dist.dispatch import DISPATCH_MODES, check_dispatch_mode, make_dispatcher
 from .dist.groups import member_position
 from .dist.sharding import EXPERT_IDS_NAME, expert_range, slice_full_experts
 from .expert_weights import Experts, dispatch_experts_implementation, experts_implementation_name
+from .integrations.peft_lora import unwrap_experts
 from .integrations.v4_keys import V4_NAMES, stack_v4_experts
 from .kernels.registry import check_choice, check_precision
 from .routing import TopKRouter, forced_uniform_routing, make_router
@@ -214,7 +215,7 @@ class FastSparseMoeBlock(nn.Module):
             raise ValueError(
                 f"hidden_states must be [..., {self.hidden_size}] (hidden_size), got {tuple(hidden_states.shape)}"
             )
-        w = self.experts.gate_up_proj
+        w = unwrap_experts(self.experts)[0].gate_up_proj
         if hidden_states.device != w.device:
             raise ValueError(f"hidden_states on {hidden_states.device} but the block's weights on {w.device}")
         if hidden_states.dtype != w.dtype:
@@ -233,10 +234,16 @@ class FastSparseMoeBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Check (agreed over the EP group) -> route -> dispatch -> stages 2-5 -> combine."""
-        other = dispatch_experts_implementation(self.experts)
+        # PEFT's LoRA on the expert weights (target_parameters) wraps the experts module: its adapters
+        # run inside our grouped GEMMs.
+        experts, lora = unwrap_experts(self.experts)
+        other = dispatch_experts_implementation(experts)
         if other is not None:  # the model was switched to another experts implementation
-            self.dispatcher.check_experts_implementation(experts_implementation_name(self.experts))
-        device = self.experts.gate_up_proj.device
+            if lora:
+                raise ValueError("error: LoRA adapters on FastSparseMoeBlock experts run with the 'fastmoe' experts "
+                                 f"implementation only, not {experts_implementation_name(experts)!r}")
+            self.dispatcher.check_experts_implementation(experts_implementation_name(experts))
+        device = experts.gate_up_proj.device
         offset = self.dispatcher.prepare(
             hidden_states, self._check_input, device=device, need_offset=self.forced_uniform_routing
         )
@@ -244,12 +251,12 @@ class FastSparseMoeBlock(nn.Module):
         x_TH = hidden_states.reshape(-1, self.hidden_size).contiguous()
         _, weights_TK, idx_TK = self.route(x_TH, offset)
         if other is not None:
-            return other(self.experts, x_TH, idx_TK, weights_TK).view(shape)
+            return other(experts, x_TH, idx_TK, weights_TK).view(shape)
         x_NH, weights_NK, idx_NK, state = self.dispatcher.dispatch(x_TH, weights_TK, idx_TK)
         partial_NH = moe_experts_forward(
-            x_NH, weights_NK, idx_NK, self.experts.gate_up_proj, self.experts.down_proj,
+            x_NH, weights_NK, idx_NK, experts.gate_up_proj, experts.down_proj,
             backend=kernel_backend(self.backend, device), expert_start=self.expert_start,
-            gemm_engine=self.gemm_engine, ep_group=self.dispatcher.ep_group,
+            gemm_engine=self.gemm_engine, ep_group=self.dispatcher.ep_group, lora=lora or None,
             expert_precision=self.expert_precision,
         )
         return self.dispatcher.combine(partial_NH, state).view(shape)

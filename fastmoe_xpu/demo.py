@@ -8,8 +8,8 @@ gradients together with forward+backward times of both models, measured interlea
 The default shape is small so that the check takes seconds; there the whole model's fixed costs
 (attention, embeddings, Python) hide the expert layer and the speedup is near 1x. The number that
 says what the design buys is the layer at a real shape beside its GEMM-only bound:
-``python -m bench --demo`` (what ``make demo`` runs after this), or the whole of Table 3 with
-``python -m bench --table3``. This module imports nothing from the benchmark package.
+``fastmoe-bench --demo`` (what ``make demo`` runs after this), or the whole of Table 3 with
+``fastmoe-bench --table3``. This module imports nothing from the benchmark package.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forward+backward of the whole model, best of {args.steps}: transformers {best['transformers']*1e3:.1f} ms, "
           f"fastmoe {best['fastmoe']*1e3:.1f} ms, speedup {best['transformers'] / best['fastmoe']:.2f}x")
     print(f"(at H={args.hidden}, {args.tokens} tokens the expert layer is a small part of the step, so this ratio "
-          "says little; python -m bench --demo measures the Mula-7B-A1B layer against its GEMM-only bound)")
+          "says little; fastmoe-bench --demo measures the Mula-7B-A1B layer against its GEMM-only bound)")
     ok = torch.allclose(out_f.logits, out_r.logits, rtol=1e-4, atol=1e-5)
     print("numbers match" if ok else "MISMATCH")
     return 0 if ok else 1

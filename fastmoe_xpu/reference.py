@@ -126,6 +126,29 @@ def reference_experts_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_d
     return out
 
 
+def reference_lora_experts_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI, lora_gate_up=None,
+                                   lora_down=None, expert_start: int = 0):
+    """:func:`reference_experts_forward` with per-expert LoRA: each adapter ``(A [NR, r, in], B [NR, out, r],
+    scaling)`` (or None) adds ``scaling * (x @ A_e^T) @ B_e^T`` to its expert's GEMM, by plain ops and
+    autograd."""
+    def linear(a, w, lora, e):
+        y = a @ w[e].t()
+        if lora is not None:
+            A, B, s = lora
+            y = y + s * (a @ A[e].t()) @ B[e].t()
+        return y
+
+    out = torch.zeros_like(x_TH)
+    for ln in range(w_gate_up_N2IH.shape[0]):
+        tok, k = torch.where(topk_idx_TK == expert_start + ln)
+        if tok.numel() == 0:
+            continue
+        gate, up = linear(x_TH[tok], w_gate_up_N2IH, lora_gate_up, ln).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w_down_NHI, lora_down, ln)
+        out = out.index_add(0, tok, y * weights_TK[tok, k, None])
+    return out
+
+
 def reference_moe_forward(x_TH, gate_weight_EH, w_gate_up_E2IH, w_down_EHI, top_k: int, norm_topk_prob: bool):
     """The whole block on ``[T, H]``: router then experts."""
     weights_TK, idx_TK = topk_routing(F.linear(x_TH, gate_weight_EH), top_k, norm_topk_prob)

@@ -15,14 +15,10 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 #: Kernel backends ``FASTMOE_BACKEND`` may force.
 KERNEL_BACKENDS = ("torch", "triton")
-#: Stage-4 engines ``FASTMOE_GEMM_ENGINE`` may force (see ``kernels/registry.py``).
-GEMM_ENGINES = ("auto", "native", "triton", "grouped_mm", "loop")
-#: Expert-GEMM precisions ``FASTMOE_EXPERT_PRECISION`` may ask for (see ``kernels/quantized``).
-EXPERT_PRECISIONS = ("int8", "fp8")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
 CONFIG_TABLES = ("cuda", "hip", "xpu", "interpreter")
 
@@ -106,10 +102,29 @@ def _raw(environ: Mapping[str, str], field: str) -> str:
     return environ.get(ENV_NAMES[field], "").strip()
 
 
-def _choice(environ: Mapping[str, str], field: str, allowed: tuple[str, ...]) -> str | None:
+def _gemm_choices() -> tuple[str, ...]:
+    """What ``FASTMOE_GEMM_ENGINE`` may name: the registry's stage-4 implementations, ``auto`` and
+    ``native`` (looked up only when the variable is set: the registry imports this module)."""
+    from .kernels.registry import CHOICES
+
+    return CHOICES
+
+
+def _precision_choices() -> tuple[str, ...]:
+    """What ``FASTMOE_EXPERT_PRECISION`` may name: the registry's precisions (looked up only when
+    the variable is set)."""
+    from .kernels.registry import PRECISIONS
+
+    return tuple(PRECISIONS)
+
+
+def _choice(environ: Mapping[str, str], field: str,
+            allowed: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> str | None:
     value = _raw(environ, field).lower()
     if not value:
         return None
+    if callable(allowed):
+        allowed = allowed()
     if value not in allowed:
         raise ValueError(f"{ENV_NAMES[field]} must be one of {allowed}, got {value!r}")
     return value
@@ -155,17 +170,20 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         cpu_piece_mb=int(_number(env, "cpu_piece_mb", int, defaults.cpu_piece_mb)),
         dist_backend=_raw(env, "dist_backend").lower() or None,
         data_cache=_raw(env, "data_cache") or None,
-        gemm_engine=_choice(env, "gemm_engine", GEMM_ENGINES),
+        gemm_engine=_choice(env, "gemm_engine", _gemm_choices),
         gemm_cache=_raw(env, "gemm_cache") or None,
-        expert_precision=_choice(env, "expert_precision", EXPERT_PRECISIONS),
+        expert_precision=_choice(env, "expert_precision", _precision_choices),
     )
 
 
-_current: Settings = read()
+_current: Settings | None = None
 
 
 def get() -> Settings:
-    """The switches in force (read from the environment when the package was imported)."""
+    """The switches in force (read from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = read()
     return _current
 
 
@@ -197,4 +215,4 @@ def override(**changes: object) -> contextlib.AbstractContextManager[Settings]:
     unknown = set(changes) - set(ENV_NAMES)
     if unknown:
         raise TypeError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(ENV_NAMES)}")
-    return _replaced(dataclasses.replace(_current, **changes))
+    return _replaced(dataclasses.replace(get(), **changes))

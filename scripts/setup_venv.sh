@@ -12,5 +12,7 @@ want="$(cat pyproject.toml setup.py scripts/setup_venv.sh | sha256sum | cut -c1-
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
   .venv/bin/pip install -q --disable-pip-version-check -e ".[test,trainer,bench]"
+  # LoRA on the expert weights: the PEFT integration tests and the trainer's adapter export
+  .venv/bin/pip install -q --disable-pip-version-check "peft==0.21.2"
   echo "$want" > "$stamp"
 fi

@@ -1,4 +1,4 @@
-"""``python -m trainer``: the main training job (see trainer.cli)."""
+"""``fastmoe-train``: the main training job (see trainer.cli)."""
 import sys
 
 from .cli import main

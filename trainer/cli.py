@@ -1,4 +1,4 @@
-"""Command line: ``python -m trainer --preset NAME [overrides...]`` (under torchrun for many processes).
+"""Command line: ``fastmoe-train --preset NAME [overrides...]`` (under torchrun for many processes).
 
 Every config field is an option named ``--section.field`` (``--optim.lr 1e-3``,
 ``--model.moe_impl hf``, ``--logging.tensorboard/--no-logging.tensorboard``); the common ones also
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -23,6 +25,7 @@ ALIASES: dict[str, str] = {
     "steps": "schedule.steps",
     "compile": "model.compile",
     "allow-fresh-start": "checkpoint.allow_fresh_start",
+    "reschedule": "checkpoint.reschedule",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",
     "warmup": "schedule.warmup_steps",
@@ -50,6 +53,7 @@ ALIASES: dict[str, str] = {
 }
 
 EXIT_CONFIG_ERROR = 2
+DEFAULT_PRESET = "tiny-moe"
 
 
 def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
@@ -73,23 +77,56 @@ def _parse_value(raw: str, typ: type, optional: bool, name: str) -> Any:
         raise ConfigError(f"--{name} expects {typ.__name__}, got {raw!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m trainer",
-        description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its usage block left out of errors: one ``error:`` line, and for an unknown
+    option the nearest known ones (abbreviations are refused, so ``--step`` never becomes ``--steps``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = []
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("--"):
+                    hints += difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.75)
+            if hints:
+                message += f" (did you mean {' or '.join(dict.fromkeys(hints))}?)"
+        self.exit(EXIT_CONFIG_ERROR, f"error: {message}; {self.prog} --help lists every option\n")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None or value == "" else str(value)
+
+
+def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
+    """The parser; ``shown`` is the config whose values ``--help`` names as each option's default
+    (the ``--preset`` given, else ``tiny-moe``). Options default to None, so an option given on
+    the command line is told apart from the preset's value."""
+    p = _OneLineParser(
+        prog="fastmoe-train",
+        description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP. "
+                    "Under torchrun: torchrun --nproc-per-node N -m fastmoe_trainer [options].",
+        allow_abbrev=False,  # --step must not quietly become --steps
     )
-    p.add_argument("--preset", default="tiny-moe", help=f"one of: {', '.join(PRESETS)}")
+    if shown is None:
+        shown = get_preset(DEFAULT_PRESET)
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default: {DEFAULT_PRESET})")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--list-presets", action="store_true", help="list presets with parameter counts and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="print the layout, parameters and memory per rank for --world ranks and exit (no model built)")
     p.add_argument("--world", type=int, default=None, help="world size for --dry-run (default: this launch's)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="start N training processes on this machine (torchrun's launcher, run in this process: "
+                        "the same as torchrun --standalone --nproc-per-node N -m fastmoe_trainer; Ctrl-C stops "
+                        "them all after their step with one line)")
     reverse = {v: k for k, v in ALIASES.items()}
     top_docs = field_docs(TrainConfig)
     for name in ("seed",):
         flags = [f"--{name}"]
-        p.add_argument(*flags, dest=name, default=None, metavar="INT", help=top_docs.get(name, ""))
+        p.add_argument(*flags, dest=name, default=None, metavar="INT",
+                       help=f"{top_docs.get(name, '')} ({shown.preset}: {_shown(getattr(shown, name))})")
     for section, cls in section_classes().items():
         docs = field_docs(cls)
         types_ = _field_types(cls)
@@ -100,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
             flags = [f"--{key}"]
             if key in reverse:
                 flags.append(f"--{reverse[key]}")
-            help_text = docs.get(f.name, "")
+            help_text = f"{docs.get(f.name, '')} ({shown.preset}: {_shown(getattr(getattr(shown, section), f.name))})"
             if typ is bool:
                 group.add_argument(*flags, dest=key, default=None, action=argparse.BooleanOptionalAction,
                                    help=help_text)
@@ -111,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
     """Parse ``argv`` into a config (preset, then overrides); raises ConfigError on bad values."""
-    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset", default=DEFAULT_PRESET)
+    try:
+        shown = get_preset(pre.parse_known_args(argv)[0].preset)
+    except (ConfigError, ValueError, KeyError):
+        shown = None  # the full parse below reports the unknown preset
+    parser = build_parser(shown)
     args = parser.parse_args(argv)
     cfg = get_preset(args.preset)
     if args.seed is not None:
@@ -127,7 +170,25 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
             typ, optional = types_[f.name]
             value = raw if typ is bool else _parse_value(raw, typ, optional, key)
             setattr(sub, f.name, value)
+    if cfg.data.path is not None and getattr(args, "data.context") is None:
+        # a data set of one's own: its manifest records the context it was cut to
+        from .data.loader import load_manifest
+
+        cfg.data.context = int(load_manifest(cfg.data.path)["context"])
     return cfg, args
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc-per-node N`` (or ``--nproc-per-node=N``): the workers' arguments."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    return out
 
 
 def _human(n: int) -> str:
@@ -150,10 +211,30 @@ def list_presets() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .stop import StopRequest, Stopped
+
+    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step, checkpoint, one line (trainer/stop.py)
+    try:
+        return _main(argv, stop)
+    except Stopped as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        stop.uninstall()
+
+
+def _main(argv: Sequence[str] | None, stop: Any) -> int:
     from .layout import env_world_size
 
     try:
         cfg, args = config_from_args(argv)
+        if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+            from .local_launch import launch
+
+            validate(dataclasses.replace(cfg), args.nproc_per_node)  # fail here, not in N processes at once
+            stop.uninstall()  # the launcher's handlers pass signals on to the workers
+            return launch(args.nproc_per_node, _without_nproc(sys.argv[1:] if argv is None else list(argv)))
         if args.list_presets:
             print(list_presets())
             return 0
@@ -176,18 +257,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
+    trainer.stop = stop
     try:
-        history = trainer.fit()
+        trainer.fit()
+    except ConfigError as e:  # found on resume (a changed schedule)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except SoftFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SOFT_FAILURE
     except CheckpointError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CHECKPOINT_FAILURE
-    if trainer.layout.is_main and history:
-        h = history
-        print(json.dumps({"steps": len(h), "loss_first": round(h[0]["loss"], 4), "loss_last": round(h[-1]["loss"], 4),
-                          "out": cfg.logging.out}))
+    sm = trainer.summary  # the whole run's, earlier runs on this --out included
+    if trainer.layout.is_main and sm:
+        print(json.dumps({"steps": sm["steps"], "loss_first": round(sm["loss_first"], 4),
+                          "loss_last": round(sm["loss_last"], 4), "out": cfg.logging.out}))
     if trainer.layout.distributed:
         import torch.distributed as dist
 

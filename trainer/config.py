@@ -13,6 +13,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import PRECISIONS
+
 from .errors import ConfigError
 
 from .parallelism.ac_spec import parse_ac
@@ -117,7 +120,7 @@ class DataConfig:
     """Seed of the global shuffle of training instances."""
     valid: float = 0.05
     """Held-out validation split of the embedded default corpus: a fraction in (0, 1) or a count of instances
-    (0: none); a data set of your own keeps the split ``python -m trainer.data.preprocess --valid`` gave it."""
+    (0: none); a data set of your own keeps the split ``fastmoe-preprocess --valid`` gave it."""
 
 
 @dataclass
@@ -202,6 +205,9 @@ class CheckpointConfig:
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
     allow_fresh_start: bool = False
     """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
+    reschedule: bool = False
+    """Resume although --steps, --warmup, --lr or --min-lr differ from the checkpoint's (default: refuse, naming
+    the change): the learning rate follows the new schedule from the next step."""
 
 
 @dataclass
@@ -239,13 +245,27 @@ class EvalConfig:
     moe_health: bool = True
     """Log per-layer MoE health (expert load, router entropy, per-layer losses) and plot it at the end."""
     export_hf: str | None = None
-    """At the end, write the trained model as a transformers directory here (``python -m trainer.export``)."""
+    """At the end, write the trained model as a transformers directory here (``fastmoe-export``)."""
     overwrite: bool = False
     """Let ``--eval.export_hf`` replace an existing directory."""
     samples: bool = True
     """After ``--eval.export_hf``: print and save (``OUT/samples.json``) greedy and sampled continuations of fixed prompts."""
     sample_tokens: int = 48
     """New tokens per generated sample."""
+
+
+@dataclass
+class LoraSection:
+    """LoRA fine-tuning of the expert weights (PEFT adapters, run inside the grouped GEMMs; trainer/lora.py)."""
+
+    rank: int = 0
+    """Adapter rank r of every targeted expert weight; 0 trains the whole model instead."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapters are scaled by alpha / rank."""
+    targets: str = "gate_up_proj,down_proj"
+    """Comma-separated expert weights to adapt (``gate_up_proj``, ``down_proj``); everything else is frozen."""
+    export: str | None = None
+    """Where the trained adapter is written in PEFT's layout at the end of the run (default ``OUT/lora``)."""
 
 
 @dataclass
@@ -264,6 +284,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -299,6 +320,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "eval": EvalConfig,
+    "lora": LoraSection,
 }
 
 
@@ -324,8 +346,8 @@ _CHOICES = {
     ("model", "arch"): ("olmoe", "olmo", "hf"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
-    ("model", "gemm_engine"): ("auto", "native", "triton", "grouped_mm", "loop"),
-    ("model", "expert_precision"): ("none", "int8", "fp8"),
+    ("model", "gemm_engine"): GEMM_ENGINES,
+    ("model", "expert_precision"): ("none", *PRECISIONS),
     ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),
@@ -341,6 +363,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
     size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
     m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
+    from .lora import check_lora_config
+
+    check_lora_config(cfg)
     if m.hf_config and m.arch == "olmoe":
         m.arch = "hf"  # --model.hf_config on top of any preset trains that config
     for (section, name), allowed in _CHOICES.items():

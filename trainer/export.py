@@ -1,5 +1,5 @@
 """Export a training checkpoint as a Hugging Face model directory:
-``python -m trainer.export --checkpoint OUT/checkpoints[/slot-A | /model-step-N] --out DIR``.
+``fastmoe-export --checkpoint OUT/checkpoints[/slot-A | /model-step-N] --out DIR``.
 
 ``DIR`` then holds what transformers and its ecosystem load with no trace of this package:
 ``config.json`` of the stock class (``OlmoeForCausalLM`` / ``OlmoForCausalLM``),
@@ -354,7 +354,7 @@ def _size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="fastmoe-export", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help="OUT/checkpoints (newest valid checkpoint) or one slot-*/model-step-* directory")
     p.add_argument("--out", required=True, help="directory to write (refused when it exists, unless --overwrite)")

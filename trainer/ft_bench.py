@@ -2,7 +2,7 @@
 the per-rank bytes formula at the Mula presets, the model-only vs full ratio, and the recovery
 time from ``kill -9`` of a rank to the first new step under ``trainer.launch``.
 
-    python -m trainer.ft_bench [--out OUT] [--repeats 5] [--no-recovery]
+    python -m fastmoe_trainer.ft_bench [--out OUT] [--repeats 5] [--no-recovery]
 
 Writes ``OUT/ft_bench.json`` and prints Markdown tables (docs/fault.md quotes them).
 """
@@ -132,7 +132,7 @@ def _gb(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.ft_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/ft_bench")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-recovery", action="store_true", help="skip the kill -9 recovery run")

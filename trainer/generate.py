@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-#: Prompts of the embedded corpus's kind: plain English prose.
-PROMPTS = ("The ", "Once upon a time", "In the beginning", "It is")
+#: Prompts of the embedded corpus's kind: the Python reference documentation (prose about code, and code).
+PROMPTS = ("The ", "If ", "class ", ">>> ")
 
 
 @torch.no_grad()
@@ -48,7 +48,7 @@ def format_samples(samples: list[dict[str, Any]]) -> str:
     return "\n".join(f"[{s['mode']:7s}] {s['prompt']!r} -> {s['text']!r}" for s in samples)
 
 
-if __name__ == "__main__":  # python -m trainer.generate DIR
+if __name__ == "__main__":  # python -m fastmoe_trainer.generate DIR
     import sys
 
     d = sys.argv[1] if len(sys.argv) > 1 else os.getcwd()

@@ -413,7 +413,7 @@ def _has_out(args: Sequence[str]) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m trainer.launch",
+        prog="fastmoe-launch",
         description="Per-node launcher: torch's elastic agent with spares, blame and a watchdog (docs/fault.md).",
         epilog="Everything after -- goes to the trainer; the launcher appends the resume flag.",
     )

@@ -90,6 +90,9 @@ class MetricsWriter:
 
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        if append and os.path.isfile(self.path):
+            # a resume re-does the steps after its checkpoint: the earlier run's records of those go
+            drop_records_after(self.path, start_step)
         self._f = open(self.path, "a" if append else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -101,7 +104,8 @@ class MetricsWriter:
         return self._tb is not None
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        # strict JSON: a non-finite number is written as null (JSON has no NaN)
+        self._f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._f.flush()
         if self._tb is not None:
             self._tb.write(record)
@@ -110,6 +114,38 @@ class MetricsWriter:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (at any depth) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def drop_records_after(path: str, step: int) -> int:
+    """Rewrites the metrics file ``path`` without the records of steps after ``step`` (and without
+    lines that do not parse: a write cut short); returns how many lines went."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and int(rec.get("step", 0)) <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ def finish_run(trainer: Any) -> dict[str, Any]:
     cfg, lay = trainer.cfg, trainer.layout
     out = trainer.out_dir
     art: dict[str, Any] = trainer.artefacts
-    hist = trainer.history
+    hist = trainer.run_records() if lay.is_main else trainer.history  # the whole run's charts (resumes included)
     if lay.is_main and hist:
         art["loss_chart"] = os.path.join(out, "loss.png") if cfg.logging.plot else None
         if cfg.logging.plot and any("moe_tokens_per_expert" in r for r in hist):

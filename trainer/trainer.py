@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import random
 import time
@@ -87,8 +88,9 @@ class Trainer:
         manifest = load_manifest(self.manifest_path)
         if int(manifest["context"]) != cfg.data.context:
             raise ConfigError(
-                f"data set {self.manifest_path} has context {manifest['context']}, config asks for {cfg.data.context}"
-            )
+                f"data set {self.manifest_path} has context {manifest['context']}, --data.context asks for "
+                f"{cfg.data.context}; leave --data.context (--context) out to train at the data set's, or "
+                f"preprocess again with --context {cfg.data.context}")
         data_vocab = int(manifest["tokenizer"]["vocab_size"])
         if m.vocab_size == 0:
             m.vocab_size = data_vocab
@@ -104,6 +106,11 @@ class Trainer:
             from .hf_family import HfMoeRun
 
             self.hf = HfMoeRun(self.model, m, self.device)
+        self.lora_config = None  # --lora.rank: PEFT adapters on the expert weights, the rest frozen (trainer/lora.py)
+        if cfg.lora.rank > 0:
+            from .lora import apply_lora
+
+            self.lora_config = apply_lora(self.model, cfg.lora)
         self.optimizer: ZeroAdamW = self.build_optimizer()
         self.step = 0
         ck = cfg.checkpoint
@@ -125,6 +132,9 @@ class Trainer:
         self.peak_tflops, self.peak_source = (0.0, "")
         self.writer: MetricsWriter | None = None
         self.history: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] = {}  # summary.json's contents once written (rank 0)
+        self.stop: Any = None  # a trainer.stop.StopRequest (the CLI's): signals end the run after a step
+        self._last_full: tuple[int, str] | None = None  # (step, path) of the newest full checkpoint written
         self._init_extras()
 
     # ------------------------------------------------------------------------------ setup
@@ -312,7 +322,7 @@ class Trainer:
         tok_s = self.tokens_per_step / dt
         rec: dict[str, Any] = {
             "step": self.step, "loss": loss, "lm_loss": lm, "lb_loss": lb, "z_loss": z, "lr": upd["lr"],
-            "grad_norm": upd["grad_norm"], "grad_norm_mean": running, "grad_clipped": bool(
+            "grad_norm": upd["grad_norm"], "grad_norm_mean": running if math.isfinite(running) else None, "grad_clipped": bool(
                 upd["clip"] is not None and upd["grad_norm"] > upd["clip"]),
             "grad_spike": spike, "grad_spikes": self.spikes.count, "param_norm": upd["param_norm"],
             "tokens": self.step * self.tokens_per_step, "step_time_s": dt, "tokens_per_s": tok_s,
@@ -343,9 +353,12 @@ class Trainer:
             self._write_run_info()
         bar = None
         if lay.is_main and cfg.logging.progress:
-            from tqdm import tqdm
+            from .progress import progress_bar
 
-            bar = tqdm(total=total, initial=self.step, desc=cfg.preset, unit="step", dynamic_ncols=True)
+            bar = progress_bar(total=total, initial=self.step, desc=cfg.preset, unit="step")
+        stop, stopped = self.stop, None
+        if stop is not None:
+            stop.deferred = True  # a signal from here on lets the step finish
         try:
             while self.step < total:
                 fault.maybe_hang(self.step, lay.rank)
@@ -361,15 +374,51 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     spikes=rec["grad_spikes"])
                 self.save_checkpoints()
+                if stop is not None:
+                    stopped = stop.agreed(lay.world_group, lay.distributed, self.device)
+                    if stopped is not None:
+                        break
         finally:
+            if stop is not None:
+                stop.deferred = False  # a signal from here on stops at once
             if bar is not None:
                 bar.close()
             if self.writer is not None:
                 self.writer.close()
+        if stopped is not None:
+            path = self.stop_checkpoint()
+            if lay.is_main:
+                self._write_summary()
+            from .stop import Stopped, signal_name
+
+            raise Stopped(stopped, f"stopped at step {self.step} ({signal_name(stopped)}); checkpoint at {path}; "
+                                   f"run the same command to resume")
         if lay.is_main:
             self._write_summary()
         self.finish_run()
         return self.history
+
+    def stop_checkpoint(self) -> str:
+        """The full checkpoint of the step a stop signal ended on (the one written at this step
+        when one was due; collective)."""
+        if self._last_full is not None and self._last_full[0] == self.step:
+            return self._last_full[1]
+        self.heartbeat.beat(self.step, "checkpoint")
+        st = self.checkpoints.save(self.step, self.model, self.optimizer, meta=self._full_meta())
+        self._last_full = (self.step, str(st.path))
+        return self._last_full[1]
+
+    def run_records(self) -> list[dict[str, Any]]:
+        """Every step's record of the whole run, earlier runs on this ``--out`` included when this
+        one resumed (from metrics.jsonl, one record per step); this process's records where that
+        file is not written."""
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        if self.writer is None or not os.path.isfile(path):
+            return list(self.history)
+        from .metrics import read_metrics
+
+        by_step = {int(r["step"]): r for r in read_metrics(path) if "step" in r and int(r["step"]) <= self.step}
+        return [by_step[k] for k in sorted(by_step)]
 
     # ------------------------------------------------------------------------------ evaluation and artefacts
     def _init_extras(self) -> None:
@@ -422,6 +471,11 @@ class Trainer:
         (from an fp32 model-only checkpoint) and generated samples; a summary of the paths (rank 0)."""
         from .run_end import finish_run
 
+        if self.lora_config is not None and self.layout.is_main:
+            from .lora import export_adapter
+
+            self.artefacts["lora_adapter"] = export_adapter(
+                self.model, self.lora_config, self.cfg.lora.export or os.path.join(self.out_dir, "lora"))
         finish_run(self)
 
     def resume(self) -> bool:
@@ -431,6 +485,7 @@ class Trainer:
         if res is None:
             return False
         meta = res.meta
+        self._check_schedule(meta.get("config"), res.info.step, str(res.info.path))
         self.step = res.info.step
         self.loader.load_state_dict(meta["data"])
         self.spikes.load_state_dict(meta["spikes"])
@@ -441,20 +496,51 @@ class Trainer:
                   f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
         return True
 
+    #: The fields that make the learning-rate schedule, as (section, field, option).
+    SCHEDULE_FIELDS = (("schedule", "steps", "--steps"), ("schedule", "warmup_steps", "--warmup"),
+                       ("schedule", "min_lr", "--min-lr"), ("optim", "lr", "--lr"))
+
+    def _check_schedule(self, saved: dict[str, Any] | None, step: int, path: str) -> None:
+        """A resume on another schedule than the checkpoint's is refused unless
+        ``--checkpoint.reschedule`` asks for it; then it is said in one line what changes."""
+        if not saved:
+            return
+        changed = []
+        for section, name, option in self.SCHEDULE_FIELDS:
+            old, new = saved.get(section, {}).get(name), getattr(getattr(self.cfg, section), name)
+            if old is not None and old != new:
+                changed.append(f"{option} {old} -> {new}")
+        if not changed:
+            return
+        s, o = self.cfg.schedule, self.cfg.optim
+        sv, so = saved.get("schedule", {}), saved.get("optim", {})
+        was = lr_at(step, peak=so.get("lr", o.lr), minimum=sv.get("min_lr", s.min_lr),
+                    warmup=sv.get("warmup_steps", s.warmup_steps), total=sv.get("steps", s.steps))
+        now = lr_at(step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
+        what = (f"the checkpoint {path} (step {step}) was trained on another schedule ({', '.join(changed)}): "
+                f"the learning rate of step {step + 1} is {now:.2e} on the new one, {was:.2e} on the checkpoint's")
+        if not self.cfg.checkpoint.reschedule:
+            raise ConfigError(f"{what}; pass --checkpoint.reschedule to continue on the new schedule, or give "
+                              f"the old values")
+        if self.layout.is_main:
+            print(f"warning: {what}; continuing on the new schedule (--checkpoint.reschedule)", flush=True)
+
     def save_checkpoints(self) -> None:
         """The full checkpoint and/or model-only checkpoint due at this step (collective)."""
         ck = self.checkpoints
         if ck.due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
-            ck.save(self.step, self.model, self.optimizer,
-                    meta={"data": self.loader.state_dict(), "spikes": self.spikes.state_dict(),
-                          **self._export_meta()})
+            st = ck.save(self.step, self.model, self.optimizer, meta=self._full_meta())
+            self._last_full = (self.step, str(st.path))
         if ck.model_due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
             ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset, **self._export_meta()})
 
+    def _full_meta(self) -> dict[str, Any]:
+        return {"data": self.loader.state_dict(), "spikes": self.spikes.state_dict(), **self._export_meta()}
+
     def _export_meta(self) -> dict[str, Any]:
-        """What ``python -m trainer.export`` needs beside the weights: the config and the tokenizer
+        """What ``fastmoe-export`` needs beside the weights: the config and the tokenizer
         (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
         meta = {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
                 "data_manifest": self.manifest_path}
@@ -480,19 +566,22 @@ class Trainer:
             json.dump(info, f, indent=2)
 
     def _write_summary(self) -> None:
-        h = self.history
+        """summary.json and loss.png over the whole run (every earlier run on this ``--out`` included)."""
+        h = self.run_records()
         if not h:
             return
         timed = h[1:] if len(h) > 1 else h  # the first step pays one-off costs
         summary = {
-            "steps": self.step, "loss_first": h[0]["loss"], "loss_last": h[-1]["loss"],
+            "steps": self.step, "steps_this_run": len(self.history), "loss_first": h[0]["loss"],
+            "loss_last": h[-1]["loss"],
             "loss_min": min(r["loss"] for r in h), "grad_spikes": self.spikes.count,
             "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
             "wall_s": sum(r["step_time_s"] for r in h),
             "compile_s": sum(r.get("compile_s", 0.0) for r in h),
         }
         if "mfu" in h[-1]:
-            summary["mfu_mean"] = sum(r["mfu"] for r in timed) / len(timed)
+            summary["mfu_mean"] = sum(r.get("mfu") or 0.0 for r in timed) / len(timed)
+        self.summary = summary
         with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
         if self.cfg.logging.plot:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..kernels.contract import TOKEN_BLOCK_SIZE
 from ..kernels.registry import check_choice, check_precision, precision_engine, resolve_backend
+from .lora_ops import ExpertsLora, lora_mlp_combine
 from .ops import ExpertRows, combine, mlp_combine, route
 
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
@@ -63,6 +64,7 @@ def moe_experts_forward(
     ep_group: dist.ProcessGroup | None = None,
     expert_rows: ExpertRows | None = None,
     expert_precision: str | None = None,
+    lora: ExpertsLora | None = None,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
     (partial sums when other ranks hold other experts; choices of other experts are skipped).
@@ -72,13 +74,18 @@ def moe_experts_forward(
     ``ep_group``). ``expert_rows``: another layout's stage 4 (its own gate, biases, norm, on
     ``fastmoe::grouped_linear``), in which case the weights may be None and ``num_local`` is given;
     else the fused gate/up -> SiLU*up -> down path over ``w_gate_up [NR, 2I, H]`` and
-    ``w_down [NR, H, I]``. ``expert_precision``: ``"int8"`` or ``"fp8"`` runs every stage-4 GEMM
-    quantized, on the registry's implementation of that precision (which then replaces
+    ``w_down [NR, H, I]``. ``lora``: per-expert adapters on those two weights (frozen then), run
+    inside the fused path by ``fastmoe::lora_mlp_combine`` (:mod:`.lora_ops`); another layout's
+    ``expert_rows`` applies its own. ``expert_precision``: ``"int8"`` or ``"fp8"`` runs every
+    stage-4 GEMM quantized, on the registry's implementation of that precision (which then replaces
     ``gemm_engine``); None: full precision."""
     check_choice(gemm_engine)
     check_precision(expert_precision)
     base = kernel_backend(backend, x_TH.device)
     gemm = gemm_engine
+    if expert_precision is not None and lora:
+        raise ValueError(f"expert_precision={expert_precision!r} with LoRA adapters is not supported: "
+                         "train the adapters in the weights' precision")
     if expert_precision is not None:
         dev = x_TH.device
         gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
@@ -87,6 +94,9 @@ def moe_experts_forward(
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
     # no shape in the graph depends on data.
     rows = route(topk_idx_TK, expert_start, num_local, base, not torch.compiler.is_compiling())
+    if expert_rows is None and lora:
+        return lora_mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, lora, f"{base}+{gemm_engine}",
+                                _group_name(ep_group))
     if expert_rows is None:
         out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm}",
                                 _group_name(ep_group))

@@ -149,8 +149,8 @@ class _ExpertParallelDispatcher(TokenDispatcher):
             num_tokens = check_input(hidden_states)
         except (TypeError, ValueError) as err:
             local_error = err
-        # The agreement reads every rank's count on the host, which a graph cannot.
-        traced = torch.compiler.is_compiling() and self._traceable(need_offset)
+        # The agreement reads every rank's count on the host, which a graph (compiled or captured) cannot.
+        traced = (torch.compiler.is_compiling() or capturing(device)) and self._traceable(need_offset)
         if traced:
             if local_error is not None:
                 raise local_error
@@ -266,6 +266,12 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         back_RO = all_to_all_autograd(partial_NH, state.send_splits, state.recv_splits, self.group)
         S, H = state.x_SH.shape
         return state.x_SH.new_zeros(S, H).index_add(0, state.token_of_row, back_RO)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now (then nothing may read a
+    device value on the host, and the dispatch checks its inputs on the device)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def make_dispatcher(

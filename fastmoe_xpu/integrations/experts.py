@@ -34,7 +34,9 @@ import torch.nn as nn
 
 from .. import settings
 from ..autograd.moe_experts import moe_experts_forward
+from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
+from .peft_lora import parametrized_weights, stored_weight
 
 #: The name under which the implementation is registered.
 NAME = "fastmoe"
@@ -82,7 +84,7 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
         raise ExpertsLayoutError(f"{type(module).__name__}.num_experts must be an int (the experts on this rank)")
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     for name in (up_name, "down_proj"):
-        w = getattr(module, name, None)
+        w = stored_weight(module, name)  # never runs a parametrization (PEFT's LoRA) just to check a shape
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise ExpertsLayoutError(
                 f"{type(module).__name__}.{name} must be a 3-D [experts, out, in] (or transposed) tensor with "
@@ -116,13 +118,6 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
         and not flags["has_post_expert_norm"] and not flags["custom_gate"] and _is_silu(module.act_fn)
     )
     return flags
-
-
-def _weight(module: nn.Module, name: str) -> torch.Tensor:
-    """The weight in its stored orientation (``[E, out, in]``, or ``[E, in, out]`` when
-    ``is_transposed``: the launchers take a flag for that), contiguous: the parameter itself
-    whenever it already is, which every family's is, so nothing is copied per call."""
-    return getattr(module, name).contiguous()
 
 
 def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
@@ -168,7 +163,9 @@ def fastmoe_experts_forward(
         )
     T = hidden_states.shape[0]
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
-    w_up = getattr(self, up_name)
+    # PEFT's LoRA on the 3-D weights (target_parameters): the frozen weights and the adapters, which
+    # run inside the grouped GEMMs (peft_lora.py); else the weights as they read.
+    (w_up, w_down), lora = parametrized_weights(self, (up_name, "down_proj"), flags["is_transposed"])
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     if not flags["expert_parallel"] and not torch.compiler.is_compiling():
@@ -185,12 +182,12 @@ def fastmoe_experts_forward(
         # parallelism gives no group to agree on a timed choice, so its shards keep the backend's own
         # engine: ranks must not round differently.
         engine = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
-        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _weight(self, "gate_up_proj"),
-                                     _weight(self, "down_proj"), backend=backend, gemm_engine=engine,
-                                     expert_precision=precision)
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, w_up.contiguous(), w_down.contiguous(),
+                                     backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision)
     else:
         def expert_rows(x, input_indices, cum_token_counts, kernels_name):
-            return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1])
+            return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1],
+                                 (w_up.contiguous(), w_down.contiguous()), lora)
 
         out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, None, None, backend=backend,
                                      num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision)
@@ -217,9 +214,13 @@ def _first_rows(t: torch.Tensor, rt: int) -> torch.Tensor:
 
 def _plain_stage4(
     module: nn.Module, flags: dict[str, Any], x_TH: torch.Tensor, input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor, kernels_name: str, top_k: int,
+    cum_token_counts: torch.Tensor, kernels_name: str, top_k: int, weights: tuple[torch.Tensor, torch.Tensor],
+    lora: ExpertsLora,
 ) -> torch.Tensor:
-    """Stage 4 for every layout the fused kernels do not cover: our grouped GEMMs, the family's gate."""
+    """Stage 4 for every layout the fused kernels do not cover: our grouped GEMMs, the family's gate.
+    ``weights``: the up and down weights in their stored orientation (``[E, out, in]``, or ``[E, in,
+    out]`` when ``is_transposed``: the launchers take a flag for that), contiguous: the parameters
+    themselves whenever they already are, which every family's are, so nothing is copied per call."""
     rt = routed_rows(cum_token_counts, x_TH.shape[0], top_k, flags["expert_parallel"])
     idx = input_indices[:rt].long()
     x_RH = x_TH.index_select(0, idx)
@@ -229,18 +230,25 @@ def _plain_stage4(
         row_expert = torch.repeat_interleave(torch.arange(sizes.numel(), device=x_TH.device), sizes, output_size=rt)
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     transposed = flags["is_transposed"]
-    h = _first_rows(grouped_linear(x_RH, _weight(module, up_name), cum_token_counts, kernels_name, transposed), rt)
+    h = _first_rows(_linear(x_RH, weights[0], lora.gate_up, cum_token_counts, kernels_name, transposed), rt)
     if row_expert is not None:
         h = h + getattr(module, up_name + "_bias")[row_expert]
     # The module's own gate (custom ones included) or, without a gate, its activation.
     h = module._apply_gate(h) if flags["has_gate"] else module.act_fn(h)
-    y = _first_rows(grouped_linear(h.contiguous(), _weight(module, "down_proj"), cum_token_counts, kernels_name,
-                                   transposed), rt)
+    y = _first_rows(_linear(h.contiguous(), weights[1], lora.down, cum_token_counts, kernels_name, transposed), rt)
     if row_expert is not None:
         y = y + module.down_proj_bias[row_expert]
     if flags["has_post_expert_norm"]:
         y = module.post_expert_norm(y)
     return y
+
+
+def _linear(a: torch.Tensor, w: torch.Tensor, lora: LoraWeights | None, cum_token_counts: torch.Tensor,
+            kernels_name: str, transposed: bool) -> torch.Tensor:
+    """One grouped GEMM of the plain path, with its adapter when it has one."""
+    if lora is None:
+        return grouped_linear(a, w, cum_token_counts, kernels_name, transposed)
+    return lora_grouped_linear(a, w, lora, cum_token_counts, kernels_name, transposed)
 
 
 def register(interface: Any = None) -> bool:
@@ -261,6 +269,37 @@ def register(interface: Any = None) -> bool:
                 "implementation needs it; FastSparseMoeBlock and patch_olmoe work without it"
             ) from err
     interface.register(NAME, fastmoe_experts_forward)
+    record_in_saved_configs()
+    return True
+
+
+def record_in_saved_configs() -> bool:
+    """Make ``save_pretrained`` keep the choice of :data:`NAME`.
+
+    transformers drops its internal ``_experts_implementation`` when it writes ``config.json``, so
+    a model saved with ``"fastmoe"`` came back as ``grouped_mm`` without a word. A config whose
+    experts implementation is :data:`NAME` now also writes the public key ``experts_implementation``,
+    which transformers' ``PretrainedConfig.__init__`` reads back as the choice (an explicit
+    ``from_pretrained(..., experts_implementation=...)`` still wins). Loading such a model needs
+    ``import fastmoe_xpu`` first, as creating one does. Other implementations are saved unchanged.
+    Returns False when transformers' config class cannot be patched."""
+    try:
+        from transformers.configuration_utils import PretrainedConfig
+    except ImportError:
+        return False
+    to_dict = PretrainedConfig.to_dict
+    if getattr(to_dict, "_keeps_fastmoe", False):
+        return True
+
+    def to_dict_keeping_fastmoe(self: Any) -> dict[str, Any]:
+        out = to_dict(self)
+        if getattr(self, "_experts_implementation_internal", None) == NAME:
+            out["experts_implementation"] = NAME
+        return out
+
+    to_dict_keeping_fastmoe._keeps_fastmoe = True  # type: ignore[attr-defined]
+    to_dict_keeping_fastmoe.__doc__ = to_dict.__doc__
+    PretrainedConfig.to_dict = to_dict_keeping_fastmoe  # type: ignore[method-assign]
     return True
 
 

@@ -41,6 +41,10 @@ KERNELS = (
     "combine_fwd",
     "combine_bwd",
     "router_weights_bwd",
+    "tma_gate_up_fwd",
+    "tma_grouped_mm",
+    "tma_grouped_mm_bwd",
+    "tma_grouped_mm_bwd_silu",
 )
 
 
@@ -89,6 +93,27 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
+        # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
+        # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
+        "tma_gate_up_fwd": [
+            _c("m128n64k64", 8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
+            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m64n64k64", 4, 4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        ],
+        "tma_grouped_mm": [
+            _c("m128n128k64", 8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n256k64", 8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
+            _c("m64n128k64", 4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
+        ],
+        "tma_grouped_mm_bwd": [
+            _c("m128n128k64", 8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n256k64", 8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
+            _c("m64n128k64", 4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
+        ],
+        "tma_grouped_mm_bwd_silu": [
+            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n64k64", 8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
+        ],
     },
     "hip": {
         # 8 warps: with 4, the all-pairs block reductions run out of scalar registers on gfx942.
@@ -163,6 +188,10 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "combine_bwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "router_weights_bwd": [_c("t4", 1, 1, BLOCK_T=4)],
+        "tma_gate_up_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "tma_grouped_mm": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "tma_grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "tma_grouped_mm_bwd_silu": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
     },
 }
 

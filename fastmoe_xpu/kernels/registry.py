@@ -15,6 +15,8 @@ loop      gemm                    one ``torch.mm`` per expert (``kernels/torch/g
 grouped_mm  gemm                  PyTorch's grouped GEMM (``kernels/grouped_mm.py``)
 int8      gemm (precision)        quantized int8 GEMMs, ``torch._int_mm`` (``kernels/quantized``)
 fp8       gemm (precision)        quantized fp8 GEMMs (e4m3 forward, e5m2 gradients), ``torch._scaled_mm``
+triton_tma  gemm                  persistent TMA grouped GEMMs for sm_90+ (``kernels/triton/tma_gemm.py``);
+                                  CPU tensors only under TRITON_INTERPRET=1, never timed there
 ========  ======================  ===============================================================
 
 A *precision* entry (``int8``, ``fp8``) is a stage-4 implementation that changes the numbers, not
@@ -73,6 +75,23 @@ def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         return "the triton package is not installed"
     if device.type == "cpu" and not triton_interpreting():
         return "Triton kernels on CPU tensors need TRITON_INTERPRET=1"
+    return None
+
+
+def _tma_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = _triton_reason(device, dtype)
+    if reason is not None:
+        return reason
+    import triton.language as tl
+
+    if not hasattr(tl, "make_tensor_descriptor") or importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
+        return "this triton has no tensor descriptors (triton >= 3.4)"
+    if device.type == "cuda":
+        if getattr(torch.version, "hip", None):
+            return "triton_tma runs on NVIDIA GPUs (TMA), not ROCm"
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return f"triton_tma needs TMA (sm_90 or newer), this GPU is sm_{major}x"
     return None
 
 
@@ -139,6 +158,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_grouped_mm_reason),
         Implementation("triton", ("route", "gemm", "combine"), ("cpu", "cuda", "xpu"), _FLOATS, ".triton",
                        unavailable=_triton_reason, native_gemm="triton", timed=lambda device: device.type != "cpu"),
+        Implementation("triton_tma", ("gemm",), ("cpu", "cuda"), _FLOATS, ".triton.tma_gemm",
+                       unavailable=_tma_reason, timed=lambda device: device.type == "cuda"),
         Implementation("int8", ("gemm",), ("cpu", "cuda", "xpu"), _FLOATS, ".quantized.int8",
                        unavailable=_quantized_reason("int8"), timed=lambda device: False, precision="int8"),
         Implementation("fp8", ("gemm",), ("cpu", "cuda", "xpu"), _FLOATS, ".quantized.fp8",
@@ -158,8 +179,8 @@ for _n, _impl in IMPLEMENTATIONS.items():
 del _n, _impl
 #: Every stage-4 implementation a kernel set may name.
 GEMMS = ENGINES + tuple(n for names in PRECISIONS.values() for n in names)
-#: Every value ``gemm_engine`` accepts.
-CHOICES = settings.GEMM_ENGINES
+#: Every value ``gemm_engine`` (and ``FASTMOE_GEMM_ENGINE``) accepts.
+CHOICES = ("auto", "native", *ENGINES)
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
 

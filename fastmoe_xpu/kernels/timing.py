@@ -38,8 +38,13 @@ from ..device import cpu_model
 
 FORMAT = 1
 FILE_NAME = "gemm_engines.json"
-#: Engine names an entry may hold (every gemm_engine value that names one engine).
-KNOWN_ENGINES = tuple(e for e in settings.GEMM_ENGINES if e not in ("auto", "native"))
+
+
+def _known_engines() -> tuple[str, ...]:
+    """Engine names a cache entry may hold: the registry's stage-4 implementations."""
+    from .registry import ENGINES
+
+    return ENGINES
 
 
 def sync(device: torch.device) -> None:
@@ -127,7 +132,7 @@ def _load(path: Path) -> dict[str, Any]:
         return {}
     entries = {}
     for k, v in data["entries"].items():
-        if isinstance(v, dict) and v.get("engine") in KNOWN_ENGINES:
+        if isinstance(v, dict) and v.get("engine") in _known_engines():
             entries[k] = v
         else:
             warnings.warn(f"gemm engine cache {path}: stale entry {k!r} ({v!r}) ignored", RuntimeWarning, stacklevel=3)

@@ -11,7 +11,8 @@ registers, spills and shared memory:
 * ``cuda`` = ``GPUTarget("cuda", 90, 32)`` (H100): registers and spill bytes from
   ``cuobjdump --dump-resource-usage`` (shipped in Triton's ``backends/nvidia/bin``) on the cubin
   (``REG``, ``LOCAL``); the compiled kernel's ``n_regs``/``n_spills`` metadata where that tool is
-  missing.
+  missing; and which of HGMMA (wgmma), UTMALDG / UTMASTG (TMA) and LDGSTS (cp.async) the SASS
+  (``cuobjdump -sass``) contains.
 * ``hip`` = ``GPUTarget("hip", "gfx942", 64)`` (MI300X): ``.vgpr_count``, ``.vgpr_spill_count`` and
   ``.sgpr_spill_count`` from the amdgcn text.
 
@@ -87,6 +88,24 @@ def cuda_resources(compiled) -> tuple[int | None, int | None]:
     return getattr(md, "n_regs", None), getattr(md, "n_spills", None)
 
 
+#: SASS instructions whose presence the check reports: Hopper's tensor-core MMA (wgmma), TMA loads
+#: and stores, and cp.async copies.
+SASS_MARKERS = ("HGMMA", "UTMALDG", "UTMASTG", "LDGSTS")
+
+
+def cuda_sass(compiled) -> list[str]:
+    """Which of :data:`SASS_MARKERS` the kernel's SASS (``cuobjdump -sass`` of the cubin) contains;
+    empty where that tool is missing."""
+    tool = _cuobjdump()
+    if tool is None:
+        return []
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    return [m for m in SASS_MARKERS if re.search(rf"\b{m}\b", sass)]
+
+
 def hip_resources(compiled) -> tuple[int | None, int | None]:
     """``(VGPRs, VGPR + SGPR spill count)`` of a gfx942 kernel."""
     text = compiled.asm["amdgcn"]
@@ -99,11 +118,14 @@ def hip_resources(compiled) -> tuple[int | None, int | None]:
     return (int(vgpr.group(1)) if vgpr else None), spills
 
 
-def run_check(targets: tuple[str, ...] = TARGETS, defaults_only: bool = False) -> list[dict[str, Any]]:
+def run_check(targets: tuple[str, ...] = TARGETS, defaults_only: bool = False,
+              prefix: str = "") -> list[dict[str, Any]]:
+    """One row per compiled (kernel variant, config, target); ``prefix``: only kernels whose spec
+    name starts with it."""
     rows = []
     for target in targets:
         for spec in kernel_specs(target):
-            if defaults_only and not spec.is_default:
+            if (defaults_only and not spec.is_default) or not spec.name.startswith(prefix):
                 continue
             t0 = time.time()
             row: dict[str, Any] = {"kernel": spec.name, "config": spec.config_name, "target": target,
@@ -117,6 +139,8 @@ def run_check(targets: tuple[str, ...] = TARGETS, defaults_only: bool = False) -
                 continue
             regs, spills = cuda_resources(compiled) if target == "cuda" else hip_resources(compiled)
             shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+            if target == "cuda":
+                row["sass"] = cuda_sass(compiled)
             row.update(ok=True, registers=regs, spills=spills, shared=shared,
                        shared_ok=shared <= SHARED_LIMIT[target], seconds=round(time.time() - t0, 2))
             rows.append(row)
@@ -124,16 +148,16 @@ def run_check(targets: tuple[str, ...] = TARGETS, defaults_only: bool = False) -
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ("kernel", "config", "target", "warps", "stages", "registers", "spills", "shared", "status")
+    head = ("kernel", "config", "target", "warps", "stages", "registers", "spills", "shared", "sass", "status")
     lines = []
     for r in rows:
         if r["ok"]:
             status = "ok" if r["spills"] in (0, None) and r["shared_ok"] else "SPILLS" if r["spills"] else "SHARED>LIMIT"
             status += " (default)" if r["default"] else ""
             vals = (r["kernel"], r["config"], r["target"], r["num_warps"], r["num_stages"], r["registers"],
-                    r["spills"], r["shared"], status)
+                    r["spills"], r["shared"], "+".join(r.get("sass", [])) or "-", status)
         else:
-            vals = (r["kernel"], r["config"], r["target"], r["num_warps"], r["num_stages"], "-", "-", "-",
+            vals = (r["kernel"], r["config"], r["target"], r["num_warps"], r["num_stages"], "-", "-", "-", "-",
                     "FAILED: " + r["error"])
         lines.append(tuple(str(v) for v in vals))
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
@@ -149,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="xpu: Intel PVC through tools/compile_xpu.py (run it with .venv-xpu/bin/python)")
     parser.add_argument("--defaults-only", action="store_true", help="compile only each kernel's default config")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--kernels", metavar="PREFIX", default="", help="only kernels whose name starts with PREFIX")
     args, rest = parser.parse_known_args(argv)
     if args.target == "xpu":
         from .compile_xpu import main as xpu_main
@@ -159,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     targets = TARGETS if args.target == "all" else (args.target,)
-    rows = run_check(targets, args.defaults_only)
+    rows = run_check(targets, args.defaults_only, args.kernels)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.configs import configs
-from ..kernels.triton import combine, counting, grouped_gemm, indices
+from ..kernels.triton import combine, counting, grouped_gemm, indices, tma_gemm
 
 @dataclass
 class KernelSpec:
@@ -122,6 +122,42 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         "d_row_w_ptr": "*fp32", "output_idx_ptr": _P32, "selected_ptr": _P32, "cum_expert_ptr": _P32,
         "dweights_ptr": act, "T": _I32, "K": _I32}, {"BLOCK_K": K},
         ("d_row_w_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dweights_ptr", "K")))
+    if target == "cuda":
+        out += _tma_variants(act, _P32, _I32)
+    return out
+
+
+def _desc(dtype: str, *box: str):
+    """The signature type of a TMA descriptor argument whose box is ``box`` (names of tile constexprs
+    or numbers), resolved against each config's tiles."""
+    return lambda meta: f"tensordesc<{dtype}[{','.join(str(meta.get(b, b)) for b in box)}]>"
+
+
+def _tma_variants(act: str, p32: str, i32: str) -> list:
+    """The persistent TMA kernels (sm_90+ only: the ``triton_tma`` engine runs on NVIDIA GPUs)."""
+    dt = act.lstrip("*")
+    flags = {"DOT_PRECISION": "ieee"}
+    out: list = []
+    out.append(("tma_gate_up_fwd", "tma_gate_up_fwd", tma_gemm._tma_gate_up_fwd_kernel, {
+        "x_ptr": act, "input_idx_ptr": p32, "cum_token_ptr": p32, "w_desc": _desc(dt, 1, "BLOCK_N", "BLOCK_K"),
+        "g_desc": _desc(dt, "BLOCK_M", "BLOCK_N"), "u_desc": _desc(dt, "BLOCK_M", "BLOCK_N"),
+        "h_desc": _desc(dt, "BLOCK_M", "BLOCK_N"), "gate_up_ptr": act, "h_ptr": act, "H": i32, "I": i32,
+        "NR": i32}, dict(flags), ("x_ptr", "input_idx_ptr", "cum_token_ptr", "gate_up_ptr", "h_ptr", "H", "I")))
+    for trans, tag, box in ((True, "W^T", (1, "BLOCK_N", "BLOCK_K")), (False, "W", (1, "BLOCK_K", "BLOCK_N"))):
+        out.append((f"tma_grouped_mm[{tag}]", "tma_grouped_mm", tma_gemm._tma_grouped_mm_kernel, {
+            "a_desc": _desc(dt, "BLOCK_M", "BLOCK_K"), "w_desc": _desc(dt, *box), "cum_token_ptr": p32,
+            "out_desc": _desc(dt, "BLOCK_M", "BLOCK_N"), "out_ptr": act, "N": i32, "K": i32, "NR": i32},
+            {"TRANS_W": trans, **flags}, ("cum_token_ptr", "out_ptr", "N", "K")))
+    rows_b = _desc(dt, "BLOCK_K", "BLOCK_N")
+    for name, key, gather, silu in (("tma_grouped_mm_bwd[rows]", "tma_grouped_mm_bwd", False, False),
+                                    ("tma_grouped_mm_bwd[gather]", "tma_grouped_mm_bwd", True, False),
+                                    ("tma_grouped_mm_bwd_silu", "tma_grouped_mm_bwd_silu", False, True)):
+        a_desc = _desc(dt, "BLOCK_K", "BLOCK_M")
+        out.append((name, key, tma_gemm._tma_wgrad_kernel, {
+            "a_desc": a_desc, "b_desc": a_desc if gather else rows_b, "u_desc": a_desc if gather else rows_b,
+            "b_ptr": act, "idx_ptr": p32, "cum_token_ptr": p32, "rw_ptr": "*fp32" if silu else act,
+            "dw_desc": _desc(dt, 1, "BLOCK_M", "BLOCK_N"), "M": i32, "N": i32, "NR": i32},
+            {"GATHER": gather, "SILU_B": silu, **flags}, ("b_ptr", "idx_ptr", "cum_token_ptr", "rw_ptr", "M", "N")))
     return out
 
 
@@ -135,7 +171,7 @@ def kernel_specs(target: str) -> list[KernelSpec]:
     for name, key, kernel, signature, constexprs, aligned in _variants(target):
         for i, cfg in enumerate(configs(target, key)):
             cexpr = {**cfg.meta, **constexprs}
-            sig = dict(signature)
+            sig = {k: v(cfg.meta) if callable(v) else v for k, v in signature.items()}
             sig.update({k: "constexpr" for k in cexpr})
             specs.append(KernelSpec(
                 name=name, fn=_jit(kernel), signature=sig, constexprs=cexpr, config_name=cfg.name,

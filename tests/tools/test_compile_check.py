@@ -22,19 +22,21 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from fastmoe_xpu.kernels import configs  # noqa: E402
-from fastmoe_xpu.kernels.triton import combine, counting, grouped_gemm, indices  # noqa: E402
+from fastmoe_xpu.kernels.triton import combine, counting, grouped_gemm, indices, tma_gemm  # noqa: E402
 from fastmoe_xpu.tools import compile_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = (counting, indices, grouped_gemm, combine)
+#: Kernels compiled for one target only: the TMA grouped GEMMs are NVIDIA's (sm_90+).
+TARGET_MODULES = {"cuda": (tma_gemm,)}
 
 
-def _all_kernels() -> dict[str, object]:
+def _all_kernels(target: str) -> dict[str, object]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     found = {}
-    for mod in KERNEL_MODULES:
+    for mod in KERNEL_MODULES + TARGET_MODULES.get(target, ()):
         for name, obj in vars(mod).items():
             if isinstance(obj, (JITFunction, InterpretedFunction)):
                 found[name] = obj
@@ -46,7 +48,7 @@ def test_kernel_specs_cover_every_kernel_and_config(target):
     from triton.runtime.jit import JITFunction
 
     specs = compile_check.kernel_specs(target)
-    kernels = _all_kernels()
+    kernels = _all_kernels(target)
     assert {s.fn.fn.__name__ for s in specs} == set(kernels), "a kernel is missing from the compile check"
     for spec in specs:
         assert isinstance(spec.fn, JITFunction)
@@ -69,9 +71,11 @@ def test_kernel_specs_cover_every_kernel_and_config(target):
         assert [s.config_name for s in group] == [c.name for c in configs.configs(target, key)]
 
 
-def test_compile_check_defaults_compile_without_spills(tmp_path):
-    """``python -m fastmoe_xpu.tools.compile_check --defaults-only`` for sm_90 and gfx942."""
-    out = tmp_path / "rows.json"
+@pytest.fixture(scope="module")
+def default_rows(tmp_path_factory):
+    """The rows of ``python -m fastmoe_xpu.tools.compile_check --defaults-only`` for sm_90 and gfx942
+    (one compile run shared by the tests that read it)."""
+    out = tmp_path_factory.mktemp("compile") / "rows.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run(
         [sys.executable, "-m", "fastmoe_xpu.tools.compile_check", "--target", "all", "--defaults-only",
@@ -80,12 +84,33 @@ def test_compile_check_defaults_compile_without_spills(tmp_path):
     )
     print(res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    rows = json.loads(out.read_text())
-    n_variants = len({s.name for s in compile_check.kernel_specs("cuda")})
-    assert len(rows) == 2 * n_variants
+    return json.loads(out.read_text())
+
+
+def test_compile_check_defaults_compile_without_spills(default_rows):
+    """Every kernel variant's default config compiles for sm_90 and gfx942 without spills."""
+    rows = default_rows
+    n_variants = sum(len({s.name for s in compile_check.kernel_specs(t)}) for t in ("cuda", "hip"))
+    assert len(rows) == n_variants
     for row in rows:
         assert row["ok"], row
         assert row["registers"] and row["registers"] > 0, row
         assert row["spills"] == 0, row
         assert row["shared_ok"], row
     assert {r["target"] for r in rows} == {"cuda", "hip"}
+
+
+def test_tma_kernels_use_tma_and_wgmma_on_sm90(default_rows):
+    """The persistent grouped GEMMs as compiled for sm_90: their SASS (read by ``cuobjdump -sass``,
+    which ships with Triton) loads through TMA (UTMALDG) into wgmma (HGMMA), without spills; the
+    plain grouped GEMMs, for contrast, do not use TMA."""
+    if compile_check._cuobjdump() is None:
+        pytest.skip("no cuobjdump: this triton ships without backends/nvidia/bin/cuobjdump")
+    tma = [r for r in default_rows if r["target"] == "cuda" and r["kernel"].startswith("tma_")]
+    assert {r["kernel"] for r in tma} == {s.name for s in compile_check.kernel_specs("cuda") if s.name.startswith("tma_")}
+    assert len(tma) == 6
+    for row in tma:
+        assert row["ok"] and row["spills"] == 0, row
+        assert "UTMALDG" in row["sass"] and "HGMMA" in row["sass"], row
+    plain = [r for r in default_rows if r["target"] == "cuda" and r["kernel"].startswith("grouped_mm_fwd")]
+    assert plain and all("HGMMA" in r["sass"] and "UTMALDG" not in r["sass"] for r in plain), plain

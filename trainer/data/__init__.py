@@ -8,7 +8,7 @@ API for the training loop:
         .state_dict() / .load_state_dict(state)
     load_manifest(path) -> dict;  tokenizer_from_description(manifest["tokenizer"])
 
-Names resolve lazily so that `python -m trainer.data.preprocess` starts without importing torch.
+Names resolve lazily so that `fastmoe-preprocess` starts without importing torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Throughput of preprocessing and of the loader on a synthetic corpus (no downloads).
 
-    python -m trainer.data.bench [--docs 20000] [--context 2048] [--shards 8] [--bpe-vocab 8000]
+    python -m fastmoe_trainer.data.bench [--docs 20000] [--context 2048] [--shards 8] [--bpe-vocab 8000]
 
 Writes a reproducible JSONL corpus of random words to a temporary folder, preprocesses it with
 the byte tokenizer and with a BPE `tokenizer.json` trained on the same words, then times loader
@@ -22,7 +22,7 @@ from .loader import ShardedLoader
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.data.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastmoe_trainer.data.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=int, default=20000)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--shards", type=int, default=8)

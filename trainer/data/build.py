@@ -1,5 +1,5 @@
 """Turn text into shuffled, sharded training instances (the library behind
-`python -m trainer.data.preprocess`).
+`fastmoe-preprocess`).
 
 Three steps, each with a progress bar:
 1. tokenize: every document, followed by EOS, is appended to one token stream (input files in the
@@ -19,14 +19,13 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
-from tqdm import tqdm
 
+from ..progress import stage_bar
 from .sources import expand_inputs, input_format, iter_documents
 from .tokenizer import Tokenizer, load_tokenizer, token_dtype
 
@@ -111,9 +110,7 @@ def _clear_previous(out_dir: str) -> None:
 def _tokenize(sources: list[Source], tok: Tokenizer, dtype: np.dtype, stream_path: str, progress: bool) -> list[dict]:
     stats = []
     total_bytes = sum(s.size for s in sources)
-    with open(stream_path, "wb") as out, tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="1/3 tokenize", disable=not progress, file=sys.stderr
-    ) as bar:
+    with open(stream_path, "wb") as out, stage_bar(total_bytes, "1/3 tokenize", "B", progress, unit_scale=True) as bar:
         for src in sources:
             n_docs = n_tok = 0
             reported = 0
@@ -191,7 +188,7 @@ def build_dataset(
         if shards > num:
             raise ValueError(f"shards ({shards}) exceeds the number of instances ({num}); use at most {num}")
 
-        with tqdm(total=num, unit="inst", desc="2/3 shuffle", disable=not progress, file=sys.stderr) as bar:
+        with stage_bar(num, "2/3 shuffle", "inst", progress) as bar:
             perm = np.random.default_rng(seed).permutation(num)
             bar.update(num)
 
@@ -216,7 +213,7 @@ def build_dataset(
         shard_meta = []
         rows_per_gather = max(1, _GATHER_TOKENS // (context + 1))
         start = 0
-        with tqdm(total=num, unit="inst", desc="3/3 shard", disable=not progress, file=sys.stderr) as bar:
+        with stage_bar(num, "3/3 shard", "inst", progress) as bar:
             for k, n in enumerate(shard_sizes(num, shards)):
                 name = f"shard-{k:05d}-of-{shards:05d}.npy"
                 path = os.path.join(staging, name)
@@ -308,7 +305,7 @@ def split_validation(windows: np.ndarray, perm: np.ndarray, n_valid: int,
     train = perm[:-n_valid]
     keep = np.ones(train.shape[0], dtype=bool)
     step = 1 << 14
-    with tqdm(total=train.shape[0], unit="inst", desc="   hold out", disable=not progress, file=sys.stderr) as bar:
+    with stage_bar(train.shape[0], "   hold out", "inst", progress) as bar:
         for a in range(0, train.shape[0], step):
             rows = windows[train[a:a + step]]
             keep[a:a + rows.shape[0]] = [instance_hash(r) not in held for r in rows]

@@ -39,7 +39,7 @@ def load_manifest(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, MANIFEST_NAME)
     if not os.path.isfile(path):
-        raise ValueError(f"data manifest {path!r} does not exist; run python -m trainer.data.preprocess first")
+        raise ValueError(f"data manifest {path!r} does not exist; run fastmoe-preprocess first")
     try:
         with open(path) as f:
             m = json.load(f)

@@ -1,6 +1,6 @@
 """Command line of the preprocessing step:
 
-    python -m trainer.data.preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
+    fastmoe-preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
         --context C --out DIR [--shards N] [--seed S]
 
 Tokenizes, shuffles and shards the inputs (see `trainer.data.build`); every bad input ends with
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .build import preprocess_files
@@ -22,7 +23,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _OneLineParser(prog="python -m trainer.data.preprocess", description="Tokenize, shuffle and shard text into .npy training instances.")
+    p = _OneLineParser(prog="fastmoe-preprocess", description="Tokenize, shuffle and shard text into .npy training instances.")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text/JSONL/Parquet/Arrow files or directories")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizers JSON file")
     p.add_argument("--context", type=int, required=True, help="tokens of input per instance (instances hold C+1)")
@@ -36,10 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        print(f"{p.prog}: error: cannot create --out {a.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
         path = preprocess_files(a.input, a.out, a.context, a.tokenizer, a.shards, a.seed, a.text_field, a.eos_token, not a.quiet,
                                 valid=a.valid)
     except (ValueError, OSError) as e:
-        msg = " ".join(str(e).split())  # one line, whatever the underlying library printed
+        if isinstance(e, OSError) and e.strerror:  # "[Errno 2] ..." says less than the path and the reason
+            msg = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+        else:
+            msg = " ".join(str(e).split())  # one line, whatever the underlying library printed
         print(f"{p.prog}: error: {msg}", file=sys.stderr)
         return 1
     with open(path) as f:

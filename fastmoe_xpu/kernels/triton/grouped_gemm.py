@@ -552,31 +552,28 @@ def down_weighted_bwd(
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
     inside both kernels from ``gate_up`` (never stored). Rows past RT are unspecified."""
-    op = "down_weighted_bwd"
-    check_float(op, None, dy=dy_RH, gate_up=gate_up_R2I, w_down=w_down_NHI)
-    check_float(op, dy_RH.device, row_weights=row_weights_R)
-    check_index(op, dy_RH.device, cum_token_counts=cum_token_counts)
-    NR, H, I = w_down_NHI.shape
-    R = dy_RH.shape[0] if dy_RH.dim() == 2 else -1
-    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or gate_up_R2I.dim() != 2 or gate_up_R2I.shape != (R, 2 * I):
-        raise ValueError(f"{op}: dy {tuple(dy_RH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not fit "
-                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {2 * I}])")
-    if row_weights_R.shape != (R,) or row_weights_R.dtype != torch.float32:
-        raise ValueError(f"{op}: row_weights must be float32 [{R}], got {row_weights_R.dtype} "
-                         f"{tuple(row_weights_R.shape)}")
-    if cum_token_counts.numel() != NR + 1:
-        raise ValueError(f"{op}: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+    check_down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R, cum_token_counts, w_down_NHI)
     # The plain input-gradient GEMM (unweighted dy @ W_e), then one pass over its rows for the
     # router-weight dots and the weights: fused into the GEMM's epilogue, that pass spilled on PVC.
     dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
-    d_row_w = torch.empty(R, dtype=torch.float32, device=dy_RH.device)
-    if R and I:
-        dev = dy_RH.device
-        cfg = get_config(table_for(dev), "row_dot_scale")
-        _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
-                       (dh, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I, NR), cfg, dev)
+    d_row_w = row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts)
     dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
     return dh, dw, d_row_w
+
+
+def row_dot_scale(dh_RI: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                  cum_token_counts: torch.Tensor) -> torch.Tensor:
+    """``d_row_weights [R] fp32 = <dh_r, h_r>`` with ``h`` recomputed from ``gate_up``, then
+    ``dh_r *= row_weights[r]`` in place (``_row_dot_scale_kernel``; rows past RT untouched)."""
+    R, I = dh_RI.shape
+    d_row_w = torch.empty(R, dtype=torch.float32, device=dh_RI.device)
+    if R and I:
+        dev = dh_RI.device
+        cfg = get_config(table_for(dev), "row_dot_scale")
+        _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
+                       (dh_RI, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I,
+                        cum_token_counts.numel() - 1), cfg, dev)
+    return d_row_w
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -621,6 +618,34 @@ def gate_up_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
     (the gather fused into the weight-gradient loads; zero for empty experts)."""
+    check_gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
+    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)
+    dw = _grouped_mm_wgrad(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
+    return dx_rows, dw
+
+
+def check_down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                            cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor) -> None:
+    """The input checks of :func:`down_weighted_bwd` (shared with the TMA engine's)."""
+    op = "down_weighted_bwd"
+    check_float(op, None, dy=dy_RH, gate_up=gate_up_R2I, w_down=w_down_NHI)
+    check_float(op, dy_RH.device, row_weights=row_weights_R)
+    check_index(op, dy_RH.device, cum_token_counts=cum_token_counts)
+    NR, H, I = w_down_NHI.shape
+    R = dy_RH.shape[0] if dy_RH.dim() == 2 else -1
+    if dy_RH.dim() != 2 or dy_RH.shape[1] != H or gate_up_R2I.dim() != 2 or gate_up_R2I.shape != (R, 2 * I):
+        raise ValueError(f"{op}: dy {tuple(dy_RH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not fit "
+                         f"down_proj {tuple(w_down_NHI.shape)} (expected [R, {H}] and [R, {2 * I}])")
+    if row_weights_R.shape != (R,) or row_weights_R.dtype != torch.float32:
+        raise ValueError(f"{op}: row_weights must be float32 [{R}], got {row_weights_R.dtype} "
+                         f"{tuple(row_weights_R.shape)}")
+    if cum_token_counts.numel() != NR + 1:
+        raise ValueError(f"{op}: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+
+
+def check_gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                      cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> None:
+    """The input checks of :func:`gate_up_bwd` (shared with the TMA engine's)."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
     check_float("gate_up_bwd", None, d_gate_up=d_gate_up_R2I, x=x_TH, w_gate_up=w_gate_up_N2IH)
     check_index("gate_up_bwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
@@ -628,6 +653,3 @@ def gate_up_bwd(
     if d_gate_up_R2I.dim() != 2 or d_gate_up_R2I.shape[1] != two_i or d_gate_up_R2I.shape[0] > input_indices.shape[0]:
         raise ValueError(f"gate_up_bwd: d_gate_up {tuple(d_gate_up_R2I.shape)} does not fit gate_up_proj "
                          f"{tuple(w_gate_up_N2IH.shape)} and {input_indices.shape[0]} input indices")
-    dx_rows = _grouped_mm(d_gate_up_R2I, w_gate_up_N2IH, cum_token_counts, False)
-    dw = _grouped_mm_wgrad(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
-    return dx_rows, dw

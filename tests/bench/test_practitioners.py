@@ -1,0 +1,43 @@
+"""``python -m bench --shapes practitioners``: the shape set, and one whole run at tiny scale."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cli import main
+from bench.presets import SHAPE_SETS, shape_set
+
+
+def test_practitioner_shapes_are_the_published_layers():
+    got = {p.name: (p.hidden, p.intermediate, p.experts, p.top_k, p.local_experts, p.tokens)
+           for p in SHAPE_SETS["practitioners"]}
+    assert got == {
+        "olmoe-1b-7b": (2048, 1024, 64, 8, 64, 32768), "qwen3-30b-a3b": (2048, 768, 128, 8, 128, 32768),
+        "qwen3-235b-a22b": (4096, 1536, 128, 8, 128, 32768), "gpt-oss-20b": (2880, 2880, 32, 4, 32, 32768),
+        "mixtral-8x7b": (4096, 14336, 8, 2, 8, 32768), "deepseek-v3-ep8": (7168, 2048, 256, 8, 32, 32768)}
+    small = shape_set("practitioners", scale=8, tokens=256)
+    assert [(p.name, p.hidden, p.tokens) for p in small][-1] == ("deepseek-v3-ep8/8", 896, 256)
+    with pytest.raises(ValueError, match="unknown shape set"):
+        shape_set("nope")
+
+
+def test_shapes_run_prints_tflops_beside_the_dense_mm(tmp_path, capsys, monkeypatch):
+    """Two of the six shapes (one whole layer and the expert-parallel slice) keep the run short."""
+    full = SHAPE_SETS["practitioners"]
+    monkeypatch.setitem(SHAPE_SETS, "practitioners", (full[1], full[-1]))
+    assert main(["--shapes", "practitioners", "--shape-scale", "128", "--shape-tokens", "8", "--rounds", "1",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| torch.mm (same FLOPs) |") == 2 and "qwen3-30b-a3b/128: H=16 I=8 E=128 K=8 T=8" in out
+    assert "| sonicmoe | skipped: " in out and "| hf_v5_grouped_mm | " in out
+    data = json.loads((tmp_path / "shapes_practitioners.json").read_text())
+    for case in data["cases"]:
+        flops = case["case"]["flops"]
+        assert flops["fwd"] == 6.0 * case["case"]["preset"]["hidden"] * case["case"]["preset"]["intermediate"] * \
+            case["case"]["rows"] and flops["fwdbwd"] == 3 * flops["fwd"]
+        assert case["ceiling"]["flops"] == flops["fwd"] or case["case"]["rows"] == 0
+        rows = {r["provider"]: r for r in case["table"]}
+        fast = rows["fastmoe/torch"]
+        assert fast["status"] == "ok" and fast["correct"] is True and fast["fwdbwd_tflops"] > 0
+        assert fast["fwd_vs_mm"] == pytest.approx(fast["fwd_tflops"] / rows["torch.mm (same FLOPs)"]["fwd_tflops"])

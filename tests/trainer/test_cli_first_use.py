@@ -1,0 +1,100 @@
+"""What a first use of the command lines meets: --help names values, options are not abbreviated,
+the context comes from the data set, the tools' error lines name the path and the reason, the
+sample prompts suit the embedded corpus, and a saved model keeps ``experts_implementation``."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from trainer.cli import build_parser, config_from_args, main
+from trainer.data.build import preprocess_files
+from trainer.data.preprocess import main as preprocess_main
+
+
+@pytest.fixture(scope="module")
+def data_c24(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("c24")
+    (d / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200, encoding="utf-8")
+    preprocess_files([str(d / "corpus.txt")], str(d / "data"), 24, "byte", 1, 0, "text", None, False, valid=2)
+    return str(d / "data")
+
+
+def test_help_names_the_presets_values_not_none():
+    text = build_parser().format_help()
+    assert "(default: None)" not in text
+    assert "--data.context INT, --context INT" in text
+    assert "(tiny-moe: 64)" in text  # the default preset's context
+    # the preset given is the one --help speaks of
+    cfg_help = build_parser(config_from_args(["--preset", "mula-7b-a1b"])[0]).format_help()
+    assert "(mula-7b-a1b: 100000)" in " ".join(cfg_help.split())
+
+
+@pytest.mark.parametrize("argv, hint", [(["--step", "2"], "--steps"), (["--dat", "x"], "--data")])
+def test_abbreviations_are_refused_with_a_hint(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: unrecognized arguments: {argv[0]}") and hint in err
+    assert len(err.splitlines()) == 1  # no usage block
+
+
+def test_context_comes_from_the_data_set(data_c24, tmp_path, capsys):
+    cfg, _ = config_from_args(["--data", data_c24])
+    assert cfg.data.context == 24
+    cfg, _ = config_from_args(["--data", data_c24, "--context", "24"])
+    assert cfg.data.context == 24
+    # an explicit other value is refused before training, naming the option and both values
+    rc = main(["--data", data_c24, "--context", "32", "--out", str(tmp_path / "o"), "--steps", "1",
+               "--global-batch", "2", "--micro-batch", "1", "--no-logging.progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: data set") and "has context 24, --data.context asks for 32" in err
+    with pytest.raises(ValueError, match="run fastmoe-preprocess first"):
+        config_from_args(["--data", str(tmp_path / "missing")])
+
+
+def test_preprocess_errors_name_the_path_and_the_reason(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text("some text " * 50)
+    assert preprocess_main(["--input", str(tmp_path / "c.txt"), "--context", "4", "--out", "/proc/x/y",
+                            "--quiet"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastmoe-preprocess: error: cannot create --out /proc/x/y: ") and "Errno" not in err
+
+
+def test_prompts_suit_the_embedded_corpus():
+    from trainer.data.default_corpus import default_corpus
+    from trainer.generate import PROMPTS
+
+    text = "".join(default_corpus()[0])
+    for prompt in PROMPTS:
+        assert text.count(prompt) >= 200, f"{prompt!r} is rare in the corpus the default run trains on"
+
+
+def test_saved_model_keeps_experts_implementation(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import fastmoe_xpu  # noqa: F401 (registers "fastmoe" and keeps it in saved configs)
+    from transformers import AutoModelForCausalLM, OlmoeConfig, OlmoeForCausalLM
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip("transformers without the experts interface")
+    cfg = OlmoeConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=16, num_experts=4,
+                      num_experts_per_tok=2, vocab_size=64, num_attention_heads=2, num_key_value_heads=2,
+                      eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    model = OlmoeForCausalLM._from_config(cfg, experts_implementation="fastmoe").eval()
+    model.save_pretrained(tmp_path / "m")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert saved["experts_implementation"] == "fastmoe"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert back.config._experts_implementation == "fastmoe"
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits)
+    # an explicit choice at load time still wins; another choice is saved as transformers saves it
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="grouped_mm")
+    assert other.config._experts_implementation == "grouped_mm"
+    other.save_pretrained(tmp_path / "g")
+    assert "experts_implementation" not in json.loads((tmp_path / "g" / "config.json").read_text())
+    assert os.path.isfile(tmp_path / "g" / "config.json")

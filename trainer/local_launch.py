@@ -1,0 +1,78 @@
+"""``fastmoe-train --nproc-per-node N``: N training processes on this machine, started by torchrun's
+own launcher (``torch.distributed.run``) inside this process, so that what a person sees stays
+short: Ctrl-C or SIGTERM reaches the launcher, which passes it on to every worker; the workers
+finish their step, write one checkpoint and rank 0 prints the one line of :mod:`trainer.stop`;
+the launcher exits with the same status (130 / 143) and no traceback of its own. A second signal
+kills the workers at once. A worker that fails (a config error, a crash) leaves its own message
+above one ``error:`` line from here.
+
+It is the same run as ``torchrun --standalone --nproc-per-node N -m fastmoe_trainer ...``, which
+works as well; torchrun prints its own log lines and a traceback when it is interrupted.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+
+def _children() -> list[int]:
+    """Pids of this process's children (Linux /proc; empty elsewhere)."""
+    me, out = os.getpid(), []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(me):
+            out.append(int(name))
+    return out
+
+
+def launch(nproc: int, argv: Sequence[str]) -> int:
+    """Run ``python -m <this package> argv`` in ``nproc`` processes; returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if nproc < 1:
+        print(f"error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    # torchrun's start-up and shutdown notices are for its own users; the workers say what matters
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several processes
+    package = __package__ or "trainer"
+    args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", package, *argv])
+    try:
+        run(args)
+    except SignalException as e:
+        alive = _children()
+        if alive:  # a second signal before the workers finished: abort them at once
+            for pid in alive:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            print(f"aborted at once ({signal.Signals(e.sigval).name} again); the newest complete checkpoint "
+                  f"stays valid", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        print(f"error: training process {rank} exited with status {failure.exitcode} (its message is above)",
+              file=sys.stderr)
+        return code
+    return 0

@@ -1,0 +1,91 @@
+"""LoRA fine-tuning of the expert weights: ``--lora.rank R --lora.alpha A --lora.targets gate_up_proj,down_proj``.
+
+The model is built and its weights loaded as for any run (``--model.init_from`` names a transformers
+checkpoint directory or weights file); then PEFT's ``inject_adapter_in_model`` wraps the targeted 3-D
+expert parameters (``LoraConfig(target_parameters=["mlp.experts.gate_up_proj", ...])``) in place and
+freezes everything else. The MoE layers (``FastSparseMoeBlock`` or a family's experts with
+``experts_implementation="fastmoe"``) run the adapters inside their grouped GEMMs, so the optimizer
+holds the adapters only, and checkpoints carry them with the model. At the end of the run the adapter
+is written in PEFT's own layout (``adapter_config.json``, ``adapter_model.safetensors``), which stock
+PEFT loads onto the base checkpoint (``PeftModel.from_pretrained``) and can merge
+(``merge_and_unload``).
+
+One process, one model: data parallelism only (no EP, PP or TP split of the adapters), eager.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.nn as nn
+
+from .errors import ConfigError
+
+TARGETS = ("gate_up_proj", "down_proj")
+#: The name of every adapter file's keys start with, as ``PeftModel.save_pretrained`` writes them.
+PEFT_PREFIX = "base_model.model."
+
+
+def targets(section: Any) -> list[str]:
+    return [t.strip() for t in section.targets.split(",") if t.strip()]
+
+
+def check_lora_config(cfg: Any) -> None:
+    """ConfigError (one line) for a LoRA section this trainer cannot run."""
+    lo, p, m = cfg.lora, cfg.parallel, cfg.model
+    if lo.rank < 0:
+        raise ConfigError(f"--lora.rank must be >= 0, got {lo.rank}")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"--lora.alpha must be > 0, got {lo.alpha}")
+    bad = [t for t in targets(lo) if t not in TARGETS] or ([] if targets(lo) else ["(none)"])
+    if bad:
+        raise ConfigError(f"--lora.targets must name some of {list(TARGETS)}, got {lo.targets!r}")
+    if m.arch == "olmo":
+        raise ConfigError("--lora.rank adapts expert weights; --model.arch olmo has none")
+    if m.moe_impl != "fastmoe":
+        raise ConfigError(f"--lora.rank needs --model.moe_impl fastmoe (the adapters run in its GEMMs), got {m.moe_impl!r}")
+    for name, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)):
+        if value > 1:
+            raise ConfigError(f"--lora.rank trains with data parallelism only, got --parallel.{name} {value}")
+    if m.compile:
+        raise ConfigError("--lora.rank runs eagerly; drop --model.compile")
+    if cfg.checkpoint.init_from:
+        raise ConfigError("--lora.rank starts from --model.init_from (a transformers checkpoint), "
+                          "not --checkpoint.init_from")
+    if cfg.eval.export_hf:
+        raise ConfigError("--lora.rank exports the adapter (--lora.export), not the whole model (--eval.export_hf)")
+
+
+def peft_config(section: Any) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=section.rank, lora_alpha=section.alpha,
+                      target_parameters=[f"mlp.experts.{t}" for t in targets(section)])
+
+
+def apply_lora(model: nn.Module, section: Any) -> Any:
+    """Wraps ``model``'s targeted expert weights with PEFT's adapters in place and freezes the rest;
+    returns the PEFT ``LoraConfig``."""
+    try:
+        from peft import inject_adapter_in_model
+    except ImportError as err:
+        raise ConfigError("--lora.rank needs the peft package (scripts/setup_venv.sh installs it)") from err
+    config = peft_config(section)
+    inject_adapter_in_model(config, model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"--lora.targets {section.targets!r} matched no expert weight of this model")
+    return config
+
+
+def export_adapter(model: nn.Module, config: Any, out_dir: str) -> str:
+    """Writes the adapter in PEFT's layout to ``out_dir``; returns the directory."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    state = {PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,73 @@
+"""Progress of the training loop: a tqdm bar on a terminal, and plain lines elsewhere.
+
+Written to a file or a pipe (a job's log, ``| tee``), a tqdm bar is thousands of carriage-return
+redraws on one line; there the loop prints one line every ``total / LINES`` steps instead (and the
+last step), with the same numbers the bar shows.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+#: Lines a non-terminal log gets over a whole run (plus the last step).
+LINES = 20
+
+
+class LineProgress:
+    """tqdm's ``update`` / ``set_postfix`` / ``close``, as one line per ``every`` steps."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "step",
+                 file: TextIO | None = None, every: int | None = None) -> None:
+        self.total, self.n, self.desc, self.unit = total, initial, desc, unit
+        self.file = file if file is not None else sys.stderr
+        self.every = every or max(1, (total - initial) // LINES)
+        self.postfix: dict[str, Any] = {}
+        self._t0, self._n0 = time.perf_counter(), initial
+        self._last_printed = initial
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n - self._last_printed >= self.every or (self.n >= self.total > self._last_printed):
+            self._print()
+
+    def set_postfix(self, **kw: Any) -> None:
+        self.postfix = kw
+
+    def _print(self) -> None:
+        rate = (self.n - self._n0) / max(time.perf_counter() - self._t0, 1e-9)
+        extra = "".join(f" {k}={v}" for k, v in self.postfix.items())
+        self.file.write(f"{self.desc}: {self.unit} {self.n}/{self.total} ({rate:.2f} {self.unit}/s){extra}\n")
+        self.file.flush()
+        self._last_printed = self.n
+
+    def close(self) -> None:
+        if self.n != self._last_printed:  # the last count, when no line showed it yet
+            self._print()
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step", file: TextIO | None = None) -> Any:
+    """A tqdm bar when ``file`` (stderr) is a terminal, else a :class:`LineProgress`."""
+    file = file if file is not None else sys.stderr
+    if file.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=file)
+    return LineProgress(total, initial, desc, unit, file)
+
+
+def stage_bar(total: int, desc: str, unit: str, enabled: bool, file: TextIO | None = None, **tqdm_kw: Any) -> Any:
+    """One stage of a longer job (data preprocessing): a tqdm bar on a terminal, else one line when
+    the stage ends; nothing when not ``enabled``."""
+    file = file if file is not None else sys.stderr
+    if enabled and not file.isatty():
+        return LineProgress(total, 0, desc, unit, file, every=max(1, total))
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=file, **tqdm_kw)

@@ -1,0 +1,109 @@
+"""Stopping a run by signal without losing it.
+
+SIGINT (Ctrl-C) or SIGTERM (a scheduler's notice, ``kill``) during training lets the current
+step finish; then every rank writes a full checkpoint at that step, rank 0 prints one line
+
+    stopped at step N (SIGINT); checkpoint at OUT/checkpoints/slot-B; run the same command to resume
+
+and the process exits with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A second
+signal aborts at once (the checkpoint being written, if any, is never taken for valid: its
+manifest is written last). Before the first step and after the last the signal stops the run
+at once, with one line and the same status.
+
+Under an elastic agent that restarts failed workers (``fastmoe-launch --max-restarts N``, N > 0)
+only SIGINT is handled so: there SIGTERM is the agent's way of ending the survivors before a
+restart, and it keeps ending them at once.
+
+Under ``torchrun`` the workers run in their own session, so the terminal's Ctrl-C reaches
+torchrun, which sends the signal on to every worker: each finishes its step, and the ranks agree
+(one all-reduce of the flag per step) on the step they stop after, so none waits in a collective
+for another that already left.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+#: The signals that stop a run.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def handled_signals() -> tuple[int, ...]:
+    """SIGINT and SIGTERM; SIGINT alone under an elastic agent that restarts workers
+    (``TORCHELASTIC_MAX_RESTARTS`` > 0, as ``fastmoe-launch --max-restarts N`` sets it): there SIGTERM
+    is how the agent ends the survivors of a failed worker before it restarts them, and they must
+    end at once, not try to finish a step whose peers are gone."""
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        restarts = 0
+    return (signal.SIGINT,) if restarts > 0 else STOP_SIGNALS
+
+
+class Stopped(Exception):
+    """Raised out of the training loop (or start-up) when a signal stopped the run."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class StopRequest:
+    """The handlers of SIGINT and SIGTERM for one run.
+
+    ``deferred`` (inside the training loop): the first signal is remembered and the loop polls
+    :meth:`agreed`; otherwise (start-up, the end of the run) the first signal raises
+    :class:`Stopped` where the program is. A second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferred = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in handled_signals():
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            sys.stderr.write(f"\naborted at once ({signal_name(signum)} again); the newest complete "
+                             f"checkpoint stays valid\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self.signum = signum
+        if not self.deferred:
+            raise Stopped(signum, f"stopped by {signal_name(signum)} before training began or after it ended")
+
+    def agreed(self, group: Any = None, distributed: bool = False, device: Any = "cpu") -> int | None:
+        """The signal every rank stops for after this step (None: go on); collective when
+        ``distributed``."""
+        if not distributed:
+            return self.signum
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signum or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        got = int(flag.item())
+        return got or None
