@@ -143,6 +143,15 @@ class OptimConfig:
     """Clip the global gradient norm to this after warmup; 0 disables clipping."""
     grad_reduce_dtype: str = "fp32"
     """Dtype gradients are reduced (and reduce-scattered) in: ``"fp32"`` or ``"bf16"``."""
+    stochastic_rounding: bool = False
+    """Pure bf16 training: no fp32 master copy; each update is computed in fp32 and rounded into the
+    bf16 weights stochastically (unbiased), the rounding generator saved with the checkpoint. Needs
+    ``--model.param_dtype bf16``."""
+    master_weights: bool = True
+    """Keep an fp32 master copy of the weights in the optimizer. False with bf16 weights (and no
+    stochastic rounding): plain bf16 updates, rounded to nearest."""
+    moments_dtype: str = "fp32"
+    """Dtype of the Adam moments: ``"fp32"`` or ``"bf16"`` (rounded like the weights)."""
 
 
 @dataclass
@@ -353,6 +362,7 @@ _CHOICES = {
     ("model", "autocast"): ("auto", "bf16", "none"),
     ("optim", "name"): ("adamw", "sharded", "epso"),
     ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+    ("optim", "moments_dtype"): ("fp32", "bf16"),
     ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
     ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
     ("checkpoint", "model_dtype"): ("bf16", "fp32"),
@@ -416,6 +426,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     elif p.ep != 1 and not m.is_hf:
         raise ConfigError(f"arch={m.arch!r} has no experts; EP must be 1, got {p.ep}")
+    if (o.stochastic_rounding or not o.master_weights) and m.param_dtype != "bf16":
+        raise ConfigError("--optim.stochastic_rounding / --no-optim.master_weights train bf16 weights without an "
+                          f"fp32 master: they need --model.param_dtype bf16, got {m.param_dtype!r}")
     if m.expert_precision != "none" and (not m.is_moe or m.moe_impl != "fastmoe"):
         raise ConfigError(f"--model.expert_precision {m.expert_precision} needs a MoE model with --model.moe_impl "
                           f"fastmoe, got arch={m.arch!r}, moe_impl={m.moe_impl!r}")
