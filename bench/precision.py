@@ -1,0 +1,163 @@
+"""Convergence and training speed of the precisions, one run each on the same seed and data.
+
+``python -m bench.precision --steps 150 --out docs/bench_results/precision`` trains the ``tiny-moe``
+preset (or ``--preset``) from the same seed on the embedded corpus in every variant:
+
+=============  ====================================================================================
+fp32           fp32 weights, gradients and optimizer
+bf16-mixed     bf16 weights and gradients, fp32 master weights in the optimizer
+bf16-plain     bf16 weights, no master: updates rounded to nearest
+bf16-sr        bf16 weights, no master: updates rounded stochastically
+int8-experts   fp32 model, every expert GEMM (forward, input and weight gradient) quantized to int8
+fp8-experts    the same in fp8 (e4m3 forward, e5m2 gradients)
+=============  ====================================================================================
+
+and writes ``results.json``, ``results.md`` (final training loss as the mean of the last 10
+steps, validation loss, steps/s, optimizer bytes per parameter) and ``loss.png`` (the loss curves in
+one chart). The AQT comparison rides along: the models trained in fp32 and bf16-mixed are evaluated
+again with their expert GEMMs quantized to int8 after training (post-training quantization), next
+to the int8-trained model's validation loss. Runs go one after another: on a shared machine the
+steps/s column is as noisy as the load; the layer benchmark (``python -m bench --precision``)
+interleaves its variants instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16-mixed": {"model.param_dtype": "bf16"},
+    "bf16-plain": {"model.param_dtype": "bf16", "optim.master_weights": False},
+    "bf16-sr": {"model.param_dtype": "bf16", "optim.stochastic_rounding": True},
+    "int8-experts": {"model.expert_precision": "int8"},
+    "fp8-experts": {"model.expert_precision": "fp8"},
+}
+#: Variants evaluated again with int8 expert GEMMs after training (post-training quantization).
+PTQ = ("fp32", "bf16-mixed")
+
+
+def _config(preset: str, steps: int, out: Path, over: dict[str, Any], context: int, micro_batch: int, seed: int):
+    from trainer.presets import get_preset
+
+    cfg = get_preset(preset)
+    cfg.seed = seed
+    cfg.data.context = context
+    cfg.schedule.steps, cfg.schedule.micro_batch = steps, micro_batch
+    cfg.schedule.global_batch = micro_batch
+    cfg.schedule.warmup_steps = max(1, steps // 10)
+    cfg.logging.out = str(out)
+    cfg.logging.progress = cfg.logging.plot = cfg.logging.tensorboard = False
+    cfg.logging.peak_tflops = 1.0
+    for key, value in over.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def _set_precision(model: Any, precision: str | None) -> int:
+    blocks = [m for m in model.modules() if hasattr(m, "expert_precision")]
+    for m in blocks:
+        m.expert_precision = precision
+    return len(blocks)
+
+
+def run(preset: str, steps: int, out: Path, variants: list[str], context: int, micro_batch: int,
+        seed: int) -> dict[str, Any]:
+    import torch
+
+    from trainer.trainer import Trainer
+
+    results: dict[str, Any] = {}
+    for name in variants:
+        cfg = _config(preset, steps, out / name, VARIANTS[name], context, micro_batch, seed)
+        trainer = Trainer(cfg)
+        t0 = time.perf_counter()
+        hist = trainer.fit()
+        seconds = time.perf_counter() - t0
+        val = trainer.evaluate()["val_loss"]
+        n = sum(p.numel() for p in trainer.model.parameters())
+        res = {
+            "overrides": VARIANTS[name], "losses": [r["loss"] for r in hist],
+            "train_loss_last10": sum(r["loss"] for r in hist[-10:]) / min(10, len(hist)),
+            "val_loss": val, "steps_per_s": len(hist) / seconds, "seconds": seconds,
+            "optimizer_bytes_per_param": trainer.optimizer.state_bytes() / n,
+            "diverged": any(r["loss"] != r["loss"] or r["loss"] > 1e3 for r in hist),
+        }
+        if name in PTQ:
+            if not _set_precision(trainer.model, "int8"):
+                raise RuntimeError("no FastSparseMoeBlock in the model: nothing to quantize")
+            with torch.no_grad():
+                res["val_loss_ptq_int8"] = trainer.evaluate()["val_loss"]
+        results[name] = res
+        print(f"{name:13s} train {res['train_loss_last10']:.4f}  val {val:.5f}"
+              + (f"  val after int8 PTQ {res['val_loss_ptq_int8']:.5f}" if name in PTQ else "")
+              + f"  {res['steps_per_s']:.2f} steps/s", flush=True)
+    return results
+
+
+def markdown(results: dict[str, Any], header: str) -> str:
+    lines = [header, "", "| variant | final train loss (mean of last 10) | validation loss | val loss, int8 after training "
+             "| steps/s | optimizer B/param |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ptq = f"{r['val_loss_ptq_int8']:.5f}" if "val_loss_ptq_int8" in r else ""
+        lines.append(f"| {name} | {r['train_loss_last10']:.4f} | {r['val_loss']:.5f} | {ptq} | "
+                     f"{r['steps_per_s']:.2f} | {r['optimizer_bytes_per_param']:.0f} |")
+    if "int8-experts" in results and "fp32" in results:
+        f, q = results["fp32"], results["int8-experts"]
+        lines += ["", f"AQT comparison (validation loss gap to fp32): int8-trained {q['val_loss'] - f['val_loss']:+.4f}, "
+                  f"fp32-trained then quantized to int8 {f['val_loss_ptq_int8'] - f['val_loss']:+.4f}"]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in results.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("tiny-moe on the embedded corpus: same seed and data per precision")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny-moe")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--out", default="precision_out")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run(args.preset, args.steps, out / "runs", args.variants, args.context, args.micro_batch, args.seed)
+    cmd = (f"python -m bench.precision --preset {args.preset} --steps {args.steps} --context {args.context} "
+           f"--micro-batch {args.micro_batch} --seed {args.seed}" + (f" --threads {args.threads}" if args.threads else ""))
+    (out / "results.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results, f"`{cmd}`"))
+    chart(results, out / "loss.png")
+    print(markdown(results, f"`{cmd}`"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
