@@ -19,6 +19,12 @@ again with their expert GEMMs quantized to int8 after training (post-training qu
 to the int8-trained model's validation loss. Runs go one after another: on a shared machine the
 steps/s column is as noisy as the load; the layer benchmark (``python -m bench --precision``)
 interleaves its variants instead.
+
+``python -m bench.precision --layer mula-7b-a1b --rounds 3`` times one expert layer's forward +
+backward (stages 2-5, the torch backend on the ``loop`` engine) in fp32 against each quantized
+precision, interleaved in the same rounds (the order rotating each round), and prints the minimum
+over rounds and the median of same-round ratios: the comparison a shared machine allows. The first
+call of each precision (which compiles the fused int8 passes) is not timed.
 """
 from __future__ import annotations
 
@@ -132,6 +138,51 @@ def chart(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[dict[str, Any]]:
+    import torch
+
+    from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
+
+    from .cases import make_case
+    from .presets import resolve_presets
+
+    rows = []
+    for preset in resolve_presets(preset_names):
+        case = make_case(preset, dtype="fp32", device="cpu")
+        w_gu = case.w_gate_up_N2IH.detach().requires_grad_(True)
+        w_d = case.w_down_NHI.detach().requires_grad_(True)
+        x = case.x_TH.detach().requires_grad_(True)
+
+        def run(precision):  # noqa: ANN001, ANN202
+            out = moe_experts_forward(x, case.weights_TK, case.topk_idx_TK, w_gu, w_d, backend="torch",
+                                      gemm_engine="loop", expert_precision=precision)
+            out.backward(torch.ones_like(out))
+            x.grad = w_gu.grad = w_d.grad = None
+
+        names = [None, *precisions]
+        for p in names:
+            run(p)  # cold: buffers, the int8 kernels' compilation
+        times: dict[Any, list[float]] = {p: [] for p in names}
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for p in order:
+                t0 = time.perf_counter()
+                run(p)
+                times[p].append(time.perf_counter() - t0)
+        base = times[None]
+        for p in precisions:
+            ratios = sorted(b / q for b, q in zip(base, times[p]))
+            row = {"preset": preset.name, "precision": p, "fp32_min_s": min(base), "min_s": min(times[p]),
+                   "speedup_min": min(base) / min(times[p]), "speedup_paired_median": ratios[len(ratios) // 2],
+                   "rounds": rounds, "fp32_s": base, "s": times[p]}
+            rows.append(row)
+            print(f"{preset.name:20s} F+B fp32 {row['fp32_min_s'] * 1e3:.0f} ms  {p} {row['min_s'] * 1e3:.0f} ms  "
+                  f"speedup {row['speedup_min']:.2f}x (min) | {row['speedup_paired_median']:.2f}x (paired median)",
+                  flush=True)
+        del case
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny-moe")
@@ -142,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default="precision_out")
+    ap.add_argument("--layer", nargs="+", metavar="PRESET", default=None,
+                    help="time one layer's F+B at these bench presets instead (fp32 against --precision)")
+    ap.add_argument("--precision", nargs="+", default=["int8"], choices=["int8", "fp8"])
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     import torch
 
@@ -149,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.layer:
+        rows = layer(args.layer, args.precision, args.rounds)
+        cmd = (f"python -m bench.precision --layer {' '.join(args.layer)} --precision {' '.join(args.precision)} "
+               f"--rounds {args.rounds}" + (f" --threads {args.threads}" if args.threads else ""))
+        (out / "layer.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+        return 0
     results = run(args.preset, args.steps, out / "runs", args.variants, args.context, args.micro_batch, args.seed)
     cmd = (f"python -m bench.precision --preset {args.preset} --steps {args.steps} --context {args.context} "
            f"--micro-batch {args.micro_batch} --seed {args.seed}" + (f" --threads {args.threads}" if args.threads else ""))
