@@ -16,6 +16,9 @@ Legend: R rows allocated (>= RT routed rows), H hidden, I intermediate, NR local
 """
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable
+
 import torch
 
 from ..contract import check_gemm_inputs, check_stored_gemm_inputs
@@ -50,6 +53,19 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fw
         qmm(qa.t(), sa, qg, sg, out=out)
     else:
         qmm(qg.t(), sg, qa, sa, out=out)
+
+
+def _backward_gemms(groups: list[tuple[int, int, int]], g: torch.Tensor, a: torch.Tensor, qw, f, d_rows: torch.Tensor,
+                    dw: torch.Tensor, transposed: bool = False) -> None:  # noqa: ANN001
+    """Per expert: the input gradient of rows ``g`` through the weight codes ``qw`` into ``d_rows``
+    and the weight gradient against the input rows ``a`` into ``dw`` (zero for empty experts)."""
+    for e, s, t in groups:
+        if t == s:
+            dw[e].zero_()
+            continue
+        b = qw.codes[e].t() if transposed else qw.codes[e]
+        _input_grad(g[s:t], qw.scales[e], b, f.grad, d_rows[s:t])
+        _weight_grad(g[s:t], a[s:t], f.grad, f.forward, dw[e], transposed)
 
 
 def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
@@ -100,13 +116,7 @@ def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts
     dh = _rows_buffer(dy_RH.shape[0], rt, width, dy_RH)
     dw = torch.empty_like(w_down_NHI)
     qw = quantized_weight(w_down_NHI, f.forward, transposed, reuse=True)
-    for e, s, t in groups:
-        if t == s:
-            dw[e].zero_()
-            continue
-        b = qw.codes[e].t() if transposed else qw.codes[e]
-        _input_grad(dy_RH[s:t], qw.scales[e], b, f.grad, dh[s:t])
-        _weight_grad(dy_RH[s:t], h_RI[s:t], f.grad, f.forward, dw[e], transposed)
+    _backward_gemms(groups, dy_RH, h_RI, qw, f, dh, dw, transposed)
     return dh, dw
 
 
@@ -123,13 +133,7 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     dw = torch.empty_like(w_down_NHI)
     qw = quantized_weight(w_down_NHI, f.forward, reuse=True)
     w = row_weights_R[:rt, None].float()
-    wh = h * w
-    for e, s, t in groups:
-        if t == s:
-            dw[e].zero_()
-            continue
-        _input_grad(dy_RH[s:t], qw.scales[e], qw.codes[e], f.grad, g[s:t])
-        _weight_grad(dy_RH[s:t], wh[s:t], f.grad, f.forward, dw[e])
+    _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
     d_row_w = torch.linalg.vecdot(g, h)
     dh = _rows_buffer(dy_RH.shape[0], rt, inter, dy_RH)
     dh[:rt] = g.mul_(w)
@@ -147,14 +151,14 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
     dw = torch.empty_like(w_gate_up_N2IH)
     qw = quantized_weight(w_gate_up_N2IH, f.forward, reuse=True)
     rows = x_TH.index_select(0, input_indices[:rt])
-    for e, s, t in groups:
-        if t == s:
-            dw[e].zero_()
-            continue
-        _input_grad(d_gate_up_R2I[s:t], qw.scales[e], qw.codes[e], f.grad, dx_rows[s:t])
-        _weight_grad(d_gate_up_R2I[s:t], rows[s:t], f.grad, f.forward, dw[e])
+    _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw)
     return dx_rows, dw
 
 
 #: The launchers a quantized engine provides (the rest of stage 4 comes from the kernel backend).
 LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")
+
+
+def bind(fmt: str) -> dict[str, Callable[..., Any]]:
+    """The launchers with format ``fmt`` bound: what a precision's launcher module exports."""
+    return {name: functools.partial(globals()[name], fmt) for name in LAUNCHERS}
