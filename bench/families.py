@@ -51,6 +51,7 @@ FAMILY_SHAPES: dict[str, FamilyShape] = {
     "qwen3_moe": FamilyShape("Qwen3-30B-A3B", 2048, 768, 128, 8),
     "gpt_oss": FamilyShape("GPT-OSS-20B", 2880, 2880, 32, 4),
     "mixtral": FamilyShape("Mixtral-8x7B", 4096, 14336, 8, 2),
+    "olmoe": FamilyShape("OLMoE-1B-7B", 2048, 1024, 64, 8),
 }
 
 #: Tokens of one layer call unless ``--tokens`` says otherwise.

@@ -5,28 +5,41 @@ default experts implementation (``grouped_mm``) against ``"fastmoe"``, in one ru
 Both contestants are one module: the family's own experts class at its bench shape
 (:data:`bench.families.FAMILY_SHAPES`, ``--scale`` divides H and I), wrapped by PEFT exactly as
 ``LoraConfig(target_parameters=[...])`` wraps it in a model; ``config._experts_implementation`` is
-switched per call, so every weight and adapter is shared. Step times are interleaved, min over
-rounds. Peak memory is the growth of the peak resident set of a fresh process per contestant over
-what it held once the layer existed (imports, weights, inputs), across the same steps: the CPU has
-no allocator statistics.
+switched per call, so every weight and adapter is shared. ``--low-rank ENGINE`` adds a ``fastmoe``
+contestant whose adapters' ``r``-wide products run on ``ENGINE`` instead of the registry's choice;
+``--handed-in`` one whose adapters reach the experts function through
+:func:`fastmoe_xpu.integrations.peft_lora.run_adapters_in_experts` instead of PEFT's per-call
+parametrization (whose registration folds ``W + delta`` once per forward, for every contestant).
+
+Time: the steps are interleaved (one step of each contestant per round) and each contestant's
+minimum over the rounds is kept, of the CPU time of the calling thread (``time.thread_time``) and of
+the wall clock. With ``--threads 1`` (the default) every op runs on that thread, so its CPU time is
+the step's work, which other processes on a loaded machine barely change; the wall clock is what a
+quiet machine would show.
+
+Peak memory: one step of each contestant (after the timed ones, idle buffer pools released first)
+under ``torch.profiler`` with ``profile_memory``: every allocation and free of PyTorch's allocator in
+order, the running sum's maximum above the step's start. That is the step's peak of tensor bytes
+(activations, temporaries, the adapters' gradients), counted the same way for both.
 
 Legend: T tokens, H hidden, I intermediate, E experts, K experts per token, r adapter rank.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
-import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-from .families import FAMILY_SHAPES, family_preset, experts_module
+from .families import FAMILY_SHAPES, experts_module, family_preset
 
-CONTESTANTS = ("grouped_mm", "fastmoe")
+BASELINE, OURS = "grouped_mm", "fastmoe"
 
 
 def build(family: str, scale: int, tokens: int, rank: int, seed: int = 0) -> tuple[nn.Module, nn.Module, tuple]:
@@ -49,51 +62,138 @@ def build(family: str, scale: int, tokens: int, rank: int, seed: int = 0) -> tup
     return holder.mlp.experts, experts, (x, idx, (w / w.sum(-1, keepdim=True)))
 
 
-def step(wrapper: nn.Module, experts: nn.Module, impl: str, inputs: tuple) -> None:
-    experts.config._experts_implementation = impl
+@contextlib.contextmanager
+def low_rank_engine(engine: str | None) -> Iterator[None]:
+    """The torch base's adapters' ``r``-wide products on ``engine`` for a while (None: as registered)."""
+    from fastmoe_xpu.kernels import registry
+
+    if engine is None:
+        yield
+        return
+    impl = registry.IMPLEMENTATIONS["torch"]
+    registry.IMPLEMENTATIONS["torch"] = dataclasses.replace(impl, low_rank_gemm=(engine,))
+    registry._low_rank_set.cache_clear()
+    try:
+        yield
+    finally:
+        registry.IMPLEMENTATIONS["torch"] = impl
+        registry._low_rank_set.cache_clear()
+
+
+HANDED_IN = "handed-in"
+
+
+@contextlib.contextmanager
+def handed_in(wrapper: nn.Module, on: bool) -> Iterator[None]:
+    """PEFT's adapters handed to the experts function directly for a while (``run_adapters_in_experts``)."""
+    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+
+    if not on:
+        yield
+        return
+    run_adapters_in_experts(wrapper)
+    try:
+        yield
+    finally:
+        del wrapper.forward  # back to the class's (PEFT's) forward
+
+
+def contestants(low_rank: list[str], handed: bool = False) -> dict[str, tuple[str, str | None]]:
+    """name -> (experts implementation, low-rank engine override or ``HANDED_IN``)."""
+    out = {BASELINE: (BASELINE, None), OURS: (OURS, None)}
+    out.update({f"{OURS} (r-wide on {e})": (OURS, e) for e in low_rank})
+    if handed:
+        out[f"{OURS} (adapters handed in)"] = (OURS, HANDED_IN)
+    return out
+
+
+def step_fn(wrapper: nn.Module, experts: nn.Module, impl: str, option: str | None, inputs: tuple) -> Callable[[], None]:
+    """One forward + backward of contestant ``impl`` (the adapters' gradients reset first)."""
     x, idx, w = inputs
+    x = x.detach().requires_grad_()
+    low_rank = None if option == HANDED_IN else option
+
+    def run() -> None:
+        experts.config._experts_implementation = impl
+        with low_rank_engine(low_rank), handed_in(wrapper, option == HANDED_IN):
+            out = wrapper(x, idx, w)
+            out.backward(torch.ones_like(out))
+
+    return run
+
+
+def _zero(wrapper: nn.Module) -> None:
     for p in wrapper.parameters():
         p.grad = None
-    out = wrapper(x.requires_grad_(), idx, w)
-    out.backward(torch.ones_like(out))
 
 
-def _child(args: Any) -> None:
-    """One contestant in a fresh process: warm-up and ``rounds`` steps, then its peak RSS."""
-    import resource
+def peak_bytes(fn: Callable[[], None]) -> int:
+    """The peak of tensor bytes allocated by ``fn`` above what was allocated when it started: the
+    running sum of the allocator's events recorded by ``torch.profiler`` (``profile_memory``)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    wrapper, experts, inputs = build(args.family, args.scale, args.tokens, args.rank)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for _ in range(args.rounds + 1):
-        step(wrapper, experts, args.impl, inputs)
-    # the peak above what the process held once the layer existed (imports, weights, inputs)
-    print(json.dumps({"peak_rss_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024}))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
-def run(family: str, scale: int, tokens: int, rank: int, rounds: int) -> dict[str, Any]:
+def run(family: str, scale: int, tokens: int, rank: int, rounds: int, low_rank: list[str],
+        handed: bool = False) -> dict[str, Any]:
+    from fastmoe_xpu import release_buffers
+
     wrapper, experts, inputs = build(family, scale, tokens, rank)
+    who = contestants(low_rank, handed)
+    steps = {name: step_fn(wrapper, experts, impl, lr, inputs) for name, (impl, lr) in who.items()}
     grads: dict[str, list[torch.Tensor]] = {}
-    best = {impl: float("inf") for impl in CONTESTANTS}
-    for impl in CONTESTANTS:  # warm-up; the adapter gradients of both, compared below
-        step(wrapper, experts, impl, inputs)
-        grads[impl] = [p.grad.clone() for p in wrapper.parameters() if p.requires_grad]
+    for name, fn in steps.items():  # warm-up (the auto engine choice is timed here); the adapter gradients
+        _zero(wrapper)
+        fn()
+        grads[name] = [p.grad.clone() for p in wrapper.parameters() if p.requires_grad]
+    cpu = {name: float("inf") for name in steps}
+    wall = dict(cpu)
     for _ in range(rounds):
-        for impl in CONTESTANTS:
-            t0 = time.perf_counter()
-            step(wrapper, experts, impl, inputs)
-            best[impl] = min(best[impl], time.perf_counter() - t0)
-    err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-              for a, b in zip(grads["fastmoe"], grads["grouped_mm"]))
-    res: dict[str, Any] = {"family": family, "shape": family_preset(family, scale=scale, tokens=tokens)[0].as_dict(),
-                           "rank": rank, "step_s": best, "adapter_grad_rel_err": err}
+        for name, fn in steps.items():
+            _zero(wrapper)
+            t0, w0 = time.thread_time(), time.perf_counter()
+            fn()
+            cpu[name] = min(cpu[name], time.thread_time() - t0)
+            wall[name] = min(wall[name], time.perf_counter() - w0)
     peak = {}
-    for impl in CONTESTANTS:
-        cmd = [sys.executable, "-m", "bench.lora", "--child", impl, "--family", family, "--scale", str(scale),
-               "--tokens", str(tokens), "--rank", str(rank), "--rounds", "2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        peak[impl] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_mb"]
-    res["peak_rss_mb"] = peak
-    return res
+    for name, fn in steps.items():
+        _zero(wrapper)
+        release_buffers()
+        peak[name] = peak_bytes(fn)
+    err = {name: max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                     for a, b in zip(g, grads[BASELINE])) for name, g in grads.items() if name != BASELINE}
+    return {"family": family, "shape": family_preset(family, scale=scale, tokens=tokens)[0].as_dict(), "rank": rank,
+            "threads": torch.get_num_threads(), "rounds": rounds, "cpu_s": cpu, "wall_s": wall, "peak_bytes": peak,
+            "adapter_grad_rel_err": err}
+
+
+def format_row(r: dict[str, Any]) -> list[str]:
+    sh, cpu, wall, peak = r["shape"], r["cpu_s"], r["wall_s"], r["peak_bytes"]
+    rows = []
+    for name in cpu:
+        if name == BASELINE:
+            continue
+        rows.append(
+            f"| {r['family']} | {sh['hidden']} | {sh['intermediate']} | {sh['experts']} | {sh['top_k']} | {name} | "
+            f"{cpu[BASELINE] * 1e3:.1f} | {cpu[name] * 1e3:.1f} | {cpu[BASELINE] / cpu[name]:.2f}x | "
+            f"{wall[BASELINE] * 1e3:.1f} | {wall[name] * 1e3:.1f} | "
+            f"{peak[BASELINE] / 2**20:.1f} | {peak[name] / 2**20:.1f} | {peak[BASELINE] / max(peak[name], 1):.2f}x | "
+            f"{r['adapter_grad_rel_err'][name]:.1e} |")
+    return rows
+
+
+HEADER = ("| family | H | I | E | K | ours | grouped_mm CPU ms | ours CPU ms | speed-up | grouped_mm wall ms "
+          "| ours wall ms | grouped_mm peak MiB | ours peak MiB | memory ratio | adapter grad rel err |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,26 +204,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU time is the whole step's)")
+    ap.add_argument("--low-rank", action="append", default=[], choices=("loop", "grouped_mm"),
+                    help="also time fastmoe with the adapters' r-wide products on this engine (repeat)")
+    ap.add_argument("--handed-in", action="store_true",
+                    help="also time fastmoe with the adapters handed to the experts function (run_adapters_in_experts)")
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--child", default=None, choices=CONTESTANTS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        args.impl, args.family = args.child, args.family[0]
-        _child(args)
-        return 0
+    if args.rounds < 1:
+        raise SystemExit("error: --rounds must be >= 1")
+    torch.set_num_threads(args.threads)
     results = []
     print(f"# LoRA step (forward + backward, adapters only train), r={args.rank}, T={args.tokens}, "
-          f"H and I / {args.scale}, fp32, {torch.get_num_threads()} threads")
-    print("| family | H | I | E | K | grouped_mm step ms | fastmoe step ms | speed-up | grouped_mm step peak MB "
-          "| fastmoe step peak MB | adapter grad rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for family in args.family or sorted(FAMILY_SHAPES):
-        r = run(family, args.scale, args.tokens, args.rank, args.rounds)
-        s, p = r["step_s"], r["peak_rss_mb"]
-        sh = r["shape"]
-        print(f"| {family} | {sh['hidden']} | {sh['intermediate']} | {sh['experts']} | {sh['top_k']} | "
-              f"{s['grouped_mm'] * 1e3:.1f} | {s['fastmoe'] * 1e3:.1f} | {s['grouped_mm'] / s['fastmoe']:.2f}x | "
-              f"{p['grouped_mm']:.0f} | {p['fastmoe']:.0f} | {r['adapter_grad_rel_err']:.1e} |", flush=True)
+          f"H and I / {args.scale}, fp32, {torch.get_num_threads()} threads; min over {args.rounds} interleaved "
+          "rounds of the calling thread's CPU time and of the wall clock; peak = allocator bytes above the "
+          "step's start (torch.profiler profile_memory)")
+    print(HEADER)
+    for family in args.family or list(FAMILY_SHAPES):
+        r = run(family, args.scale, args.tokens, args.rank, args.rounds, args.low_rank, args.handed_in)
+        print("\n".join(format_row(r)), flush=True)
         results.append(r)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

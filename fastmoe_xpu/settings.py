@@ -102,30 +102,52 @@ def _raw(environ: Mapping[str, str], field: str) -> str:
     return environ.get(ENV_NAMES[field], "").strip()
 
 
-def _gemm_choices() -> tuple[str, ...]:
-    """What ``FASTMOE_GEMM_ENGINE`` may name: the registry's stage-4 implementations, ``auto`` and
-    ``native`` (looked up only when the variable is set: the registry imports this module)."""
-    from .kernels.registry import CHOICES
-
-    return CHOICES
+#: The stage-4 engine names, declared by the implementation registry (``kernels/registry.py``, which
+#: owns them) when it is imported; ``FASTMOE_GEMM_ENGINE`` may name one of them, ``auto`` or ``native``.
+_GEMM_ENGINES: tuple[str, ...] = ()
 
 
-def _precision_choices() -> tuple[str, ...]:
-    """What ``FASTMOE_EXPERT_PRECISION`` may name: the registry's precisions (looked up only when
-    the variable is set)."""
-    from .kernels.registry import PRECISIONS
+def declare_gemm_engines(names: tuple[str, ...]) -> None:
+    """Called by the registry with its stage-4 implementations."""
+    global _GEMM_ENGINES
+    _GEMM_ENGINES = tuple(names)
 
-    return tuple(PRECISIONS)
+
+def gemm_engines() -> tuple[str, ...]:
+    """The stage-4 engine names the registry declared (empty before it is imported)."""
+    return _GEMM_ENGINES
+
+
+def _gemm_choices() -> tuple[str, ...] | None:
+    """What ``FASTMOE_GEMM_ENGINE`` may name; None before the registry has declared its engines (the
+    registry checks the value again where it uses it)."""
+    return ("auto", "native", *_GEMM_ENGINES) if _GEMM_ENGINES else None
+
+
+#: The expert-GEMM precisions, declared by the registry like the engines.
+_EXPERT_PRECISIONS: tuple[str, ...] = ()
+
+
+def declare_expert_precisions(names: tuple[str, ...]) -> None:
+    """Called by the registry with the precisions of its quantized stage-4 implementations."""
+    global _EXPERT_PRECISIONS
+    _EXPERT_PRECISIONS = tuple(names)
+
+
+def _precision_choices() -> tuple[str, ...] | None:
+    """What ``FASTMOE_EXPERT_PRECISION`` may name; None before the registry has declared them (the
+    experts op checks the value again where it uses it)."""
+    return _EXPERT_PRECISIONS or None
 
 
 def _choice(environ: Mapping[str, str], field: str,
-            allowed: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> str | None:
+            allowed: tuple[str, ...] | Callable[[], tuple[str, ...] | None]) -> str | None:
     value = _raw(environ, field).lower()
     if not value:
         return None
     if callable(allowed):
         allowed = allowed()
-    if value not in allowed:
+    if allowed is not None and value not in allowed:
         raise ValueError(f"{ENV_NAMES[field]} must be one of {allowed}, got {value!r}")
     return value
 

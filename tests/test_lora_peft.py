@@ -139,3 +139,41 @@ def test_fast_sparse_moe_block_runs_peft_adapters() -> None:
 def _base_logits(peft_model, ids):
     with peft_model.disable_adapter(), torch.no_grad():
         return peft_model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fullgraph_compile_with_adapters_in_experts(family, monkeypatch) -> None:
+    """PEFT's wrapper registers a parametrization on every forward, which torch.compile cannot trace
+    (fullgraph fails); ``run_adapters_in_experts`` hands the adapters to the fastmoe experts function
+    instead: one graph (aot_eager: forward and backward traced through the ops' fake and autograd
+    rules), PEFT on grouped_mm's loss and adapter gradients, and PEFT's fold never runs at all."""
+    import torch._dynamo.testing
+
+    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+
+    ref, ours = _pair(family)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    loss_ref, grads_ref, _ = _step(ref, ids)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)graph break|unsupported"):
+        torch.compile(copy.deepcopy(ours), fullgraph=True, backend="eager")(input_ids=ids, use_cache=False)
+    assert run_adapters_in_experts(ours) == 2
+
+    def no_fold(self, W):
+        raise AssertionError("PEFT's W + delta was formed")
+
+    monkeypatch.setattr(_LoraFactorsProxy, "forward", no_fold)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    loss, grads, frozen = _step(torch.compile(ours, fullgraph=True, backend=counter), ids)
+    assert counter.frame_count == 1 and not frozen
+    assert_close(loss, loss_ref, msg="loss")
+    grads = {n.replace("_orig_mod.", ""): g for n, g in grads.items()}
+    assert set(grads) == set(grads_ref) and len(grads) == 8
+    for name, g in grads_ref.items():
+        assert_close(grads[name], g, msg=name)
+    ours.base_model.model.set_experts_implementation("grouped_mm")  # another implementation: PEFT's own forward
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert_close(ours(input_ids=ids, use_cache=False).logits, ref(input_ids=ids, use_cache=False).logits,
+                     msg="grouped_mm after the switch")

@@ -18,7 +18,8 @@ Exit codes (documented in docs/fault.md):
 77    ``trainer.watchdog.EXIT_HANG``: no step progress within ``--heartbeat-timeout``; stacks dumped
 ====  =========================================================================================
 
-Heartbeats: every rank rewrites ``OUT/heartbeat/rank-<r>.json`` (step, phase, time, pid, host)
+Heartbeats: every rank rewrites ``OUT/heartbeat/rank-<r>.json`` (step, phase, time, pid, host,
+steps done by this process and when it started)
 each step and feeds the in-worker watchdog (``trainer.watchdog``) when the launcher asked for one.
 
 Test hooks, off unless the environment variable is set (the launcher passes them through):
@@ -231,6 +232,15 @@ def check_out_dir(path: str | os.PathLike) -> None:
 
 
 # ============================================================================ heartbeat
+def first_new_step(out_dir: str | os.PathLike, since: float) -> float | None:
+    """When the first training step was completed by a process started after ``since`` (a
+    failure), from the heartbeat files; None while there is none. Recovery time = the result -
+    ``since``. (A process of the old group may still finish the step it was in.)"""
+    done = [h["mtime"] for h in read_heartbeats(out_dir).values()
+            if h.get("new_steps", 0) >= 1 and float(h.get("started", 0.0)) > since]
+    return min(done) if done else None
+
+
 class Heartbeat:
     """Per-rank liveness file ``OUT/heartbeat/rank-<r>.json``, rewritten atomically on every beat."""
 
@@ -241,6 +251,7 @@ class Heartbeat:
         self.rank = rank
         self.host = host_name()
         self.new_steps = 0
+        self.started = time.time()
         # under trainer.launch: a thread that turns a stall into an exit the node agent acts on
         self.watchdog = Watchdog.from_env(out_dir, rank, self.host)
 
@@ -252,7 +263,7 @@ class Heartbeat:
         if self.watchdog is not None:
             self.watchdog.progress(step, phase)
         record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "phase": phase,
-                  "time": time.time(), "new_steps": self.new_steps, **extra}
+                  "time": time.time(), "new_steps": self.new_steps, "started": self.started, **extra}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)

@@ -1,8 +1,10 @@
 """Measure the fault-tolerance numbers: checkpoint write/restore time and size for ``tiny-moe``,
 the per-rank bytes formula at the Mula presets, the model-only vs full ratio, and the recovery
-time from ``kill -9`` of a rank to the first new step under ``trainer.launch``.
+times under ``trainer.launch`` (``kill -9`` of a rank, of a whole node, a stopped rank found by the
+watchdogs) to the first new step, with their medians and the effective training time they imply.
 
-    python -m fastmoe_trainer.ft_bench [--out OUT] [--repeats 5] [--no-recovery]
+    python -m fastmoe_trainer.ft_bench [--out OUT] [--repeats 5] [--tries 3] [--faults rank,node,hang]
+                                       [--no-checkpoint] [--no-recovery]
 
 Writes ``OUT/ft_bench.json`` and prints Markdown tables (docs/fault.md quotes them).
 """
@@ -85,46 +87,102 @@ def formula_table() -> list[dict[str, Any]]:
     return rows
 
 
-def measure_recovery(out: Path, kill_step: int = 3) -> dict[str, Any]:
-    """Run tiny-moe under ``trainer.launch --local-nodes 3 --nnodes 2`` (one rank per node, one
-    spare); kill -9 the whole node of rank 1 inside step ``kill_step`` (after the step-2
-    checkpoint) and time the failure's detection, the new rendezvous round and the first new step."""
-    from .launch import descendants, read_events
+FAULTS = ("rank", "node", "hang")
 
-    run = out / "recovery"
-    cmd = [sys.executable, "-m", __package__ + ".launch", "--local-nodes", "3", "--nnodes", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.2", "--timeout", "900", "--out", str(run), "--", *SMALL, "--steps", "6",
-           "--checkpoint.interval", "2"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
-    beat = None
-    while p.poll() is None:
-        beat = fault.read_heartbeats(run).get(1)
-        if beat and beat["phase"] == "start" and beat["step"] >= kill_step:
-            break
-        time.sleep(0.02)
-    (node_pid,) = [e["pid"] for e in read_events(run) if e["event"] == "node_start" and e["node"] == beat["host"]]
-    killed_at = time.time()
-    for pid in [node_pid, *descendants(node_pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    first_new = None
-    while p.poll() is None:
-        done = [h for h in fault.read_heartbeats(run).values()
-                if h["new_steps"] >= 1 and h["mtime"] > killed_at and h["pid"] != beat["pid"]]
-        if done and first_new is None:
-            first_new = min(h["mtime"] for h in done)
-        time.sleep(0.02)
-    p.communicate(timeout=900)
-    ev = read_events(run)
-    fail = min(e["time"] for e in ev if e["event"] == "failure" and e["time"] > killed_at)
-    round2 = min(e["time"] for e in ev if e["event"] == "round" and e["time"] > killed_at)
+
+def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, heartbeat_timeout: float = 10.0,
+                     steps: int = 6) -> dict[str, Any]:
+    """One recovery of tiny-moe run the way an operator starts it: a ``--serve-store`` process and
+    three node launchers (h0, h1, h2) for ``--nnodes 2``, one rank each, a checkpoint every 2 steps.
+    Inside step ``kill_step`` of rank 1 (after the step-2 checkpoint) the fault is injected:
+
+    ``rank``: ``kill -9`` of rank 1's worker (its node launcher lives on);
+    ``node``: ``kill -9`` of rank 1's whole node (launcher and worker);
+    ``hang``: ``SIGSTOP`` of rank 1's worker, found by the watchdogs after ``heartbeat_timeout``.
+
+    Returns the seconds from the fault to its detection (the first ``failure``/``leave`` event or,
+    for a hang, the watchdog's record), to the new rendezvous round, and to the first training
+    step completed after it, the rounds formed (one per failure is the goal) and the exit codes."""
+    from .launch import descendants, free_port, read_events
+
+    run = out / f"recovery-{fault_kind}-{time.time_ns()}"
+    run.mkdir(parents=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    mod = __package__ + ".launch"
+    endpoint = f"127.0.0.1:{free_port()}"
+    ready = run / ".store"
+    store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)], env=env,
+                             stdout=subprocess.DEVNULL)
+    while not ready.exists() and store.poll() is None:
+        time.sleep(0.05)
+    nodes = {}
+    for h in ("h0", "h1", "h2"):
+        cmd = [sys.executable, "-m", mod, "--node-label", h, "--rdzv-endpoint", endpoint, "--nnodes", "2",
+               "--rdzv-conf", "is_host=0", "--max-restarts", "2", "--heartbeat-timeout", str(heartbeat_timeout),
+               "--out", str(run), "--", *SMALL, "--steps", str(steps), "--checkpoint.interval", "2"]
+        log = open(run / f"launcher-{h}.log", "w")
+        nodes[h] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        beat = None
+        deadline = time.time() + 900
+        while time.time() < deadline and all(p.poll() is None for p in nodes.values()):
+            beat = fault.read_heartbeats(run).get(1)
+            if beat and beat["phase"] == "start" and beat["step"] >= kill_step:
+                break
+            time.sleep(0.02)
+        else:
+            raise RuntimeError(f"rank 1 never reached step {kill_step}; see {run}/launcher-*.log")
+        victim = beat["host"]
+        t0 = time.time()
+        if fault_kind == "rank":
+            os.kill(beat["pid"], signal.SIGKILL)
+        elif fault_kind == "node":
+            for pid in [nodes[victim].pid, *descendants(nodes[victim].pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        else:
+            os.kill(beat["pid"], signal.SIGSTOP)
+        first_new = None
+        while time.time() < deadline and any(p.poll() is None for h, p in nodes.items()):
+            if first_new is None:
+                first_new = fault.first_new_step(run, t0)
+            time.sleep(0.05)
+        codes = {h: p.wait(timeout=max(1.0, deadline - time.time())) for h, p in nodes.items()}
+    finally:
+        for p in nodes.values():
+            if p.poll() is None:
+                for pid in [p.pid, *descendants(p.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        store.terminate()
+        store.wait(timeout=30)
+    ev = [e for e in read_events(run) if e["time"] > t0]
+    if fault_kind == "hang":
+        hangs = [r for r in fault.read_failures(run) if r.get("kind") == "hang" and r["time"] > t0]
+        detected = min((r["time"] for r in hangs), default=float("nan"))
+        blamed = sorted({r.get("host") for r in hangs})
+    else:
+        detected = min((e["time"] for e in ev if e["event"] in ("failure", "leave", "stop_workers")),
+                       default=float("nan"))
+        blamed = []
+    rounds = sorted({round(e["time"]) for e in ev if e["event"] == "round"})
     return {
-        "returncode": p.returncode, "kill_to_detect_s": fail - killed_at, "kill_to_relaunch_s": round2 - killed_at,
-        "kill_to_first_new_step_s": (first_new or float("nan")) - killed_at,
+        "fault": fault_kind, "victim": victim, "exit_codes": codes, "blamed": blamed,
+        "round_events": sum(e["event"] == "round" for e in ev), "rounds": len(rounds),
+        "detect_s": detected - t0, "round_s": min((e["time"] for e in ev if e["event"] == "round"),
+                                                 default=float("nan")) - t0,
+        "first_new_step_s": (first_new or float("nan")) - t0,
+        "detect_to_first_new_step_s": (first_new or float("nan")) - detected,
     }
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in rows if r[key] == r[key]]
+    return statistics.median(vals) if vals else float("nan")
 
 
 def _gb(x: float) -> str:
@@ -135,20 +193,69 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/ft_bench")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--no-recovery", action="store_true", help="skip the kill -9 recovery run")
+    ap.add_argument("--no-recovery", action="store_true", help="skip the recovery runs")
+    ap.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint measurements")
+    ap.add_argument("--tries", type=int, default=3, help="recovery runs per fault kind")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
+    ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="watchdog limit of the hang runs")
+    ap.add_argument("--failures-per-day", type=float, default=419 / 54,
+                    help="job interruptions per day for the effective-training-time figure (Llama 3: 419 in 54 days)")
+    ap.add_argument("--checkpoint-minutes", type=float, default=10.0,
+                    help="checkpoint interval for the effective-training-time figure")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                        "python": platform.python_version()}}
-    res["tiny"] = tiny = measure_tiny(out, args.repeats)
-    res["formula"] = rows = formula_table()
+    faults = [f for f in args.faults.split(",") if f]
+    bad = sorted(set(faults) - set(FAULTS))
+    if bad or args.tries < 1:
+        print(f"error: --faults takes {','.join(FAULTS)} and --tries >= 1 (got {args.faults!r}, {args.tries})",
+              file=sys.stderr)
+        return 2
+    if not args.no_checkpoint:
+        res["tiny"] = measure_tiny(out, args.repeats)
+        res["formula"] = formula_table()
     if not args.no_recovery:
-        res["recovery"] = measure_recovery(out)
+        res["recovery"] = {f: [measure_recovery(out, f, heartbeat_timeout=args.heartbeat_timeout)
+                               for _ in range(args.tries)] for f in faults}
     (out / "ft_bench.json").write_text(json.dumps(res, indent=1))
+    if "tiny" in res:
+        _print_checkpoints(res, args.repeats)
+    if "recovery" in res:
+        _print_recovery(res["recovery"], args)
+    return 0
+
+
+def effective_fraction(failures_per_day: float, lost_s_per_failure: float) -> float:
+    """The share of wall time spent training when each failure costs ``lost_s_per_failure``."""
+    return max(0.0, 1.0 - failures_per_day * lost_s_per_failure / 86400.0)
+
+
+def _print_recovery(rec: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    print(f"\nrecovery, tiny-moe, --serve-store + 3 node launchers for --nnodes 2 (one spare), one rank each, "
+          f"median of {args.tries} (hang: SIGSTOP, --heartbeat-timeout {args.heartbeat_timeout:g}):\n")
+    print("| fault | detected | new round | first new step | detection to first new step | rounds | all tries |")
+    print("|---|---|---|---|---|---|---|")
+    for f, rows in rec.items():
+        tries = ", ".join(f"{r['first_new_step_s']:.1f}" for r in rows)
+        print(f"| {f} | {_median(rows, 'detect_s'):.1f} s | {_median(rows, 'round_s'):.1f} s "
+              f"| {_median(rows, 'first_new_step_s'):.1f} s | {_median(rows, 'detect_to_first_new_step_s'):.1f} s "
+              f"| {max(r['rounds'] for r in rows)} | {tries} |")
+    worst = max(_median(rs, "first_new_step_s") for rs in rec.values())
+    lost = args.checkpoint_minutes * 60 / 2  # work redone after a failure: half an interval on average
+    f = args.failures_per_day
+    print(f"\neffective training time at {f:.2f} failures a day, {worst:.1f} s from a failure to the first new "
+          f"step (the slowest median above): {100 * effective_fraction(f, worst):.3f}% counting recovery alone, "
+          f"{100 * effective_fraction(f, worst + lost):.2f}% with a checkpoint every {args.checkpoint_minutes:g} "
+          f"min (half an interval redone per failure)")
+
+
+def _print_checkpoints(res: dict[str, Any], repeats: int) -> None:
+    tiny, rows = res["tiny"], res["formula"]
 
     print(f"\ntiny-moe ({tiny['params']:,} parameters, {tiny['param_dtype']} weights, {tiny['optimizer']}), one process, "
-          f"median of {args.repeats}:\n")
+          f"median of {repeats}:\n")
     print("| checkpoint | bytes | write | verify (sha256) | restore |\n|---|---|---|---|---|")
     print(f"| full | {tiny['full_bytes']:,} | {tiny['save_full_s'] * 1e3:.0f} ms | {tiny['verify_s'] * 1e3:.0f} ms "
           f"| {tiny['restore_s'] * 1e3:.0f} ms |")
@@ -162,12 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['preset']} | {r['pp']} x {r['dp']} x {r['ep']} | {r['params'] / 1e9:.2f} B | {_gb(r['full'])} "
               f"| {_gb(r['model_only'])} | {_gb(r['rank_writer'])} | {_gb(r['rank_other'])} |")
-    if "recovery" in res:
-        rc = res["recovery"]
-        print(f"\nrecovery (tiny-moe, 2 hosts x 1 rank, kill -9 of rank 1 in step 3): detected after "
-              f"{rc['kill_to_detect_s']:.2f}s, new rendezvous round after {rc['kill_to_relaunch_s']:.2f}s, "
-              f"first new step after {rc['kill_to_first_new_step_s']:.2f}s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,15 @@ What this module adds to the agent:
   (``TRAINER_HOST``), and ``OUT/launcher.jsonl``, appended by whichever node observes an event;
 * a check that every node was started with the same ``--nnodes``/``--nproc-per-node``;
 * ``--serve-store``: the rendezvous store in a process of its own, so that losing a training node
-  never loses the store (``--local-nodes`` does this for its nodes).
+  never loses the store (``--local-nodes`` does this for its nodes);
+* one rendezvous round per failure: a node that loses the race for the last slot waits as a spare
+  instead of making every agent restart its workers again (:class:`RoundGuard`);
+* workers stopped within ``--kill-grace`` s on every path (SIGCONT + SIGTERM, then SIGKILL), so a
+  stopped worker does not hold a restart for torch's 30 s;
+* ``--quorum-timeout``: once the job has trained, a round short of nodes stops the job with one line
+  saying how many nodes it has and needs, instead of waiting ``join_timeout``;
+* the rendezvous store's loss as one ``error:`` line (workers' stderr goes to their log files;
+  each failure event carries one line per failed rank).
 
 Exit codes and the cluster command lines: docs/fault.md.
 """
@@ -43,6 +51,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+# The launcher's own C++ warnings are off (torch reads this when it loads; the workers get the
+# user's setting back in run_node): when the store's host dies, c10's TCPStore prints a broken pipe
+# with some 30 C++ frames before the launcher's one-line error could say what happened.
+_CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+_QUIET_CPP = ((__name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "fastmoe-launch")
+              and _CPP_LOG_ENV not in os.environ and "torch" not in sys.modules)
+if _QUIET_CPP:
+    os.environ[_CPP_LOG_ENV] = "ERROR"
 
 from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, check_out_dir
 from .records import append_jsonl, read_failures
@@ -64,6 +81,12 @@ DEFAULT_PORT = 29400
 #: bound every wait; any of them can be overridden with --rdzv-conf.
 DEFAULT_RDZV_CONF = {"join_timeout": "600", "last_call_timeout": "1", "close_timeout": "10",
                      "keep_alive_interval": "1", "keep_alive_max_attempt": "5", "read_timeout": "60"}
+
+
+#: Seconds a worker gets between SIGTERM (with SIGCONT, so that a stopped one receives it) and SIGKILL.
+DEFAULT_KILL_GRACE = 3.0
+#: Seconds a new round may wait for ``--nnodes`` nodes once the job has trained, before it stops.
+DEFAULT_QUORUM_TIMEOUT = 90.0
 
 
 def free_port() -> int:
@@ -144,6 +167,114 @@ class NodeOptions:
     checkpoint_timeout: float = 1800.0
     startup_timeout: float = 900.0
     monitor_interval: float = 0.5
+    kill_grace: float = DEFAULT_KILL_GRACE
+    quorum_timeout: float = DEFAULT_QUORUM_TIMEOUT
+
+
+# ============================================================================ the rendezvous
+class QuorumLost(RuntimeError):
+    """A round after the job started found fewer than ``--nnodes`` nodes for ``--quorum-timeout`` s."""
+
+    def __init__(self, have: int, need: int, waited: float, flag: str) -> None:
+        super().__init__(f"the job has {have} of the {need} nodes it needs (waited {waited:.0f}s, {flag}); "
+                         "stopping. Restart it with more nodes (or a smaller --nnodes): it resumes from the "
+                         "newest valid checkpoint")
+        self.have, self.need = have, need
+
+
+class StoreLost(RuntimeError):
+    """The rendezvous store stopped answering."""
+
+
+class RoundGuard:
+    """Two corrections to torch's c10d rendezvous for a fixed-size job with spares, and the
+    quorum deadline.
+
+    1. *A node that loses the race for the last slot waits as a spare.* When a round forms, every
+       waiting node tries to join; the ones that arrive after it is full stay on torch's wait list,
+       and every agent restarts its healthy workers whenever the wait list is not empty: a new
+       round every couple of seconds, membership alternating, and such restarts do not count
+       against ``--max-restarts`` (a restart storm). Here such a node moves from the wait list to the
+       redundancy list (where a spare that arrives while the group is complete waits), and
+       :meth:`nodes_waiting` counts waiting nodes only while the group has a free slot.
+    2. *A job too small to go on stops.* In a round after the job started (torch's round > 0, or
+       this node was a spare), the node waits at most ``quorum_timeout`` s for ``--nnodes`` nodes,
+       instead of ``join_timeout`` (600 s); torch's own timeout path then removes it from the round.
+
+    Both wrap the handler's operation executor and its ``num_nodes_waiting``; with a torch whose
+    handler lacks these internals (checked by name) the launcher runs the handler unchanged."""
+
+    def __init__(self, handler: Any, *, n_nodes: int, quorum_timeout: float) -> None:
+        self.handler, self.n_nodes, self.quorum_timeout = handler, n_nodes, quorum_timeout
+        self.have = 0
+        self.quorum_expired: tuple[int, float] | None = None
+        #: monotonic time since which this node waits in a round short of nodes (None: it does not)
+        self.short_since: float | None = None
+        self.installed = False
+        try:
+            from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+            self._dr = dr
+            needed = (hasattr(dr, "_RendezvousJoinOp") and hasattr(dr, "_Action")
+                      and hasattr(dr._Action, "REMOVE_FROM_WAIT_LIST") and hasattr(handler, "_op_executor")
+                      and hasattr(handler, "_state_holder") and hasattr(handler, "_heartbeat_lock"))
+        except ImportError:
+            needed = False
+        if needed:
+            handler._op_executor = _Executor(handler._op_executor, self)
+            handler.num_nodes_waiting = self.nodes_waiting
+            self.installed = True
+
+    def nodes_waiting(self) -> int:
+        """Nodes waiting for a slot that exists: 0 while the group is complete and full."""
+        with self.handler._heartbeat_lock:
+            self.handler._state_holder.sync()
+            st = self.handler._state_holder.state
+            if st.complete and len(st.participants) >= self.n_nodes:
+                return 0
+            return len(st.wait_list)
+
+
+class _Executor:
+    """The handler's operation executor with its join operation replaced by :class:`_JoinOp`."""
+
+    def __init__(self, inner: Any, guard: RoundGuard) -> None:
+        self._inner, self._guard = inner, guard
+
+    def run(self, state_handler: Any, deadline: float, *args: Any, **kw: Any) -> None:
+        if isinstance(state_handler, self._guard._dr._RendezvousJoinOp):
+            state_handler = _JoinOp(state_handler, self._guard)
+        return self._inner.run(state_handler, deadline, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _JoinOp:
+    def __init__(self, base: Any, guard: RoundGuard) -> None:
+        self.base, self.guard = base, guard
+        self.started = time.monotonic()
+        self.quorum_deadline: float | None = None
+
+    def __call__(self, ctx: Any, deadline: float) -> Any:
+        st, g, action = ctx.state, self.guard, self.guard._dr._Action
+        full = len(st.participants) >= g.n_nodes
+        if st.complete and not st.closed and full and ctx.node in st.wait_list:
+            return action.REMOVE_FROM_WAIT_LIST  # and next, torch's op puts it on the redundancy list
+        spare = ctx.node in st.redundancy_list
+        now = time.monotonic()
+        if spare:
+            self.quorum_deadline = None  # a spare waits as long as the job runs
+        elif st.round > 0 and not st.closed and not (st.complete and ctx.node in st.participants):
+            if self.quorum_deadline is None:
+                self.quorum_deadline = now + g.quorum_timeout
+            g.short_since = self.quorum_deadline - g.quorum_timeout
+            if now > self.quorum_deadline and g.quorum_expired is None:
+                g.quorum_expired = (g.have, g.quorum_timeout)
+            deadline = min(deadline, self.quorum_deadline)
+        if not spare and now <= deadline:
+            g.have = len(set(st.participants) | set(st.wait_list) | {ctx.node})
+        return self.base(ctx, deadline)
 
 
 def _make_agent_class():
@@ -154,13 +285,32 @@ def _make_agent_class():
     class NodeAgent(LocalElasticAgent):
         """The elastic agent plus blame, fatal codes and events (see the module docstring)."""
 
-        def __init__(self, *args: Any, opts: NodeOptions, events: Events, **kw: Any) -> None:
+        def __init__(self, *args: Any, opts: NodeOptions, events: Events, guard: RoundGuard, **kw: Any) -> None:
             super().__init__(*args, **kw)
             self.opts, self.events = opts, events
             self.started = time.time()
             self.outcome = "running"
             self.exit_code = 0
             self._round_started = 0.0
+            self._last_stop_s = 0.0
+            self.guard = guard
+
+        def _last_errors(self, result: Any) -> dict[str, str]:
+            """Each failed rank's last error line from its stderr log (workers' stderr goes to
+            ``OUT/logs/<label>/`` only; the console gets their stdout and these lines)."""
+            stderrs = getattr(getattr(self, "_pcontext", None), "stderrs", None) or {}
+            out = {}
+            for rank, f in result.failures.items():
+                path = stderrs.get(getattr(f, "local_rank", -1))
+                code = getattr(f, "exitcode", 0) or 0
+                line = _error_line(path) if path else ""
+                if not line and code < 0:
+                    try:
+                        line = f"killed by {signal.Signals(-code).name}"
+                    except ValueError:
+                        line = f"killed by signal {-code}"
+                out[str(rank)] = line
+            return out
 
         def _blame_records(self) -> list[dict[str, Any]]:
             return [r for r in read_failures(self.opts.out)
@@ -170,10 +320,42 @@ def _make_agent_class():
         def _rendezvous(self, worker_group: Any) -> None:
             t0 = time.time()
             super()._rendezvous(worker_group)
+            self.guard.short_since = None  # a full round formed
             self._round_started = time.time()
             self.events.log("round", group_rank=worker_group.group_rank, nodes=worker_group.group_world_size,
                             ranks=[w.global_rank for w in worker_group.workers] if worker_group.workers else None,
-                            waited_s=round(self._round_started - t0, 3))
+                            waited_s=round(self._round_started - t0, 3), stop_s=self._last_stop_s)
+
+        def _stop_workers(self, worker_group: Any, *args: Any, **kw: Any) -> None:
+            t0 = time.time()
+            super()._stop_workers(worker_group, *args, **kw)
+            self._last_stop_s = round(time.time() - t0, 3)
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30, *args: Any,
+                      **kw: Any) -> None:
+            """torch's shutdown (SIGTERM to each worker's process group, SIGKILL after ``timeout``),
+            with a short grace on every path (torch uses its ``shutdown_timeout`` only when the agent
+            exits, 30 s on a restart) and SIGCONT first, so that a stopped worker gets the SIGTERM."""
+            pcontext = getattr(self, "_pcontext", None)
+            if pcontext is not None:
+                try:
+                    pids = list(pcontext.pids().values())
+                except Exception:  # noqa: BLE001 - not started, or already closed
+                    pids = []
+                for pid in pids:
+                    try:
+                        os.killpg(pid, signal.SIGCONT)
+                    except OSError:
+                        pass
+            super()._shutdown(death_sig, min(timeout, self.opts.kill_grace), *args, **kw)
+
+        def _store_gone(self) -> BaseException | None:
+            """The error of one read of the rendezvous state, or None when the store answers."""
+            try:
+                self.guard.handler.num_nodes_waiting()
+            except Exception as e:  # noqa: BLE001 - any failure to read it means the same here
+                return e
+            return None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             blamed = self._blame_records()
@@ -182,11 +364,16 @@ def _make_agent_class():
             result = super()._monitor_workers(worker_group)
             if result.state != WorkerState.FAILED:
                 return result
+            # a peer's death is also how a worker sees the store's host die: ask the store first,
+            # so that its loss is one line and not a restart
+            gone = self._store_gone()
+            if gone is not None:
+                raise StoreLost(_cause(gone)) from gone
             codes = {rank: f.exitcode for rank, f in result.failures.items()}
             fatal = sorted({c for c in codes.values() if c in FATAL_EXIT_CODES})
             blamed = self._blame_records()
             self.events.log("failure", exit_codes={str(r): c for r, c in codes.items()},
-                            remaining_restarts=self._remaining_restarts)
+                            remaining_restarts=self._remaining_restarts, errors=self._last_errors(result))
             if fatal:
                 self._remaining_restarts = 0
                 self.outcome, self.exit_code = "fatal", fatal[0]
@@ -216,6 +403,57 @@ def _make_agent_class():
     return NodeAgent
 
 
+def agent_kwargs(agent_base: Any, kill_grace: float) -> dict[str, Any]:
+    """Keyword arguments for torch's ``LocalElasticAgent``: ``shutdown_timeout`` only where its
+    signature has it (torch 2.13 does, 2.11 does not). Either way the agent's ``_shutdown`` applies
+    ``--kill-grace`` itself."""
+    kw: dict[str, Any] = {"exit_barrier_timeout": 60}
+    if _accepts(agent_base.__init__, "shutdown_timeout"):
+        kw["shutdown_timeout"] = kill_grace
+    return kw
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether ``fn`` takes a parameter ``name`` (a feature check across torch versions)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _error_line(path: str | os.PathLike, limit: int = 300) -> str:
+    """The line of a worker's stderr that says what went wrong: the last ``error:``, watchdog or
+    exception line (not indented, not a stack frame), else the last line."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = [ln.rstrip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    for ln in reversed(lines):
+        if ln.startswith(("error:", "[watchdog]")):
+            return ln[:limit]
+    for ln in reversed(lines):
+        if not ln[0].isspace() and not ln.startswith(("Thread 0x", "Current thread", "Traceback", "File ")) \
+                and ":" in ln:
+            return ln[:limit]
+    return lines[-1][:limit] if lines else ""
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost cause of ``e`` in a few words (torch wraps the store's error in its own)."""
+    seen = e
+    while seen.__cause__ is not None or (seen.__context__ is not None and not seen.__suppress_context__):
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(str(seen).split())
+    text = text.split(". See inner exception")[0][:160]
+    return f"{type(seen).__name__}: {text}" if text else type(seen).__name__
+
+
 def run_node(opts: NodeOptions) -> int:
     """Run this node's agent until the job finishes, this node leaves, or the job gives up."""
     from torch.distributed import TCPStore
@@ -223,9 +461,13 @@ def run_node(opts: NodeOptions) -> int:
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousGracefulExitError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError, RendezvousGracefulExitError, RendezvousTimeoutError,
+    )
 
     events = Events(opts.out, opts.label)
+    if _QUIET_CPP:
+        os.environ.pop(_CPP_LOG_ENV, None)  # torch has read it; the workers keep their C++ warnings
     os.environ[HOST_ENV] = opts.label
     os.environ[TIMEOUT_ENV] = str(opts.heartbeat_timeout)
     os.environ[CHECKPOINT_TIMEOUT_ENV] = str(opts.checkpoint_timeout)
@@ -262,37 +504,76 @@ def run_node(opts: NodeOptions) -> int:
         events.log("error", reason=msg)
         print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_GAVE_UP
+    guard = RoundGuard(handler, n_nodes=opts.n_max, quorum_timeout=opts.quorum_timeout)
     spec = WorkerSpec(role="trainer", local_world_size=opts.nproc, entrypoint=opts.command[0],
                       args=tuple(opts.command[1:]), rdzv_handler=handler, max_restarts=opts.max_restarts,
                       monitor_interval=opts.monitor_interval)
-    logs = DefaultLogsSpecs(log_dir=str(opts.out / "logs" / opts.label), redirects=Std.ALL, tee=Std.ALL)
-    agent = _make_agent_class()(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events,
-                                shutdown_timeout=5, exit_barrier_timeout=60)
+    # workers' stdout is echoed, their stderr goes to the log files only: a failure shows up as one
+    # line per rank in the "failure" event (a peer's death makes every other rank print a stack)
+    logs = DefaultLogsSpecs(log_dir=str(opts.out / "logs" / opts.label), redirects=Std.ALL, tee=Std.OUT)
+    agent_cls = _make_agent_class()
+    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events, guard=guard,
+                      **agent_kwargs(agent_cls.__mro__[1], opts.kill_grace))
     try:
         result = agent.run()
     except (RendezvousClosedError, RendezvousGracefulExitError):
+        if guard.short_since is not None:  # another node of this short round gave up first
+            waited = time.monotonic() - guard.short_since
+            return _fail(events, str(QuorumLost(guard.have, opts.n_max, waited, "the rendezvous was closed")),
+                         None)
         result = None
-    except Exception as e:  # noqa: BLE001
-        msg = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
-        if "Store" in type(e).__name__ or "Connection" in type(e).__name__ or "store" in str(e):
-            msg += (f"; the rendezvous store at {opts.endpoint} is gone (its host died?). Restart the job: it "
-                    "resumes from the newest checkpoint; run the store with --serve-store on a node that does "
-                    "not train to survive this")
-        events.log("error", reason=msg)
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        return EXIT_GAVE_UP
+    except RendezvousTimeoutError as e:
+        if guard.quorum_expired is not None:
+            have, waited = guard.quorum_expired
+            e = QuorumLost(have, opts.n_max, waited, "--quorum-timeout")
+        else:
+            e = QuorumLost(guard.have or 1, opts.n_max, float(opts.rdzv_conf.get("join_timeout", 600)),
+                           "join_timeout")
+        return _fail(events, str(e), handler)
+    except Exception as e:  # noqa: BLE001 - a lost store surfaces as several kinds of error
+        if isinstance(e, StoreLost) or _store_error(e):
+            msg = (f"lost the rendezvous store at {opts.endpoint} ({_cause(e)}); its host died or cannot be "
+                   "reached. Restart the job: it resumes from the newest valid checkpoint; run the store with "
+                   "--serve-store on a node that does not train to survive a training node's loss")
+        else:
+            msg = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+        return _fail(events, msg, None)
     if result is None:  # a spare never needed, or the job closed while this node waited
         events.log("released")
         return 0
     if agent.outcome == "left":
         _leave_rendezvous(handler)
-        events.log("left", exit_code=agent.exit_code)
+        events.log("left", exit_code=agent.exit_code, stop_s=agent._last_stop_s)
         return agent.exit_code
     _close(handler)
     if result.is_failed():
         return agent.exit_code or EXIT_GAVE_UP
     events.log("finished", seconds=round(time.time() - agent.started, 3))
     return 0
+
+
+def _fail(events: Events, msg: str, handler: Any) -> int:
+    """One ``error:`` line (and event); close the rendezvous when ``handler`` is given, so that
+    spares and stragglers stop waiting too."""
+    events.log("error", reason=msg)
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    if handler is not None:
+        _close(handler)
+    return EXIT_GAVE_UP
+
+
+def _store_error(e: BaseException) -> bool:
+    """Whether ``e`` (or what it wraps) is a failure to talk to the rendezvous store."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+
+    while e is not None:
+        if isinstance(e, (RendezvousConnectionError, RendezvousStateError, ConnectionError, TimeoutError)):
+            return True
+        name = type(e).__name__
+        if "Store" in name or "Connection" in name or "store" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _leave_rendezvous(handler: Any) -> None:
@@ -373,7 +654,9 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
     print(f"[launch] nodes exited with {codes}; {'finished' if finished else 'not finished'}", flush=True)
     if finished:
         return 0
-    return next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c), EXIT_GAVE_UP)
+    # a launcher's own verdict (fatal first) before a node killed by a signal
+    return (next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c and c > 0), None)
+            or EXIT_GAVE_UP)
 
 
 def descendants(pid: int) -> list[int]:
@@ -432,6 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=900.0, help="the same before the first step")
     ap.add_argument("--checkpoint-timeout", type=float, default=1800.0, help="the same while writing a checkpoint")
     ap.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's polls")
+    ap.add_argument("--kill-grace", type=float, default=DEFAULT_KILL_GRACE,
+                    help="seconds between SIGTERM (and SIGCONT) and SIGKILL when workers are stopped")
+    ap.add_argument("--quorum-timeout", type=float, default=DEFAULT_QUORUM_TIMEOUT,
+                    help="once the job has started, seconds a new round waits for --nnodes nodes before the "
+                         "job stops (exit 1, one line saying how many nodes it has and needs)")
     ap.add_argument("--timeout", type=float, default=None, help="--local-nodes: give up after this many seconds")
     ap.add_argument("--out", default=None, help="run directory (default: the trainer's --out)")
     # the trainer's own package, under whichever name it is installed
@@ -467,7 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--local-nodes must be >= 0, got {args.local_nodes}")
         if args.rdzv_endpoint:
             parse_endpoint(args.rdzv_endpoint)
-        for name in ("heartbeat_timeout", "startup_timeout", "checkpoint_timeout", "monitor_interval"):
+        for name in ("heartbeat_timeout", "startup_timeout", "checkpoint_timeout", "monitor_interval", "kill_grace",
+                     "quorum_timeout"):
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     except ValueError as e:
@@ -494,7 +783,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        nproc=args.nproc_per_node, endpoint=args.rdzv_endpoint or f"127.0.0.1:{DEFAULT_PORT}",
                        run_id=args.rdzv_id, max_restarts=args.max_restarts, rdzv_conf=conf,
                        heartbeat_timeout=args.heartbeat_timeout, checkpoint_timeout=args.checkpoint_timeout,
-                       startup_timeout=args.startup_timeout, monitor_interval=args.monitor_interval)
+                       startup_timeout=args.startup_timeout, monitor_interval=args.monitor_interval,
+                       kill_grace=args.kill_grace, quorum_timeout=args.quorum_timeout)
     return run_node(opts)
 
 

@@ -72,10 +72,14 @@ def apply_lora(model: nn.Module, section: Any) -> Any:
         from peft import inject_adapter_in_model
     except ImportError as err:
         raise ConfigError("--lora.rank needs the peft package (scripts/setup_venv.sh installs it)") from err
+    from fastmoe_xpu.integrations.peft_lora import run_adapters_in_experts
+
     config = peft_config(section)
     inject_adapter_in_model(config, model)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"--lora.targets {section.targets!r} matched no expert weight of this model")
+    # a family's experts take the adapters directly, without PEFT's per-call parametrization (and its fold)
+    run_adapters_in_experts(model)
     return config
 
 

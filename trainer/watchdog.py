@@ -7,10 +7,16 @@ first completed step, ``checkpoint`` while a checkpoint is written, ``step`` oth
 fires it
 
 1. writes every thread's stack (``faulthandler``) to stderr and ``OUT/stacks/<host>-rank-<r>.txt``;
-2. names the culprit: every rank blocked on the hung one goes quiet too, so the rank that got least
-   far (step, then phase, then the oldest heartbeat; read from the shared ``OUT/heartbeat`` files)
-   is blamed; the first rank to fire appends ``{"kind": "hang", "host": <culprit's host>}`` to
-   ``OUT/failures.jsonl`` (one record per stall: later ranks see it and do not add another);
+2. names the culprit from every rank's last progress, not from who timed out first: every rank
+   blocked on the hung one goes quiet too, so the rank that got least far (step, then phase; the
+   shared ``OUT/heartbeat/rank-*.json`` files) is blamed; among ranks equally far, one that stopped
+   answering (no pulse: a stopped or frozen process), then one that is not waiting inside a
+   ``torch.distributed`` call while the others are, then the one silent longest. The pulse is
+   ``OUT/heartbeat/pulse-<r>.json``, written by this thread only while its rank has made no
+   progress for a quarter of the limit (so a healthy run writes none): time, step, phase, and
+   whether the watched thread is inside ``torch.distributed``. The first rank to fire appends
+   ``{"kind": "hang", "host": <culprit's host>, "why": ...}`` to ``OUT/failures.jsonl`` under a
+   lock of that file (one record per stall: later ranks see it and do not add another);
 3. exits with :data:`EXIT_HANG`, which the node agent turns into a restart, and, on the blamed
    node, into leaving the job.
 
@@ -23,6 +29,8 @@ off in a plain ``python -m trainer`` run.
 from __future__ import annotations
 
 import faulthandler
+import fcntl
+import json
 import os
 import sys
 import threading
@@ -30,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .records import FAILURES_FILE, append_jsonl, read_failures, read_heartbeats
+from .records import FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats
 
 #: Exit code of a rank stopped by its watchdog (no progress within the timeout).
 EXIT_HANG = 77
@@ -46,6 +54,9 @@ STACKS_DIR = "stacks"
 PHASE_ORDER = {"startup": 0, "resumed": 1, "done": 2, "checkpoint": 3, "start": 4}
 
 
+PULSE_PREFIX = "pulse-"
+
+
 def progress_key(rec: dict[str, Any] | None) -> tuple:
     """Sort key of a heartbeat record by how far its rank got (no record: nowhere)."""
     if rec is None:
@@ -53,9 +64,69 @@ def progress_key(rec: dict[str, Any] | None) -> tuple:
     return (int(rec.get("step", -1)), PHASE_ORDER.get(rec.get("phase", ""), 0), float(rec.get("mtime", 0.0)))
 
 
-def culprit(beats: dict[int, dict[str, Any]], world: int) -> int:
-    """The rank to blame for a stall: the one that got least far, then the one silent longest."""
-    return min(range(world), key=lambda r: progress_key(beats.get(r)))
+def read_pulses(out_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """``{rank: last pulse record}`` from ``OUT/heartbeat/pulse-*.json``."""
+    out = {}
+    for f in (Path(out_dir) / HEARTBEAT_DIR).glob(PULSE_PREFIX + "*.json"):
+        try:
+            rec = json.loads(f.read_text())
+            out[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def rank_state(beat: dict[str, Any] | None, pulse: dict[str, Any] | None, now: float) -> str:
+    """``"unresponsive"`` (no recent pulse from the process of its last heartbeat), ``"working"``
+    (answering, not inside torch.distributed) or ``"waiting"`` (answering, inside a collective)."""
+    if pulse is None or (beat is not None and pulse.get("pid") != beat.get("pid")):
+        return "unresponsive"
+    if now - float(pulse.get("time", 0.0)) > 3 * float(pulse.get("interval", 1.0)) + 1.0:
+        return "unresponsive"
+    return "waiting" if pulse.get("waiting") else "working"
+
+
+_STATE_ORDER = {"unresponsive": 0, "working": 1, "waiting": 2}
+
+
+def culprit(beats: dict[int, dict[str, Any]], world: int, pulses: dict[int, dict[str, Any]] | None = None,
+            now: float | None = None) -> tuple[int, str]:
+    """The rank to blame for a stall and why: the one that got least far (step, phase); among
+    those, the one not answering, then one working while others wait in a collective, then the one
+    silent longest. Without pulses (``pulses=None``) only progress and silence count."""
+    now = time.time() if now is None else now
+
+    def key(r: int) -> tuple:
+        step, phase, mtime = progress_key(beats.get(r))
+        state = _STATE_ORDER[rank_state(beats.get(r), pulses.get(r), now)] if pulses is not None else 0
+        return (step, phase, state, mtime)
+
+    keys = {r: key(r) for r in range(world)}
+    bad = min(range(world), key=keys.__getitem__)
+    k = keys[bad]
+    beat = beats.get(bad)
+    where = "no heartbeat" if beat is None else f"step {beat.get('step')} ({beat.get('phase')})"
+    others = [keys[r] for r in range(world) if r != bad]
+    if not others or all(o[:2] > k[:2] for o in others):
+        why = f"least progress: {where}; every other rank got further"
+    elif pulses is not None and all(o[:3] > k[:3] for o in others if o[:2] == k[:2]):
+        state = rank_state(beat, pulses.get(bad), now)
+        why = (f"{where} like others; it stopped answering (no watchdog pulse: stopped or frozen)"
+               if state == "unresponsive" else
+               f"{where} like others; it is not inside torch.distributed while they wait there")
+    else:
+        why = f"{where} like others; silent longest"
+    return bad, why
+
+
+def _in_distributed(frame: Any) -> bool:
+    """Whether a stack (innermost ``frame``) is inside a ``torch.distributed`` call."""
+    while frame is not None:
+        name = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" in name and "/elastic/" not in name:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Watchdog:
@@ -77,6 +148,9 @@ class Watchdog:
         self._phase = "startup"
         self._last = time.monotonic()
         self._lock = threading.Lock()
+        self._watched = threading.get_ident()  # the training thread: the one that creates the watchdog
+        self._last_pulse = 0.0
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
         self._thread.start()
 
@@ -109,9 +183,13 @@ class Watchdog:
             return self.startup_timeout
         return self.timeout
 
+    def stop(self) -> None:
+        """End the watching thread (it does not fire after this returns)."""
+        self._stopped.set()
+        self._thread.join()
+
     def _run(self) -> None:
-        while True:
-            time.sleep(self.poll)
+        while not self._stopped.wait(self.poll):
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 print(f"[watchdog] rank {self.rank}: the node agent (pid {self.parent_pid}) is gone; exiting",
                       file=sys.stderr, flush=True)
@@ -120,6 +198,28 @@ class Watchdog:
                 silent, limit, step, phase = time.monotonic() - self._last, self.limit(), self._step, self._phase
             if silent > limit:
                 self.fire(step, phase, silent)
+            interval = self.pulse_interval(limit)
+            if silent > limit / 4 and time.monotonic() - self._last_pulse >= interval:
+                self.pulse(step, phase, interval)
+
+    @staticmethod
+    def pulse_interval(limit: float) -> float:
+        return max(0.2, min(5.0, limit / 10))
+
+    def pulse(self, step: int, phase: str, interval: float) -> None:
+        """Say this process still answers, and whether its training thread waits in torch.distributed."""
+        self._last_pulse = time.monotonic()
+        frame = sys._current_frames().get(self._watched)
+        rec = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "time": time.time(), "step": step,
+               "phase": phase, "interval": interval, "waiting": _in_distributed(frame)}
+        try:
+            path = self.out / HEARTBEAT_DIR / f"{PULSE_PREFIX}{self.rank:05d}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
     def fire(self, step: int, phase: str, silent: float) -> None:
         """Dump stacks, record the culprit, exit with :data:`EXIT_HANG` (does not return)."""
@@ -135,15 +235,17 @@ class Watchdog:
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
             beats = read_heartbeats(self.out)
-            bad = culprit(beats, self.world)
+            bad, why = culprit(beats, self.world, read_pulses(self.out))
             rec = beats.get(bad, {})
-            stall = int(rec.get("step", -1))
-            # one record per stall: the ranks whose watchdogs fire later find it already there
-            if not any(r.get("kind") == "hang" and r.get("stall_step") == stall and r.get("rank") == bad
-                       and r.get("pid") == rec.get("pid") for r in read_failures(self.out)):
-                append_jsonl(self.out / FAILURES_FILE, {
-                    "time": time.time(), "kind": "hang", "rank": bad, "host": rec.get("host"), "pid": rec.get("pid"),
-                    "stall_step": stall, "phase": rec.get("phase"), "reported_by": self.rank,
-                    "seconds_silent": round(silent, 3)})
+            since = time.time() - silent  # this stall began after this rank's last progress
+            # one record per stall, under a lock: the ranks whose watchdogs fire later find it there
+            with open(self.out / FAILURES_FILE, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not any(r.get("kind") == "hang" and float(r.get("time", 0)) >= since
+                           for r in read_failures(self.out)):
+                    append_jsonl(self.out / FAILURES_FILE, {
+                        "time": time.time(), "kind": "hang", "rank": bad, "host": rec.get("host"),
+                        "pid": rec.get("pid"), "stall_step": int(rec.get("step", -1)), "phase": rec.get("phase"),
+                        "why": why, "reported_by": self.rank, "seconds_silent": round(silent, 3)})
         finally:
             os._exit(EXIT_HANG)

@@ -3,8 +3,10 @@
 An adapter on a stacked expert weight ``W [NR, out, in]`` is ``A [NR, r, in]``, ``B [NR, out, r]`` and a
 scale ``s``: expert e computes ``a @ (W_e + s B_e A_e)^T = a @ W_e^T + (s a @ A_e^T) @ B_e^T``. Both
 low-rank products are grouped GEMMs over the same routed rows as the base GEMM (the same
-``cum_token_counts``, the same launchers: ``down_fwd``/``down_bwd`` of the kernel set), so the gather
-of a token's rows is done once and shared, and ``W + s B A`` is never formed.
+``cum_token_counts``; ``down_fwd``/``down_bwd`` of the engine the registry names for these thin
+products, :func:`~fastmoe_xpu.kernels.registry.low_rank_kernels`), so the gather of a token's rows is
+done once and shared, and ``W + s B A`` is never formed. Where the kernel set has ``down_fwd_lora``
+(Triton), the up-projection ``t @ B_e^T`` runs in the base GEMM's epilogue.
 
 The base weights are frozen: no launcher that forms a base-weight gradient is called, in forward or
 backward. Their backward needs only ``dy @ W_e`` (``down_fwd`` on the stored weight read the other
@@ -32,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.contract import KernelBackend
-from ..kernels.registry import kernels
-from .ops import _pad_rows, resolve_kernels
+from ..kernels.registry import kernels, low_rank_kernels
+from .ops import _ROWS_SCHEMA, _below_autograd, _define, _differentiable, _pad_rows, resolve_kernels
 
 __all__ = ["LORA_OP_NAMES", "ExpertsLora", "LoraWeights", "lora_grouped_linear", "lora_mlp_combine"]
 
@@ -93,6 +95,12 @@ def _gather(x_TH: torch.Tensor, input_indices: torch.Tensor) -> torch.Tensor:
     return x_TH.index_select(0, input_indices.clamp(0, x_TH.shape[0] - 1))
 
 
+def _thin(launchers: KernelBackend, like: torch.Tensor) -> KernelBackend:
+    """The launchers of the ``r``-wide products next to ``launchers`` (the registry's ``low_rank_gemm``
+    choice: one batched grouped GEMM where the base's own stage 4 would loop over the experts)."""
+    return low_rank_kernels(launchers.NAME, like.device, like.dtype)
+
+
 def _low_rank(launchers: KernelBackend, a_RK: torch.Tensor, cum: torch.Tensor, lora: tuple) -> torch.Tensor:
     """``t [R, r] = scaling * a @ A_e^T`` per expert group."""
     A, _, scaling = lora
@@ -106,6 +114,17 @@ def _add_up(launchers: KernelBackend, y_RO: torch.Tensor, t_Rr: torch.Tensor, cu
     n = min(y_RO.shape[0], up.shape[0])
     y_RO[:n] += up[:n]
     return y_RO
+
+
+def _adapted(launchers: KernelBackend, thin: KernelBackend, a_RK: torch.Tensor, cum: torch.Tensor, w: torch.Tensor,
+             lora: tuple, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y = a @ W_e^T + t @ B_e^T, t = s a @ A_e^T)`` per expert group: the up-projection in the base
+    GEMM's epilogue where the kernel set fuses it (``down_fwd_lora``), else a grouped GEMM added after."""
+    t = _low_rank(thin, a_RK, cum, lora)
+    fused = getattr(launchers, "down_fwd_lora", None)
+    if fused is not None:
+        return fused(a_RK, cum, w, t, lora[1], transposed=transposed), t
+    return _add_up(thin, launchers.down_fwd(a_RK, cum, w, transposed=transposed), t, cum, lora[1]), t
 
 
 def _lora_bwd(
@@ -127,17 +146,17 @@ def lora_mlp_combine_forward(
     input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts = rows
     R = input_indices.shape[0]
     x_RH = _gather(x_TH, input_indices)  # one gather, shared by the base and the low-rank GEMMs
-    gate_up_R2I = launchers.down_fwd(x_RH, cum_token_counts, w_gate_up_N2IH)
-    t1 = x_TH.new_zeros((R, 0))
+    thin = _thin(launchers, x_TH)
+    t1 = t2 = x_TH.new_zeros((R, 0))
     if lora_gate_up is not None:
-        t1 = _low_rank(launchers, x_RH, cum_token_counts, lora_gate_up)
-        _add_up(launchers, gate_up_R2I, t1, cum_token_counts, lora_gate_up[1])
+        gate_up_R2I, t1 = _adapted(launchers, thin, x_RH, cum_token_counts, w_gate_up_N2IH, lora_gate_up)
+    else:
+        gate_up_R2I = launchers.down_fwd(x_RH, cum_token_counts, w_gate_up_N2IH)
     h_RI = _silu_mul(gate_up_R2I)
-    y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
-    t2 = x_TH.new_zeros((R, 0))
     if lora_down is not None:
-        t2 = _low_rank(launchers, h_RI, cum_token_counts, lora_down)
-        _add_up(launchers, y_RH, t2, cum_token_counts, lora_down[1])
+        y_RH, t2 = _adapted(launchers, thin, h_RI, cum_token_counts, w_down_NHI, lora_down)
+    else:
+        y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
     out_TH = launchers.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
     return out_TH, gate_up_R2I, _pad_rows(t1, R), _pad_rows(t2, R)
 
@@ -161,15 +180,16 @@ def lora_mlp_combine_backward_math(
     d_row_w = torch.linalg.vecdot(g_RI.float(), h_RI.float())
     dh_RI = (g_RI.float() * row_w[:, None]).to(g_RI.dtype)
     dA1, dB1, dA2, dB2 = (x_TH.new_zeros(0) for _ in range(4))  # distinct: outputs may not alias
+    thin = _thin(launchers, x_TH)
     if lora_down is not None:
         A2, B2, s2 = lora_down
         # dB2_e = sum_r w_r dy_r^T t2_r: the row weights scale the r-wide t2, not dy.
-        u_Rr, dB2 = launchers.down_bwd(dy_RH, (t2.float() * row_w[:, None]).to(t2.dtype), cum, B2)
+        u_Rr, dB2 = thin.down_bwd(dy_RH, (t2.float() * row_w[:, None]).to(t2.dtype), cum, B2)
         u_Rr = _pad_rows(u_Rr, R)[:R]
         d_row_w = d_row_w + torch.linalg.vecdot(u_Rr.float(), t2.float())
         # u is dy @ B2 unweighted; the row weight and the scale go onto it before A2's GEMMs.
         dt2 = (u_Rr.float() * (row_w * s2)[:, None]).to(u_Rr.dtype)
-        dh_lora, dA2 = launchers.down_bwd(dt2, h_RI, cum, A2)
+        dh_lora, dA2 = thin.down_bwd(dt2, h_RI, cum, A2)
         dh_lora = _pad_rows(dh_lora, R)
         dh_RI[: dh_lora.shape[0]] += dh_lora[:R]
     dweights_TK = launchers.router_weights_bwd(d_row_w, weights_TK, output_indices, selected_expert_indices,
@@ -178,7 +198,7 @@ def lora_mlp_combine_backward_math(
     dx_rows = _pad_rows(launchers.down_fwd(d_gate_up, cum, w_gate_up_N2IH, transposed=True), R)[:R]
     if lora_gate_up is not None:
         A1, B1, s1 = lora_gate_up
-        dx_lora, dA1, dB1 = _lora_bwd(launchers, d_gate_up, _gather(x_TH, input_indices), t1, cum, A1, B1, s1)
+        dx_lora, dA1, dB1 = _lora_bwd(thin, d_gate_up, _gather(x_TH, input_indices), t1, cum, A1, B1, s1)
         dx_lora = _pad_rows(dx_lora, R)
         dx_rows[: dx_lora.shape[0]] += dx_lora[:R]
     # Each token's rows summed back in slot order (unweighted: output_indices stands in for the slots' k).
@@ -190,14 +210,19 @@ def _adapter(a: torch.Tensor | None, b: torch.Tensor | None, scaling: float) -> 
     return None if a is None else (a, b, scaling)
 
 
-@torch.library.custom_op("fastmoe::lora_mlp_combine", mutates_args=())
-def lora_mlp_combine_op(
+# ---------------------------------------------------------------- registration (as in ops.py)
+# The differentiable tensors come first (base weights, router weights and both adapters), then the
+# routed rows and the constants, so that ``_differentiable`` looks at the first eight arguments only.
+_ADAPTERS_SCHEMA = "Tensor? a1, Tensor? b1, Tensor? a2, Tensor? b2"
+_CONSTS_SCHEMA = "float s1, float s2, str kernels_name, str group_name"
+
+
+def _lora_mlp_combine(
     x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], a2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
     input_indices: torch.Tensor, output_indices: torch.Tensor, selected_expert_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
-    a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], s1: float,
-    a2: Optional[torch.Tensor], b2: Optional[torch.Tensor], s2: float,
-    kernels_name: str, group_name: str,
+    cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor, s1: float, s2: float, kernels_name: str,
+    group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 4-5 with adapters: ``(out [T, H], gate_up [R, 2I], t1 [R, r1], t2 [R, r2])``."""
     rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
@@ -206,23 +231,20 @@ def lora_mlp_combine_op(
                                     _adapter(a1, b1, s1), _adapter(a2, b2, s2))
 
 
-@lora_mlp_combine_op.register_fake
-def _(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, input_indices, output_indices, selected_expert_indices,
-      cum_token_counts, cum_expert_counts, a1, b1, s1, a2, b2, s2, kernels_name, group_name):
+def _lora_mlp_combine_fake(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, a1, b1, a2, b2, input_indices,  # noqa: ANN001, ANN202
+                           *_rest):
     R = input_indices.shape[0]
     return (x_TH.new_empty((x_TH.shape[0], w_down_NHI.shape[1])), x_TH.new_empty((R, w_gate_up_N2IH.shape[1])),
             x_TH.new_empty((R, 0 if a1 is None else a1.shape[1])), x_TH.new_empty((R, 0 if a2 is None else a2.shape[1])))
 
 
-@torch.library.custom_op("fastmoe::lora_mlp_combine_backward", mutates_args=())
-def lora_mlp_combine_backward(
+def _lora_mlp_combine_backward_body(
     dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-    weights_TK: torch.Tensor, gate_up_R2I: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
+    weights_TK: torch.Tensor, a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], a2: Optional[torch.Tensor],
+    b2: Optional[torch.Tensor], gate_up_R2I: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
     input_indices: torch.Tensor, output_indices: torch.Tensor, selected_expert_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
-    a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], s1: float,
-    a2: Optional[torch.Tensor], b2: Optional[torch.Tensor], s2: float,
-    kernels_name: str, group_name: str,
+    cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor, s1: float, s2: float, kernels_name: str,
+    group_name: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx [T, H], dweights [T, K], dA1, dB1, dA2, dB2)``; absent adapters give empty tensors."""
     rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
@@ -231,40 +253,47 @@ def lora_mlp_combine_backward(
                                           gate_up_R2I, t1, t2, rows, _adapter(a1, b1, s1), _adapter(a2, b2, s2))
 
 
-@lora_mlp_combine_backward.register_fake
-def _(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I, t1, t2, input_indices, output_indices,
-      selected_expert_indices, cum_token_counts, cum_expert_counts, a1, b1, s1, a2, b2, s2, kernels_name,
-      group_name):
+def _lora_mlp_combine_backward_fake(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, a1, b1, a2, b2,  # noqa: ANN001, ANN202
+                                    *_rest):
     like = lambda t: x_TH.new_empty(0) if t is None else torch.empty_like(t)  # noqa: E731
     return torch.empty_like(x_TH), torch.empty_like(weights_TK), like(a1), like(b1), like(a2), like(b2)
 
 
-def _lora_mlp_combine_setup(ctx, inputs, output) -> None:
-    (x_TH, w_gate_up, w_down, weights_TK, *rest) = inputs
-    rows, (a1, b1, s1, a2, b2, s2, kernels_name, group_name) = rest[:5], rest[5:]
-    _, gate_up_R2I, t1, t2 = output
-    for saved in output[1:]:
-        ctx.mark_non_differentiable(saved)
-    ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, t1, t2, *rows, a1, b1, a2, b2)
-    ctx.consts = (s1, s2, kernels_name, group_name)
+lora_mlp_combine_op = _define(
+    f"lora_mlp_combine(Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, Tensor weights_TK, {_ADAPTERS_SCHEMA}, "
+    f"{_ROWS_SCHEMA}, {_CONSTS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)", _lora_mlp_combine, _lora_mlp_combine_fake)
+lora_mlp_combine_backward = _define(
+    f"lora_mlp_combine_backward(Tensor dout_TH, Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, "
+    f"Tensor weights_TK, {_ADAPTERS_SCHEMA}, Tensor gate_up_R2I, Tensor t1, Tensor t2, {_ROWS_SCHEMA}, "
+    f"{_CONSTS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _lora_mlp_combine_backward_body, _lora_mlp_combine_backward_fake)
 
 
-def _lora_mlp_combine_backward(ctx, dout_TH, *_saved_grads):
-    x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, t1, t2, *rest = ctx.saved_tensors
-    rows, (a1, b1, a2, b2) = rest[:5], rest[5:]
-    s1, s2, kernels_name, group_name = ctx.consts
-    dx, dweights, dA1, dB1, dA2, dB2 = lora_mlp_combine_backward(
-        dout_TH.contiguous(), x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, t1, t2, *rows, a1, b1, s1, a2, b2,
-        s2, kernels_name, group_name)
-    if a1 is None:
-        dA1 = dB1 = None
-    if a2 is None:
-        dA2 = dB2 = None
-    # the frozen base weights get no gradient: none is computed
-    return (dx, None, None, dweights, None, None, None, None, None, dA1, dB1, None, dA2, dB2, None, None, None)
+class _LoraMlpCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2, b2, *rest):  # noqa: ANN001, ANN205
+        out_TH, gate_up_R2I, t1, t2 = _below_autograd(lora_mlp_combine_op, x_TH, w_gate_up, w_down, weights_TK,
+                                                      a1, b1, a2, b2, *rest)
+        # gate_up and the low-rank intermediates are saved activations, not results.
+        ctx.mark_non_differentiable(gate_up_R2I, t1, t2)
+        ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2, b2, gate_up_R2I, t1, t2, *rest[:5])
+        ctx.consts = rest[5:]
+        return out_TH, gate_up_R2I, t1, t2
+
+    @staticmethod
+    def backward(ctx, dout_TH, *_saved_grads):  # noqa: ANN001, ANN205
+        saved = ctx.saved_tensors
+        dx, dweights, dA1, dB1, dA2, dB2 = lora_mlp_combine_backward(dout_TH.contiguous(), *saved, *ctx.consts)
+        a1, a2 = saved[4], saved[6]
+        if a1 is None:
+            dA1 = dB1 = None
+        if a2 is None:
+            dA2 = dB2 = None
+        # the frozen base weights get no gradient: none is computed
+        return (dx, None, None, dweights, dA1, dB1, dA2, dB2, *(None,) * 9)
 
 
-lora_mlp_combine_op.register_autograd(_lora_mlp_combine_backward, setup_context=_lora_mlp_combine_setup)
+_differentiable(lora_mlp_combine_op, _LoraMlpCombine, 8)
 
 
 def lora_mlp_combine(
@@ -283,71 +312,76 @@ def lora_mlp_combine(
     if d is not None:
         check_lora(d, w_down_NHI.shape[1], w_down_NHI.shape[2], NR, w_down_NHI, "down_proj")
     out_TH, *_ = lora_mlp_combine_op(
-        x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows,
+        x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
         None if g is None else g.a.contiguous(), None if g is None else g.b.contiguous(),
-        1.0 if g is None else float(g.scaling),
-        None if d is None else d.a.contiguous(), None if d is None else d.b.contiguous(),
-        1.0 if d is None else float(d.scaling), kernels_name, group_name)
+        None if d is None else d.a.contiguous(), None if d is None else d.b.contiguous(), *rows,
+        1.0 if g is None else float(g.scaling), 1.0 if d is None else float(d.scaling), kernels_name, group_name)
     return out_TH
 
 
 # ---------------------------------------------------------------- stage 4, other layouts
-@torch.library.custom_op("fastmoe::lora_grouped_linear", mutates_args=())
-def lora_grouped_linear_op(
-    a_RK: torch.Tensor, w: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
-    cum_token_counts: torch.Tensor, kernels_name: str, transposed: bool,
+def _lora_grouped_linear(
+    a_RK: torch.Tensor, w: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, cum_token_counts: torch.Tensor,
+    scaling: float, kernels_name: str, transposed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [R, O] = a @ W_e^T + t @ B_e^T, t [R, r] = scaling * a @ A_e^T)`` per local expert group;
     ``transposed``: ``W`` stored ``[NR, in, out]`` and read in place (the adapters never are)."""
     launchers = kernels(kernels_name)
-    y = launchers.down_fwd(a_RK, cum_token_counts, w, transposed=transposed)
-    t = _low_rank(launchers, a_RK, cum_token_counts, (lora_a, lora_b, scaling))
-    _add_up(launchers, y, t, cum_token_counts, lora_b)
+    y, t = _adapted(launchers, _thin(launchers, a_RK), a_RK, cum_token_counts, w, (lora_a, lora_b, scaling),
+                    transposed)
     R = a_RK.shape[0]
     return _pad_rows(y, R), _pad_rows(t, R)
 
 
-@lora_grouped_linear_op.register_fake
-def _(a_RK, w, lora_a, lora_b, scaling, cum_token_counts, kernels_name, transposed):
+def _lora_grouped_linear_fake(a_RK, w, lora_a, lora_b, cum_token_counts, scaling, kernels_name, transposed):  # noqa: ANN001, ANN202
     R = a_RK.shape[0]
     return a_RK.new_empty((R, w.shape[2] if transposed else w.shape[1])), a_RK.new_empty((R, lora_a.shape[1]))
 
 
-@torch.library.custom_op("fastmoe::lora_grouped_linear_backward", mutates_args=())
-def lora_grouped_linear_backward(
+def _lora_grouped_linear_backward_body(
     dy_RO: torch.Tensor, a_RK: torch.Tensor, t_Rr: torch.Tensor, w: torch.Tensor, lora_a: torch.Tensor,
-    lora_b: torch.Tensor, scaling: float, cum_token_counts: torch.Tensor, kernels_name: str, transposed: bool,
+    lora_b: torch.Tensor, cum_token_counts: torch.Tensor, scaling: float, kernels_name: str, transposed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(da [R, in], dA, dB)``: ``da = dy @ W_e + s (dy @ B_e) @ A_e``; no gradient of ``W``."""
     launchers = kernels(kernels_name)
     R = a_RK.shape[0]
     da = _pad_rows(launchers.down_fwd(dy_RO, cum_token_counts, w, transposed=not transposed), R)[:R]
-    da_lora, dA, dB = _lora_bwd(launchers, dy_RO, a_RK, t_Rr, cum_token_counts, lora_a, lora_b, scaling)
+    da_lora, dA, dB = _lora_bwd(_thin(launchers, a_RK), dy_RO, a_RK, t_Rr, cum_token_counts, lora_a, lora_b, scaling)
     da[: da_lora.shape[0]] += da_lora[:R]
     return da, dA, dB
 
 
-@lora_grouped_linear_backward.register_fake
-def _(dy_RO, a_RK, t_Rr, w, lora_a, lora_b, scaling, cum_token_counts, kernels_name, transposed):
+def _lora_grouped_linear_backward_fake(dy_RO, a_RK, t_Rr, w, lora_a, lora_b, *_rest):  # noqa: ANN001, ANN202
     return torch.empty_like(a_RK), torch.empty_like(lora_a), torch.empty_like(lora_b)
 
 
-def _lora_grouped_linear_setup(ctx, inputs, output) -> None:
-    a_RK, w, lora_a, lora_b, scaling, cum_token_counts, kernels_name, transposed = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(a_RK, output[1], w, lora_a, lora_b, cum_token_counts)
-    ctx.consts = (scaling, kernels_name, transposed)
+lora_grouped_linear_op = _define(
+    "lora_grouped_linear(Tensor a_RK, Tensor w, Tensor lora_a, Tensor lora_b, Tensor cum_token_counts, "
+    "float scaling, str kernels_name, bool transposed) -> (Tensor, Tensor)",
+    _lora_grouped_linear, _lora_grouped_linear_fake)
+lora_grouped_linear_backward = _define(
+    "lora_grouped_linear_backward(Tensor dy_RO, Tensor a_RK, Tensor t_Rr, Tensor w, Tensor lora_a, "
+    "Tensor lora_b, Tensor cum_token_counts, float scaling, str kernels_name, bool transposed)"
+    " -> (Tensor, Tensor, Tensor)", _lora_grouped_linear_backward_body, _lora_grouped_linear_backward_fake)
 
 
-def _lora_grouped_linear_backward(ctx, dy_RO, _dt):
-    a_RK, t_Rr, w, lora_a, lora_b, cum_token_counts = ctx.saved_tensors
-    scaling, kernels_name, transposed = ctx.consts
-    da, dA, dB = lora_grouped_linear_backward(dy_RO.contiguous(), a_RK, t_Rr, w, lora_a, lora_b, scaling,
-                                              cum_token_counts, kernels_name, transposed)
-    return da, None, dA, dB, None, None, None, None
+class _LoraGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a_RK, w, lora_a, lora_b, cum_token_counts, scaling, kernels_name, transposed):  # noqa: ANN001, ANN205
+        y, t = _below_autograd(lora_grouped_linear_op, a_RK, w, lora_a, lora_b, cum_token_counts, scaling,
+                               kernels_name, transposed)
+        ctx.mark_non_differentiable(t)
+        ctx.save_for_backward(a_RK, t, w, lora_a, lora_b, cum_token_counts)
+        ctx.consts = (scaling, kernels_name, transposed)
+        return y, t
+
+    @staticmethod
+    def backward(ctx, dy_RO, _dt):  # noqa: ANN001, ANN205
+        da, dA, dB = lora_grouped_linear_backward(dy_RO.contiguous(), *ctx.saved_tensors, *ctx.consts)
+        return da, None, dA, dB, None, None, None, None
 
 
-lora_grouped_linear_op.register_autograd(_lora_grouped_linear_backward, setup_context=_lora_grouped_linear_setup)
+_differentiable(lora_grouped_linear_op, _LoraGroupedLinear, 4)
 
 
 def lora_grouped_linear(
@@ -361,6 +395,6 @@ def lora_grouped_linear(
                          "freeze the base weight (requires_grad_(False))")
     out_f, in_f = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
     check_lora(lora, out_f, in_f, w.shape[0], w, "grouped linear")
-    y, _ = lora_grouped_linear_op(a_RK, w, lora.a.contiguous(), lora.b.contiguous(), float(lora.scaling),
-                                  cum_token_counts, kernels_name, transposed)
+    y, _ = lora_grouped_linear_op(a_RK, w, lora.a.contiguous(), lora.b.contiguous(), cum_token_counts,
+                                  float(lora.scaling), kernels_name, transposed)
     return y

@@ -85,9 +85,9 @@ def _define(schema: str, body: Callable[..., Any], fake: Callable[..., Any]) -> 
 def _differentiable(op: Any, function: type[torch.autograd.Function], tensor_args: int) -> None:
     """Register ``function`` (whose forward runs ``op`` below autograd) as ``op``'s Autograd kernel.
     Calls that need no gradient (grad mode off, or none of the first ``tensor_args`` arguments
-    requiring one) skip the Function and its graph node."""
+    requiring one; an optional tensor argument may be None) skip the Function and its graph node."""
     def autograd_kernel(*args: Any) -> Any:
-        if torch.is_grad_enabled() and any(a.requires_grad for a in args[:tensor_args]):
+        if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:tensor_args]):
             return function.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)

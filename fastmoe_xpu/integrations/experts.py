@@ -149,10 +149,13 @@ def fastmoe_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    lora: ExpertsLora | None = None,
 ) -> torch.Tensor:
     """The ``"fastmoe"`` experts implementation: ``[T, H]`` from ``hidden_states [T, H]``,
     ``top_k_index [T, K]`` (ids ``>= num_experts`` are expert-parallel sentinels: rows this rank
-    does not own, skipped) and ``top_k_weights [T, K]``."""
+    does not own, skipped) and ``top_k_weights [T, K]``. ``lora``: adapters on the stored (frozen)
+    weights handed over directly (:func:`.peft_lora.run_adapters_in_experts`); else PEFT's active
+    parametrization, if any, is read."""
     flags = describe_layout(self)
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
@@ -165,7 +168,10 @@ def fastmoe_experts_forward(
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     # PEFT's LoRA on the 3-D weights (target_parameters): the frozen weights and the adapters, which
     # run inside the grouped GEMMs (peft_lora.py); else the weights as they read.
-    (w_up, w_down), lora = parametrized_weights(self, (up_name, "down_proj"), flags["is_transposed"])
+    if lora is None:
+        (w_up, w_down), lora = parametrized_weights(self, (up_name, "down_proj"), flags["is_transposed"])
+    else:
+        w_up, w_down = stored_weight(self, up_name), stored_weight(self, "down_proj")
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     if not flags["expert_parallel"] and not torch.compiler.is_compiling():

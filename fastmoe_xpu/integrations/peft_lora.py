@@ -13,6 +13,13 @@ and calls the experts forward inside it. Two ways in, both without ever forming 
   (``FastSparseMoeBlock``): walks the wrappers and takes ``get_delta_factors`` of the active
   adapters (several are stacked along the rank).
 
+PEFT's wrapper forward registers and removes a parametrization on every call: ``torch.compile``
+cannot trace that (it swaps the module's class and sets a parameter in place: a graph break, so no
+``fullgraph``), and the registration's own consistency check computes ``W + delta`` once per call
+anyway. :func:`run_adapters_in_experts` replaces the outermost wrapper's forward, for experts
+running ``"fastmoe"``, with one that unwraps the adapters and hands them to the experts function:
+the same numbers, one traceable graph, no fold.
+
 Everything else PEFT may put there (several adapters inside one parametrization, float8 weights:
 a full delta; a base weight that itself trains) is read as the parametrized weight, which is what
 PEFT computes, at the cost of the materialised delta.
@@ -29,7 +36,7 @@ import torch.nn as nn
 
 from ..autograd.lora_ops import ExpertsLora, LoraWeights
 
-__all__ = ["factors_to_lora", "parametrized_weights", "stored_weight", "unwrap_experts"]
+__all__ = ["factors_to_lora", "parametrized_weights", "run_adapters_in_experts", "stored_weight", "unwrap_experts"]
 
 
 def stored_weight(module: nn.Module, name: str) -> Any:
@@ -115,3 +122,37 @@ def unwrap_experts(module: nn.Module) -> tuple[nn.Module, ExpertsLora]:
         found[w.parameter_name] = _stack(parts)
     up = "gate_up_proj" if getattr(base, "has_gate", True) else "up_proj"
     return base, ExpertsLora(found.get(up), found.get("down_proj"))
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "parameter_name") and hasattr(module, "lora_A")
+
+
+def run_adapters_in_experts(model: nn.Module) -> int:
+    """Let the ``"fastmoe"`` experts of ``model`` take PEFT's expert adapters directly: each outermost
+    parameter wrapper around a transformers experts module gets a forward that unwraps the active
+    adapters (:func:`unwrap_experts`) and calls the experts function with them, without PEFT's
+    per-call parametrization, so that ``torch.compile(model, fullgraph=True)`` traces one graph.
+    Experts switched to another implementation keep PEFT's own forward (checked per call). Returns
+    how many experts modules were set up; call it again after adding adapters to new modules."""
+    from .experts import NAME, fastmoe_experts_forward
+
+    wrappers = [m for m in model.modules() if _is_wrapper(m)]
+    inner = {id(m.base_layer) for m in wrappers}
+    count = 0
+    for outer in (w for w in wrappers if id(w) not in inner):
+        _, experts = _wrappers(outer)
+        if not hasattr(getattr(experts, "config", None), "_experts_implementation"):
+            continue  # not a transformers experts module (FastSparseMoeBlock unwraps its experts itself)
+        peft_forward = type(outer).forward.__get__(outer)
+
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    *args: Any, __outer: nn.Module = outer, __peft: Any = peft_forward, **kwargs: Any) -> torch.Tensor:
+            experts, lora = unwrap_experts(__outer)
+            if args or kwargs or experts.config._experts_implementation != NAME:
+                return __peft(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            return fastmoe_experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=lora)
+
+        outer.forward = forward
+        count += 1
+    return count

@@ -150,6 +150,11 @@ LAUNCHERS = (
     "gate_up_bwd",
     "combine_fwd", "combine_bwd", "router_weights_bwd",
 )
+#: Launchers a kernel set may add to fuse work its required launchers would do in several passes;
+#: callers look them up and otherwise compose the required ones. ``down_fwd_lora(h, cum_token_counts,
+#: w_down, t, lora_b, transposed=False)``: :meth:`KernelBackend.down_fwd` plus a LoRA adapter's
+#: ``t @ lora_b[e]^T`` (``t [R, r]``, ``lora_b [NR, out, r]``) in the same kernel (the Triton backend).
+FUSED_LAUNCHERS = ("down_fwd_lora",)
 #: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/registry.py``).
 STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd", "gate_up_bwd")
 

@@ -132,6 +132,10 @@ class Implementation:
     precision: str | None = None
     """For a stage-4 implementation that quantizes its GEMMs: the ``expert_precision`` it runs
     (``"int8"``, ``"fp8"``); None for the full-precision ones ``gemm_engine`` chooses among."""
+    low_rank_gemm: tuple[str, ...] = ()
+    """For a base: the engines that run LoRA adapters' ``r``-wide grouped GEMMs, the first available
+    one wins (empty: the kernel set's own stage 4). These products are thin (one side ``r`` wide), so
+    one batched call beats a launch per expert whatever engine the base GEMMs were timed onto."""
 
     def launchers(self) -> tuple[str, ...]:
         return tuple(name for stage in self.stages for name in STAGES[stage])
@@ -152,7 +156,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
     for impl in (
         Implementation("torch", ("route", "combine"), ("cpu", "cuda", "xpu", "meta"), None, ".torch",
-                       native_gemm="loop"),
+                       native_gemm="loop", low_rank_gemm=("grouped_mm", "loop")),
         Implementation("loop", ("gemm",), ("cpu", "cuda", "xpu"), None, ".torch.grouped_gemm"),
         Implementation("grouped_mm", ("gemm",), ("cpu", "cuda", "xpu"), None, ".grouped_mm",
                        unavailable=_grouped_mm_reason),
@@ -181,6 +185,8 @@ del _n, _impl
 GEMMS = ENGINES + tuple(n for names in PRECISIONS.values() for n in names)
 #: Every value ``gemm_engine`` (and ``FASTMOE_GEMM_ENGINE``) accepts.
 CHOICES = ("auto", "native", *ENGINES)
+settings.declare_gemm_engines(ENGINES)
+settings.declare_expert_precisions(tuple(PRECISIONS))
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
 
@@ -252,6 +258,24 @@ def kernels(name: str) -> KernelBackend:
 def kernel_set_name(base: str, engine: str) -> str:
     """The name of ``base`` with stage 4 on ``engine``."""
     return base if NATIVE[base] == engine else f"{base}+{engine}"
+
+
+@functools.lru_cache(maxsize=None)
+def _low_rank_set(base: str, device_type: str, device_index: int | None, dtype: torch.dtype) -> str:
+    dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    for engine in IMPLEMENTATIONS[base].low_rank_gemm:
+        if unavailable_reason(engine, base, dev, dtype) is None:
+            return kernel_set_name(base, engine)
+    return ""
+
+
+def low_rank_kernels(name: str, device: torch.device, dtype: torch.dtype) -> KernelBackend:
+    """The launchers that run the ``r``-wide grouped GEMMs of LoRA adapters next to kernel set
+    ``name`` (resolved, no ``auto``): the base's first available :attr:`Implementation.low_rank_gemm`
+    engine, else ``name`` itself."""
+    base = name.partition("+")[0]
+    chosen = _low_rank_set(base, device.type, device.index, dtype)
+    return kernels(chosen or name)
 
 
 # ---------------------------------------------------------------- the base: stages 2, 3 and 5
@@ -351,6 +375,8 @@ def resolve_request(gemm_engine: str, backend: str) -> str:
     check_choice(gemm_engine)
     if gemm_engine == "auto":
         gemm_engine = settings.get().gemm_engine or "auto"
+        if gemm_engine not in CHOICES:
+            raise ValueError(f"FASTMOE_GEMM_ENGINE must be one of {CHOICES}, got {gemm_engine!r}")
     if gemm_engine == "native":
         return NATIVE[backend]
     return gemm_engine

@@ -40,13 +40,6 @@ FORMAT = 1
 FILE_NAME = "gemm_engines.json"
 
 
-def _known_engines() -> tuple[str, ...]:
-    """Engine names a cache entry may hold: the registry's stage-4 implementations."""
-    from .registry import ENGINES
-
-    return ENGINES
-
-
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":
@@ -132,7 +125,7 @@ def _load(path: Path) -> dict[str, Any]:
         return {}
     entries = {}
     for k, v in data["entries"].items():
-        if isinstance(v, dict) and v.get("engine") in _known_engines():
+        if isinstance(v, dict) and v.get("engine") in settings.gemm_engines():
             entries[k] = v
         else:
             warnings.warn(f"gemm engine cache {path}: stale entry {k!r} ({v!r}) ignored", RuntimeWarning, stacklevel=3)

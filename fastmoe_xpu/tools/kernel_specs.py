@@ -81,12 +81,18 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         "x_ptr": act, "input_idx_ptr": _P32, "cum_token_ptr": _P32, "w_ptr": act, "gate_up_ptr": act, "h_ptr": act,
         "H": _I32, "I": _I32}, dict(gemm_flags),
         ("x_ptr", "input_idx_ptr", "cum_token_ptr", "w_ptr", "gate_up_ptr", "h_ptr", "H", "I")))
-    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
-    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "N", "K")
+    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "t_ptr": act, "lb_ptr": act,
+              "N": _I32, "K": _I32, "RANK": _I32}
+    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "t_ptr", "lb_ptr", "N", "K")
+    lora_off = {"LORA": False, "BLOCK_R": grouped_gemm.LORA_BLOCK_R}
     out.append(("grouped_mm_fwd[W^T]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": True, **gemm_flags}, mm_aligned))
+                {"TRANS_W": True, **gemm_flags, **lora_off}, mm_aligned))
     out.append(("grouped_mm_fwd[W]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
-                {"TRANS_W": False, **gemm_flags}, mm_aligned))
+                {"TRANS_W": False, **gemm_flags, **lora_off}, mm_aligned))
+    # LoRA adapters' up-projection in the epilogue (down_fwd_lora), both weight layouts; rank 16
+    for trans, tag in ((True, "W^T"), (False, "W")):
+        out.append((f"grouped_mm_fwd[{tag}+lora]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
+                    {"TRANS_W": trans, **gemm_flags, **lora_off, "LORA": True}, mm_aligned + ("RANK",)))
     bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "rw_ptr": "*fp32", "dw_ptr": act,
                "M": _I32, "N": _I32}
     bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "rw_ptr", "dw_ptr", "M", "N")

@@ -4,6 +4,8 @@ input, the router weights and both adapters included; the frozen base weights ge
 launcher ever forms one."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,16 @@ def _case(T, H, I, E, K, r, dtype=torch.float32, seed=0):
     return x, weights, idx, w_gu, w_d, (A1, B1, 0.75), (A2, B2, 2.0)
 
 
+def _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld) -> None:
+    """``out`` and its gradients (input, router weights, every adapter) against the reference."""
+    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
+    assert_close(out, ref, msg="forward")
+    inputs = [x, weights] + [t for ad in (lg, ld) if ad is not None for t in ad[:2]]
+    dout = torch.randn_like(out)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
+        assert_close(a, b, msg=f"gradient {i}")
+
+
 @pytest.mark.parametrize("which", ["both", "gate_up", "down"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_lora_experts_match_reference(shape, which) -> None:
@@ -41,14 +53,7 @@ def test_lora_experts_match_reference(shape, which) -> None:
     ld = ld if which in ("both", "down") else None
     lora = ExpertsLora(None if lg is None else LoraWeights(*lg), None if ld is None else LoraWeights(*ld))
     out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
-    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
-    assert_close(out, ref, msg="forward")
-    inputs = [x, weights] + [t for ad in (lg, ld) if ad is not None for t in ad[:2]]
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, inputs, dout)
-    want = torch.autograd.grad(ref, inputs, dout)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_close(a, b, msg=f"gradient {i}")
+    _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
 
 
 def test_lora_bf16_forward_and_gradients() -> None:
@@ -67,27 +72,73 @@ def test_lora_bf16_forward_and_gradients() -> None:
         assert_close(a, b, torch.bfloat16, f"gradient {i}")
 
 
-def test_no_base_weight_gradient_is_formed(monkeypatch) -> None:
-    """Only adapter-shaped weights ever reach a weight-gradient launcher; the base weights' own
-    backward launchers are never called."""
-    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
-    torch_kernels = registry.kernels("torch")
-    seen = []
-    real_down_bwd = torch_kernels.down_bwd
+@pytest.fixture(params=["grouped_mm", "loop"])
+def low_rank_engine(request, monkeypatch):
+    """The engine of the adapters' r-wide products (the registry's ``low_rank_gemm`` for the torch
+    base: grouped_mm where it runs, else the per-expert loop); both are run."""
+    impl = registry.IMPLEMENTATIONS["torch"]
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "torch", dataclasses.replace(impl, low_rank_gemm=(request.param,)))
+    registry._low_rank_set.cache_clear()
+    if registry.unavailable_reason(request.param, "torch", "cpu", torch.float32) is not None:
+        pytest.skip(f"{request.param} does not run here")
+    yield request.param
+    registry._low_rank_set.cache_clear()
 
-    def down_bwd(dy, a, cum, w, transposed=False):
-        seen.append(tuple(w.shape))
-        return real_down_bwd(dy, a, cum, w, transposed=transposed)
+
+def test_low_rank_products_run_on_the_registry_choice(low_rank_engine, monkeypatch) -> None:
+    """The r-wide products run on the engine the registry names (grouped_mm: one call per product,
+    not one per expert), the base GEMMs on the kernel set's own; the results match the reference
+    at an awkward shape with an empty expert either way."""
+    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
+    calls = []
+    for engine, module in (("loop", registry.kernels("torch")), ("grouped_mm", registry.module_of("grouped_mm"))):
+        for name in ("down_fwd", "down_bwd"):
+            def spy(*a, __real=getattr(module, name), __what=(engine, name), **k):
+                calls.append((*__what, tuple(a[2 if __what[1] == "down_fwd" else 3].shape)))
+                return __real(*a, **k)
+
+            monkeypatch.setattr(module, name, spy)
+    registry.kernels.cache_clear()
+    try:
+        lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
+        _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
+    finally:
+        registry.kernels.cache_clear()
+    adapter_shapes = {tuple(t.shape) for t in (*lg[:2], *ld[:2])}
+    thin = [(engine, name) for engine, name, shape in calls if shape in adapter_shapes]
+    # 4 forward products (A and B of both adapters) and 4 backward calls (each forms dA or dB), all on
+    # the chosen engine; the base GEMMs (native: the loop) take the base weights
+    assert sorted(thin) == [(low_rank_engine, "down_bwd")] * 4 + [(low_rank_engine, "down_fwd")] * 4
+    assert {(e, sh) for e, _, sh in calls if sh not in adapter_shapes} == {("loop", tuple(w_gu.shape)),
+                                                                            ("loop", tuple(w_d.shape))}
+
+
+def test_no_base_weight_gradient_is_formed(monkeypatch) -> None:
+    """Only adapter-shaped weights ever reach a weight-gradient launcher (of the base's kernels or
+    of the engine running the r-wide products); the base weights' own backward launchers are never
+    called."""
+    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
+    seen = []
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a base-weight gradient launcher ran")
 
-    monkeypatch.setattr(torch_kernels, "down_bwd", down_bwd)
-    for name in ("gate_up_bwd", "down_weighted_bwd"):
-        monkeypatch.setattr(torch_kernels, name, forbidden)
-    lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
-    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
-    out.square().sum().backward()
+    for module in {registry.kernels("torch"), registry.module_of("grouped_mm"), registry.module_of("loop")}:
+        def down_bwd(dy, a, cum, w, transposed=False, __real=module.down_bwd):
+            seen.append(tuple(w.shape))
+            return __real(dy, a, cum, w, transposed=transposed)
+
+        monkeypatch.setattr(module, "down_bwd", down_bwd)
+        for name in ("gate_up_bwd", "down_weighted_bwd"):
+            monkeypatch.setattr(module, name, forbidden)
+    registry.kernels.cache_clear()
+    try:
+        lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="native", lora=lora)
+        out.square().sum().backward()
+    finally:
+        registry.kernels.cache_clear()
     adapter_shapes = {tuple(t.shape) for t in (*lg[:2], *ld[:2])}
     assert seen and set(seen) <= adapter_shapes
     assert w_gu.grad is None and w_d.grad is None
@@ -135,10 +186,75 @@ def test_lora_experts_on_triton_kernels() -> None:
     pytest.importorskip("triton")
     x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0])
     lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
-    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="triton", gemm_engine="native", lora=lora)
-    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
-    assert_close(out, ref, msg="forward")
-    inputs = [x, weights, *lg[:2], *ld[:2]]
-    dout = torch.randn_like(out)
-    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
-        assert_close(a, b, msg=f"gradient {i}")
+    from fastmoe_xpu.kernels import triton as triton_kernels
+
+    fused = []
+    real = triton_kernels.down_fwd_lora
+    with pytest.MonkeyPatch.context() as mp:  # the up-projections run in the base GEMMs' epilogue
+        mp.setattr(triton_kernels, "down_fwd_lora", lambda *a, **k: (fused.append(a[4].shape), real(*a, **k))[1])
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="triton", gemm_engine="native", lora=lora)
+    assert fused == [lg[1].shape, ld[1].shape]
+    _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
+
+
+@pytest.mark.parametrize("which", ["both", "down"])
+def test_opcheck_lora_ops(which) -> None:
+    """Every LoRA op through torch.library's opcheck (schema, fake, autograd registration, dispatch),
+    on worst-case row buffers as a traced call sees them; the ops' bodies are in ops.BODIES, where
+    bench.audit finds them."""
+    from fastmoe_xpu.autograd import lora_ops, ops
+
+    assert set(lora_ops.LORA_OP_NAMES) <= set(ops.BODIES)
+    T, H, I, E, K, r = SHAPES[0]
+    x, weights, idx, w_gu, w_d, (A1, B1, s1), (A2, B2, s2) = _case(T, H, I, E, K, r)
+    if which == "down":
+        A1 = B1 = None
+    rows = route(idx, 0, E, "torch", False)
+    out, gate_up, t1, t2 = torch.ops.fastmoe.lora_mlp_combine(x, w_gu, w_d, weights, A1, B1, A2, B2, *rows, s1, s2,
+                                                              "torch", "")
+    d = lambda t: None if t is None else t.detach()  # noqa: E731
+    a = torch.randn(T * K, H).requires_grad_()
+    la, lb = torch.randn(E, r, H).requires_grad_(), torch.randn(E, 2 * I, r).requires_grad_()
+    y, t = torch.ops.fastmoe.lora_grouped_linear(a, w_gu, la, lb, rows[3], s1, "torch", False)
+    cases = {
+        "lora_mlp_combine": (x, w_gu, w_d, weights, A1, B1, A2, B2, *rows, s1, s2, "torch", ""),
+        "lora_mlp_combine_backward": (torch.randn(T, H), d(x), w_gu, w_d, d(weights), d(A1), d(B1), d(A2), d(B2),
+                                      gate_up, t1, t2, *rows, s1, s2, "torch", ""),
+        "lora_grouped_linear": (a, w_gu, la, lb, rows[3], s1, "torch", False),
+        "lora_grouped_linear_backward": (torch.randn_like(y), d(a), d(t), w_gu, la.detach(), lb.detach(), rows[3], s1,
+                                         "torch", False),
+    }
+    assert set(cases) == set(lora_ops.LORA_OP_NAMES)
+    for name, args in cases.items():
+        if which == "down" and "grouped_linear" in name:
+            continue  # no optional adapter there: checked once, with "both"
+        torch.library.opcheck(getattr(torch.ops.fastmoe, name).default, args)
+
+
+@pytest.mark.parametrize("rank", [1, 20], ids=["r1", "r20"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["W", "W_stored_in_out"])
+def test_triton_lora_epilogue(transposed, rank) -> None:
+    """The Triton grouped GEMM with the LoRA up-projection in its epilogue (``down_fwd_lora``, under
+    the interpreter) against per-expert torch: odd widths, an empty expert, a rank below one dot
+    chunk and one over it (two chunks of 16), worst-case rows past RT (never read)."""
+    pytest.importorskip("triton")
+    from fastmoe_xpu.kernels.triton import grouped_gemm
+
+    g = torch.Generator().manual_seed(5)
+    E, IN, OUT = 4, 19, 13
+    counts = [5, 0, 9, 3]
+    RT = sum(counts)
+    R = RT + 6
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    h = torch.randn(R, IN, generator=g)
+    w = torch.randn(E, OUT, IN, generator=g)
+    t = torch.randn(R, rank, generator=g)
+    B = torch.randn(E, OUT, rank, generator=g)
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    y = grouped_gemm.down_fwd_lora(h, cum, stored, t, B, transposed=transposed)
+    bounds = cum.tolist()
+    want = torch.cat([h[s:e] @ w[i].t() + t[s:e] @ B[i].t() for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    assert y.shape == (R, OUT)
+    assert_close(y[:RT], want, msg="fused epilogue")
+    with pytest.raises(ValueError, match="down_fwd_lora"):
+        grouped_gemm.down_fwd_lora(h, cum, stored, t, B[:, :-1], transposed=transposed)

@@ -97,3 +97,192 @@ def test_launcher_cli_errors(tmp_path: Path, capsys) -> None:
     assert len(err.splitlines()) == 1 and str(f / "sub") in err and "regular file" in err
     with pytest.raises(SystemExit):
         launch_main(["--nnodes", "1", "--"])  # no --out anywhere
+
+
+# ============================================================================ hang blame (no processes)
+def test_culprit_least_progress_first() -> None:
+    from trainer.watchdog import culprit
+
+    beats = {0: {"step": 4, "phase": "start", "mtime": 10.0, "pid": 1},
+             1: {"step": 3, "phase": "done", "mtime": 20.0, "pid": 2}}
+    rank, why = culprit(beats, 2, pulses={}, now=30.0)
+    assert rank == 1 and "least progress" in why
+    assert culprit({0: beats[0]}, 2, pulses={})[0] == 1  # no heartbeat at all: nowhere
+
+
+def test_culprit_same_progress_the_stopped_rank_not_the_oldest_heartbeat() -> None:
+    """Every rank at the same step and phase (a SIGSTOP inside a step): the rank whose process stopped
+    answering is blamed even when its heartbeat is the newest; then one working while others wait
+    in a collective; without pulses, the oldest heartbeat (the rule that blamed a healthy node)."""
+    from trainer.watchdog import culprit
+
+    now = 100.0
+    beats = {r: {"step": 3, "phase": "start", "mtime": 50.0 + r, "pid": 10 + r} for r in range(4)}
+    waiting = {r: {"rank": r, "pid": 10 + r, "time": now - 0.5, "interval": 1.0, "waiting": True} for r in range(4)}
+    assert culprit(beats, 4, pulses=None, now=now)[0] == 0  # the old rule: silent longest
+    stopped = {r: p for r, p in waiting.items() if r != 3}
+    rank, why = culprit(beats, 4, pulses=stopped, now=now)
+    assert rank == 3 and "stopped answering" in why
+    stale = {**waiting, 2: dict(waiting[2], time=now - 10.0)}  # pulses stopped 10 s ago
+    assert culprit(beats, 4, pulses=stale, now=now)[0] == 2
+    other_pid = {**waiting, 1: dict(waiting[1], pid=99)}  # a pulse of the rank's previous process
+    assert culprit(beats, 4, pulses=other_pid, now=now)[0] == 1
+    working = {**waiting, 2: dict(waiting[2], waiting=False)}
+    rank, why = culprit(beats, 4, pulses=working, now=now)
+    assert rank == 2 and "not inside torch.distributed" in why
+    # progress still comes first: a rank one step behind is blamed over a stopped one
+    behind = {**beats, 1: dict(beats[1], step=2)}
+    assert culprit(behind, 4, pulses=stopped, now=now)[0] == 1
+
+
+def test_in_distributed_reads_the_stack() -> None:
+    import sys as _sys
+
+    from trainer.watchdog import _in_distributed
+
+    ns: dict = {}
+    exec(compile("import sys\ndef here():\n    return sys._getframe()\ndef call(f):\n    return f()\n",
+                 "/site-packages/torch/distributed/distributed_c10d.py", "exec"), ns)
+    assert _in_distributed(ns["here"]())
+    assert _in_distributed(ns["call"](lambda: _sys._getframe()))  # called from inside torch.distributed
+    assert not _in_distributed(_sys._getframe())
+
+
+def test_watchdog_pulses_only_while_silent(tmp_path: Path) -> None:
+    from trainer.watchdog import Watchdog, read_pulses
+
+    wd = Watchdog(tmp_path, 0, 1, "hx", timeout=2.0, poll=0.05)  # pulses after 0.5 s without progress
+    try:
+        wd.progress(1, "start")
+        assert read_pulses(tmp_path) == {}
+        import time as _time
+        _time.sleep(1.0)
+        pulse = read_pulses(tmp_path)[0]
+        assert (pulse["step"], pulse["phase"], pulse["pid"], pulse["waiting"]) == (1, "start", os.getpid(), False)
+    finally:
+        wd.stop()
+
+
+# ============================================================================ the rendezvous corrections
+class _Holder:
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def sync(self):
+        return None
+
+
+def _rdzv(participants: int, waiting: int = 0, spares: int = 0, *, complete: bool, round_: int = 1):
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    st = _RendezvousState()
+    st.round, st.complete = round_, complete
+    nodes = [_NodeDesc(f"n{i}", i, 0) for i in range(participants + waiting + spares)]
+    for i, n in enumerate(nodes[:participants]):
+        st.participants[n] = i
+    st.wait_list.update(nodes[participants:participants + waiting])
+    st.redundancy_list.update(nodes[participants + waiting:])
+    return st, nodes
+
+
+def _guard(st, quorum: float = 60.0):
+    import threading as _threading
+    from types import SimpleNamespace
+
+    from trainer.launch import RoundGuard
+
+    handler = SimpleNamespace(_op_executor=SimpleNamespace(run=None), _state_holder=_Holder(st),
+                              _heartbeat_lock=_threading.Lock(), num_nodes_waiting=lambda: -1)
+    g = RoundGuard(handler, n_nodes=2, quorum_timeout=quorum)
+    assert g.installed
+    return g, handler
+
+
+def _ctx(node, st):
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        RendezvousSettings, RendezvousTimeout, _RendezvousContext,
+    )
+
+    settings = RendezvousSettings("job", 2, 2, RendezvousTimeout(join=timedelta(seconds=600)),
+                                  keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=5)
+    return _RendezvousContext(node, st, settings)
+
+
+def test_a_node_that_lost_the_race_waits_as_a_spare_and_counts_as_nobody_waiting() -> None:
+    """The restart storm: a round completed with 2 of 3 nodes; the third, left on torch's wait list,
+    made every agent restart its workers. Now it moves to the redundancy list, and while the
+    group is complete and full no node counts as waiting."""
+    import time as _time
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
+
+    from trainer.launch import _JoinOp
+
+    st, nodes = _rdzv(2, waiting=1, complete=True)
+    g, handler = _guard(st)
+    assert handler.num_nodes_waiting() == 0  # torch's count would be 1: a restart every round
+    op = _JoinOp(_RendezvousJoinOp(), g)
+    late = nodes[2]
+    assert op(_ctx(late, st), _time.monotonic() + 600) == _Action.REMOVE_FROM_WAIT_LIST
+    st.wait_list.discard(late)
+    assert op(_ctx(late, st), _time.monotonic() + 600) == _Action.ADD_TO_REDUNDANCY_LIST
+    # a free slot (a participant left): waiting nodes count, and a spare leaves the redundancy list
+    st2, nodes2 = _rdzv(1, waiting=1, spares=1, complete=True)
+    g2, handler2 = _guard(st2)
+    assert handler2.num_nodes_waiting() == 1
+    assert _JoinOp(_RendezvousJoinOp(), g2)(_ctx(nodes2[2], st2), _time.monotonic() + 600) == \
+        _Action.REMOVE_FROM_REDUNDANCY_LIST
+
+
+def test_quorum_deadline_applies_after_the_job_started_only() -> None:
+    import time as _time
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
+
+    from trainer.launch import _JoinOp
+
+    far = _time.monotonic() + 600
+    # round 1, one participant of two, the quorum time spent: torch's timeout path (leave, then error)
+    st, nodes = _rdzv(1, complete=False, round_=1)
+    g, _ = _guard(st, quorum=0.2)
+    op = _JoinOp(_RendezvousJoinOp(), g)
+    assert op(_ctx(nodes[0], st), far) in (_Action.KEEP_ALIVE, _Action.SYNC)  # starts the clock
+    _time.sleep(0.3)
+    assert op(_ctx(nodes[0], st), far) == _Action.REMOVE_FROM_PARTICIPANTS
+    assert g.quorum_expired == (1, 0.2)
+    # the job's first round waits join_timeout (nodes of a large job start over minutes)
+    st0, nodes0 = _rdzv(1, complete=False, round_=0)
+    g0, _ = _guard(st0, quorum=0.0)
+    op0 = _JoinOp(_RendezvousJoinOp(), g0)
+    for _ in range(2):
+        assert op0(_ctx(nodes0[0], st0), far) in (_Action.KEEP_ALIVE, _Action.SYNC)
+    assert g0.quorum_expired is None
+    # a spare waits while the group is full, however long
+    sts, nodess = _rdzv(2, spares=1, complete=True, round_=3)
+    gs, _ = _guard(sts, quorum=0.0)
+    ops = _JoinOp(_RendezvousJoinOp(), gs)
+    for _ in range(2):
+        assert ops(_ctx(nodess[2], sts), far) in (_Action.KEEP_ALIVE, _Action.SYNC)
+    assert gs.quorum_expired is None
+
+
+def test_agent_kwargs_follow_the_signature() -> None:
+    """torch 2.11's LocalElasticAgent has no shutdown_timeout; 2.13's has: a feature check."""
+    from trainer.launch import agent_kwargs
+
+    class Old:
+        def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300.0) -> None: ...
+
+    class New:
+        def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300.0,
+                     shutdown_timeout=30) -> None: ...
+
+    assert "shutdown_timeout" not in agent_kwargs(Old, 2.0)
+    assert agent_kwargs(New, 2.0)["shutdown_timeout"] == 2.0
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    import inspect
+    assert ("shutdown_timeout" in agent_kwargs(LocalElasticAgent, 2.0)) == \
+        ("shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters)

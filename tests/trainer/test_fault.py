@@ -82,6 +82,9 @@ def test_heartbeat_files(tmp_path: Path) -> None:
     assert set(beats) == {3}
     assert (beats[3]["step"], beats[3]["phase"], beats[3]["new_steps"]) == (1, "done", 1)
     assert beats[3]["mtime"] > 0
+    # the end point of a recovery: a step done by a process started after the fault
+    assert fault.first_new_step(tmp_path, beats[3]["started"] - 1) == beats[3]["mtime"]
+    assert fault.first_new_step(tmp_path, beats[3]["started"] + 1) is None
 
 
 # ============================================================================ two ranks on gloo

@@ -12,7 +12,8 @@ Kernels:
   epilogue, writing both ``gate_up`` (saved for backward) and ``h`` (used by the down GEMM, then
   freed: backward recomputes it).
 * ``_grouped_mm_fwd_kernel``: ``out[rows_e] = A[rows_e] @ B_e`` with ``B_e = W_e^T`` (down
-  forward) or ``W_e`` (input gradients of both GEMMs).
+  forward) or ``W_e`` (input gradients of both GEMMs); ``LORA`` adds a LoRA adapter's
+  ``t[rows_e] @ LB_e^T`` in the epilogue (:func:`down_fwd_lora`).
 * ``_grouped_mm_bwd_kernel``: weight gradient ``dW_e = A[rows_e]^T @ B[rows_e]``, B optionally
   gathered (``x[input_indices]`` for gate/up) or ``SILU_B`` (down: ``rw * silu(gate) * up`` from
   ``gate_up``); experts without rows get zeros.
@@ -142,22 +143,30 @@ def _grouped_mm_fwd_kernel(
     w_ptr,
     cum_token_ptr,
     out_ptr,
+    t_ptr,
+    lb_ptr,
     N,
     K,
+    RANK,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TRANS_W: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    """``out[r] = a[r] @ B_e`` for the rows r of each expert e.
+    """``out[r] = a[r] @ B_e`` for the rows r of each expert e, plus ``t[r] @ LB_e^T`` with ``LORA``.
 
     ``TRANS_W``: ``B_e = W_e^T`` with ``W [NR, N, K]`` (forward); else ``B_e = W_e`` with
     ``W [NR, K, N]`` (input gradient). Grid ``(P, ceil(N/BLOCK_N), NR)`` as above; program
     ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e and output columns
     ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``a [R, K]`` and ``cum_token_counts [NR+1]`` int32;
-    writes ``out [R, N]`` in a's dtype.
+    writes ``out [R, N]`` in a's dtype. ``LORA``: a LoRA adapter's up-projection in the epilogue,
+    ``t [R, RANK]`` (the rows' ``s a A_e^T``) times ``LB [NR, N, RANK]`` (``B_e``) accumulated into the
+    same fp32 tile before the one store, ``RANK`` in chunks of ``BLOCK_R``; else ``t_ptr``,
+    ``lb_ptr`` and ``RANK`` are not read.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -172,6 +181,9 @@ def _grouped_mm_fwd_kernel(
     out_ty = out_ptr.dtype.element_ty
     for tile_m in range(pid_m, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < n_rows
+        rows = row0 + offs_m
         if BLOCK_PTR:
             a_bp = tl.make_block_ptr(a_ptr + row0 * K, shape=(n_rows, K), strides=(K, 1),
                                      offsets=(tile_m * BLOCK_M, 0), block_shape=(BLOCK_M, BLOCK_K), order=(1, 0))
@@ -187,14 +199,7 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_bp = tl.advance(a_bp, (0, BLOCK_K))
                 b_bp = tl.advance(b_bp, (BLOCK_K, 0))
-            o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
-                                     offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
-                                     order=(1, 0))
-            tl.store(o_bp, acc.to(out_ty), boundary_check=(0, 1))
         else:
-            offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < n_rows
-            rows = row0 + offs_m
             a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
             if TRANS_W:
                 b_ptrs = w_e + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
@@ -209,6 +214,22 @@ def _grouped_mm_fwd_kernel(
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 a_ptrs += BLOCK_K
                 b_ptrs += b_step
+        if LORA:
+            lb_e = lb_ptr + e.to(tl.int64) * N * RANK
+            for r0 in range(0, RANK, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_mask = offs_r < RANK
+                tt = tl.load(t_ptr + rows[:, None] * RANK + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :],
+                             other=0.0)
+                lb = tl.load(lb_e + offs_n[None, :].to(tl.int64) * RANK + offs_r[:, None],
+                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(tt, lb, acc, input_precision=DOT_PRECISION)
+        if BLOCK_PTR:
+            o_bp = tl.make_block_ptr(out_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
+                                     offsets=(tile_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
+                                     order=(1, 0))
+            tl.store(o_bp, acc.to(out_ty), boundary_check=(0, 1))
+        else:
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ty),
                      mask=m_mask[:, None] & n_mask[None, :])
 
@@ -453,7 +474,12 @@ def gate_up_fwd(
     return gate_up, h
 
 
-def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool) -> torch.Tensor:
+#: Rank columns per ``tl.dot`` of the LoRA epilogue (16: the smallest dot depth on every target).
+LORA_BLOCK_R = 16
+
+
+def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool,
+                lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     NR = w.shape[0]
     N, K = (w.shape[1], w.shape[2]) if trans_w else (w.shape[2], w.shape[1])
     R = a_RK.shape[0]
@@ -465,9 +491,12 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
 
     def go(cfg):
         grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        t, lb = lora if lora is not None else (a_RK, w)  # not read without LORA
         _launch.launch(
-            _grouped_mm_fwd_kernel, grid, (a_RK, w, cum_token_counts, out, N, K), cfg, dev,
+            _grouped_mm_fwd_kernel, grid,
+            (a_RK, w, cum_token_counts, out, t, lb, N, K, t.shape[1] if lora is not None else 0), cfg, dev,
             TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
+            LORA=lora is not None, BLOCK_R=LORA_BLOCK_R,
         )
 
     go(autotune.choose("grouped_mm_fwd", table, N, K, R, NR, dev, go))
@@ -509,6 +538,24 @@ def down_fwd(
     check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
     return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, not transposed)
+
+
+def down_fwd_lora(
+    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, t_Rr: torch.Tensor,
+    lora_b: torch.Tensor, transposed: bool = False,
+) -> torch.Tensor:
+    """:func:`down_fwd` plus a LoRA adapter's up-projection in the same kernel's epilogue:
+    ``y = h @ w_down[e]^T + t @ lora_b[e]^T`` (``t [R, r]`` the rows' ``s h A_e^T``, ``lora_b
+    [NR, out, r]``), accumulated in fp32 and stored once: no second pass over ``y``."""
+    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd_lora", transposed)
+    check_gemm_inputs(t_Rr, lora_b, cum_token_counts, "down_fwd_lora")
+    out_f = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
+    if lora_b.shape[1] != out_f or t_Rr.shape[0] < h_RI.shape[0]:
+        raise ValueError(f"down_fwd_lora: LoRA B {tuple(lora_b.shape)} and t {tuple(t_Rr.shape)} do not fit "
+                         f"{out_f} outputs over {h_RI.shape[0]} rows")
+    check_float("down_fwd_lora", None, h=h_RI, w_down=w_down_NHI, t=t_Rr, lora_b=lora_b)
+    check_index("down_fwd_lora", h_RI.device, cum_token_counts=cum_token_counts)
+    return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, not transposed, (t_Rr, lora_b))
 
 
 def down_bwd(
