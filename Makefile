@@ -3,11 +3,18 @@
 #   make demo   the drop-in check on a small model, then the first honest number: the Mula-7B-A1B layer
 #               against transformers and its GEMM-only bound, the published figure beside (under a minute)
 #   make test   the test suite (also builds .venv-xpu, Intel's Triton + ocloc, for the PVC compile gate)
+#   make test-compat  the kernel, block, families and compile tests on the oldest versions supported
+#               (torch 2.11.0, triton 3.6.0, transformers 5.17.0: the GPU machine image's), in .venv-compat
 #   make gpu-check  on a machine with a CUDA or XPU device: device tests, bf16 benchmark of every engine,
-#               sanitizers, one summary (scripts/gpu_check.sh; uses the Python found there, no venv step)
+#               sanitizers, one summary (scripts/gpu_check.sh; uses the Python found there, no venv step;
+#               `bash scripts/gpu_check.sh` does the same where make is missing)
 PY := .venv/bin/python
+# What test-compat runs (docs/compat.md): every test of these files or folders.
+COMPAT_TESTS := tests/kernels tests/test_block.py tests/test_experts_families.py tests/test_experts_interface.py \
+	tests/test_experts_stored_weights.py tests/test_compile_block.py tests/test_compile_families.py \
+	tests/test_compile_olmoe.py tests/tools/test_compile_check.py
 
-.PHONY: venv xpu-venv run demo test bench compile-check gpu-check
+.PHONY: venv xpu-venv compat-venv run demo test test-compat bench compile-check gpu-check
 
 venv:
 	bash scripts/setup_venv.sh
@@ -24,6 +31,12 @@ demo: venv
 
 test: venv xpu-venv
 	$(PY) -m pytest -q -rs
+
+compat-venv:
+	bash scripts/setup_compat_venv.sh
+
+test-compat: compat-venv
+	.venv-compat/bin/python -m pytest -q -rs -p no:cacheprovider $(COMPAT_TESTS)
 
 compile-check: venv xpu-venv
 	$(PY) -m fastmoe_xpu.tools.compile_check --target all

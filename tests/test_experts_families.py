@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 pytest.importorskip("transformers.integrations.moe")
 
 import fastmoe_xpu  # noqa: E402  (registers "fastmoe")
 from family_util import family_params  # noqa: E402
-from fastmoe_xpu.integrations.families import NOT_BUILT_TINY, build_model, discover_families, tiny_config  # noqa: E402
+from fastmoe_xpu.integrations.families import (  # noqa: E402
+    NOT_BUILT_TINY, _models_dir, build_model, discover_families, tiny_config,
+)
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: E402
 
 FAMILIES = discover_families()
@@ -62,9 +65,18 @@ def test_walk_covers_the_known_families() -> None:
     names = {f.name for f in FAMILIES}
     # The families the issue names, found by reading the sources; the walk is not an empty loop.
     assert {"olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "nemotron_h"} <= names
-    assert set(NOT_BUILT_TINY) <= names, "a family listed as not built tiny is no longer in transformers"
     gpt_oss = next(f for f in FAMILIES if f.name == "gpt_oss")
     assert gpt_oss.flags == {"is_concatenated": False, "is_transposed": True, "has_bias": True} and gpt_oss.custom_gate
+
+
+@pytest.mark.parametrize("family", sorted(NOT_BUILT_TINY))
+def test_not_built_tiny_lists_only_decorated_families(family: str) -> None:
+    """Each family listed as not built tiny is one the walk finds: a family whose folder is in
+    transformers without decorated experts is a stale entry. A family this transformers does not
+    ship at all (added in a later release) has nothing to check."""
+    if not (_models_dir() / family).is_dir():
+        pytest.skip(f"transformers {transformers.__version__} has no {family} family (a later release added it)")
+    assert family in {f.name for f in FAMILIES}, f"{family} is listed as not built tiny but has no decorated experts"
 
 
 @pytest.mark.parametrize("family", _params())

@@ -9,6 +9,7 @@ output, input gradient, router-weight gradient and every parameter gradient at f
 from __future__ import annotations
 
 import copy
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -68,7 +69,7 @@ def _make_class(**flags):
                 y = h @ wd if self.is_transposed else h @ wd.t()
                 if self.has_bias:
                     y = y + self.down_proj_bias[e]
-                if self.has_post_expert_norm:
+                if getattr(self, "has_post_expert_norm", False):  # the flag is newer than 5.17's decorator
                     y = self.post_expert_norm(y)
                 out.index_add_(0, tok, y * top_k_weights[tok, k, None])
             return out
@@ -152,8 +153,28 @@ def test_gelu() -> None:
     assert not describe_layout(module)["fused"]  # GELU runs on the plain path, SiLU is fused
 
 
+_DECORATOR_FLAGS = inspect.signature(use_experts_implementation).parameters
+
+
+@pytest.mark.skipif("has_post_expert_norm" not in _DECORATOR_FLAGS,
+                    reason="this transformers' @use_experts_implementation has no has_post_expert_norm (added after 5.17)")
 def test_post_expert_norm() -> None:
     _case({"has_post_expert_norm": True})
+
+
+def test_decorator_without_post_expert_norm_flag() -> None:
+    """transformers 5.17's decorator sets no has_post_expert_norm: a module without the attribute
+    reads as one without a post-expert norm and gives the same result."""
+    module = _make_class()(_config("fastmoe"))
+    x, (idx, w) = torch.randn(7, H), _routing(7, 2)
+    with torch.no_grad():
+        ref = module(x, idx, w)
+        if "has_post_expert_norm" in vars(module):
+            del module.has_post_expert_norm
+        flags = describe_layout(module)
+        got = module(x, idx, w)
+    assert flags["has_post_expert_norm"] is False and flags["fused"]
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
 def test_gpt_oss_clamped_swiglu() -> None:

@@ -42,6 +42,9 @@ from .peft_lora import parametrized_weights, stored_weight
 NAME = "fastmoe"
 #: Attributes ``@use_experts_implementation`` sets on every experts module, all honoured here.
 LAYOUT_ATTRIBUTES = ("has_gate", "has_bias", "is_concatenated", "is_transposed", "has_post_expert_norm")
+#: Attributes that later transformers releases added to the decorator, with the value that means what
+#: the releases before them did (5.17 has no post-expert norm: no module it decorates sets the flag).
+LAYOUT_DEFAULTS = {"has_post_expert_norm": False}
 
 
 class ExpertsLayoutError(ValueError):
@@ -71,6 +74,9 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
     the first attribute that is missing or that this implementation cannot honour."""
     flags: dict[str, Any] = {}
     for attr in LAYOUT_ATTRIBUTES:
+        if not hasattr(module, attr) and attr in LAYOUT_DEFAULTS:
+            flags[attr] = LAYOUT_DEFAULTS[attr]
+            continue
         if not hasattr(module, attr):
             raise ExpertsLayoutError(
                 f"{type(module).__name__} has no attribute {attr!r}: the fastmoe experts implementation serves "

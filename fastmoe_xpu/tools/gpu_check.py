@@ -9,14 +9,24 @@ transformers versions found there (no network), and writes everything into one f
 3. ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, whose choice the report names; the
-   benchmark's GEMM-only bound is its dense ``torch.mm`` of the same FLOPs in the same run;
+   benchmark's GEMM-only bound is its dense ``torch.mm`` of the same FLOPs in the same run; then
+   ``bench --shapes practitioners``: TFLOP/s of one layer at the shapes published kernels are
+   compared on (T=32k), beside a dense ``torch.mm`` of the same FLOPs;
 4. ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` over a small forward+backward
-   (CUDA, where the tool is installed; otherwise the step says why it did not run);
+   (CUDA, where the tool is installed; otherwise the step says why it did not run; where the tool
+   refuses the device, e.g. ``Device not supported``, the step is reported as not run with the tool's
+   own words and does not fail the check);
 5. ``summary.md``: one row per step (ran / failed / not run, and why) and the benchmark's table,
    ready to paste into docs/bench.md.
 
+What the machine's Python lacks and the kit carries (pure-Python wheels in ``kit_wheels/``, prepared
+by ``scripts/prepare_kit_wheels.sh``) is unpacked into ``<out>/pylib`` and put on the steps'
+``PYTHONPATH``; the Triton and TorchInductor caches go to ``<out>/cache``: nothing is written outside
+the output folder.
+
 Without a device it says so and exits 2; ``--dry-run`` lists the steps and exits 0. Every step has
-a time limit, so the whole run ends within ``--budget`` seconds (default 600).
+a time limit, and none may run past the ``--budget`` (default 600 s) counted from the start, so the
+whole run ends within it.
 """
 from __future__ import annotations
 
@@ -31,13 +41,18 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 PRESETS = ("mula-7b-a1b", "mula-7b-a1b-small", "mula-20b-a2b", "mula-220b-a10b")
 BASELINES = ("hf_v4", "hf_v5_grouped_mm", "hf_v5_eager")
-ENGINES = ("triton", "grouped_mm", "loop")
+ENGINES = ("triton", "triton_tma", "grouped_mm", "loop")
 NO_DEVICE_EXIT = 2
+#: compute-sanitizer's words when it cannot instrument the GPU it finds (seen on an H200).
+SANITIZER_REFUSALS = ("Device not supported",)
+#: Seconds kept back from the budget for writing the summary after the last step.
+_RESERVE_S = 5.0
 #: This module's name for ``python -m`` (scripts/gpu_check.sh runs the file, where __package__ is empty).
 _THIS_MODULE = f"{__package__}.gpu_check" if __package__ else "fastmoe_xpu.tools.gpu_check"
 
@@ -50,6 +65,9 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     skip: str | None = None
     """Why the step cannot run here (reported in the summary, never dropped silently)."""
+    refusals: tuple[str, ...] = ()
+    """Words of a tool that refuses this machine (case-insensitive): a failed run whose log holds
+    one is reported as not run, with the tool's line, instead of as a failure."""
     status: str = "not run"
     seconds: float = 0.0
     log: str = ""
@@ -94,7 +112,13 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
         [python, "-m", _bench_module(), "--device", device, "--dtype", "bf16", "--mode", "fwdbwd",
          "--preset", *PRESETS, "--providers", *providers, "--rounds", "5", "--budget", str(int(0.08 * budget_s)),
          "--no-progress", "--out", str(out / "bench")],
-        timeout_s=0.45 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
+        timeout_s=0.35 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
+    ))
+    steps.append(Step(
+        "bench bf16 TFLOP/s at the practitioners' shapes (OLMoE, Qwen3, GPT-OSS, Mixtral, DeepSeek-V3 slice)",
+        [python, "-m", _bench_module(), "--shapes", "practitioners", "--device", device, "--dtype", "bf16",
+         "--rounds", "3", "--no-progress", "--out", str(out / "practitioners")],
+        timeout_s=0.2 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
     ))
     sanitizer = shutil.which("compute-sanitizer")
     for tool in ("memcheck", "racecheck"):
@@ -107,7 +131,7 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
             f"compute-sanitizer --tool {tool} over a small forward+backward",
             [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1", python, "-m",
              _THIS_MODULE, "--small-fwdbwd", "--device", device],
-            timeout_s=0.1 * budget_s, skip=why,
+            timeout_s=0.1 * budget_s, skip=why, refusals=SANITIZER_REFUSALS,
         ))
     return steps
 
@@ -149,9 +173,26 @@ def versions(device: str | None) -> dict[str, str | None]:
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def run_steps(steps: list[Step], out: Path, cwd: Path) -> None:
+def refusal(log_text: str, words: tuple[str, ...]) -> str | None:
+    """The first line of a tool's output that holds one of ``words`` (its refusal), stripped of the
+    tool's ``=========`` prefix; None when there is none."""
+    for line in log_text.splitlines():
+        if any(w.lower() in line.lower() for w in words):
+            return line.strip().lstrip("=").strip()
+    return None
+
+
+def run_steps(steps: list[Step], out: Path, cwd: Path, env: dict[str, str] | None = None,
+              deadline: float | None = None) -> None:
+    """Run the steps in order, each within its own limit and, given ``deadline`` (a
+    ``time.monotonic()`` value), none past it: a step with no time left is reported as not run."""
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {step.name}", flush=True)
+        limit = step.timeout_s
+        if deadline is not None and not step.skip:
+            limit = min(limit, deadline - time.monotonic())
+            if limit < 1:
+                step.skip = "no time left in the --budget"
         if step.skip:
             step.status = f"not run: {step.skip}"
             print(f"    {step.status}", flush=True)
@@ -160,11 +201,15 @@ def run_steps(steps: list[Step], out: Path, cwd: Path) -> None:
         t0 = time.monotonic()
         try:
             with open(log_path, "w", encoding="utf-8") as log:
-                proc = subprocess.run(step.argv, cwd=cwd, env={**os.environ, **step.env}, stdout=log,
-                                      stderr=subprocess.STDOUT, timeout=step.timeout_s)
+                proc = subprocess.run(step.argv, cwd=cwd, env={**os.environ, **(env or {}), **step.env}, stdout=log,
+                                      stderr=subprocess.STDOUT, timeout=limit)
             step.status = "passed" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+            refused = refusal(log_path.read_text(encoding="utf-8", errors="replace"), step.refusals) \
+                if proc.returncode != 0 and step.refusals else None
+            if refused:
+                step.status = f"not run: the tool refused this machine: {refused!r}"
         except subprocess.TimeoutExpired:
-            step.status = f"FAILED (over its {step.timeout_s:.0f} s limit)"
+            step.status = f"FAILED (over its {limit:.0f} s limit)"
         except OSError as exc:
             step.status = f"FAILED to start: {exc}"
         step.seconds = time.monotonic() - t0
@@ -172,10 +217,48 @@ def run_steps(steps: list[Step], out: Path, cwd: Path) -> None:
         print(f"    {step.status} in {step.seconds:.0f} s (log: {log_path})", flush=True)
 
 
+def _wheel_modules(whl: zipfile.ZipFile) -> list[str]:
+    names = whl.namelist()
+    top = next((n for n in names if n.endswith(".dist-info/top_level.txt")), None)
+    if top is not None:
+        return [m for m in whl.read(top).decode().split() if m]
+    return sorted({n.split("/", 1)[0].removesuffix(".py") for n in names
+                   if not n.split("/", 1)[0].endswith((".dist-info", ".data"))})
+
+
+def provide_wheels(wheel_dir: Path, target: Path) -> list[str]:
+    """Unpack each pure-Python wheel of ``wheel_dir`` whose modules this Python cannot import into
+    ``target`` (a pure-Python wheel's files are its installed layout); returns the wheels unpacked.
+    Raises ValueError for a wheel that is not pure Python (it could not run everywhere)."""
+    used = []
+    for path in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
+        if not path.name.endswith("-none-any.whl"):
+            raise ValueError(f"error: {path} is not a pure-Python wheel (*-none-any.whl); the kit carries only those")
+        with zipfile.ZipFile(path) as whl:
+            modules = _wheel_modules(whl)
+            if modules and all(importlib.util.find_spec(m) is not None for m in modules):
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            whl.extractall(target)
+        used.append(path.name)
+    return used
+
+
+def step_env(out: Path) -> dict[str, str]:
+    """What every step runs with: the unpacked kit wheels importable, the compilers' caches in ``out``."""
+    env = {"TRITON_CACHE_DIR": str((out / "cache" / "triton").resolve()),
+           "TORCHINDUCTOR_CACHE_DIR": str((out / "cache" / "inductor").resolve())}
+    pylib = out / "pylib"
+    if pylib.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pylib.resolve()), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 def summary(steps: list[Step], info: dict, out: Path) -> str:
     lines = [f"# GPU check: {info.get('device_name') or info.get('device')}", "",
              f"{info['date_utc']}; Python {info['python']}, torch {info['torch']}, triton {info['triton']}, "
-             f"transformers {info['transformers']}", "", "| step | result | seconds |", "|---|---|---|"]
+             f"transformers {info['transformers']}; kit wheels unpacked: {', '.join(info.get('kit_wheels') or []) or 'none'}",
+             "", "| step | result | seconds |", "|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} |" for s in steps]
     table = out / "bench" / "results.md"
     lines += ["", "## Benchmark (bf16, forward+backward, one MoE layer)", ""]
@@ -191,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=600.0, help="seconds for the whole run (default 600)")
     ap.add_argument("--small-fwdbwd", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    started = time.monotonic()
     if args.budget <= 0:
         raise SystemExit("--budget must be > 0")
     if args.small_fwdbwd:
@@ -201,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         device = args.device or "cuda"
         print(f"gpu-check dry run (device {device}; the real run uses the device torch sees), output {out}:")
+        wheels = sorted(p.name for p in (repo / "kit_wheels").glob("*.whl"))
+        print(f"  0. unpack into {out / 'pylib'} the kit wheels whose modules are missing: "
+              f"{', '.join(wheels) or 'none in kit_wheels/ (scripts/prepare_kit_wheels.sh)'}")
         for i, step in enumerate(plan(device, out, repo, args.budget), 1):
             print(f"  {i}. {step.name}  [limit {step.timeout_s:.0f} s]")
             print(f"     {shlex.join(step.argv)}")
@@ -214,12 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         return NO_DEVICE_EXIT
     out.mkdir(parents=True, exist_ok=True)
     info = versions(device)
+    info["kit_wheels"] = provide_wheels(repo / "kit_wheels", out / "pylib")
     (out / "versions.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     steps = plan(device, out, repo, args.budget)
-    run_steps(steps, out, repo)
+    run_steps(steps, out, repo, env=step_env(out), deadline=started + args.budget - _RESERVE_S)
     text = summary(steps, info, out)
     (out / "summary.md").write_text(text, encoding="utf-8")
     print(f"wrote {out / 'summary.md'}")
+    return exit_status(steps)
+
+
+def exit_status(steps: list[Step]) -> int:
+    """0 when every step passed or did not run (each saying why), 1 when one failed."""
     return 0 if all(s.status == "passed" or s.status.startswith("not run") for s in steps) else 1
 
 

@@ -98,8 +98,11 @@ class StageModel(nn.Module):
             with torch.no_grad():
                 idx_TK = torch.topk(probs_TE, K, dim=-1).indices
                 ones = torch.ones(idx_TK.numel(), dtype=torch.float32, device=idx_TK.device)
-                counts_E = counts_E + torch.zeros(E, dtype=torch.float32, device=idx_TK.device).scatter_add_(
+                layer_counts_E = torch.zeros(E, dtype=torch.float32, device=idx_TK.device).scatter_add_(
                     0, idx_TK.reshape(-1), ones)
+            # The sum outside no_grad: a received total keeps its autograd path to the stage's output, so
+            # the pipeline has a gradient (ending at the first stage's zeros) to send back for it.
+            counts_E = counts_E + layer_counts_E
             probs_E = probs_E + probs_TE.sum(0)
             zsum = zsum + torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
         return counts_E, probs_E, zsum
