@@ -119,20 +119,34 @@ def markdown(results: dict[str, Any], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(results: dict[str, Any], path: Path) -> None:
+def chart(results: dict[str, Any], path: Path, window: int = 25) -> None:
+    """The loss curves (moving average over ``window`` steps) and, below, each one's difference to
+    fp32's, where the precisions separate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    def smooth(v: list[float]) -> list[float]:
+        return [sum(v[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(v))]
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    base = smooth(results["fp32"]["losses"]) if "fp32" in results else None
     for name, r in results.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("tiny-moe on the embedded corpus: same seed and data per precision")
-    ax.legend()
-    ax.grid(alpha=0.3)
+        curve = smooth(r["losses"])
+        steps = range(1, len(curve) + 1)
+        (line,) = top.plot(steps, curve, label=name, linewidth=1)
+        if base is not None and name != "fp32":
+            bottom.plot(steps, [c - b for c, b in zip(curve, base)], label=name, linewidth=1, color=line.get_color())
+    top.set_ylabel(f"training loss ({window}-step mean)")
+    top.set_title("tiny-moe on the embedded corpus: same seed and data per precision")
+    top.legend()
+    bottom.axhline(0, color="black", linewidth=0.5)
+    bottom.set_ylabel("difference to fp32")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
