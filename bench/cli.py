@@ -48,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "per device, dtype and shape, its choice named in the provider's note)")
     ap.add_argument("--precision", nargs="+", default=["none"], choices=["none", "int8", "fp8"],
                     help="expert-GEMM precisions of the fastmoe providers, side by side in one run: int8 / fp8 "
-                         "add fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one); "
-                         "with --table3, the precision of the F+B and training columns' fastmoe runs")
+                         "add fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one)")
     ap.add_argument("--budget", type=float, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
