@@ -67,7 +67,7 @@ import torch.nn as nn
 from fastmoe_xpu.dist.groups import dist_on, global_rank, group_rank, group_size
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
-from .layout import MeshPosition
+from .layout import DeviceMesh
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -82,18 +82,8 @@ class CheckpointError(RuntimeError):
 
 
 # ============================================================================ layout and writers
-@dataclass(frozen=True)
-class Coords(MeshPosition):
-    """Position of one rank in the PP x DP x EP mesh (EP innermost), as ``trainer.layout.Layout``."""
-
-    rank: int = 0
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.ep
+#: A rank's position: the trainer's one mesh type, without process groups.
+Coords = DeviceMesh
 
 
 def coords_of(layout: Any) -> Coords:

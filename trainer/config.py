@@ -27,7 +27,7 @@ class ModelConfig:
 
     arch: str = "olmoe"
     """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM), ``"olmo"`` (dense OlmoForCausalLM) or ``"hf"``
-    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; data parallel only)."""
+    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; DP, EP, PP)."""
     num_layers: int = 2
     """Decoder layers (L)."""
     hidden_size: int = 64
@@ -188,6 +188,9 @@ class ParallelConfig:
     """Tensor-parallel size for the dense model: attention heads and MLP intermediate split, innermost in the mesh (EP must be 1)."""
     ac: str = ""
     """Selective activation checkpointing: any of ``norm``, ``attn``, ``moe`` (comma-separated), ``all`` or empty."""
+    dp_shard: str = "none"
+    """``"fsdp"``: FSDP2 ``fully_shard`` on the non-expert weights over the DP x EP ranks, experts stay expert-parallel
+    (``--model.arch hf``; trainer/optim/fsdp.py); ``"none"``: the optimizer shards states only (``--optim.name``)."""
     broadcast: str = "none"
     """Initial weights: ``"none"`` (every rank draws them from the seed), or rank 0's sent by ``"broadcast"`` or ``"all_reduce"`` (also how --model.init_from travels)."""
     backend: str = "auto"
@@ -353,6 +356,7 @@ def section_classes() -> dict[str, type]:
 # ----------------------------------------------------------------------------- validation
 _CHOICES = {
     ("model", "arch"): ("olmoe", "olmo", "hf"),
+    ("parallel", "dp_shard"): ("none", "fsdp"),
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
     ("model", "gemm_engine"): GEMM_ENGINES,
@@ -448,6 +452,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"global batch {s.global_batch} is not divisible by DP x EP x micro batch = "
             f"{dp} x {p.ep} x {s.micro_batch} (every DP x EP rank reads its own micro-batches)"
         )
+    if p.dp_shard == "fsdp" and not m.is_hf:
+        raise ConfigError("--parallel.dp_shard fsdp is implemented for --model.arch hf (any transformers MoE family)")
     check_parallel(cfg)
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check

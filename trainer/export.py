@@ -238,15 +238,12 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
         tok_desc = tokenizer or found_tok
     cfg = TrainConfig.from_dict(run_cfg)
     m = cfg.model
-    if m.is_hf:
-        # the weights are the family's own names already, but a router's score-correction bias lives in the
-        # checkpoint's metadata, not its weights: exporting those families is not implemented yet
-        raise ExportError(f"export of --model.arch hf runs ({m.hf_family or m.hf_config}) is not implemented; "
-                          "only OLMoE and OLMo checkpoints export (load the checkpoint with the trainer instead)")
     if m.vocab_size < 1:
         if tok_desc is None:
             raise ExportError(f"the config of {ckpt} has vocab_size 0 and the data set's tokenizer is unknown")
         m.vocab_size = int(tok_desc["vocab_size"])
+    if m.is_hf:
+        return _export_family(ckpt, info, cfg, tok_desc, Path(out), overwrite, max_shard_bytes, t0)
     hf = hf_config(m, cfg.data.context)
     arch = "OlmoeForCausalLM" if m.is_moe else "OlmoForCausalLM"
     with torch.device("meta"):
@@ -329,18 +326,109 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
         GenerationConfig(eos_token_id=special["eos_token_id"], pad_token_id=special["pad_token_id"]
                          ).save_pretrained(str(tmp))
         files.append("generation_config.json")
-        (tmp / "fastmoe_export.json").write_text(json.dumps(
-            {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"),
-             "preset": cfg.preset}, indent=2))
+        _finish(tmp, out, ckpt, info, {"preset": cfg.preset})
         files.append("fastmoe_export.json")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=sorted(files),
                         total_bytes=total, peak_bytes=peak, seconds=time.perf_counter() - t0)
+
+
+def _finish(tmp: Path, out: Path, ckpt: Path, info: CheckpointInfo, extra: dict[str, Any]) -> list[str]:
+    """Record where the export came from (``fastmoe_export.json``) and move ``tmp`` to ``out``;
+    returns the files written."""
+    (tmp / "fastmoe_export.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"), **extra},
+        indent=2))
+    files = sorted(f.name for f in tmp.iterdir())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return files
+
+
+# ------------------------------------------------------------------------------ transformers families
+def family_state_dict(reader: _Reader, model: Any, router_bias: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """The family model's full state dict from a checkpoint: expert tensors stacked back from their
+    per-expert segments (so any EP layout exports), every other weight whole, and the routers'
+    score-correction biases (buffers the checkpoint keeps in its metadata) by layer."""
+    sd: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if is_expert_weight(name):
+            keys = [f"model/{name}/{e}" for e in range(p.shape[0])]
+            missing = [k for k in keys if not reader.has(k)]
+            if missing:
+                raise ExportError(f"{reader.path} has no tensor {missing[0]!r}: a partial checkpoint, or another model")
+            sd[name] = torch.stack([reader.read(k) for k in keys])
+        elif reader.has(f"model/{name}"):
+            sd[name] = reader.read(f"model/{name}")
+        else:
+            raise ExportError(f"{reader.path} has no tensor 'model/{name}': a partial checkpoint, or another model")
+    for layer, values in (router_bias or {}).items():
+        names = [n for n, _ in model.named_buffers()
+                 if n.endswith("e_score_correction_bias") and f"layers.{layer}." in n]
+        if len(names) != 1:
+            raise ExportError(f"the checkpoint's router bias of layer {layer} matches no buffer of the model")
+        sd[names[0]] = torch.tensor(values, dtype=torch.float32)
+    return sd
+
+
+def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[str, Any] | None, out: Path,
+                   overwrite: bool, max_shard_bytes: int, t0: float) -> ExportResult:
+    """``--model.arch hf``: the family's own transformers directory (its config class, its weight
+    names, saved by transformers' ``save_pretrained``), loadable without this package. The model is
+    built once on the CPU (not streamed as the OLMoE export is)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from .hf_config import hf_model_config
+    from .hf_tokenizer import write_tokenizer
+
+    m = cfg.model
+    meta = info.meta.get("meta", {}) or {}
+    if meta.get("hf_config"):
+        d = dict(meta["hf_config"])
+        # the trainer ran with experts_implementation="fastmoe"; the export is for any transformers
+        for key in ("experts_implementation", "_experts_implementation"):
+            d.pop(key, None)
+        hf = AutoConfig.for_model(d.pop("model_type"), **d)
+    else:
+        hf = hf_model_config(m, cfg.data.context)
+    hf.vocab_size = m.vocab_size
+    reader = _Reader(ckpt)
+    first = next((k for k in reader.md if k.startswith("model/")), None)
+    dtype = reader.dtype(first) if first else torch.float32
+    model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
+    sd = family_state_dict(reader, model, meta.get("router_bias"))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    persistent = set(model.state_dict())
+    missing = [k for k in missing if k in persistent]
+    if missing or unexpected:
+        raise ExportError(f"{ckpt}: the checkpoint does not fill {hf.model_type}: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+    tmp = _prepare_out(out, overwrite)
+    try:
+        special = {"eos_token_id": None, "pad_token_id": None}
+        files: list[str] = []
+        if tok_desc is not None:
+            special = write_tokenizer(tok_desc, str(tmp), model_max_length=cfg.data.context)
+        hf = model.config
+        hf.eos_token_id, hf.pad_token_id = special["eos_token_id"], special["pad_token_id"]
+        hf.use_cache = True  # training turns the KV cache off; generation wants it
+        model.generation_config = GenerationConfig(eos_token_id=special["eos_token_id"],
+                                                   pad_token_id=special["pad_token_id"])
+        model.save_pretrained(str(tmp), max_shard_size=max_shard_bytes)
+        # every field written out, not only those differing from the class's defaults: a reader (and
+        # --model.hf_config) never depends on another version's defaults
+        hf.to_json_file(str(tmp / "config.json"), use_diff=False)
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        files = _finish(tmp, out, ckpt, info, {"preset": cfg.preset, "family": hf.model_type})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    arch = (hf.architectures or [type(model).__name__])[0]
+    return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=files,
+                        total_bytes=total, peak_bytes=total, seconds=time.perf_counter() - t0)
 
 
 def _size(text: str) -> int:

@@ -35,8 +35,23 @@ def _first(cfg: Any, names: Sequence[str]) -> Any:
     return None
 
 
+#: Fields a family's ``config.json`` must set itself (any one name of a tuple): left out, the config
+#: class would fill in its own default (Qwen3-MoE: 128 experts, a 151,936-token vocabulary), a model
+#: nobody asked for.
+REQUIRED_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("vocab_size",), ("hidden_size",), ("num_hidden_layers",), ("num_attention_heads",),
+    _SIZE_FIELDS["intermediate_size"], _SIZE_FIELDS["num_experts"], _SIZE_FIELDS["top_k"],
+)
+
+
+def missing_fields(d: dict[str, Any]) -> list[str]:
+    """The :data:`REQUIRED_FIELDS` that the config dict ``d`` does not set (alternatives joined by " / ")."""
+    return [" / ".join(names) for names in REQUIRED_FIELDS if not any(d.get(n) is not None for n in names)]
+
+
 def load_config_file(path: str) -> Any:
-    """The transformers config of a ``config.json`` (or a directory holding one); ConfigError otherwise."""
+    """The transformers config of a ``config.json`` (or a directory holding one); ConfigError otherwise,
+    also when the file leaves out a field the model needs (:data:`REQUIRED_FIELDS`)."""
     from transformers import CONFIG_MAPPING
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -53,9 +68,18 @@ def load_config_file(path: str) -> Any:
     if mt not in CONFIG_MAPPING:
         raise ConfigError(f"--model.hf_config {file}: transformers knows no model_type {mt!r}")
     try:
-        return CONFIG_MAPPING[mt].from_dict(d)
+        cfg = CONFIG_MAPPING[mt].from_dict(d)
     except Exception as e:  # a field the config class rejects
         raise ConfigError(f"--model.hf_config {file}: {type(e).__name__}: {e}") from None
+    if _first(cfg, _SIZE_FIELDS["num_experts"]) is None:
+        raise ConfigError(f"--model.hf_config {file} ({mt}) is not a mixture of experts: no "
+                          f"{' / '.join(_SIZE_FIELDS['num_experts'])} field")
+    missing = missing_fields(d)
+    if missing:
+        raise ConfigError(f"--model.hf_config {file} ({mt}) does not set {', '.join(missing)}: the model needs "
+                          f"{'it' if len(missing) == 1 else 'them'} (the config class's default would be a "
+                          "different model); add the field to the file")
+    return cfg
 
 
 def family_config(m: Any, context: int, vocab_size: int) -> Any:
@@ -117,18 +141,24 @@ def check_hf(cfg: Any) -> None:
     if bool(m.hf_config) == bool(m.hf_family):
         raise ConfigError("--model.arch hf needs exactly one of --model.hf_config PATH (a config.json) or "
                           "--model.hf_family NAME (a transformers MoE family, e.g. qwen3_moe)")
-    for name, value in (("parallel.ep", p.ep), ("parallel.pp", p.pp), ("parallel.tp", p.tp)):
-        if value != 1:
-            raise ConfigError(f"--{name} {value}: --model.arch hf trains any transformers MoE family with data "
-                              "parallelism only; EP, PP and TP are implemented for the OLMoE block (--model.arch olmoe)")
-    if p.ac:
-        raise ConfigError(f"--parallel.ac {p.ac!r}: activation checkpointing targets the OLMoE block; "
-                          "not supported with --model.arch hf")
-    if getattr(m, "compile", False):
-        raise ConfigError("--model.compile compiles the OLMoE decoder stack; not supported with --model.arch hf")
-    if cfg.eval.export_hf:
-        raise ConfigError("--eval.export_hf: the transformers export covers OLMoE and OLMo runs; export of "
-                          "--model.arch hf runs is not implemented (refused before training rather than after it)")
+    if p.tp != 1:
+        raise ConfigError(f"--parallel.tp {p.tp}: --model.arch hf trains any transformers MoE family with data, "
+                          "expert and pipeline parallelism (--ep, --pp); TP is implemented for the dense model "
+                          "(--model.arch olmo)")
+    if p.pp > 1 and p.pp_meta_init:
+        raise ConfigError("--parallel.pp_meta_init initialises stages as OLMoE does; a family's stages are built "
+                          "from the seed instead (drop --parallel.pp_meta_init)")
+    if p.dp_shard == "fsdp":
+        unsupported = [name for name, on in (("--pp", p.pp > 1), ("--model.compile", m.compile),
+                                             ("--checkpoint.interval", cfg.checkpoint.interval > 0),
+                                             ("--checkpoint.model_interval", cfg.checkpoint.model_interval > 0),
+                                             ("--eval.export_hf", bool(cfg.eval.export_hf)),
+                                             ("--model.init_from", bool(m.init_from))) if on]
+        if unsupported:
+            raise ConfigError(f"--parallel.dp_shard fsdp does not combine with {', '.join(unsupported)} yet "
+                              "(the FSDP shards are not checkpointed, pipelined or compiled)")
+    if p.ep > 1 and m.moe_impl != "fastmoe":
+        raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     if m.forced_uniform_routing:
         raise ConfigError("--model.forced_uniform_routing needs the OLMoE block (--model.arch olmoe)")
     if m.router_bias_update_rate < 0:
@@ -147,4 +177,6 @@ def check_hf(cfg: Any) -> None:
         m.vocab_size = int(hf.vocab_size)
     if not 1 <= m.top_k <= m.num_experts:
         raise ConfigError(f"need 1 <= top_k <= num_experts, got top_k={m.top_k}, num_experts={m.num_experts}")
+    if m.num_experts % p.ep:
+        raise ConfigError(f"num_experts={m.num_experts} is not divisible by EP={p.ep}")
     m.load_balancing_coef, m.z_loss_coef, _ = family_losses(hf)

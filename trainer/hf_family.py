@@ -22,8 +22,9 @@ Each family keeps its own router, shared experts and auxiliary losses:
 
 Per-expert load is measured where every family agrees: a forward pre-hook on each decorated experts
 module reads the ``top_k_index`` it is handed (on the device; one all-reduce and one host read per
-step). Only data parallelism is supported here: EP, PP, TP and activation checkpointing target the
-OLMoE block and are refused for ``arch="hf"`` by :func:`check_hf`.
+step). Data, expert and pipeline parallelism, activation checkpointing and compilation are applied
+as for the OLMoE model (:func:`trainer.parallelism.apply.parallelize`, :mod:`trainer.parallelism.ep`,
+:mod:`trainer.parallelism.pipeline`); TP is refused by :func:`trainer.hf_config.check_hf`.
 """
 from __future__ import annotations
 
@@ -100,10 +101,16 @@ class HfMoeRun:
         self._handles = [self.experts[layer].register_forward_pre_hook(self._hook(i), with_kwargs=True)
                          for i, layer in enumerate(self.layers)]
         _, _, self.loss_description = family_losses(model.config)
+        #: ``() -> bool``: True while a forward must not be counted (a pipeline's shape inference)
+        self.paused = lambda: False
 
     def _hook(self, row: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not module.training or torch._C._current_graph_task_id() != -1:  # eval, or a recompute in backward
+            if not module.training or self.paused():
+                return
+            # a recompute in backward (activation checkpointing) must not count twice; traced, the
+            # graph's backward recomputes without running this hook, and the check cannot be traced
+            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
                 return
             idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
             with torch.no_grad():
@@ -136,9 +143,11 @@ class HfMoeRun:
         return all_reduce_loss([acc], 0, trainer.layout.dpep_group, trainer.device)
 
     @torch.no_grad()
-    def end_step(self, group: Any) -> dict[str, Any]:
+    def end_step(self, group: Any, stages_group: Any = None) -> dict[str, Any]:
         """After the optimizer step: the step's loads summed over ``group`` (one all-reduce, one host
-        read), the bias update, and the step's load metrics. Resets the loads."""
+        read), the bias update, and the step's load metrics. Resets the loads. ``stages_group`` (a
+        pipeline's PP group): each stage updates its own layers' biases, and the metrics cover every
+        stage's layers (their rows gathered over it, in layer order)."""
         from .layout import all_reduce_sum
 
         all_reduce_sum(self.loads, group)
@@ -151,6 +160,16 @@ class HfMoeRun:
                 b = router.e_score_correction_bias
                 b += (self.rate * torch.sign(load.mean() - load)).to(b.dtype)
         rows = loads.cpu()
+        biases = {layer: float(r.e_score_correction_bias.abs().max()) for layer, r in self.routers.items()}
+        if stages_group is not None:
+            import torch.distributed as dist
+
+            mine = ({layer: rows[i] for i, layer in enumerate(self.layers)}, biases)
+            parts: list[Any] = [None] * dist.get_world_size(stages_group)
+            dist.all_gather_object(parts, mine, group=stages_group)
+            by_layer = {k: v for part, _ in parts for k, v in part.items()}
+            biases = {k: v for _, b in parts for k, v in b.items()}
+            rows = torch.stack([by_layer[k] for k in sorted(by_layer)]) if by_layer else rows
         per_layer = [[int(v) for v in r.tolist()] for r in rows]
         mean_e = rows.mean(0)
         mu = float(mean_e.mean())
@@ -160,18 +179,27 @@ class HfMoeRun:
             "moe_load_min": [float(r.min()) for r in rows], "moe_load_max": [float(r.max()) for r in rows],
             "expert_load_max_over_mean": float(mean_e.max()) / mu if mu > 0 else 0.0,
         }
-        if self.routers:
-            rec["router_bias_absmax"] = [float(self.routers[layer].e_score_correction_bias.abs().max())
-                                         for layer in sorted(self.routers)]
+        if biases:
+            rec["router_bias_absmax"] = [biases[layer] for layer in sorted(biases)]
         return rec
 
-    def state(self) -> dict[str, Any]:
-        """The routers' biases (buffers, which the checkpoint's weights do not carry), by layer."""
-        return {str(layer): r.e_score_correction_bias.detach().float().cpu().tolist()
+    def state(self, stages_group: Any = None) -> dict[str, Any]:
+        """The routers' biases (buffers, which the checkpoint's weights do not carry), by layer;
+        with a pipeline's ``stages_group`` every stage's (collective over it)."""
+        mine = {str(layer): r.e_score_correction_bias.detach().float().cpu().tolist()
                 for layer, r in self.routers.items()}
+        if stages_group is None:
+            return mine
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(stages_group)
+        dist.all_gather_object(parts, mine, group=stages_group)
+        return {k: v for part in parts for k, v in part.items()}
 
     def load_state(self, state: dict[str, Any] | None) -> None:
         for layer, values in (state or {}).items():
+            if int(layer) not in self.routers:  # another pipeline stage's layer
+                continue
             b = self.routers[int(layer)].e_score_correction_bias
             b.copy_(torch.tensor(values, dtype=b.dtype, device=b.device))
 

@@ -97,7 +97,7 @@ def _tiny_family(name: str, family: str, **model: object) -> TrainConfig:
     cfg.preset = name
     cfg.model = ModelConfig(arch="hf", hf_family=family, num_layers=2, hidden_size=64, num_heads=4, head_dim=16,
                             intermediate_size=128, num_experts=8, top_k=2, vocab_size=0, **model)  # type: ignore[arg-type]
-    cfg.optim.name = "adamw"  # data parallel only: ZeRO-1 ("sharded") works too, EP does not apply
+    cfg.optim.name = "adamw"  # one process; "sharded" (ZeRO-1) and "epso" shard it over DP and EP
     return cfg
 
 

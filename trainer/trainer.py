@@ -38,21 +38,21 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from fastmoe_xpu.compiling import compile_decoder, compile_seconds
+from fastmoe_xpu.compiling import compile_seconds
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from . import fault
 from .checkpoint import CheckpointManager, load_model, sync_master_from_model
 from .config import ConfigError, TrainConfig, validate, validated_for
-from .layout import Layout, barrier, env_world_size, init_layout, init_tp_layout
+from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
-from .parallelism.ac import apply_activation_checkpointing
+from .parallelism.apply import parallelize
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
-from .parallelism.tp import apply_tensor_parallel, tp_localize
+from .parallelism.tp import tp_localize
 from .schedule import clipping_active, lr_at
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
@@ -66,7 +66,7 @@ class Trainer:
     ``cfg`` is used as it is when :func:`trainer.config.validate` passed it for this world (the
     CLI's), else a validated copy is."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, layout: DeviceMesh | None = None) -> None:
         # a bad --out fails here, in one line, before any process group or model exists
         fault.check_out_dir(cfg.logging.out)
         world = layout.world if layout is not None else env_world_size()
@@ -75,7 +75,7 @@ class Trainer:
             cfg = validate(copy.deepcopy(cfg), world)
         self.cfg = cfg
         if layout is None:
-            layout = init_tp_layout(cfg) if cfg.parallel.tp > 1 else init_layout(cfg.parallel)
+            layout = init_layout(cfg.parallel)
         self.layout = layout
         self.pipeline: Pipeline | None = None
         lay = self.layout
@@ -91,7 +91,7 @@ class Trainer:
                 f"data set {self.manifest_path} has context {manifest['context']}, --data.context asks for "
                 f"{cfg.data.context}; leave --data.context (--context) out to train at the data set's, or "
                 f"preprocess again with --context {cfg.data.context}")
-        data_vocab = int(manifest["tokenizer"]["vocab_size"])
+        data_vocab = self.data_vocab = int(manifest["tokenizer"]["vocab_size"])
         if m.vocab_size == 0:
             m.vocab_size = data_vocab
         elif m.vocab_size < data_vocab:
@@ -106,6 +106,9 @@ class Trainer:
             from .hf_family import HfMoeRun
 
             self.hf = HfMoeRun(self.model, m, self.device)
+            if self.pipeline is not None:
+                pipe = self.pipeline
+                self.hf.paused = lambda: pipe.inferring
         self.lora_config = None  # --lora.rank: PEFT adapters on the expert weights, the rest frozen (trainer/lora.py)
         if cfg.lora.rank > 0:
             from .lora import apply_lora
@@ -143,12 +146,13 @@ class Trainer:
         TP), identical weights on every replica."""
         cfg, lay = self.cfg, self.layout
         p = cfg.parallel
-        tp = getattr(lay, "tp", 1)
+        if cfg.model.compile and p.pp > 1:
+            raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
 
         def prepare(module: nn.Module) -> None:
-            if tp > 1:
-                apply_tensor_parallel(module, lay.tp_group, rank=lay.tp_rank, tp=tp)
-            apply_activation_checkpointing(module, p.ac)
+            # TP -> EP -> activation checkpointing -> compile (traced at the first call, after the
+            # weights below are final)
+            parallelize(module, lay, cfg)
 
         if p.pp > 1:
             self.pipeline = parallelize_pipeline(cfg, lay, self.device,
@@ -159,13 +163,6 @@ class Trainer:
             model = self._full_model()
             prepare(model)
         self._synchronise_weights(model)
-        if cfg.model.compile:
-            if p.pp > 1:
-                raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
-            # Allgather dispatch traces whole under EP; all-to-all breaks the graph at its count read
-            # unless dynamo captures unbacked sizes (docs/compile.md), so it compiles in pieces.
-            whole = getattr(lay, "ep", 1) == 1 or cfg.model.ep_dispatch == "allgather"
-            compile_decoder(model, fullgraph=whole, backend=cfg.model.compile_backend)
         return model
 
     def _full_model(self, *, meta: bool = False) -> nn.Module:
@@ -188,7 +185,7 @@ class Trainer:
             if not lay.distributed:
                 load_and_broadcast_local(model, path)
                 return
-            tp = getattr(lay, "tp", 1)
+            tp = lay.tp
             load_and_broadcast(model, path, group=None, method="broadcast" if method == "none" else method,
                                localize=tp_localize(lay.tp_rank, tp) if tp > 1 else None)
         elif method != "none" and lay.dpep_group is not None:
@@ -197,7 +194,13 @@ class Trainer:
 
     def build_optimizer(self) -> ZeroAdamW:
         o, lay = self.cfg.optim, self.layout
-        tp = getattr(lay, "tp", 1)
+        tp = lay.tp
+        if self.cfg.parallel.dp_shard == "fsdp" and lay.dpep_group is not None:
+            from .optim.fsdp import FsdpAdamW
+
+            return FsdpAdamW(self.model.named_parameters(), is_expert=is_expert_weight, dp_group=lay.dp_group,
+                             norm_group=lay.world_group, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype))
         if tp == 1:
             return build_optimizer(
                 o.name, self.model, lay, is_expert=is_expert_weight, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -264,10 +267,10 @@ class Trainer:
         """Forward and backward over this rank's micro-batches (through the pipeline schedule under
         PP); gradients accumulate in the optimizer's flat buffers. Returns the global sums."""
         global_targets = global_target_count(micro_batches, self.layout.dpep_group, self.device)
-        if self.hf is not None:
-            return self.hf.forward_backward(self, micro_batches, global_targets)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(micro_batches, global_targets)
+        if self.hf is not None:
+            return self.hf.forward_backward(self, micro_batches, global_targets)
         acc: MicroLoss | None = None
         want_router = self.cfg.model.is_moe
         for mb in micro_batches:
@@ -347,7 +350,7 @@ class Trainer:
             mean = sum(tpe) / len(tpe)
             rec["expert_load_max_over_mean"] = max(tpe) / mean if mean > 0 else 0.0
         if self.hf is not None:  # per-expert load and the router bias update (after the weights moved)
-            rec.update(self.hf.end_step(self.layout.dpep_group))
+            rec.update(self.hf.end_step(self.layout.dpep_group, self._stages_group()))
         return rec
 
     # ------------------------------------------------------------------------------ the run
@@ -362,6 +365,9 @@ class Trainer:
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
                                         start_step=self.step)
             self._write_run_info()
+            from .startup import startup_summary
+
+            print(startup_summary(self), flush=True)
         bar = None
         if lay.is_main and cfg.logging.progress:
             from .progress import progress_bar
@@ -555,15 +561,26 @@ class Trainer:
         (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
         meta = {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
                 "data_manifest": self.manifest_path}
-        if self.hf is not None and self.hf.routers:
-            meta["router_bias"] = self.hf.state()  # buffers: the weights segments do not carry them
+        if self.hf is not None:
+            # the family's config as built (a --model.hf_config file need not exist at export time)
+            meta["hf_config"] = self.model.config.to_dict()
+            bias = self.hf.state(self._stages_group())  # buffers: the weights segments do not carry them
+            if bias:
+                meta["router_bias"] = bias
         return meta
+
+    def _stages_group(self) -> Any:
+        """The pipeline group under PP (the family statistics gather over it), else None."""
+        from .layout import pp_group
+
+        return pp_group(self.layout) if self.pipeline is not None else None
 
     def _write_run_info(self) -> None:
         cfg, lay = self.cfg, self.layout
         info = {
             "config": cfg.to_dict(),
-            "layout": {"world": lay.world, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "device": str(self.device)},
+            "layout": {"world": lay.world, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "tp": lay.tp,
+                       "device": str(self.device)},
             "data": self.manifest_path,
             "params": {"total": self.counts.total, "active": self.counts.active, "embedding": self.counts.embedding,
                        "expert": self.counts.expert},

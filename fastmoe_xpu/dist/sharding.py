@@ -18,18 +18,22 @@ from .groups import group_rank, group_size, world_if_none
 
 #: The merged expert weights of an experts module (``[E, ...]`` full, ``[NR, ...]`` on a shard).
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
+#: Every per-expert tensor name of transformers' experts modules (``[E, ...]``, the expert axis
+#: first): the merged weights, ``up_proj`` of families without a gate, and the biases some have.
+EXPERT_TENSOR_NAMES = EXPERT_PARAM_NAMES + ("up_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 #: The buffer of an expert-parallel shard's experts module holding its experts' global ids.
 EXPERT_IDS_NAME = "expert_ids"
 
 
 def is_expert_weight(name: str, *, with_ids: bool = False) -> bool:
-    """True for the merged expert weights ``[...].experts.{gate_up_proj,down_proj}`` of a parameter
-    or state-dict name (the tensors expert parallelism shards); ``with_ids``: also the shard's
-    ``experts.expert_ids`` buffer."""
+    """True for the per-expert tensors ``[...].experts.<name>`` (:data:`EXPERT_TENSOR_NAMES`: the merged
+    ``gate_up_proj`` / ``down_proj``, and the ``up_proj`` and biases some transformers families have)
+    of a parameter or state-dict name (the tensors expert parallelism shards); ``with_ids``: also the
+    shard's ``experts.expert_ids`` buffer."""
     module, _, leaf = name.rpartition(".")
     if module != "experts" and not module.endswith(".experts"):
         return False
-    return leaf in EXPERT_PARAM_NAMES or (with_ids and leaf == EXPERT_IDS_NAME)
+    return leaf in EXPERT_TENSOR_NAMES or (with_ids and leaf == EXPERT_IDS_NAME)
 
 
 def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:

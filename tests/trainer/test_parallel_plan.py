@@ -171,3 +171,21 @@ def test_activation_formula_under_expert_parallelism():
     for rank_rows in run_workers(_ep_formula_worker, 2):
         for combo, measured, want in rank_rows:
             assert measured == want, f"--ac {combo}: measured {measured}, formula {want}"
+
+
+def test_fsdp_row_shards_the_non_expert_weights() -> None:
+    """--parallel.dp_shard fsdp in the dry run: non-expert weights, gradients and states / (DP x EP),
+    experts as EPSO, plus one gathered layer; below EPSO, which keeps whole non-expert weights."""
+    from trainer.parallelism.plan import OPT_STATE_BYTES, layer_params, make_plan
+
+    p = make_plan("mula-20b-a2b", world=48, ep=12)
+    st = p.stages[0]
+    ne, ex = p.rank_params(st)
+    w, g, o, tr = p.state_bytes(st, "fsdp")
+    wb = p.weight_bytes
+    assert w == g == wb * (-(-ne // 48) + ex)
+    assert o == OPT_STATE_BYTES * (-(-ne // 48) + -(-ex // p.dp))
+    assert tr == 2 * wb * layer_params(p.shape).non_expert
+    ew, eg, eo, etr = p.state_bytes(st, "epso")
+    assert (ew, eg, eo, etr) == (wb * (ne + ex), wb * (ne + ex), p.optimizer_bytes(st, "epso"), 0)
+    assert w + g + o + tr < ew + eg + eo

@@ -159,21 +159,26 @@ def test_bad_hf_config(tmp_path, case, match) -> None:
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--ep", "2"], "data parallelism only"),
-    (["--pp", "2"], "data parallelism only"),
-    (["--tp", "2"], "data parallelism only"),
-    (["--parallel.ac", "moe"], "activation checkpointing"),
+    (["--ep", "2", "--model.moe_impl", "hf"], "needs --model.moe_impl fastmoe"),
+    (["--ep", "3"], "not divisible by EP=3"),
+    (["--tp", "2"], "TP is implemented for the dense model"),
+    (["--pp", "2", "--parallel.pp_meta_init"], "pp_meta_init"),
+    (["--parallel.dp_shard", "fsdp", "--checkpoint.interval", "5"], "does not combine with --checkpoint.interval"),
     (["--model.hf_family", "no_such_family"], "hf_family"),
     (["--model.router_bias_update_rate", "-1"], "router_bias_update_rate"),
     (["--model.hf_config", "x.json"], "exactly one of"),
     (["--model.hf_family", ""], "exactly one of"),
-    (["--eval.export_hf", "x"], "export of --model.arch hf runs is not implemented"),
-    (["--model.compile"], "compile"),
 ])
 def test_bad_hf_inputs(flags, match) -> None:
     cfg, _ = config_from_args(["--preset", "tiny-deepseek-v3", *flags])
     with pytest.raises(ConfigError, match=match):
-        validate(cfg, 2 if flags[0] in ("--ep", "--pp", "--tp") else 1)
+        validate(cfg, int(flags[1]) if flags[0] in ("--ep", "--pp", "--tp") else 1)
+
+
+def test_fsdp_needs_arch_hf() -> None:
+    cfg, _ = config_from_args(["--preset", "tiny-moe", "--parallel.dp_shard", "fsdp"])
+    with pytest.raises(ConfigError, match="dp_shard fsdp is implemented for --model.arch hf"):
+        validate(cfg, 1)
 
 
 def test_family_needs_arch_hf() -> None:

@@ -25,17 +25,49 @@ Legend: B micro-batch, S sequence, H hidden, V vocabulary, E experts, L layers.
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
-from ..layout import Layout, pp_group
-from ..loss import MicroLoss, MoeLossConfig, pipeline_loss
+from ..layout import DeviceMesh, pp_group
+from ..loss import MicroLoss, MoeLossConfig, _lm_loss, pipeline_loss
 from .plan import split_layers
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
+
+
+@dataclass
+class FamilyLossConfig:
+    """The last stage's loss for a transformers family (``--model.arch hf``): the LM loss plus, where
+    the family defines one, its own load-balancing ``aux_loss`` (its modeling module's
+    ``load_balancing_loss_func``) on the router logits of every layer, which the stages carry
+    forward stacked ``[layers so far, T, E]`` (so the family's function sees exactly what the
+    one-process forward gives it, and its gradient flows back through the pipeline's sends)."""
+
+    num_experts: int
+    top_k: int
+    load_balancing_coef: float = 0.0
+    global_targets: float = 1.0
+    micro_batches_global: int = 1
+    parts: list[MicroLoss] = field(default_factory=list)
+    aux_fn: Callable[..., torch.Tensor] | None = None
+    """Set from the first stage built: the family's ``load_balancing_loss_func`` (None: no aux loss)."""
+
+    def __call__(self, outputs: Any, labels: torch.Tensor) -> tuple[torch.Tensor, MicroLoss]:
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        logits = outputs[0]
+        loss, lm = _lm_loss(logits, labels, self.global_targets)
+        lb = torch.zeros((), device=logits.device)
+        if len(outputs) == 2 and self.aux_fn is not None:
+            aux = self.aux_fn(tuple(outputs[1].unbind(0)), self.num_experts, self.top_k, None)
+            lb = aux.float() / self.micro_batches_global
+            loss = loss + self.load_balancing_coef * lb
+        zero = torch.zeros((), device=logits.device)
+        return loss, MicroLoss(lm, lb.detach(), zero, torch.zeros(0, device=logits.device))
 
 
 def _schedule_class(name: str) -> type:
@@ -61,7 +93,8 @@ class StageModel(nn.Module):
     ``model.norm``, ``lm_head``); layers outside the stage, the embedding (except on the first
     stage) and the norm and head (except on the last) are dropped."""
 
-    def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, layers: range | None = None) -> None:
+    def __init__(self, causal_lm: nn.Module, stage: int, num_stages: int, layers: range | None = None,
+                 router_logits: bool = False) -> None:
         super().__init__()
         base = causal_lm.model
         self.config = causal_lm.config
@@ -83,12 +116,29 @@ class StageModel(nn.Module):
         if self.is_moe:
             for layer in base.layers.values():
                 self._hooks.append(layer.mlp.gate.register_forward_hook(self._capture_router))
+        # a transformers family whose loss needs every layer's router logits: they travel stacked
+        self.carries_router_logits = bool(router_logits) and not self.is_moe
+        self._router_index = 0
+        if self.carries_router_logits:
+            recorder = getattr(type(causal_lm), "_can_record_outputs", {}).get("router_logits")
+            target = getattr(recorder, "target_class", None)
+            if target is None:
+                raise ValueError(f"{type(causal_lm).__name__} records no router_logits: its aux loss cannot be pipelined")
+            self._router_index = int(getattr(recorder, "index", 0) or 0)
+            for layer in base.layers.values():
+                for mod in layer.modules():
+                    if isinstance(mod, target):
+                        self._hooks.append(mod.register_forward_hook(self._capture_family_router))
 
     def _capture_router(self, module: nn.Module, args: Any, output: Any) -> None:
         # Only the stage's own forward counts; activation-checkpoint recomputation in backward
         # calls the router again and must not add anything.
         if self._captured is not None:
             self._captured.append(output[0] if isinstance(output, tuple) else output)
+
+    def _capture_family_router(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._captured is not None:
+            self._captured.append(output[self._router_index] if isinstance(output, tuple) else output)
 
     def _router_totals(self, logits: Sequence[torch.Tensor], counts_E: torch.Tensor, probs_E: torch.Tensor,
                        zsum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,19 +173,33 @@ class StageModel(nn.Module):
             hidden, *rest_list = inputs
             rest = tuple(rest_list)
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        mask_kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                           position_ids=position_ids)
+        mask = create_causal_mask(**mask_kwargs)
+        layer_types = getattr(self.config, "layer_types", None)
+        masks = {"full_attention": mask}
+        if layer_types and "sliding_attention" in layer_types:  # per-layer masks, as the family's forward makes them
+            from transformers.masking_utils import create_sliding_window_causal_mask
+
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
         position_embeddings = base.rotary_emb(hidden, position_ids)
-        self._captured = [] if self.is_moe else None
+        self._captured = [] if (self.is_moe or self.carries_router_logits) else None
         try:
-            for layer in base.layers.values():
-                hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=mask,
+            for i, layer in base.layers.items():
+                m = masks[layer_types[int(i)]] if layer_types and layer_types[int(i)] in masks else mask
+                hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=m,
                                position_ids=position_ids, past_key_values=None, use_cache=False)
             captured = self._captured
         finally:
             self._captured = None
         if self.is_moe:
             rest = self._router_totals(captured or [], *rest)
+        elif self.carries_router_logits:
+            if not captured:
+                raise ValueError(f"pipeline stage {self.stage} has no router: every stage of a family with an "
+                                 "aux loss needs at least one MoE layer")
+            stacked = torch.stack(captured)
+            rest = (torch.cat([rest[0], stacked]) if rest else stacked,)
         if self.is_last:
             hidden = self.lm_head(base.norm(hidden))
         return (hidden, *rest)
@@ -198,7 +262,7 @@ class Pipeline:
 
     def __init__(self, build: Callable[[int], nn.Module], *, pp_rank: int, pp: int, group: Any, device: torch.device,
                  n_microbatches: int, schedule: str = "1f1b", virtual: int = 1,
-                 loss_cfg: MoeLossConfig | None = None,
+                 loss_cfg: MoeLossConfig | FamilyLossConfig | None = None,
                  prepare: Callable[[StageModel], None] | None = None, meta_seed: int = 0) -> None:
         from torch.distributed.pipelining import PipelineStage
 
@@ -218,7 +282,11 @@ class Pipeline:
         stages = []
         for sid in stage_ids(pp_rank, pp, virtual):
             full = build(sid)
-            mod = StageModel(full, sid, num_stages)
+            family = isinstance(loss_cfg, FamilyLossConfig)
+            if family and loss_cfg.load_balancing_coef:
+                loss_cfg.aux_fn = getattr(sys.modules[type(full).__module__], "load_balancing_loss_func", None)
+            mod = StageModel(full, sid, num_stages,
+                             router_logits=family and loss_cfg.aux_fn is not None)
             if any(p.is_meta for p in mod.parameters()):
                 materialize(mod, device, seed=meta_seed + sid)
             else:
@@ -226,7 +294,9 @@ class Pipeline:
             if prepare is not None:
                 prepare(mod)
             self.modules.append(mod)
-            stages.append(PipelineStage(mod, sid, num_stages, device, group=group))
+            stage = PipelineStage(mod, sid, num_stages, device, group=group)
+            self._mark_inference(stage)
+            stages.append(stage)
         self.stages = stages
         self.is_last = any(m.is_last for m in self.modules)
         self.is_first = any(m.is_first for m in self.modules)
@@ -237,8 +307,28 @@ class Pipeline:
         else:
             self.schedule = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
+    #: True while torch's pipelining runs its shape-inference forward (on the first step, before the
+    #: real micro-batches, on placeholder tensors): statistics hooks must not count it.
+    inferring: bool = False
+
+    def _mark_inference(self, stage: Any) -> None:
+        inner = getattr(stage, "_forward_metadata_inference", None)
+        if inner is None:  # a torch whose stages infer shapes differently: nothing to mark
+            return
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            self.inferring = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.inferring = False
+        stage._forward_metadata_inference = marked
+
     def _loss(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        loss, parts = pipeline_loss(outputs, labels, self.loss_cfg)  # type: ignore[arg-type]
+        if isinstance(self.loss_cfg, FamilyLossConfig):
+            loss, parts = self.loss_cfg(outputs, labels)
+        else:
+            loss, parts = pipeline_loss(outputs, labels, self.loss_cfg)  # type: ignore[arg-type]
         self.loss_cfg.parts.append(parts)  # type: ignore[union-attr]
         return loss
 
@@ -265,16 +355,19 @@ class Pipeline:
         return list(self.loss_cfg.parts[-self.n_microbatches:])
 
 
-def parallelize_pipeline(cfg: TrainConfig, layout: Layout, device: torch.device, build: Callable[[int], nn.Module],
+def parallelize_pipeline(cfg: TrainConfig, layout: DeviceMesh, device: torch.device, build: Callable[[int], nn.Module],
                          prepare: Callable[[nn.Module], None]) -> Pipeline:
     """This rank's stage(s) of the model ``build`` returns, each passed through ``prepare`` (TP,
     activation checkpointing), run by the schedule ``cfg`` names with the trainer's loss."""
     p, m = cfg.parallel, cfg.model
+    if m.is_hf:
+        loss_cfg: MoeLossConfig | FamilyLossConfig = FamilyLossConfig(
+            num_experts=m.num_experts, top_k=m.top_k, load_balancing_coef=m.load_balancing_coef)
+    else:
+        loss_cfg = MoeLossConfig(num_layers=m.num_layers, num_experts=m.num_experts if m.is_moe else 0,
+                                 top_k=m.top_k if m.is_moe else 0,
+                                 load_balancing_coef=m.load_balancing_coef, z_loss_coef=m.z_loss_coef)
     return Pipeline(
         build, pp_rank=layout.pp_rank, pp=p.pp, group=pp_group(layout), device=device,
         n_microbatches=cfg.schedule.global_batch // (layout.data_world * cfg.schedule.micro_batch),
-        schedule=p.pp_schedule,
-        loss_cfg=MoeLossConfig(num_layers=m.num_layers, num_experts=m.num_experts if m.is_moe else 0,
-                               top_k=m.top_k if m.is_moe else 0,
-                               load_balancing_coef=m.load_balancing_coef, z_loss_coef=m.z_loss_coef),
-        prepare=prepare, meta_seed=cfg.seed)
+        schedule=p.pp_schedule, loss_cfg=loss_cfg, prepare=prepare, meta_seed=cfg.seed)

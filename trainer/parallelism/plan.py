@@ -350,6 +350,22 @@ class Plan:
         expert_shards = 1 if kind == "adamw" else self.dp
         return self.opt_bytes_per_param * (math.ceil(ne / dense_shards) + math.ceil(ex / expert_shards))
 
+    def state_bytes(self, st: StageParams, kind: str) -> tuple[int, int, int, int]:
+        """(weights, gradients, optimizer states, transient) bytes one rank of stage ``st`` holds under
+        ``kind``: an optimizer name (weights and gradients whole, states sharded as it shards them) or
+        ``"fsdp"`` (FSDP2 on the non-expert weights over DP x EP: their weights, gradients and states
+        sharded there, experts as EPSO; transient: one layer's non-expert weights gathered for its
+        forward or backward, with the next one prefetched)."""
+        ne, ex = self.rank_params(st)
+        wb = self.weight_bytes
+        if kind != "fsdp":
+            return wb * (ne + ex), wb * (ne + ex), self.optimizer_bytes(st, kind), 0
+        shards = self.dp * self.ep
+        ne_local = math.ceil(ne / shards)
+        optim = self.opt_bytes_per_param * (ne_local + math.ceil(ex / self.dp))
+        gathered = 2 * wb * layer_params(self.shape).non_expert
+        return wb * (ne_local + ex), wb * (ne_local + ex), optim, gathered
+
     def activation_bytes(self, st: StageParams, ac: Iterable[str] | None = None) -> int:
         return stage_activation_bytes(self.shape, self.micro_batch, self.context, len(st.layers),
                                       self.ac if ac is None else ac, first=st.has_embedding, last=st.has_head,
@@ -469,6 +485,14 @@ def format_plan(p: Plan) -> str:
         if kind == "epso" and not s.is_moe:
             continue
         lines.append(f"    {kind:8s} {_g(p.optimizer_bytes(p.stages[0], kind))} / {_g(p.optimizer_bytes(p.stages[-1], kind))}")
+    kinds = [k for k in ("sharded", "epso", "fsdp") if s.is_moe or k != "epso"]
+    lines += ["", "  weights + gradients + optimizer states per rank, stage 0, GiB (--parallel.dp_shard fsdp: FSDP2 on"
+                  " the non-expert weights over DP x EP, experts EP; + one gathered layer)"]
+    for kind in kinds:
+        w, g, o, tr = p.state_bytes(p.stages[0], kind)
+        name = {"sharded": "ZeRO-1", "epso": "EPSO", "fsdp": "FSDP2"}[kind]
+        lines.append(f"    {name:8s} {_g(w)} + {_g(g)} + {_g(o)} = {_g(w + g + o)}"
+                     + (f"  (+{_g(tr).strip()} gathered)" if tr else ""))
     lines += ["", "Bytes per parameter (weights + gradients + optimizer state; bf16 weights and gradients)",
               f"  {'fp32 master (mixed precision)':<38} 2 + 2 + 12 = 16",
               f"  {'bf16 + stochastic rounding, fp32 m, v':<38} 2 + 2 +  8 = 12",
