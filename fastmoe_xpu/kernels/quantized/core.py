@@ -175,6 +175,26 @@ def int_mm(a: torch.Tensor, b: torch.Tensor, pad: bool | None = None) -> torch.T
     return torch._int_mm(_pad_to(a, Mp, Kp), _pad_to(b, Kp, Np))[:M, :N]
 
 
+def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor | None,
+              pad: bool | None = None) -> torch.Tensor:
+    """The fp8 GEMM, ``torch._scaled_mm`` with row-wise scales (fp32 out). CUDA wants K and N
+    multiples of 16 and ``b`` column-major: there (or with ``pad=True``) the codes are zero-padded
+    (no sum changes; padded columns get scale 1 and are cut off)."""
+    M, K = qa.shape
+    N = qb.shape[1]
+    sb = torch.ones(N, device=qb.device) if sb is None else sb
+    if pad is None:
+        pad = qa.device.type != "cpu"
+    Kp, Np = (-(-K // 16) * 16, -(-N // 16) * 16) if pad else (K, N)
+    if (Kp, Np) != (K, N):
+        qa, qb = _pad_to(qa, M, Kp), _pad_to(qb, Kp, Np)
+        sb = torch.cat([sb, sb.new_ones(Np - N)])
+    b = qb if qb.stride(0) == 1 else qb.t().contiguous().t()  # column-major B
+    res = torch._scaled_mm(qa.contiguous(), b, scale_a=sa[:, None].contiguous(), scale_b=sb[None, :].contiguous(),
+                           out_dtype=torch.float32)
+    return res if Np == N else res[:, :N]
+
+
 def qmm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor | None,
         out: torch.Tensor | None = None) -> torch.Tensor:
     """``sa[:, None] * sb[None, :] * (qa @ qb)`` in fp32 (``sb`` None: no column scales), written into
@@ -187,10 +207,7 @@ def qmm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor |
         if not (_use_fused(acc, torch.int8) and _run_fused("epilogue", res, acc, sa, sb)[0]):
             _epilogue_eager(res, acc, sa, sb)
     else:
-        b = qb if qb.stride(0) == 1 else qb.t().contiguous().t()  # column-major B, as _scaled_mm wants
-        ones = torch.ones(1, qb.shape[1], device=qb.device)
-        res = torch._scaled_mm(qa.contiguous(), b, scale_a=sa[:, None].contiguous(),
-                               scale_b=ones if sb is None else sb[None, :].contiguous(), out_dtype=torch.float32)
+        res = scaled_mm(qa, sa, qb, sb)
     if out is None or res is out:
         return res
     out.copy_(res)
