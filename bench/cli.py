@@ -15,7 +15,7 @@ from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
 from .cases import DTYPES, make_case
 from .measure import set_clock
 from .presets import PRESETS, resolve_presets
-from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names
+from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names, with_precisions
 from .report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header, write_chart,
                      write_csv, write_json)
 from .runner import run_case
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
                     help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "
                          "per device, dtype and shape, its choice named in the provider's note)")
+    ap.add_argument("--precision", nargs="+", default=["none"], choices=["none", "int8", "fp8"],
+                    help="expert-GEMM precisions of the fastmoe providers, side by side in one run: int8 / fp8 "
+                         "add fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one)")
     ap.add_argument("--budget", type=float, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
@@ -143,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     presets = resolve_presets(args.preset)
-    names = expand_names(args.providers)
+    names = with_precisions(expand_names(args.providers), args.precision)
     device = torch.device(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

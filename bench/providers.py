@@ -53,6 +53,9 @@ class Provider:
     merged_grads: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     note: str = ""
     keep: list = field(default_factory=list)  # modules the closures use
+    precision: str | None = None
+    """Quantized expert GEMMs (``"int8"``, ``"fp8"``): checked against the reference with that
+    precision's tolerance."""
 
     def zero_grads(self) -> None:
         for p in self.params:
@@ -70,7 +73,14 @@ def expand_names(names: list[str] | None) -> list[str]:
         return list(ALL_PROVIDERS)
     out: list[str] = []
     for n in names:
-        if n == "fastmoe":
+        base, colon, precision = n.partition(":")
+        if colon:
+            if not base.startswith("fastmoe/") or precision not in registry.PRECISIONS:
+                raise ValueError(f"unknown provider {n!r}; quantized providers are fastmoe/<backend>:<precision> "
+                                 f"with precision in {tuple(registry.PRECISIONS)}")
+            expand_names([base])
+            out.append(n)
+        elif n == "fastmoe":
             out.extend(f"fastmoe/{b}" for b in FASTMOE_BACKENDS)
         elif n in ALL_PROVIDERS:
             out.append(n)
@@ -87,6 +97,18 @@ def expand_names(names: list[str] | None) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def with_precisions(names: list[str], precisions: list[str]) -> list[str]:
+    """``names`` with ``<fastmoe provider>:<precision>`` after each plain fastmoe provider for every
+    precision other than ``none``; without ``none`` the plain fastmoe providers are left out."""
+    out: list[str] = []
+    for n in names:
+        if not n.startswith("fastmoe/") or ":" in n:
+            out.append(n)
+            continue
+        out.extend(n if p == "none" else f"{n}:{p}" for p in precisions)
+    return list(dict.fromkeys(out))
+
+
 def build_provider(name: str, case: Case, gemm_engine: str = "auto") -> Provider:
     """Build ``name`` on ``case``; raises :class:`ProviderSkipped` with the reason when it cannot run.
     ``gemm_engine``: stage 4's engine for the plain ``fastmoe/<backend>`` providers."""
@@ -95,8 +117,9 @@ def build_provider(name: str, case: Case, gemm_engine: str = "auto") -> Provider
     if name in ("hf_v5_eager", "hf_v5_grouped_mm"):
         return _hf_v5(case, name.split("_", 2)[2])
     if name.startswith("fastmoe/"):
-        backend, _, engine = name.split("/", 1)[1].partition("@")
-        return _fastmoe(case, backend, engine or gemm_engine, name)
+        spec, _, precision = name.split("/", 1)[1].partition(":")
+        backend, _, engine = spec.partition("@")
+        return _fastmoe(case, backend, engine or gemm_engine, name, precision or None)
     raise ValueError(f"unknown provider {name!r}")
 
 
@@ -200,7 +223,8 @@ def _grouped_mm_path(case: Case) -> str:
 
 
 # ---------------------------------------------------------------- fastmoe
-def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | None = None) -> Provider:
+def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | None = None,
+             precision: str | None = None) -> Provider:
     dev = case.device.type
     if backend == "triton":
         if dev not in ("cuda", "xpu"):
@@ -222,7 +246,14 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         if reason is not None:
             raise ProviderSkipped(f"{gemm_engine} engine: {reason}")
     note = f"FastSparseMoE stages 2-5, {backend} backend, {gemm_engine} GEMM engine"
-    if gemm_engine == "auto":
+    if precision is not None:
+        try:
+            engine = registry.precision_engine(precision, backend, case.device, case.x_TH.dtype)
+        except RuntimeError as exc:
+            raise ProviderSkipped(str(exc)) from None
+        note = (f"FastSparseMoE stages 2-5, {backend} backend, expert GEMMs quantized to {precision} "
+                f"({engine} implementation)")
+    elif gemm_engine == "auto":
         # Take the timed choice now (one call primes it; the cache makes it a lookup next time), so
         # that the report says which engine 'auto' is.
         with torch.no_grad():
@@ -234,9 +265,9 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
 
     def forward(x_TH, weights_TK, idx_TK):
         return moe_experts_forward(x_TH, weights_TK, idx_TK, w_gu, w_d, backend=backend, expert_start=0,
-                                   gemm_engine=gemm_engine)
+                                   gemm_engine=gemm_engine, expert_precision=precision)
 
     def merged_grads():
         return tuple(w.grad if w.grad is not None else torch.zeros_like(w) for w in (w_gu, w_d))
 
-    return Provider(name, forward, [w_gu, w_d], merged_grads, note)
+    return Provider(name, forward, [w_gu, w_d], merged_grads, note, precision=precision)

@@ -103,7 +103,7 @@ def run_case(
             if name == reference:
                 ref_out = got
             if ref_out is not None:
-                entry["correct"] = compare(got, ref_out, case.dtype)
+                entry["correct"] = compare(got, ref_out, case.dtype, prov.precision)
             del got
             entry["saved_bytes"] = saved_bytes(prov, case)
             cold = f + b

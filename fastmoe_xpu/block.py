@@ -29,7 +29,7 @@ from .dist.sharding import EXPERT_IDS_NAME, expert_range, slice_full_experts
 from .expert_weights import Experts, dispatch_experts_implementation, experts_implementation_name
 from .integrations.peft_lora import unwrap_experts
 from .integrations.v4_keys import V4_NAMES, stack_v4_experts
-from .kernels.registry import check_choice
+from .kernels.registry import check_choice, check_precision
 from .routing import TopKRouter, forced_uniform_routing, make_router
 
 __all__ = [
@@ -72,6 +72,11 @@ class FastSparseMoeBlock(nn.Module):
             bad or mismatched input raises on every rank instead of hanging. It reads the result on
             the host; allgather-dispatch training with fixed shapes may turn it off to save that
             synchronisation (then mismatched inputs are the caller's problem).
+        expert_precision: ``None`` (default: the expert GEMMs in the weights' dtype), ``"int8"``
+            (every stage-4 GEMM, forward and both backward, quantized to int8 with per-row
+            activation and per-output-channel weight scales, int32 accumulation) or ``"fp8"``
+            (e4m3 forward, e5m2 gradients); see docs/precision.md. Raises at the first forward
+            where the device cannot run it.
     """
 
     def __init__(
@@ -84,10 +89,12 @@ class FastSparseMoeBlock(nn.Module):
         dispatch: str = "allgather",
         check_inputs: bool = True,
         gemm_engine: str = "auto",
+        expert_precision: str | None = None,
     ) -> None:
         super().__init__()
         validate_config(config)
         self.gemm_engine = check_choice(gemm_engine)
+        self.expert_precision = check_precision(expert_precision)
         check_backend(backend)
         check_dispatch_mode(dispatch)
         self.hidden_size = config.hidden_size
@@ -124,7 +131,8 @@ class FastSparseMoeBlock(nn.Module):
     def extra_repr(self) -> str:
         text = (
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
-            f"top_k={self.top_k}, backend={self.backend!r}, gemm_engine={self.gemm_engine!r}, forced_uniform_routing={self.forced_uniform_routing}"
+            f"top_k={self.top_k}, backend={self.backend!r}, gemm_engine={self.gemm_engine!r}, "
+            f"expert_precision={self.expert_precision!r}, forced_uniform_routing={self.forced_uniform_routing}"
         )
         if self.ep_group is not None:
             text += (
@@ -145,6 +153,7 @@ class FastSparseMoeBlock(nn.Module):
         dispatch: str = "allgather",
         check_inputs: bool = True,
         gemm_engine: str = "auto",
+        expert_precision: str | None = None,
     ) -> "FastSparseMoeBlock":
         """Build from a transformers ``OlmoeSparseMoeBlock`` (v5 merged or v4 per-expert layout),
         with the same weights. v5 parameters (and the router module itself) are shared, not copied;
@@ -177,6 +186,7 @@ class FastSparseMoeBlock(nn.Module):
             new = cls(
                 cfg, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
                 dispatch=dispatch, check_inputs=check_inputs, gemm_engine=gemm_engine,
+                expert_precision=expert_precision,
             )
         if hasattr(gate, "top_k") and not isinstance(gate, nn.Linear):
             new.gate = gate  # v5 router: keep the very module (and any hooks on it)
@@ -247,5 +257,6 @@ class FastSparseMoeBlock(nn.Module):
             x_NH, weights_NK, idx_NK, experts.gate_up_proj, experts.down_proj,
             backend=kernel_backend(self.backend, device), expert_start=self.expert_start,
             gemm_engine=self.gemm_engine, ep_group=self.dispatcher.ep_group, lora=lora or None,
+            expert_precision=self.expert_precision,
         )
         return self.dispatcher.combine(partial_NH, state).view(shape)

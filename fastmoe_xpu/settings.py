@@ -75,6 +75,11 @@ class Settings:
     """``FASTMOE_GEMM_CACHE``: the JSON file that remembers the timed engine choices; unset:
     ``$XDG_CACHE_HOME/fastmoe_xpu/gemm_engines.json`` (``~/.cache/...``)."""
 
+    expert_precision: str | None = None
+    """``FASTMOE_EXPERT_PRECISION`` (``int8`` | ``fp8``): quantized expert GEMMs for the transformers
+    ``"fastmoe"`` experts function when neither the module nor its config names a precision; unset:
+    full precision (docs/precision.md)."""
+
 
 #: Field name -> environment variable.
 ENV_NAMES: Mapping[str, str] = {
@@ -89,6 +94,7 @@ ENV_NAMES: Mapping[str, str] = {
     "data_cache": "FASTMOE_DATA_CACHE",
     "gemm_engine": "FASTMOE_GEMM_ENGINE",
     "gemm_cache": "FASTMOE_GEMM_CACHE",
+    "expert_precision": "FASTMOE_EXPERT_PRECISION",
 }
 
 
@@ -116,6 +122,22 @@ def _gemm_choices() -> tuple[str, ...] | None:
     """What ``FASTMOE_GEMM_ENGINE`` may name; None before the registry has declared its engines (the
     registry checks the value again where it uses it)."""
     return ("auto", "native", *_GEMM_ENGINES) if _GEMM_ENGINES else None
+
+
+#: The expert-GEMM precisions, declared by the registry like the engines.
+_EXPERT_PRECISIONS: tuple[str, ...] = ()
+
+
+def declare_expert_precisions(names: tuple[str, ...]) -> None:
+    """Called by the registry with the precisions of its quantized stage-4 implementations."""
+    global _EXPERT_PRECISIONS
+    _EXPERT_PRECISIONS = tuple(names)
+
+
+def _precision_choices() -> tuple[str, ...] | None:
+    """What ``FASTMOE_EXPERT_PRECISION`` may name; None before the registry has declared them (the
+    experts op checks the value again where it uses it)."""
+    return _EXPERT_PRECISIONS or None
 
 
 def _choice(environ: Mapping[str, str], field: str,
@@ -172,6 +194,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         data_cache=_raw(env, "data_cache") or None,
         gemm_engine=_choice(env, "gemm_engine", _gemm_choices),
         gemm_cache=_raw(env, "gemm_cache") or None,
+        expert_precision=_choice(env, "expert_precision", _precision_choices),
     )
 
 

@@ -74,9 +74,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert_close(got, want, want.dtype, what)
 
 
-def _reference_block(cfg, seed: int, dtype=torch.float32, favour: int | None = None, fur: bool = False):
+def _reference_block(cfg, seed: int, dtype=torch.float32, favour: int | None = None, fur: bool = False,
+                     precision: str | None = None):
     torch.manual_seed(seed)
-    ref = FastSparseMoeBlock(cfg, backend="torch", forced_uniform_routing=fur)
+    ref = FastSparseMoeBlock(cfg, backend="torch", forced_uniform_routing=fur, expert_precision=precision)
     ref.reset_parameters(0.3)  # outputs of order 1, so that relative errors mean something
     ref = ref.to(dtype)
     if favour is not None:  # router that sends every token to experts [0, favour) only
@@ -97,12 +98,12 @@ def _inputs(sizes: list[int], H: int, seed: int, dtype, positive: bool = False):
 
 
 def _run_pair(cfg, sizes, *, dispatch, fur=False, dtype=torch.float32, favour=None, seed=0, shape3d=False,
-              group=None, backend="torch", check_inputs=True):
+              group=None, backend="torch", check_inputs=True, precision=None):
     """Single-process block on the concatenated batch vs the EP block on this rank's rows; returns
     everything to compare (collectives all done before any assertion)."""
     group = group or _group()
     r = dist.get_rank(group)
-    ref = _reference_block(cfg, seed, dtype, favour, fur)
+    ref = _reference_block(cfg, seed, dtype, favour, fur, precision)
     x_full, g_full = _inputs(sizes, cfg.hidden_size, seed, dtype, positive=favour is not None)
     xr = x_full.clone().requires_grad_(True)
     out_ref = ref(xr)
@@ -110,7 +111,7 @@ def _run_pair(cfg, sizes, *, dispatch, fur=False, dtype=torch.float32, favour=No
     _, _, idx_full = ref.route(x_full)
 
     ep = FastSparseMoeBlock(cfg, backend=backend, forced_uniform_routing=fur, ep_group=group, dispatch=dispatch,
-                            check_inputs=check_inputs).to(dtype)
+                            check_inputs=check_inputs, expert_precision=precision).to(dtype)
     ep.load_state_dict(ref.state_dict())  # a full HF state dict: the block keeps its slice
     lo = sum(sizes[:r])
     rows = slice(lo, lo + sizes[r])
@@ -142,11 +143,13 @@ def _check_pair(res, cfg) -> None:
     assert ep.experts.expert_ids.tolist() == list(ids)
 
 
-def case_match(*, dispatch, fur=False, sizes=None, dtype=torch.float32, shape3d=False, check_inputs=True, **cfg_over):
+def case_match(*, dispatch, fur=False, sizes=None, dtype=torch.float32, shape3d=False, check_inputs=True,
+               precision=None, **cfg_over):
     W = dist.get_world_size()
     cfg = _cfg(**cfg_over)
     sizes = sizes(W) if callable(sizes) else (sizes or [6] * W)
-    res = _run_pair(cfg, sizes, dispatch=dispatch, fur=fur, dtype=dtype, shape3d=shape3d, check_inputs=check_inputs)
+    res = _run_pair(cfg, sizes, dispatch=dispatch, fur=fur, dtype=dtype, shape3d=shape3d, check_inputs=check_inputs,
+                    precision=precision)
     _check_pair(res, cfg)
 
 
@@ -439,6 +442,10 @@ CASES = {
     "allgather-unchecked": (case_match, dict(dispatch="allgather", check_inputs=False), (2,)),
     # all-to-all, router routing
     "alltoall": (case_match, dict(dispatch="alltoall", shape3d=True), (2, 4)),
+    # quantized expert GEMMs: the EP block equals the single-process block of the same precision
+    "int8-allgather": (case_match, dict(dispatch="allgather", precision="int8"), (2,)),
+    "int8-alltoall": (case_match, dict(dispatch="alltoall", precision="int8", sizes=lambda W: [7, 4][:W]), (2,)),
+    "fp8-alltoall": (case_match, dict(dispatch="alltoall", precision="fp8"), (2,)),
     # all-to-all with forced uniform routing
     "alltoall-fur": (case_match, dict(dispatch="alltoall", fur=True, norm_topk_prob=False), (2, 4)),
     # all-to-all with a different token count on every rank (3, 5, 7, 9)

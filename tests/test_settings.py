@@ -19,11 +19,12 @@ def test_every_variable_is_read():
         "FASTMOE_CPU_CACHE": "off", "FASTMOE_CPU_CACHE_IDLE_MB": "512", "FASTMOE_CPU_CSR": "0",
         "FASTMOE_CPU_PIECE_MB": "8", "FASTMOE_DIST_BACKEND": "GLOO", "FASTMOE_DATA_CACHE": "/tmp/d",
         "FASTMOE_GEMM_ENGINE": "Grouped_MM", "FASTMOE_GEMM_CACHE": "/tmp/g.json",
+        "FASTMOE_EXPERT_PRECISION": "INT8",
     }
     assert set(env) == set(settings.ENV_NAMES.values())
     s = settings.read(env)
     assert s == settings.Settings("triton", "xpu", False, False, 512.0, False, 8, "gloo", "/tmp/d",
-                                 "grouped_mm", "/tmp/g.json")
+                                 "grouped_mm", "/tmp/g.json", "int8")
 
 
 @pytest.mark.parametrize("name,value", [
@@ -33,6 +34,7 @@ def test_every_variable_is_read():
     ("FASTMOE_CPU_CACHE_IDLE_MB", "lots"),
     ("FASTMOE_CPU_PIECE_MB", "-1"),
     ("FASTMOE_GEMM_ENGINE", "cutlass"),
+    ("FASTMOE_EXPERT_PRECISION", "int4"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):

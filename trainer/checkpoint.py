@@ -483,7 +483,7 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
     shard boundaries on the rank holding their first element (collective over every shard group)."""
     out: dict[str, torch.Tensor] = {}
     for b in optimizer.buckets:
-        states = (b.master, b.exp_avg, b.exp_avg_sq)
+        states = (b.master_view(), b.exp_avg, b.exp_avg_sq)
         group = b.spec.shard_group
         G, g, S = group_size(group), group_rank(group), b.shard_numel
         R, j = group_size(b.spec.pre_reduce_group), group_rank(b.spec.pre_reduce_group)
@@ -498,7 +498,7 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
             start, end = os_.offset, os_.offset + os_.seg.numel
             writer, last = start // S, (end - 1) // S
             if writer == g:
-                buf = torch.empty((3, os_.seg.numel), dtype=torch.float32, device=b.master.device)
+                buf = torch.empty((3, os_.seg.numel), dtype=torch.float32, device=b.device)
                 mine_end = min(end, lo_me + S)
                 for k, st in enumerate(states):
                     buf[k, : mine_end - start].copy_(st[start - lo_me: mine_end - lo_me])
@@ -516,7 +516,7 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
             ops.append(dist.P2POp(dist.isend, payload, global_rank(group, dst)))
         for src, pieces in recvs.items():
             n_total = sum(n for _, _, n in pieces)
-            recv_bufs[src] = torch.empty(3 * n_total, dtype=torch.float32, device=b.master.device)
+            recv_bufs[src] = torch.empty(3 * n_total, dtype=torch.float32, device=b.device)
             ops.append(dist.P2POp(dist.irecv, recv_bufs[src], global_rank(group, src)))
         if ops:
             for w in dist.batch_isend_irecv(ops):
@@ -551,7 +551,7 @@ def _optimizer_reads(model: nn.Module, optimizer: Any, is_expert: Callable[[str]
                 continue
             for state in OPTIM_STATES:
                 want[f"optim/{state}/{os_.seg.key}"] = torch.empty(os_.seg.shape, dtype=torch.float32,
-                                                                   device=b.master.device)
+                                                                   device=b.device)
             copies.append((b, lo - lo_me, lo - start, hi - lo, os_.seg.key))
     return want, copies
 
@@ -565,6 +565,8 @@ def sync_master_from_model(optimizer: Any) -> None:
     """Re-seed the optimizer's fp32 master shards from the model's current weights (after loading
     weights into a model whose optimizer already exists, e.g. ``--init-from``)."""
     for b in optimizer.buckets:
+        if b.master is None:  # the weights are the parameters' own shard already
+            continue
         lo = b.group_rank * b.shard_numel
         b.master.copy_(b.flat_param[lo:lo + b.shard_numel].to(torch.float32))
 
@@ -772,6 +774,8 @@ def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Modul
     tensors.update(_optimizer_writes(model, optimizer, is_expert, tp))
     slot = SLOTS[index % 2]
     rank_state = {"rng": capture_rng(), "extra": rank_extra}
+    if getattr(optimizer, "master", "fp32") == "stochastic":  # the rounding's generator, per rank
+        rank_state["rng"]["optimizer_rounding"] = optimizer.generator.get_state()
     meta_all = {"slot": slot, "optimizer": {"kind": type(optimizer).__name__, "steps": optimizer_steps(optimizer)},
                 "meta": meta or {}}
     return _write_dir(Path(root), f"slot-{slot}", step=step, index=index, kind="full", coords=coords,
@@ -864,7 +868,7 @@ def restore_full(info: CheckpointInfo, model: nn.Module, optimizer: Any, layout:
     _check_keys(info.path, want)
     _dcp_load(want, info.path)
     for b, at, seg_at, n, key in copies:
-        for state, dst in zip(OPTIM_STATES, (b.master, b.exp_avg, b.exp_avg_sq)):
+        for state, dst in zip(OPTIM_STATES, (b.master_view(), b.exp_avg, b.exp_avg_sq)):
             dst[at:at + n].copy_(want[f"optim/{state}/{key}"].reshape(-1)[seg_at:seg_at + n])
     steps = info.meta.get("optimizer", {}).get("steps", {})
     for b in optimizer.buckets:
@@ -877,6 +881,8 @@ def restore_full(info: CheckpointInfo, model: nn.Module, optimizer: Any, layout:
     if same:
         state = torch.load(info.path / _rank_file(coords.rank), map_location="cpu", weights_only=False)
         restore_rng(state["rng"])
+        if "optimizer_rounding" in state["rng"] and hasattr(optimizer, "generator"):
+            optimizer.generator.set_state(state["rng"]["optimizer_rounding"])
         extra = state["extra"]
     return RestoreResult(info=info, seconds=time.perf_counter() - t0, same_layout=same, rank_extra=extra)
 

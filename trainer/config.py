@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import PRECISIONS
 
 from .errors import ConfigError
 
@@ -56,6 +57,10 @@ class ModelConfig:
     gemm_engine: str = "auto"
     """Stage 4's grouped-GEMM engine: ``"auto"`` (timed once per shape, cached; rank 0's choice under
     EP), ``"native"``, ``"triton"``, ``"grouped_mm"`` or ``"loop"`` (``fastmoe_xpu/kernels/registry.py``)."""
+    expert_precision: str = "none"
+    """Precision of the expert GEMMs: ``"none"`` (the weights' dtype), ``"int8"`` (every expert GEMM,
+    forward and backward, quantized to int8 with per-row / per-channel scales) or ``"fp8"`` (e4m3
+    forward, e5m2 gradients); docs/precision.md."""
     ep_dispatch: str = "allgather"
     """Token exchange under EP: ``"allgather"`` (the paper's choice) or ``"alltoall"``."""
     ep_check_inputs: bool = False
@@ -138,6 +143,15 @@ class OptimConfig:
     """Clip the global gradient norm to this after warmup; 0 disables clipping."""
     grad_reduce_dtype: str = "fp32"
     """Dtype gradients are reduced (and reduce-scattered) in: ``"fp32"`` or ``"bf16"``."""
+    stochastic_rounding: bool = False
+    """Pure bf16 training: no fp32 master copy; each update is computed in fp32 and rounded into the
+    bf16 weights stochastically (unbiased), the rounding generator saved with the checkpoint. Needs
+    ``--model.param_dtype bf16``."""
+    master_weights: bool = True
+    """Keep an fp32 master copy of the weights in the optimizer. False with bf16 weights (and no
+    stochastic rounding): plain bf16 updates, rounded to nearest."""
+    moments_dtype: str = "fp32"
+    """Dtype of the Adam moments: ``"fp32"`` or ``"bf16"`` (rounded like the weights)."""
 
 
 @dataclass
@@ -346,11 +360,13 @@ _CHOICES = {
     ("model", "moe_impl"): ("fastmoe", "hf"),
     ("model", "moe_backend"): ("auto", "torch", "triton"),
     ("model", "gemm_engine"): GEMM_ENGINES,
+    ("model", "expert_precision"): ("none", *PRECISIONS),
     ("model", "ep_dispatch"): ("allgather", "alltoall"),
     ("model", "param_dtype"): ("fp32", "bf16"),
     ("model", "autocast"): ("auto", "bf16", "none"),
     ("optim", "name"): ("adamw", "sharded", "epso"),
     ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+    ("optim", "moments_dtype"): ("fp32", "bf16"),
     ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
     ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
     ("checkpoint", "model_dtype"): ("bf16", "fp32"),
@@ -414,6 +430,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     elif p.ep != 1 and not m.is_hf:
         raise ConfigError(f"arch={m.arch!r} has no experts; EP must be 1, got {p.ep}")
+    if (o.stochastic_rounding or not o.master_weights) and m.param_dtype != "bf16":
+        raise ConfigError("--optim.stochastic_rounding / --no-optim.master_weights train bf16 weights without an "
+                          f"fp32 master: they need --model.param_dtype bf16, got {m.param_dtype!r}")
+    if m.expert_precision != "none" and (not m.is_moe or m.moe_impl != "fastmoe"):
+        raise ConfigError(f"--model.expert_precision {m.expert_precision} needs a MoE model with --model.moe_impl "
+                          f"fastmoe, got arch={m.arch!r}, moe_impl={m.moe_impl!r}")
     if world_size is not None:
         if p.dp == 0:
             if world_size % (p.pp * p.ep * p.tp):

@@ -55,6 +55,9 @@ def build_hf_model(m: ModelConfig, context: int, *, seed: int, device: torch.dev
     if not experts_modules(model):
         raise ConfigError(f"{cfg.model_type} has no experts module decorated with @use_experts_implementation; "
                           "--model.arch hf trains MoE families only")
+    if m.expert_precision != "none":
+        for mod in experts_modules(model).values():  # read by the "fastmoe" experts function
+            mod.fastmoe_expert_precision = m.expert_precision
     model = model.to(device=device, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[m.param_dtype])
     for router in bias_routers(model).values():  # the bias stays fp32, as the family loads it
         router.e_score_correction_bias.data = router.e_score_correction_bias.data.float()

@@ -64,7 +64,7 @@ def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device
         if m.moe_impl == "fastmoe":
             patch_moe(model, backend=m.moe_backend, forced_uniform_routing=m.forced_uniform_routing,
                       ep_group=ep_group, ep_size=ep_size, dispatch=m.ep_dispatch, check_inputs=m.ep_check_inputs,
-                      gemm_engine=m.gemm_engine)
+                      gemm_engine=m.gemm_engine, expert_precision=expert_precision(m))
         elif m.forced_uniform_routing:
             raise ConfigError("forced_uniform_routing needs --model.moe_impl fastmoe")
     else:
@@ -75,15 +75,23 @@ def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device
 
 
 def patch_moe(model: nn.Module, *, backend: str, forced_uniform_routing: bool, ep_group: Any, ep_size: int,
-              dispatch: str = "allgather", check_inputs: bool = False, gemm_engine: str = "auto") -> int:
+              dispatch: str = "allgather", check_inputs: bool = False, gemm_engine: str = "auto",
+              expert_precision: str | None = None) -> int:
     """``fastmoe_xpu.patch_olmoe``; under EP (``ep_size > 1``) each block keeps this rank's experts
     and exchanges tokens over ``ep_group``."""
     from fastmoe_xpu import patch_olmoe
 
     if ep_size > 1:
         return patch_olmoe(model, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
-                           dispatch=dispatch, check_inputs=check_inputs, gemm_engine=gemm_engine)
-    return patch_olmoe(model, backend=backend, forced_uniform_routing=forced_uniform_routing, gemm_engine=gemm_engine)
+                           dispatch=dispatch, check_inputs=check_inputs, gemm_engine=gemm_engine,
+                           expert_precision=expert_precision)
+    return patch_olmoe(model, backend=backend, forced_uniform_routing=forced_uniform_routing, gemm_engine=gemm_engine,
+                       expert_precision=expert_precision)
+
+
+def expert_precision(m: Any) -> str | None:
+    """``--model.expert_precision`` as the block's argument (``"none"`` -> None)."""
+    return None if m.expert_precision == "none" else m.expert_precision
 
 
 @dataclass(frozen=True)

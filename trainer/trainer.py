@@ -48,7 +48,7 @@ from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
 from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, param_counts, torch_dtype
-from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula
+from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
 from .parallelism.apply import parallelize
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
@@ -205,6 +205,7 @@ class Trainer:
             return build_optimizer(
                 o.name, self.model, lay, is_expert=is_expert_weight, betas=(o.beta1, o.beta2), eps=o.eps,
                 weight_decay=o.weight_decay, grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype),
+                **self.master_options(),
             )
         # TP-split weights are distinct on every TP rank; replicated ones (embedding, LM head) are
         # equal there, gradients included, so only TP rank 0 counts them in global norms.
@@ -218,7 +219,17 @@ class Trainer:
                  BucketSpec("tp_replicated", replicated, lay.dp_group if sharded else None,
                             None if sharded else lay.dp_group, lay.tp_rank == 0)]
         return ZeroAdamW(specs, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                         grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype), norm_group=lay.world_group)
+                         grad_reduce_dtype=torch_dtype(o.grad_reduce_dtype), norm_group=lay.world_group,
+                         **self.master_options())
+
+    def master_options(self) -> dict[str, Any]:
+        """Where the optimizer keeps the weights (``--optim.stochastic_rounding``,
+        ``--optim.master_weights``, ``--optim.moments_dtype``); the rounding generator is seeded per
+        rank from the run's seed."""
+        o = self.cfg.optim
+        master = "stochastic" if o.stochastic_rounding else "fp32" if o.master_weights else "none"
+        return dict(master=master, moments_dtype=torch_dtype(o.moments_dtype),
+                    rounding_seed=self.cfg.seed * 100003 + self.layout.rank)
 
     def _prepare_data(self) -> str:
         d = self.cfg.data
@@ -615,7 +626,9 @@ class Trainer:
 
     def state_bytes_formula(self) -> int:
         dense, expert = self.local_param_counts()
-        return state_bytes_formula(self.cfg.optim.name, dense, expert, self.layout.dp, self.layout.ep)
+        return state_bytes_formula(self.cfg.optim.name, dense, expert, self.layout.dp, self.layout.ep,
+                                   state_bytes_per_param(**{k: v for k, v in self.master_options().items()
+                                                            if k != "rounding_seed"}))
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.contract import TOKEN_BLOCK_SIZE
-from ..kernels.registry import check_choice, resolve_backend
+from ..kernels.registry import check_choice, check_precision, precision_engine, resolve_backend
 from .lora_ops import ExpertsLora, lora_mlp_combine
 from .ops import ExpertRows, combine, mlp_combine, route
 
@@ -37,6 +37,13 @@ def kernel_backend(backend: str, device: torch.device) -> str:
     return _kernel_backend(backend, device.type, -1 if device.index is None else device.index)
 
 
+@torch.compiler.assume_constant_result
+def _precision_engine(precision: str, base: str, device_type: str, device_index: int, dtype: torch.dtype) -> str:
+    """:func:`precision_engine` outside any traced graph (it probes the device with a tiny GEMM once)."""
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    return precision_engine(precision, base, device, dtype)
+
+
 def _group_name(group: dist.ProcessGroup | None) -> str:
     if group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return ""
@@ -56,6 +63,7 @@ def moe_experts_forward(
     gemm_engine: str = "native",
     ep_group: dist.ProcessGroup | None = None,
     expert_rows: ExpertRows | None = None,
+    expert_precision: str | None = None,
     lora: ExpertsLora | None = None,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
@@ -68,9 +76,19 @@ def moe_experts_forward(
     else the fused gate/up -> SiLU*up -> down path over ``w_gate_up [NR, 2I, H]`` and
     ``w_down [NR, H, I]``. ``lora``: per-expert adapters on those two weights (frozen then), run
     inside the fused path by ``fastmoe::lora_mlp_combine`` (:mod:`.lora_ops`); another layout's
-    ``expert_rows`` applies its own."""
+    ``expert_rows`` applies its own. ``expert_precision``: ``"int8"`` or ``"fp8"`` runs every
+    stage-4 GEMM quantized, on the registry's implementation of that precision (which then replaces
+    ``gemm_engine``); None: full precision."""
     check_choice(gemm_engine)
+    check_precision(expert_precision)
     base = kernel_backend(backend, x_TH.device)
+    gemm = gemm_engine
+    if expert_precision is not None and lora:
+        raise ValueError(f"expert_precision={expert_precision!r} with LoRA adapters is not supported: "
+                         "train the adapters in the weights' precision")
+    if expert_precision is not None:
+        dev = x_TH.device
+        gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
@@ -80,9 +98,9 @@ def moe_experts_forward(
         return lora_mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, lora, f"{base}+{gemm_engine}",
                                 _group_name(ep_group))
     if expert_rows is None:
-        out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm_engine}",
+        out_TH, _ = mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows, f"{base}+{gemm}",
                                 _group_name(ep_group))
         return out_TH
     input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts = rows
-    y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base)
+    y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base if expert_precision is None else f"{base}+{gemm}")
     return combine(y_RH.contiguous(), weights_TK, output_indices, selected_expert_indices, cum_expert_counts, base)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import settings
 from ..autograd.moe_experts import moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
@@ -187,21 +188,33 @@ def fastmoe_experts_forward(
     # A per-module override (tests, benchmarks) wins; else the package's one choice (FASTMOE_BACKEND,
     # else Triton on xpu/cuda, torch on the CPU).
     backend = getattr(self, "fastmoe_backend", "auto")
+    precision = expert_precision(self)
     if flags["fused"]:
         # Stage 4's engine: the module's ``fastmoe_gemm_engine`` or auto. transformers' expert
         # parallelism gives no group to agree on a timed choice, so its shards keep the backend's own
         # engine: ranks must not round differently.
         engine = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
         out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, w_up.contiguous(), w_down.contiguous(),
-                                     backend=backend, gemm_engine=engine, lora=lora)
+                                     backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision)
     else:
         def expert_rows(x, input_indices, cum_token_counts, kernels_name):
             return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1],
                                  (w_up.contiguous(), w_down.contiguous()), lora)
 
         out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, None, None, backend=backend,
-                                     num_local=self.num_experts, expert_rows=expert_rows)
+                                     num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision)
     return out_TH.to(hidden_states.dtype)
+
+
+def expert_precision(module: nn.Module) -> str | None:
+    """The expert-GEMM precision of an experts module: its ``fastmoe_expert_precision`` attribute,
+    else its config's ``fastmoe_expert_precision`` field, else ``FASTMOE_EXPERT_PRECISION``; None:
+    full precision."""
+    for source in (module, getattr(module, "config", None)):
+        value = getattr(source, "fastmoe_expert_precision", None)
+        if value is not None:
+            return value
+    return settings.get().expert_precision
 
 
 def _first_rows(t: torch.Tensor, rt: int) -> torch.Tensor:

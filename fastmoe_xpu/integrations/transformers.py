@@ -20,10 +20,12 @@ def patch_olmoe(
     dispatch: str = "allgather",
     check_inputs: bool = True,
     gemm_engine: str = "auto",
+    expert_precision: str | None = None,
 ) -> int:
     """Replace every ``OlmoeSparseMoeBlock`` in ``model`` in place by a FastSparseMoeBlock with the
     same weights; returns how many were replaced. With ``ep_group`` each block keeps only this
-    rank's experts. ``gemm_engine``: stage 4's grouped-GEMM engine (see FastSparseMoeBlock)."""
+    rank's experts. ``gemm_engine``: stage 4's grouped-GEMM engine, ``expert_precision``: quantized
+    expert GEMMs (both as in FastSparseMoeBlock)."""
     targets = [(name, m) for name, m in model.named_modules() if _is_hf_olmoe_block(m)]
     for name, block in targets:
         parent_name, _, child = name.rpartition(".")
@@ -31,6 +33,7 @@ def patch_olmoe(
         new = FastSparseMoeBlock.from_hf(
             block, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
             dispatch=dispatch, check_inputs=check_inputs, gemm_engine=gemm_engine,
+            expert_precision=expert_precision,
         )
         new.train(block.training)
         _follow_experts_implementation(new, block)

@@ -13,9 +13,15 @@ torch     route, gemm, combine    plain PyTorch, any device (the CPU's kernels);
 triton    route, gemm, combine    Triton kernels: xpu, cuda, and CPU tensors under TRITON_INTERPRET=1
 loop      gemm                    one ``torch.mm`` per expert (``kernels/torch/grouped_gemm.py``)
 grouped_mm  gemm                  PyTorch's grouped GEMM (``kernels/grouped_mm.py``)
+int8      gemm (precision)        quantized int8 GEMMs, ``torch._int_mm`` (``kernels/quantized``)
+fp8       gemm (precision)        quantized fp8 GEMMs (e4m3 forward, e5m2 gradients), ``torch._scaled_mm``
 triton_tma  gemm                  persistent TMA grouped GEMMs for sm_90+ (``kernels/triton/tma_gemm.py``);
                                   CPU tensors only under TRITON_INTERPRET=1, never timed there
 ========  ======================  ===============================================================
+
+A *precision* entry (``int8``, ``fp8``) is a stage-4 implementation that changes the numbers, not
+only the speed: ``gemm_engine`` and ``auto`` never pick it; a block's ``expert_precision`` does
+(:func:`precision_engine`), and its kernel set is named like any other (``"torch+int8"``).
 
 A *kernel set* is a base implementation (``torch`` or ``triton``: stages 2, 3 and 5, and its native
 stage 4) with an optional other stage-4 implementation: its name is ``"<base>"`` or
@@ -95,6 +101,15 @@ def _grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return unsupported_reason(device, dtype)
 
 
+def _quantized_reason(fmt: str) -> Callable[[torch.device, torch.dtype], str | None]:
+    def reason(device: torch.device, dtype: torch.dtype) -> str | None:
+        from .quantized.core import unsupported_reason
+
+        return unsupported_reason(fmt, device, dtype)
+
+    return reason
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One entry of the registry."""
@@ -114,6 +129,9 @@ class Implementation:
     """For an implementation of every stage: the gemm entry its own stage 4 is (``torch`` -> ``loop``)."""
     timed: Callable[[torch.device], bool] = lambda device: True
     """Whether ``auto`` may time it on this device (an interpreter is never timed for speed)."""
+    precision: str | None = None
+    """For a stage-4 implementation that quantizes its GEMMs: the ``expert_precision`` it runs
+    (``"int8"``, ``"fp8"``); None for the full-precision ones ``gemm_engine`` chooses among."""
     low_rank_gemm: tuple[str, ...] = ()
     """For a base: the engines that run LoRA adapters' ``r``-wide grouped GEMMs, the first available
     one wins (empty: the kernel set's own stage 4). These products are thin (one side ``r`` wide), so
@@ -146,16 +164,29 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_triton_reason, native_gemm="triton", timed=lambda device: device.type != "cpu"),
         Implementation("triton_tma", ("gemm",), ("cpu", "cuda"), _FLOATS, ".triton.tma_gemm",
                        unavailable=_tma_reason, timed=lambda device: device.type == "cuda"),
+        Implementation("int8", ("gemm",), ("cpu", "cuda", "xpu"), _FLOATS, ".quantized.int8",
+                       unavailable=_quantized_reason("int8"), timed=lambda device: False, precision="int8"),
+        Implementation("fp8", ("gemm",), ("cpu", "cuda", "xpu"), _FLOATS, ".quantized.fp8",
+                       unavailable=_quantized_reason("fp8"), timed=lambda device: False, precision="fp8"),
     )
 }
 
 #: The base implementations (stages 2, 3 and 5): what a block's ``backend`` names.
 BASES = tuple(n for n, impl in IMPLEMENTATIONS.items() if {"route", "combine"} <= set(impl.stages))
-#: The stage-4 implementations ("engines"), in the order ties are broken.
-ENGINES = tuple(n for n, impl in IMPLEMENTATIONS.items() if "gemm" in impl.stages)
+#: The full-precision stage-4 implementations ("engines"), in the order ties are broken.
+ENGINES = tuple(n for n, impl in IMPLEMENTATIONS.items() if "gemm" in impl.stages and impl.precision is None)
+#: ``expert_precision`` -> the stage-4 implementations that run it, in order of preference.
+PRECISIONS: dict[str, tuple[str, ...]] = {}
+for _n, _impl in IMPLEMENTATIONS.items():
+    if _impl.precision is not None:
+        PRECISIONS[_impl.precision] = (*PRECISIONS.get(_impl.precision, ()), _n)
+del _n, _impl
+#: Every stage-4 implementation a kernel set may name.
+GEMMS = ENGINES + tuple(n for names in PRECISIONS.values() for n in names)
 #: Every value ``gemm_engine`` (and ``FASTMOE_GEMM_ENGINE``) accepts.
 CHOICES = ("auto", "native", *ENGINES)
 settings.declare_gemm_engines(ENGINES)
+settings.declare_expert_precisions(tuple(PRECISIONS))
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
 
@@ -182,8 +213,8 @@ def module_of(name: str) -> ModuleType:
 def unavailable_reason(engine: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
     """None when stage-4 implementation ``engine`` runs next to ``backend``'s buffers on ``device`` in
     ``dtype``; else why not."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown gemm engine {engine!r} (expected one of {ENGINES})")
+    if engine not in GEMMS:
+        raise ValueError(f"unknown gemm engine {engine!r} (expected one of {GEMMS})")
     return IMPLEMENTATIONS[engine].reason_unavailable(device, dtype)
 
 
@@ -215,8 +246,8 @@ def kernels(name: str) -> KernelBackend:
     if base not in BASES:
         raise ValueError(f"unknown kernel backend {base!r} (expected one of {BASES})")
     engine = engine or NATIVE[base]
-    if engine not in ENGINES:
-        raise ValueError(f"unknown gemm engine {engine!r} (expected one of {ENGINES})")
+    if engine not in GEMMS:
+        raise ValueError(f"unknown gemm engine {engine!r} (expected one of {GEMMS})")
     if engine == NATIVE[base] and name != base:
         return kernels(base)
     if engine == NATIVE[base]:
@@ -316,8 +347,31 @@ def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> 
     return out or [native]
 
 
+def check_precision(expert_precision: str | None) -> str | None:
+    """``expert_precision`` itself (None: full precision), or a ValueError naming the accepted values."""
+    if expert_precision is not None and expert_precision not in PRECISIONS:
+        raise ValueError(f"expert_precision must be one of {(None, *PRECISIONS)}, got {expert_precision!r}")
+    return expert_precision
+
+
+def precision_engine(expert_precision: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The stage-4 implementation that runs ``expert_precision`` next to ``backend`` on ``device`` for
+    ``dtype`` activations; a RuntimeError saying why where none can."""
+    check_precision(expert_precision)
+    reasons = []
+    for name in PRECISIONS[expert_precision]:
+        reason = unavailable_reason(name, backend, device, dtype)
+        if reason is None:
+            return name
+        reasons.append(reason)
+    raise RuntimeError(f"expert_precision={expert_precision!r} cannot run here: {'; '.join(reasons)}")
+
+
 def resolve_request(gemm_engine: str, backend: str) -> str:
-    """A block's ``gemm_engine`` after ``FASTMOE_GEMM_ENGINE``: an engine name, or ``"auto"``."""
+    """A block's ``gemm_engine`` after ``FASTMOE_GEMM_ENGINE``: an engine name, or ``"auto"``. A
+    kernel set naming a precision implementation (``"torch+int8"``) passes its name through."""
+    if gemm_engine in GEMMS and gemm_engine not in ENGINES:
+        return gemm_engine
     check_choice(gemm_engine)
     if gemm_engine == "auto":
         gemm_engine = settings.get().gemm_engine or "auto"

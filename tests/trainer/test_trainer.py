@@ -110,10 +110,14 @@ def test_trainer_equals_torch_adamw(data_cache, tmp_path, preset, moe_impl, opti
 @pytest.mark.parametrize("over", [
     {"model__autocast": "bf16"},  # bf16 autocast (the GPU default) on fp32 weights
     {"model__param_dtype": "bf16"},  # bf16 weights and gradients, fp32 master weights in the optimizer
+    {"model__expert_precision": "int8"},  # every expert GEMM quantized to int8, forward and backward
 ])
 def test_bf16_runs_track_fp32(data_cache, tmp_path, over) -> None:
     fp32 = [r["loss"] for r in Trainer(small_cfg(data_cache, str(tmp_path / "fp32"))).fit()]
     t = Trainer(small_cfg(data_cache, str(tmp_path / "bf16"), **over))
+    if "model__expert_precision" in over:
+        blocks = [m for m in t.model.modules() if hasattr(m, "expert_precision")]
+        assert blocks and all(m.expert_precision == "int8" for m in blocks)
     bf16 = [r["loss"] for r in t.fit()]
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert bf16[-1] < bf16[0]
@@ -136,6 +140,26 @@ def test_resume_from_checkpoint_is_exact(data_cache, tmp_path) -> None:
     assert resumed.loader.state_dict() == full.loader.state_dict()
     lines = read_metrics(str(tmp_path / "part" / "metrics.jsonl"))
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_pure_bf16_stochastic_rounding_resumes_exactly(data_cache, tmp_path) -> None:
+    """bf16 weights with no fp32 master, updates rounded stochastically: it tracks fp32, its state is
+    8 bytes per parameter, and a checkpoint (which holds the rounding generator) resumes bitwise."""
+    over = dict(model__param_dtype="bf16", optim__stochastic_rounding=True)
+    fp32 = [r["loss"] for r in Trainer(small_cfg(data_cache, str(tmp_path / "fp32"))).fit()]
+    full = Trainer(small_cfg(data_cache, str(tmp_path / "full"), **over))
+    full_hist = full.fit()
+    assert [r["loss"] for r in full_hist] == pytest.approx(fp32, rel=2e-2)
+    assert all(b.master is None for b in full.optimizer.buckets)
+    assert full.optimizer.state_bytes() == full.state_bytes_formula() == 8 * sum(
+        p.numel() for p in full.model.parameters())
+    part_cfg = small_cfg(data_cache, str(tmp_path / "part"), checkpoint__interval=3, **over)
+    Trainer(part_cfg).fit(steps=3)
+    resumed = Trainer(part_cfg)
+    hist = resumed.fit()
+    assert [r["loss"] for r in hist] == [r["loss"] for r in full_hist[3:]]
+    for k, v in model_state(full).items():
+        assert torch.equal(v, model_state(resumed)[k]), k
 
 
 def test_state_dict_refuses_other_layout(data_cache, tmp_path) -> None:

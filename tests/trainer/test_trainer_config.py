@@ -90,6 +90,10 @@ def test_dp_is_inferred_from_the_world() -> None:
     (["--ep", "2", "--dp", "1", "--moe-impl", "hf"], "expert parallelism (EP=2) needs --model.moe_impl fastmoe"),
     # a dense model has no experts to split
     (["--preset", "tiny-dense", "--ep", "2"], "has no experts; EP must be 1"),
+    # quantized expert GEMMs need experts run by FastSparseMoeBlock
+    (["--preset", "tiny-dense", "--model.expert_precision", "int8"], "--model.expert_precision int8 needs a MoE model"),
+    (["--optim.stochastic_rounding"], "need --model.param_dtype bf16, got 'fp32'"),
+    (["--model.expert_precision", "int4"], "--model.expert_precision must be one of ['none', 'int8', 'fp8']"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> None:
     code = main(argv + ["--out", str(tmp_path / "out")])

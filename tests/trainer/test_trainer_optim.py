@@ -185,3 +185,79 @@ def test_dp2_ep2_all_kinds_equal_torch_adamw() -> None:
     assert got["adamw"]["state_bytes"] == 12 * (42 + 15)
     assert got["sharded"]["state_bytes"] == 12 * (21 + 8)  # dense over DP=2, expert over DP=2 (15 -> 16)
     assert got["epso"]["state_bytes"] == 12 * (11 + 8)  # dense over DP x EP = 4 (42 -> 44)
+
+
+# ------------------------------------------------------------------ pure bf16: no master, rounded updates
+def test_stochastic_round_is_unbiased_between_neighbours() -> None:
+    from trainer.optim import stochastic_round
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.tensor([1.0 + 2 ** -10, -3.0 - 2 ** -9, 0.0, 2 ** -130, 1.0], dtype=torch.float32)
+    draws = torch.stack([stochastic_round(x, torch.bfloat16, g).float() for _ in range(4000)])
+    lo = x.bfloat16().float()  # nearest, here the lower magnitude for the first two
+    step = torch.tensor([2 ** -7, 2 ** -6, 0.0, 0.0, 0.0])
+    for i in range(len(x)):
+        values = set(draws[:, i].tolist())
+        assert values <= {lo[i].item(), (lo[i] + torch.sign(x[i]) * step[i]).item()}, (i, values)
+    # E[round(x)] = x: 1 + 2^-10 sits 1/8 of the way to the next bf16 value
+    torch.testing.assert_close(draws.mean(0)[:2], x[:2], rtol=0, atol=2e-4)
+    assert draws[:, 2].eq(0).all() and draws[:, 4].eq(1).all()  # exact values never move
+    assert 0.05 < (draws[:, 0] > 1).float().mean() < 0.2
+
+
+def _bf16_run(master: str, steps: int, moments=torch.float32, state=None, start=0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).bfloat16()
+    opt = ShardedAdamW(model.named_parameters(), is_expert=lambda n: n.startswith("2."), betas=BETAS, eps=EPS,
+                       weight_decay=WD, master=master, moments_dtype=moments, rounding_seed=7)
+    if state is not None:
+        model.load_state_dict(state[0])
+        opt.load_state_dict(state[1])
+    for step in range(start, start + steps):
+        model(make_data(step, 0).bfloat16()).float().square().sum().backward()
+        opt.step(1e-3)
+    return model, opt
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_stochastic_rounding_resumes_exactly(moments) -> None:
+    """6 steps == 3 steps, a state dict (weights, moments, the rounding generator), 3 more steps."""
+    whole, _ = _bf16_run("stochastic", 6, moments)
+    first, opt = _bf16_run("stochastic", 3, moments)
+    saved = (copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict()))
+    assert "rounding_rng" in saved[1]
+    resumed, _ = _bf16_run("stochastic", 3, moments, state=saved, start=3)
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+    n = sum(p.numel() for p in whole.parameters())
+    assert opt.state_bytes() == n * (8 if moments == torch.float32 else 4)
+    assert all(b.master is None for b in opt.buckets)
+
+
+def test_small_updates_survive_only_with_stochastic_rounding() -> None:
+    """An update far below bf16's spacing is lost rounding to nearest, kept on average stochastically,
+    and the fp32 master keeps it exactly: the reason pure bf16 needs stochastic rounding."""
+    out = {}
+    for master in ("none", "stochastic", "fp32"):
+        w = nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = ShardedAdamW([("w", w)], is_expert=lambda n: False, betas=(0.0, 0.0), eps=1e-30, weight_decay=0.0,
+                           master=master, rounding_seed=1)
+        for _ in range(20):
+            w.grad = torch.ones_like(w)
+            opt.step(2 ** -12)  # Adam's step is lr * sign: 1/32 of bf16's spacing at 1.0 per step
+        out[master] = (1 - (opt.buckets[0].master if master == "fp32" else w.float())).mean().item()
+    want = 20 * 2 ** -12
+    assert out["none"] == 0.0
+    assert abs(out["stochastic"] - want) < 0.15 * want, out
+    assert abs(out["fp32"] - want) < 1e-6, out
+
+
+def test_state_bytes_per_param_modes() -> None:
+    from trainer.optim import state_bytes_per_param
+
+    assert state_bytes_per_param("fp32") == 12
+    assert state_bytes_per_param("stochastic") == state_bytes_per_param("none") == 8
+    assert state_bytes_per_param("stochastic", torch.bfloat16) == 4
+    assert state_bytes_formula("epso", 100, 40, dp=2, ep=2, per_param=8) == 8 * (25 + 20)
+    with pytest.raises(ValueError, match="master must be one of"):
+        state_bytes_per_param("bf16")

@@ -13,6 +13,16 @@ so backward accumulates straight into the buffer). A step:
    ``exp_avg`` / ``exp_avg_sq`` shards: elementwise, so sharding changes nothing numerically;
 4. all-gathers the updated shards, cast to the parameter dtype, back into the flat parameter buffer.
 
+``master`` chooses where the weights live between steps. ``"fp32"`` (the default): an fp32 master
+copy of the shard, as above. ``"none"`` or ``"stochastic"``: no copy at all (pure low-precision
+training, e.g. bf16 weights): the update runs in fp32 on the shard read from the parameters and is
+written back into their dtype, rounded to nearest (``"none"``: plain bf16, whose small updates are
+lost to rounding) or stochastically (``"stochastic"``: up or down with the probabilities that make
+the rounding unbiased, so small updates survive on average). The rounding draws from the
+optimizer's own generator (seeded per rank, saved in :meth:`ZeroAdamW.state_dict`, so a resumed
+run rounds exactly as an uninterrupted one). ``moments_dtype`` keeps ``exp_avg`` / ``exp_avg_sq``
+in fp32 (default) or bf16 (rounded the same way as the weights).
+
 Gradients are *summed* across replicas: the loss must already be normalised over the global batch
 (the trainer divides by the global token count), which makes a step independent of the layout.
 
@@ -43,6 +53,29 @@ from fastmoe_xpu.dist.groups import group_rank, group_size
 
 #: Bytes of optimizer state per parameter of a shard: fp32 master weight, exp_avg and exp_avg_sq.
 STATE_BYTES_PER_PARAM = 12
+#: Where the weights live between steps (see the module docstring).
+MASTER_MODES = ("fp32", "none", "stochastic")
+
+
+def state_bytes_per_param(master: str = "fp32", moments_dtype: torch.dtype = torch.float32) -> int:
+    """Optimizer-state bytes per parameter of a shard: the fp32 master (4, or 0 without one) and the
+    two moments (4 each in fp32, 2 in bf16)."""
+    if master not in MASTER_MODES:
+        raise ValueError(f"master must be one of {MASTER_MODES}, got {master!r}")
+    return (4 if master == "fp32" else 0) + 2 * torch.empty((), dtype=moments_dtype).element_size()
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (fp32) rounded to ``dtype`` (bf16) stochastically: up with probability equal to the
+    dropped fraction of the distance to the next value, so ``E[round(x)] = x``. A random 16-bit
+    integer is added to the fp32 bit pattern and the low 16 bits are cut (bf16 is fp32's top half);
+    sign-magnitude makes this symmetric for negative numbers. Non-bf16 targets round to nearest."""
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device="cpu", generator=generator)
+    out = (bits + noise.to(bits.device)).bitwise_and_(-65536)
+    return out.view(torch.float32).to(torch.bfloat16)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,7 +98,8 @@ class BucketSpec:
 class _Bucket:
     """Flat parameter/gradient buffers of one bucket and this rank's shard of its states."""
 
-    def __init__(self, spec: BucketSpec, reduce_dtype: torch.dtype) -> None:
+    def __init__(self, spec: BucketSpec, reduce_dtype: torch.dtype, master: str = "fp32",
+                 moments_dtype: torch.dtype = torch.float32) -> None:
         if not spec.params:
             raise ValueError(f"bucket {spec.name!r} has no parameters")
         dtypes = {p.dtype for _, p in spec.params}
@@ -98,9 +132,12 @@ class _Bucket:
                 off += n
         self.attach_grads()
         lo = self.group_rank * self.shard_numel
-        self.master = self.flat_param[lo:lo + self.shard_numel].to(torch.float32).clone()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.shard_slice = slice(lo, lo + self.shard_numel)
+        self.master_mode = master
+        #: The fp32 master shard (None without one: the weights are the parameters' own shard).
+        self.master = self.flat_param[self.shard_slice].to(torch.float32).clone() if master == "fp32" else None
+        self.exp_avg = torch.zeros(self.shard_numel, dtype=moments_dtype, device=self.device)
+        self.exp_avg_sq = torch.zeros(self.shard_numel, dtype=moments_dtype, device=self.device)
         self.step_t = torch.zeros((), dtype=torch.float32)
 
     # -------------------------------------------------------------------------- gradients
@@ -143,8 +180,35 @@ class _Bucket:
         return out.to(torch.float32, copy=True)
 
     # -------------------------------------------------------------------------- parameters
+    def master_view(self) -> torch.Tensor:
+        """The tensor holding this rank's weight shard between steps: the fp32 master, or the
+        parameters' own shard (bf16 without a master). Checkpoints read and write it."""
+        return self.master if self.master is not None else self.flat_param[self.shard_slice]
+
+    def weights32(self) -> torch.Tensor:
+        """This rank's weight shard in fp32 (the master, or the parameters' shard widened)."""
+        if self.master is not None:
+            return self.master
+        return self.flat_param[self.shard_slice].to(torch.float32)
+
+    def store(self, w32: torch.Tensor, generator: torch.Generator | None) -> None:
+        """Write the updated fp32 shard back: into the master, or rounded into the parameters' shard
+        (stochastically when ``generator`` is given), then publish."""
+        if self.master is not None:
+            if w32 is not self.master:
+                self.master.copy_(w32)
+        elif generator is not None:
+            self.flat_param[self.shard_slice].copy_(stochastic_round(w32, self.dtype, generator))
+        else:
+            self.flat_param[self.shard_slice].copy_(w32)
+        self.publish()
+
     def publish(self) -> None:
         """All-gather the updated master shards into the flat parameter buffer (the model's weights)."""
+        if self.master is None:  # the local shard is already in place
+            if self.spec.shard_group is not None:
+                _all_gather(self.flat_param, self.flat_param[self.shard_slice].clone(), group=self.spec.shard_group)
+            return
         shard = self.master.to(self.dtype)
         if self.spec.shard_group is None:
             self.flat_param.copy_(shard)
@@ -152,7 +216,8 @@ class _Bucket:
             _all_gather(self.flat_param, shard, group=self.spec.shard_group)
 
     def state_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+        return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq)
+                   if t is not None)
 
     def layout(self) -> dict[str, Any]:
         return {
@@ -178,15 +243,25 @@ class ZeroAdamW:
         weight_decay: float = 0.1,
         grad_reduce_dtype: torch.dtype = torch.float32,
         norm_group: Any = None,
+        master: str = "fp32",
+        moments_dtype: torch.dtype = torch.float32,
+        rounding_seed: int = 0,
     ) -> None:
         if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
+        state_bytes_per_param(master, moments_dtype)  # checks both
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
+        self.master = master
+        self.moments_dtype = moments_dtype
+        #: The stochastic rounding's generator (one per rank: callers pass a per-rank seed).
+        self.generator = torch.Generator().manual_seed(int(rounding_seed))
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.grad_reduce_dtype = grad_reduce_dtype
         self.norm_group = norm_group
-        self.buckets = [_Bucket(spec, grad_reduce_dtype) for spec in buckets if spec.params]
+        self.buckets = [_Bucket(spec, grad_reduce_dtype, master, moments_dtype) for spec in buckets if spec.params]
         seen: set[int] = set()
         for b in self.buckets:
             for p in b.params:
@@ -211,7 +286,7 @@ class ZeroAdamW:
         for b, g in zip(self.buckets, shards):
             if b.spec.norm_owner:
                 sq[0] += g.square().sum()
-                sq[1] += b.master.square().sum()
+                sq[1] += b.weights32().square().sum()
         if self.norm_group is not None:
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.norm_group)
         grad_norm, param_norm = sq.sqrt().tolist()
@@ -221,13 +296,21 @@ class ZeroAdamW:
             if coef < 1.0:
                 for g in shards:
                     g.mul_(coef)
+        sr = self.generator if self.master == "stochastic" else None
         for b, g in zip(self.buckets, shards):
+            w32 = b.weights32()
+            m1, m2 = b.exp_avg, b.exp_avg_sq
+            if m1.dtype != torch.float32:
+                m1, m2 = m1.float(), m2.float()
             _adamw_functional(
-                [b.master], [g], [b.exp_avg], [b.exp_avg_sq], [], [b.step_t],
+                [w32], [g], [m1], [m2], [], [b.step_t],
                 amsgrad=False, beta1=self.betas[0], beta2=self.betas[1], lr=float(lr),
                 weight_decay=self.weight_decay, eps=self.eps, maximize=False,
             )
-            b.publish()
+            if m1 is not b.exp_avg:  # bf16 moments: rounded like the weights
+                for low, wide in ((b.exp_avg, m1), (b.exp_avg_sq, m2)):
+                    low.copy_(stochastic_round(wide, low.dtype, sr) if sr is not None else wide)
+            b.store(w32, sr)
             b.zero_grad()
         return {"grad_norm": grad_norm, "param_norm": param_norm}
 
@@ -246,16 +329,19 @@ class ZeroAdamW:
     # -------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards, with the flat layout needed to reshard them elsewhere."""
-        return {
+        out = {
             "kind": type(self).__name__,
             "buckets": {
                 b.name: {
-                    "master": b.master.clone(), "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone(),
+                    "master": b.weights32().clone(), "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone(),
                     "step": b.step_t.clone(), "layout": b.layout(),
                 }
                 for b in self.buckets
             },
         }
+        if self.master == "stochastic":
+            out["rounding_rng"] = self.generator.get_state()
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,11 +357,16 @@ class ZeroAdamW:
                     f"{lay['group_size']} ({lay['shard_numel']} of {lay['numel']} elements); this rank holds "
                     f"shard {b.group_rank} of {b.group_size} ({b.shard_numel} of {b.numel})"
                 )
-            b.master.copy_(s["master"])
             b.exp_avg.copy_(s["exp_avg"])
             b.exp_avg_sq.copy_(s["exp_avg_sq"])
             b.step_t.copy_(s["step"])
+            if b.master is not None:
+                b.master.copy_(s["master"])
+            else:  # the saved fp32 shard is exactly representable: it was read from these weights
+                b.flat_param[b.shard_slice].copy_(s["master"])
             b.publish()
+        if "rounding_rng" in state:
+            self.generator.set_state(state["rounding_rng"])
 
 
 def split_params(named_params: Iterable[tuple[str, nn.Parameter]],
@@ -338,9 +429,11 @@ class EPSO(ZeroAdamW):
 OPTIMIZERS: dict[str, type[ZeroAdamW]] = {"adamw": ReplicatedAdamW, "sharded": ShardedAdamW, "epso": EPSO}
 
 
-def state_bytes_formula(kind: str, n_dense: int, n_expert_local: int, dp: int, ep: int) -> int:
-    """Optimizer-state bytes per rank: 12 bytes (fp32 master, exp_avg, exp_avg_sq) per element of
-    the rank's shards, shards padded to equal size.
+def state_bytes_formula(kind: str, n_dense: int, n_expert_local: int, dp: int, ep: int,
+                        per_param: int = STATE_BYTES_PER_PARAM) -> int:
+    """Optimizer-state bytes per rank: ``per_param`` bytes (12: fp32 master, exp_avg, exp_avg_sq;
+    :func:`state_bytes_per_param` for the other modes) per element of the rank's shards, shards
+    padded to equal size.
 
     ``n_dense``: non-expert parameters (replicated on every DP x EP rank); ``n_expert_local``: expert
     parameters held by one EP rank (total expert parameters / EP)."""
@@ -348,5 +441,5 @@ def state_bytes_formula(kind: str, n_dense: int, n_expert_local: int, dp: int, e
         raise ValueError(f"kind must be one of {list(OPTIMIZERS)}, got {kind!r}")
     dense_shards = {"adamw": 1, "sharded": dp, "epso": dp * ep}[kind]
     expert_shards = 1 if kind == "adamw" else dp
-    per = STATE_BYTES_PER_PARAM
+    per = per_param
     return per * (math.ceil(n_dense / dense_shards) + math.ceil(n_expert_local / expert_shards))

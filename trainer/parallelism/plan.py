@@ -88,6 +88,9 @@ def plan_from_config(cfg: Any, world: int, ranks_per_node: int = 12) -> str:
                      micro_batch=s.micro_batch, context=cfg.data.context, global_batch=s.global_batch, ac=p.ac,
                      weights=m.param_dtype, optimizer=cfg.optim.name,
                      shape=ModelShape.of(m, m.vocab_size or DEFAULT_VOCAB))
+    o = cfg.optim
+    master = "stochastic" if o.stochastic_rounding else "fp32" if o.master_weights else "none"
+    plan.opt_bytes_per_param = (4 if master == "fp32" else 0) + (4 if o.moments_dtype == "fp32" else 2) * 2
     if gpu_bf16:
         plan.act_bytes = 2
     return format_plan(plan)
@@ -314,6 +317,9 @@ class Plan:
     weight_bytes: int
     act_bytes: int
     optimizer: str
+    opt_bytes_per_param: int = OPT_STATE_BYTES
+    """Optimizer-state bytes per parameter of a shard: 12 with an fp32 master, 8 without one (bf16 +
+    stochastic rounding, fp32 moments), 4 with bf16 moments too."""
     totals: ParamTotals = field(init=False)
     stages: list[StageParams] = field(init=False)
 
@@ -342,7 +348,7 @@ class Plan:
         ne, ex = self.rank_params(st)
         dense_shards = {"adamw": 1, "sharded": self.dp, "epso": self.dp * self.ep}[kind]
         expert_shards = 1 if kind == "adamw" else self.dp
-        return OPT_STATE_BYTES * (math.ceil(ne / dense_shards) + math.ceil(ex / expert_shards))
+        return self.opt_bytes_per_param * (math.ceil(ne / dense_shards) + math.ceil(ex / expert_shards))
 
     def state_bytes(self, st: StageParams, kind: str) -> tuple[int, int, int, int]:
         """(weights, gradients, optimizer states, transient) bytes one rank of stage ``st`` holds under
@@ -356,7 +362,7 @@ class Plan:
             return wb * (ne + ex), wb * (ne + ex), self.optimizer_bytes(st, kind), 0
         shards = self.dp * self.ep
         ne_local = math.ceil(ne / shards)
-        optim = OPT_STATE_BYTES * (ne_local + math.ceil(ex / self.dp))
+        optim = self.opt_bytes_per_param * (ne_local + math.ceil(ex / self.dp))
         gathered = 2 * wb * layer_params(self.shape).non_expert
         return wb * (ne_local + ex), wb * (ne_local + ex), optim, gathered
 
@@ -459,7 +465,7 @@ def format_plan(p: Plan) -> str:
     dt = "bf16" if wb == 2 else "fp32"
     lines += [
         "",
-        f"Memory per rank, GiB (weights and gradients {dt}; optimizer {p.optimizer}: 12 B per param "
+        f"Memory per rank, GiB (weights and gradients {dt}; optimizer {p.optimizer}: {p.opt_bytes_per_param} B per param "
         + ("of non-expert / (DP x EP) and expert / DP" if p.optimizer == "epso" else
            "over DP" if p.optimizer == "sharded" else "unsharded") + f"; activations {'bf16' if p.act_bytes == 2 else 'fp32'}"
         f" at --ac {_ac_name(p.ac)}, times the 1F1B in-flight micro-batches)",
@@ -487,6 +493,12 @@ def format_plan(p: Plan) -> str:
         name = {"sharded": "ZeRO-1", "epso": "EPSO", "fsdp": "FSDP2"}[kind]
         lines.append(f"    {name:8s} {_g(w)} + {_g(g)} + {_g(o)} = {_g(w + g + o)}"
                      + (f"  (+{_g(tr).strip()} gathered)" if tr else ""))
+    lines += ["", "Bytes per parameter (weights + gradients + optimizer state; bf16 weights and gradients)",
+              f"  {'fp32 master (mixed precision)':<38} 2 + 2 + 12 = 16",
+              f"  {'bf16 + stochastic rounding, fp32 m, v':<38} 2 + 2 +  8 = 12",
+              f"  {'bf16 + stochastic rounding, bf16 m, v':<38} 2 + 2 +  4 =  8",
+              f"  this run: {wb} + {wb} + {p.opt_bytes_per_param} = {2 * wb + p.opt_bytes_per_param}"
+              " (--optim.stochastic_rounding, --optim.master_weights, --optim.moments_dtype)"]
     lines += ["", "Activations per micro-batch by --ac choice, GiB (stage 0 / last stage; x in-flight = 1F1B peak)",
               f"  {'--ac':<16} {'stage 0':>8} {'peak 0':>8} {'last':>8} {'peak last':>9} {'vs none':>8}"]
     first, last = p.stages[0], p.stages[-1]

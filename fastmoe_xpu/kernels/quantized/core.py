@@ -1,0 +1,283 @@
+"""The quantized GEMM building blocks shared by the ``int8`` and ``fp8`` stage-4 implementations.
+
+A *format* fixes how an operand is stored and multiplied:
+
+=======  ======================  ======================  =========================================
+format   forward operands        gradient operands       GEMM
+=======  ======================  ======================  =========================================
+int8     int8, scale amax/127    int8, scale amax/127    ``torch._int_mm`` (int32 accumulation),
+                                                         dequantized by the two scale vectors
+fp8      float8_e4m3fn, /448     float8_e5m2, /57344     ``torch._scaled_mm``, the scale vectors
+                                                         applied in its epilogue (fp32 out)
+=======  ======================  ======================  =========================================
+
+Every GEMM ``C [M, N] = A [M, K] @ B [K, N]`` quantizes its two operands symmetrically with one
+scale per row of ``A`` and one per column of ``B`` (scales along the dimensions that are not
+contracted, so they factor out of the sum): ``C = sA[:, None] * sB[None, :] * (qA @ qB)``. A scale is
+``amax / qmax`` of its row or column, computed on the device from the data (no host read); the codes
+are ``round(v * (qmax / amax))`` (int8: to nearest even; fp8: the cast's rounding), so they never
+leave ``[-qmax, qmax]`` and no clamp is needed; an all-zero row gets zero codes. Quantization happens
+in fp32 whatever the tensor's dtype.
+
+Weights are quantized per output channel once per forward (:func:`quantized_weight`) and the
+backward of the same call finds them again by object and version instead of quantizing a second
+time: the input gradient of ``y = x Wq^T`` is ``dy Wq = (dy * sW) qW``, so ``dy * sW`` is quantized
+per row and multiplied by the same int8 weight codes (straight-through: the rounding itself is
+treated as identity, as AQT does).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import NamedTuple
+
+import torch
+
+#: Largest code of each storage dtype.
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+class Format(NamedTuple):
+    """How one precision stores and multiplies its operands."""
+
+    name: str
+    forward: torch.dtype
+    """Storage of the forward operands (activations, weights) and of the saved-tensor side of the
+    weight-gradient GEMM."""
+    grad: torch.dtype
+    """Storage of the gradient operands of the backward GEMMs."""
+
+
+FORMATS: dict[str, Format] = {
+    "int8": Format("int8", torch.int8, torch.int8),
+    "fp8": Format("fp8", torch.float8_e4m3fn, torch.float8_e5m2),
+}
+
+
+def qmax(dtype: torch.dtype) -> float:
+    return _QMAX[dtype]
+
+
+def _quantize_eager(v: torch.Tensor, dtype: torch.dtype, dim: int,
+                    col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and fp32 scales of ``v`` (times ``col_scales`` along its last dimension, when given)
+    with one scale per slice along ``dim`` (reduced). Four passes over ``v``: the amax, the product
+    with ``qmax / amax``, the rounding (int8) and the narrowing cast. ``|v * (qmax / amax)| <=
+    qmax (1 + 2^-23)`` (two fp32 roundings), which rounds to ``qmax``."""
+    v = v.float()
+    if col_scales is not None:
+        v = v * col_scales
+    amax = torch.linalg.vector_norm(v, float("inf"), dim=dim, keepdim=True)
+    qm = _QMAX[dtype]
+    inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
+    q = v * inv
+    if dtype == torch.int8:
+        q.round_()
+    return q.to(dtype), (amax / qm).squeeze(dim)
+
+
+def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor | None) -> None:
+    torch.mul(acc, sa[:, None], out=out)
+    if sb is not None:
+        out.mul_(sb[None, :])
+
+
+# ---------------------------------------------------------------- fused passes (int8, large tensors)
+#: Tensors of at least this many elements are quantized and dequantized by the fused kernels below.
+FUSED_MIN_ELEMENTS = 1 << 18
+_FUSED: dict[str, object] = {}
+_FUSED_FAILED: list[str] = []
+
+
+def _fused(name: str):  # noqa: ANN202
+    """The same computation as the eager function ``name``, compiled by inductor into one loop nest
+    (the amax, then codes in one pass; the epilogue in one pass): the same IEEE operations in the
+    same order, so the same bits (tests/test_precision.py checks it), at a third to a sixth of the
+    eager passes' time on the CPU. None where it cannot be compiled (no C++ compiler)."""
+    if _FUSED_FAILED:
+        return None
+    fn = _FUSED.get(name)
+    if fn is None:
+        def epilogue(out, acc, sa, sb):  # noqa: ANN001, ANN202
+            res = acc.float() * sa[:, None]
+            out.copy_(res if sb is None else res * sb[None, :])
+
+        def quantize(v, dim: int, col_scales):  # noqa: ANN001, ANN202
+            return _quantize_eager(v, torch.int8, dim, col_scales)
+
+        fn = _FUSED[name] = torch.compile({"epilogue": epilogue, "quantize": quantize}[name], dynamic=True)
+    return fn
+
+
+def _run_fused(name: str, *args):  # noqa: ANN001, ANN202
+    """``(True, result)``, or ``(False, None)`` where the fused kernel cannot run."""
+    fn = _fused(name)
+    if fn is None:
+        return False, None
+    try:
+        return True, fn(*args)
+    except Exception as exc:  # no compiler, or a compiler that fails: the eager passes, same numbers
+        import warnings
+
+        _FUSED_FAILED.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__)
+        warnings.warn(f"fastmoe_xpu: the fused int8 passes do not compile here ({_FUSED_FAILED[0]}); "
+                      "using the eager ones", RuntimeWarning, stacklevel=3)
+        return False, None
+
+
+def _use_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return dtype == torch.int8 and t.numel() >= FUSED_MIN_ELEMENTS and t.device.type == "cpu"
+
+
+def _quantize(v: torch.Tensor, dtype: torch.dtype, dim: int,
+              col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_fused(v, dtype):
+        ok, res = _run_fused("quantize", v, dim, col_scales)
+        if ok:
+            return res
+    return _quantize_eager(v, dtype, dim, col_scales)
+
+
+def quantize_rows(v: torch.Tensor, dtype: torch.dtype,
+                  col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [..., M, K], scales [..., M])`` of ``v`` (times ``col_scales [K]`` when given): one
+    scale per row (the last dimension reduced)."""
+    return _quantize(v, dtype, -1, col_scales)
+
+
+def quantize_cols(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [..., K, N], scales [..., N])``: one scale per column (dimension -2 reduced)."""
+    return _quantize(v, dtype, -2)
+
+
+# ---------------------------------------------------------------- the GEMM
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if t.shape == (rows, cols):
+        return t
+    out = t.new_zeros(rows, cols)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor, pad: bool | None = None) -> torch.Tensor:
+    """``a [M, K] int8 @ b [K, N] int8 -> int32`` exactly. ``torch._int_mm`` on CUDA needs M > 16
+    and K, N multiples of 8: there (or with ``pad=True``) the operands are zero-padded, which
+    changes no sum, and the result is cut back. The CPU takes any shape."""
+    M, K = a.shape
+    N = b.shape[1]
+    if pad is None:
+        pad = a.device.type != "cpu"
+    if not pad:
+        return torch._int_mm(a, b)
+    Mp, Kp, Np = max(M, 17), -(-K // 8) * 8, -(-N // 8) * 8
+    if (Mp, Kp, Np) == (M, K, N):
+        return torch._int_mm(a, b)
+    return torch._int_mm(_pad_to(a, Mp, Kp), _pad_to(b, Kp, Np))[:M, :N]
+
+
+def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor | None,
+              pad: bool | None = None) -> torch.Tensor:
+    """The fp8 GEMM, ``torch._scaled_mm`` with row-wise scales (fp32 out). CUDA wants K and N
+    multiples of 16 and ``b`` column-major: there (or with ``pad=True``) the codes are zero-padded
+    (no sum changes; padded columns get scale 1 and are cut off)."""
+    M, K = qa.shape
+    N = qb.shape[1]
+    sb = torch.ones(N, device=qb.device) if sb is None else sb
+    if pad is None:
+        pad = qa.device.type != "cpu"
+    Kp, Np = (-(-K // 16) * 16, -(-N // 16) * 16) if pad else (K, N)
+    if (Kp, Np) != (K, N):
+        qa, qb = _pad_to(qa, M, Kp), _pad_to(qb, Kp, Np)
+        sb = torch.cat([sb, sb.new_ones(Np - N)])
+    b = qb if qb.stride(0) == 1 else qb.t().contiguous().t()  # column-major B
+    res = torch._scaled_mm(qa.contiguous(), b, scale_a=sa[:, None].contiguous(), scale_b=sb[None, :].contiguous(),
+                           out_dtype=torch.float32)
+    return res if Np == N else res[:, :N]
+
+
+def qmm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor | None,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sa[:, None] * sb[None, :] * (qa @ qb)`` in fp32 (``sb`` None: no column scales), written into
+    ``out`` when given (in its dtype): the quantized GEMM with its dequantizing epilogue, which for
+    int8 is two passes over the output (row scales while converting the int32 sums, then columns)."""
+    if qa.dtype == torch.int8:
+        acc = int_mm(qa, qb)
+        res = out if out is not None and out.dtype == torch.float32 else torch.empty(
+            acc.shape, dtype=torch.float32, device=acc.device)
+        if not (_use_fused(acc, torch.int8) and _run_fused("epilogue", res, acc, sa, sb)[0]):
+            _epilogue_eager(res, acc, sa, sb)
+    else:
+        res = scaled_mm(qa, sa, qb, sb)
+    if out is None or res is out:
+        return res
+    out.copy_(res)
+    return out
+
+
+# ---------------------------------------------------------------- weights, quantized once per call
+class QWeight(NamedTuple):
+    codes: torch.Tensor
+    """``[NR, O, In]`` (or ``[NR, In, O]`` for a transposed layout), the weight's own layout."""
+    scales: torch.Tensor
+    """``[NR, O]``: one per output channel."""
+
+
+_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.dtype, bool, QWeight]] = {}
+
+
+def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
+                     reuse: bool = False) -> QWeight:
+    """``w [NR, O, In]`` (``transposed``: stored ``[NR, In, O]``) quantized per output channel.
+
+    The forward (``reuse=False``) quantizes and remembers the result for this tensor object and its
+    version; the backward (``reuse=True``) takes it back when the same tensor is unchanged since,
+    else quantizes again. An in-place update (an optimizer step) bumps the version, and a freed
+    tensor's entry is dropped with it, so a stale copy is never used."""
+    key = id(w)
+    if reuse:
+        hit = _WEIGHTS.get(key)
+        if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == dtype and hit[3] == transposed:
+            return hit[4]
+    q = quantize_cols(w, dtype) if transposed else quantize_rows(w, dtype)
+    qw = QWeight(*q)
+    try:
+        ref = weakref.ref(w, lambda _r, k=key: _WEIGHTS.pop(k, None))
+    except TypeError:  # not weak-referenceable: nothing is kept
+        return qw
+    _WEIGHTS[key] = (ref, w._version, dtype, transposed, qw)
+    return qw
+
+
+def forget_weights() -> None:
+    """Drop every remembered quantized weight."""
+    _WEIGHTS.clear()
+
+
+# ---------------------------------------------------------------- availability
+@functools.lru_cache(maxsize=None)
+def _probe(fmt: str, device_type: str, device_index: int | None) -> str | None:
+    dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    f = FORMATS[fmt]
+    try:
+        a = (torch.arange(32 * 32, device=dev, dtype=torch.float32).reshape(32, 32) % 7) - 3
+        qa, sa = quantize_rows(a, f.forward)
+        qb, sb = quantize_cols(a.t().contiguous(), f.grad)
+        got, want = qmm(qa, sa, qb, sb), a @ a.t()
+        # within a few code steps of the exact product (the quantization error of these values)
+        if not (got - want).abs().max() <= 0.05 * want.abs().max():
+            return f"{fmt} GEMMs give wrong results on {dev}"
+    except Exception as exc:  # an unsupported device raises; any reason means "not here"
+        return f"{fmt} GEMMs do not run on {dev} with torch {torch.__version__}: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def unsupported_reason(fmt: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """None when precision ``fmt`` runs for ``dtype`` activations on ``device``; else why not
+    (probed once with a tiny quantized GEMM, so the answer follows the installed torch)."""
+    dev = torch.device(device)
+    if dev.type == "meta":
+        return f"{fmt} GEMMs are not probed on the meta device"
+    if fmt == "fp8" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+        return f"fp8 GEMMs need sm_89 or newer, {torch.cuda.get_device_name(dev)} is sm_" + "".join(
+            map(str, torch.cuda.get_device_capability(dev)))
+    return _probe(fmt, dev.type, dev.index)

@@ -1,0 +1,164 @@
+"""Stage 4 with quantized GEMMs: the contract's GEMM launchers for one :class:`.core.Format`.
+
+Every GEMM of each projection is quantized: the forward (routed rows per row, the weight per
+output channel), the input gradient (the output gradient times the weight's scales, per row,
+against the forward's weight codes) and the weight gradient (per column of each expert's gradient
+rows and input rows: scales along the dimensions that stay, over that expert's rows). Accumulation
+is exact (int32) or fp32 (fp8), dequantized by the scales right after; SiLU*up, its backward and the
+router-weight products stay in fp32. ``silu_mul_bwd`` and stages 2, 3 and 5 come from the kernel
+backend this engine is combined with. The expert bounds are read on the host (as the ``loop``
+engine does); scales are computed on the device. Row buffers: rows past RT are zero.
+
+:mod:`.reference` states the same maths expert by expert in plain PyTorch; the tests hold these
+launchers to it.
+
+Legend: R rows allocated (>= RT routed rows), H hidden, I intermediate, NR local experts.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from ..contract import check_gemm_inputs, check_stored_gemm_inputs
+from .core import FORMATS, qmm, quantize_cols, quantize_rows, quantized_weight
+
+
+def _groups(cum_token_counts: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]]:
+    b = cum_token_counts.tolist()
+    return b[-1], [(e, b[e], b[e + 1]) for e in range(len(b) - 1)]
+
+
+def _rows_buffer(rows: int, rt: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(max(rows, rt), width, dtype=like.dtype, device=like.device)
+    out[rt:].zero_()
+    return out
+
+
+def _input_grad(g: torch.Tensor, w_scales: torch.Tensor, b: torch.Tensor, grad_dtype: torch.dtype,
+                out: torch.Tensor) -> None:
+    """``out = (g * sW) @ b`` with ``g * sW`` quantized per row: the input gradient through the
+    forward's weight codes ``b`` (oriented ``[O, In]``)."""
+    qg, sg = quantize_rows(g, grad_dtype, w_scales)
+    qmm(qg, sg, b, None, out=out)
+
+
+def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fwd: torch.dtype,
+                 out: torch.Tensor, transposed: bool = False) -> None:
+    """``out = g^T @ a`` (``transposed``: ``a^T @ g``) with both quantized per column over these rows."""
+    qg, sg = quantize_cols(g, fmt_grad)
+    qa, sa = quantize_cols(a, fmt_fwd)
+    if transposed:
+        qmm(qa.t(), sa, qg, sg, out=out)
+    else:
+        qmm(qg.t(), sg, qa, sa, out=out)
+
+
+def _backward_gemms(groups: list[tuple[int, int, int]], g: torch.Tensor, a: torch.Tensor, qw, f, d_rows: torch.Tensor,
+                    dw: torch.Tensor, transposed: bool = False) -> None:  # noqa: ANN001
+    """Per expert: the input gradient of rows ``g`` through the weight codes ``qw`` into ``d_rows``
+    and the weight gradient against the input rows ``a`` into ``dw`` (zero for empty experts)."""
+    for e, s, t in groups:
+        if t == s:
+            dw[e].zero_()
+            continue
+        b = qw.codes[e].t() if transposed else qw.codes[e]
+        _input_grad(g[s:t], qw.scales[e], b, f.grad, d_rows[s:t])
+        _weight_grad(g[s:t], a[s:t], f.grad, f.forward, dw[e], transposed)
+
+
+def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up [R, 2I] = Q(x[input_indices]) @ Q(w_gate_up[e])^T`` per expert, ``h = silu(gate) * up``."""
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
+    f = FORMATS[fmt]
+    rt, groups = _groups(cum_token_counts)
+    two_i = w_gate_up_N2IH.shape[1]
+    gate_up = _rows_buffer(input_indices.shape[0], rt, two_i, x_TH)
+    qw = quantized_weight(w_gate_up_N2IH, f.forward)
+    if rt:
+        qx, sx = quantize_rows(x_TH.index_select(0, input_indices[:rt]), f.forward)
+        for e, s, t in groups:
+            if t > s:
+                qmm(qx[s:t], sx[s:t], qw.codes[e].t(), qw.scales[e], out=gate_up[s:t])
+    inter = two_i // 2
+    h = torch._C._nn.silu(gate_up[:, :inter].float()).mul_(gate_up[:, inter:].float()).to(x_TH.dtype)
+    return gate_up, h
+
+
+def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+             transposed: bool = False) -> torch.Tensor:
+    """``y [R, O] = Q(h) @ Q(w[e])^T`` per expert (``transposed``: ``w`` stored ``[NR, In, O]``)."""
+    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
+    f = FORMATS[fmt]
+    rt, groups = _groups(cum_token_counts)
+    width = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
+    y = _rows_buffer(h_RI.shape[0], rt, width, h_RI)
+    qw = quantized_weight(w_down_NHI, f.forward, transposed)
+    if rt:
+        qh, sh = quantize_rows(h_RI[:rt], f.forward)
+        for e, s, t in groups:
+            if t > s:
+                b = qw.codes[e] if transposed else qw.codes[e].t()
+                qmm(qh[s:t], sh[s:t], b, qw.scales[e], out=y[s:t])
+    return y
+
+
+def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor,
+             w_down_NHI: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh [R, In], dw)``: ``dh = Q(dy * sW) @ qW`` per expert and ``dw = Q(dy_e)^T @ Q(h_e)``
+    (per column over the expert's rows; zero for empty experts), ``dw`` in ``w``'s stored layout."""
+    check_stored_gemm_inputs(dy_RH, w_down_NHI, cum_token_counts, "down_bwd", not transposed)
+    f = FORMATS[fmt]
+    rt, groups = _groups(cum_token_counts)
+    width = w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]
+    dh = _rows_buffer(dy_RH.shape[0], rt, width, dy_RH)
+    dw = torch.empty_like(w_down_NHI)
+    qw = quantized_weight(w_down_NHI, f.forward, transposed, reuse=True)
+    _backward_gemms(groups, dy_RH, h_RI, qw, f, dh, dw, transposed)
+    return dh, dw
+
+
+def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                      cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weighted down backward: ``g = Q(dy * sW) @ qW`` (unweighted), ``d_row_weights = <g, h>``,
+    ``dh = w * g`` and ``dw_down = Q(dy_e)^T @ Q(w * h)_e``; ``h`` recomputed from ``gate_up`` in fp32."""
+    f = FORMATS[fmt]
+    rt, groups = _groups(cum_token_counts)
+    inter = w_down_NHI.shape[2]
+    h = torch._C._nn.silu(gate_up_R2I[:rt, :inter].float()).mul_(gate_up_R2I[:rt, inter:].float())
+    g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
+    dw = torch.empty_like(w_down_NHI)
+    qw = quantized_weight(w_down_NHI, f.forward, reuse=True)
+    w = row_weights_R[:rt, None].float()
+    _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
+    d_row_w = torch.linalg.vecdot(g, h)
+    dh = _rows_buffer(dy_RH.shape[0], rt, inter, dy_RH)
+    dh[:rt] = g.mul_(w)
+    return dh, dw, d_row_w
+
+
+def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx_rows [R, H] = Q(d * sW) @ qW`` and ``dw_gate_up[e] = Q(d_e)^T @ Q(x[rows_e])`` (the rows
+    gathered again)."""
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
+    f = FORMATS[fmt]
+    rt, groups = _groups(cum_token_counts)
+    dx_rows = _rows_buffer(d_gate_up_R2I.shape[0], rt, x_TH.shape[1], x_TH)
+    dw = torch.empty_like(w_gate_up_N2IH)
+    qw = quantized_weight(w_gate_up_N2IH, f.forward, reuse=True)
+    rows = x_TH.index_select(0, input_indices[:rt])
+    _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw)
+    return dx_rows, dw
+
+
+#: The launchers a quantized engine provides (the rest of stage 4 comes from the kernel backend).
+LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")
+
+
+def bind(fmt: str) -> dict[str, Callable[..., Any]]:
+    """The launchers with format ``fmt`` bound: what a precision's launcher module exports."""
+    return {name: functools.partial(globals()[name], fmt) for name in LAUNCHERS}

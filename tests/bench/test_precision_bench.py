@@ -1,0 +1,37 @@
+"""The benchmark's precision surface: quantized providers by name, ``--precision`` expansion, and
+``bench.precision`` (layer timing, the convergence report's table and chart) on tiny inputs."""
+from __future__ import annotations
+
+import pytest
+
+from bench.precision import chart, layer, markdown
+from bench.providers import build_provider, expand_names, with_precisions
+from bench.cases import make_case
+from bench.presets import PRESETS
+
+
+def test_precision_providers_by_name():
+    assert with_precisions(["hf_v4", "fastmoe/torch"], ["none", "int8"]) == ["hf_v4", "fastmoe/torch",
+                                                                           "fastmoe/torch:int8"]
+    assert with_precisions(["hf_v4", "fastmoe/torch"], ["fp8"]) == ["hf_v4", "fastmoe/torch:fp8"]
+    assert "fastmoe/torch:int8" in expand_names(["fastmoe/torch:int8"])
+    with pytest.raises(ValueError, match="quantized providers are fastmoe/<backend>:<precision>"):
+        expand_names(["fastmoe/torch:int4"])
+    case = make_case(PRESETS["tiny"])
+    prov = build_provider("fastmoe/torch:int8", case)
+    assert prov.precision == "int8" and "quantized to int8" in prov.note
+    out = prov.forward(case.x_TH, case.weights_TK, case.topk_idx_TK)
+    assert out.shape == case.x_TH.shape
+
+
+def test_layer_timing_and_report(tmp_path):
+    rows = layer(["tiny"], ["int8"], rounds=1)
+    assert len(rows) == 1 and rows[0]["precision"] == "int8" and rows[0]["min_s"] > 0
+    losses = [3.0, 2.5, 2.0]
+    results = {name: {"losses": losses, "train_loss_last10": 2.5, "val_loss": v, "steps_per_s": 1.0,
+                      "optimizer_bytes_per_param": 12.0, **extra}
+               for name, v, extra in (("fp32", 2.0, {"val_loss_ptq_int8": 2.01}), ("int8-experts", 2.02, {}))}
+    text = markdown(results, "cmd")
+    assert "int8-trained +0.0200, fp32-trained then quantized to int8 +0.0100" in text
+    chart(results, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
