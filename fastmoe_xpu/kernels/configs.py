@@ -45,6 +45,7 @@ KERNELS = (
     "tma_grouped_mm",
     "tma_grouped_mm_bwd",
     "tma_grouped_mm_bwd_silu",
+    "int8_grouped_mm",
 )
 
 
@@ -93,6 +94,12 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
+        # The int8 grouped GEMM (triton/int8_gemm.py): int8 operands are half as wide as bf16, so
+        # twice the K tile for the same bytes per stage; an int32 accumulator like fp32's.
+        "int8_grouped_mm": [
+            _c("m128n128k128", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
+            _c("m64n128k128", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
+        ],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
         "tma_gate_up_fwd": [
@@ -140,6 +147,10 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
+        "int8_grouped_mm": [
+            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n128k128", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
+        ],
     },
     "xpu": {
         "count_tokens": [_c("e64", 4, 1, _XPU, BLOCK_E=64)],
@@ -192,6 +203,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "tma_grouped_mm": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "tma_grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "tma_grouped_mm_bwd_silu": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "int8_grouped_mm": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
     },
 }
 

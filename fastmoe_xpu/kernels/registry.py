@@ -221,10 +221,15 @@ def unavailable_reason(engine: str, backend: str, device: torch.device | str, dt
 # ---------------------------------------------------------------- kernel sets by name
 class KernelSet:
     """A :class:`.contract.KernelBackend`: stages 2, 3 and 5 (and whatever stage-4 launcher the engine
-    lacks) from a base implementation, stage 4 from an engine."""
+    lacks) from a base implementation, stage 4 from an engine. An engine module with a
+    ``launchers_for(base)`` function gives its launchers for that base through it (``int8`` runs
+    its Triton kernel next to the Triton base)."""
 
     def __init__(self, base: str, engine: str) -> None:
         base_module, engine_module = module_of(base), module_of(engine)
+        per_base = getattr(engine_module, "launchers_for", None)
+        if per_base is not None:  # an engine whose launchers depend on the base's kernels
+            engine_module = per_base(base)
         provided = IMPLEMENTATIONS[engine].launchers()
         provided = getattr(engine_module, "LAUNCHERS", provided)
         self.NAME = base if NATIVE[base] == engine else f"{base}+{engine}"

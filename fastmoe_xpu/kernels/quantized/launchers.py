@@ -9,6 +9,14 @@ router-weight products stay in fp32. ``silu_mul_bwd`` and stages 2, 3 and 5 come
 backend this engine is combined with. The expert bounds are read on the host (as the ``loop``
 engine does); scales are computed on the device. Row buffers: rows past RT are zero.
 
+Next to the Triton base (``grouped=True``, int8, where the device's Triton config table has the
+kernel: cuda, hip and the interpreter), the forward GEMMs and the input-gradient GEMMs run as one
+Triton int8 grouped GEMM each (:mod:`..triton.int8_gemm`: int32 ``tl.dot``, the scales applied in
+its epilogue, the gate/up rows gathered in its loads, the expert bounds read on the device); the
+weight-gradient GEMMs stay one ``torch._int_mm`` per expert. The numbers are the same bits as the
+per-expert path: quantization is per row (per token) and per output channel, so quantizing all
+rows at once gives every row the codes and scale it gets alone.
+
 :mod:`.reference` states the same maths expert by expert in plain PyTorch; the tests hold these
 launchers to it.
 
@@ -17,6 +25,7 @@ Legend: R rows allocated (>= RT routed rows), H hidden, I intermediate, NR local
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -55,28 +64,67 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fw
         qmm(qg.t(), sg, qa, sa, out=out)
 
 
+def _grouped(grouped: bool, fmt: str, device: torch.device) -> bool:
+    """Whether the Triton int8 grouped GEMM runs this call."""
+    if not grouped or fmt != "int8":
+        return False
+    from ..triton import int8_gemm
+
+    return int8_gemm.available(device)
+
+
+def _grouped_input_grad(groups: list[tuple[int, int, int]], g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor,
+                        d_rows: torch.Tensor, transposed: bool) -> None:  # noqa: ANN001
+    """All experts' input gradients in one Triton int8 grouped GEMM: each row of ``g`` times its
+    expert's weight scales, quantized per row, against the weight codes (``[O, In]`` per expert:
+    the stored ``[NR, O, In]`` as ``W_e``, the transposed ``[NR, In, O]`` as ``W_e^T``)."""
+    from ..triton.int8_gemm import int8_grouped_mm
+
+    rt = groups[-1][2] if groups else 0
+    if rt == 0:
+        return
+    counts = torch.tensor([t - s for _, s, t in groups], device=g.device)
+    row_scales = qw.scales.repeat_interleave(counts, dim=0, output_size=rt)  # [RT, O]
+    qg, sg = quantize_rows(g[:rt], f.grad, row_scales)
+    int8_grouped_mm(qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
+
+
 def _backward_gemms(groups: list[tuple[int, int, int]], g: torch.Tensor, a: torch.Tensor, qw, f, d_rows: torch.Tensor,
-                    dw: torch.Tensor, transposed: bool = False) -> None:  # noqa: ANN001
+                    dw: torch.Tensor, transposed: bool = False,
+                    cum_token_counts: torch.Tensor | None = None) -> None:  # noqa: ANN001
     """Per expert: the input gradient of rows ``g`` through the weight codes ``qw`` into ``d_rows``
-    and the weight gradient against the input rows ``a`` into ``dw`` (zero for empty experts)."""
+    and the weight gradient against the input rows ``a`` into ``dw`` (zero for empty experts).
+    ``cum_token_counts`` given: the input gradients as one Triton grouped GEMM instead."""
+    if cum_token_counts is not None:
+        _grouped_input_grad(groups, g, qw, f, cum_token_counts, d_rows, transposed)
     for e, s, t in groups:
         if t == s:
             dw[e].zero_()
             continue
-        b = qw.codes[e].t() if transposed else qw.codes[e]
-        _input_grad(g[s:t], qw.scales[e], b, f.grad, d_rows[s:t])
+        if cum_token_counts is None:
+            b = qw.codes[e].t() if transposed else qw.codes[e]
+            _input_grad(g[s:t], qw.scales[e], b, f.grad, d_rows[s:t])
         _weight_grad(g[s:t], a[s:t], f.grad, f.forward, dw[e], transposed)
 
 
 def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
-                w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                w_gate_up_N2IH: torch.Tensor, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = Q(x[input_indices]) @ Q(w_gate_up[e])^T`` per expert, ``h = silu(gate) * up``."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
     f = FORMATS[fmt]
-    rt, groups = _groups(cum_token_counts)
     two_i = w_gate_up_N2IH.shape[1]
-    gate_up = _rows_buffer(input_indices.shape[0], rt, two_i, x_TH)
     qw = quantized_weight(w_gate_up_N2IH, f.forward)
+    if _grouped(grouped, fmt, x_TH.device):
+        from ..triton.int8_gemm import int8_grouped_mm
+
+        gate_up = x_TH.new_zeros(input_indices.shape[0], two_i)
+        if x_TH.shape[0]:  # every token quantized once; the kernel gathers the routed rows' codes
+            qx, sx = quantize_rows(x_TH, f.forward)
+            int8_grouped_mm(qx, sx, input_indices, qw.codes, qw.scales, cum_token_counts, gate_up, trans_w=True)
+        rt = None
+    else:
+        rt, groups = _groups(cum_token_counts)
+        gate_up = _rows_buffer(input_indices.shape[0], rt, two_i, x_TH)
     if rt:
         qx, sx = quantize_rows(x_TH.index_select(0, input_indices[:rt]), f.forward)
         for e, s, t in groups:
@@ -88,14 +136,20 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
 
 
 def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
-             transposed: bool = False) -> torch.Tensor:
+             transposed: bool = False, grouped: bool = False) -> torch.Tensor:
     """``y [R, O] = Q(h) @ Q(w[e])^T`` per expert (``transposed``: ``w`` stored ``[NR, In, O]``)."""
     check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
     f = FORMATS[fmt]
-    rt, groups = _groups(cum_token_counts)
     width = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
-    y = _rows_buffer(h_RI.shape[0], rt, width, h_RI)
     qw = quantized_weight(w_down_NHI, f.forward, transposed)
+    if _grouped(grouped, fmt, h_RI.device):
+        from ..triton.int8_gemm import int8_grouped_mm
+
+        y = h_RI.new_zeros(h_RI.shape[0], width)
+        qh, sh = quantize_rows(h_RI, f.forward)  # row-local: rows past RT change no expert row
+        return int8_grouped_mm(qh, sh, None, qw.codes, qw.scales, cum_token_counts, y, trans_w=not transposed)
+    rt, groups = _groups(cum_token_counts)
+    y = _rows_buffer(h_RI.shape[0], rt, width, h_RI)
     if rt:
         qh, sh = quantize_rows(h_RI[:rt], f.forward)
         for e, s, t in groups:
@@ -106,7 +160,8 @@ def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_dow
 
 
 def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor,
-             w_down_NHI: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             w_down_NHI: torch.Tensor, transposed: bool = False, grouped: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh [R, In], dw)``: ``dh = Q(dy * sW) @ qW`` per expert and ``dw = Q(dy_e)^T @ Q(h_e)``
     (per column over the expert's rows; zero for empty experts), ``dw`` in ``w``'s stored layout."""
     check_stored_gemm_inputs(dy_RH, w_down_NHI, cum_token_counts, "down_bwd", not transposed)
@@ -116,12 +171,13 @@ def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts
     dh = _rows_buffer(dy_RH.shape[0], rt, width, dy_RH)
     dw = torch.empty_like(w_down_NHI)
     qw = quantized_weight(w_down_NHI, f.forward, transposed, reuse=True)
-    _backward_gemms(groups, dy_RH, h_RI, qw, f, dh, dw, transposed)
+    _backward_gemms(groups, dy_RH, h_RI, qw, f, dh, dw, transposed,
+                    cum_token_counts if _grouped(grouped, fmt, dy_RH.device) else None)
     return dh, dw
 
 
 def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
-                      cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+                      cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, grouped: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weighted down backward: ``g = Q(dy * sW) @ qW`` (unweighted), ``d_row_weights = <g, h>``,
     ``dh = w * g`` and ``dw_down = Q(dy_e)^T @ Q(w * h)_e``; ``h`` recomputed from ``gate_up`` in fp32."""
@@ -133,7 +189,8 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     dw = torch.empty_like(w_down_NHI)
     qw = quantized_weight(w_down_NHI, f.forward, reuse=True)
     w = row_weights_R[:rt, None].float()
-    _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
+    _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw, False,
+                    cum_token_counts if _grouped(grouped, fmt, dy_RH.device) else None)
     d_row_w = torch.linalg.vecdot(g, h)
     dh = _rows_buffer(dy_RH.shape[0], rt, inter, dy_RH)
     dh[:rt] = g.mul_(w)
@@ -141,7 +198,8 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
 
 
 def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
-                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor, grouped: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = Q(d * sW) @ qW`` and ``dw_gate_up[e] = Q(d_e)^T @ Q(x[rows_e])`` (the rows
     gathered again)."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
@@ -151,7 +209,8 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
     dw = torch.empty_like(w_gate_up_N2IH)
     qw = quantized_weight(w_gate_up_N2IH, f.forward, reuse=True)
     rows = x_TH.index_select(0, input_indices[:rt])
-    _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw)
+    _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw, False,
+                    cum_token_counts if _grouped(grouped, fmt, x_TH.device) else None)
     return dx_rows, dw
 
 
@@ -159,6 +218,14 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
 LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")
 
 
-def bind(fmt: str) -> dict[str, Callable[..., Any]]:
-    """The launchers with format ``fmt`` bound: what a precision's launcher module exports."""
+def bind(fmt: str, grouped: bool = False) -> dict[str, Callable[..., Any]]:
+    """The launchers with format ``fmt`` bound: what a precision's launcher module exports;
+    ``grouped``: next to the Triton base (the Triton int8 grouped GEMM where it applies)."""
+    if grouped:
+        return {name: functools.partial(globals()[name], fmt, grouped=True) for name in LAUNCHERS}
     return {name: functools.partial(globals()[name], fmt) for name in LAUNCHERS}
+
+
+def launchers_for(fmt: str, base: str) -> SimpleNamespace:
+    """The launchers of format ``fmt`` next to kernel base ``base``."""
+    return SimpleNamespace(LAUNCHERS=LAUNCHERS, **bind(fmt, grouped=base == "triton"))

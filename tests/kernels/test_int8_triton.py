@@ -1,0 +1,149 @@
+"""The Triton int8 grouped GEMM (``kernels/triton/int8_gemm.py``) under the interpreter: the kernel
+against exact integer products, and ``expert_precision="int8"`` next to the Triton base (forward and
+input-gradient GEMMs in the kernel) against the plain-PyTorch reference of the quantized maths
+(``kernels/quantized/reference.py``), gradients included, at awkward shapes."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first 'import triton' of this process
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
+from fastmoe_xpu.kernels import kernels  # noqa: E402
+from fastmoe_xpu.kernels.quantized import reference as qref  # noqa: E402
+from fastmoe_xpu.kernels.triton import int8_gemm, launch  # noqa: E402
+from fastmoe_xpu.routing import topk_routing  # noqa: E402
+
+# The integer sums are exact and the epilogue rounds as the reference does: only the combine's
+# summation order differs (the tolerance of tests/test_precision.py).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _close(got, want, what):
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got.detach().float(), want.float(), rtol=RTOL, atol=ATOL + RTOL * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    names: list[str] = []
+    real = launch.launch
+
+    def spy(kernel, *args, **kwargs):
+        names.append(getattr(kernel, "fn", kernel).__name__)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "launch", spy)
+    return names
+
+
+@pytest.mark.parametrize("trans_w", [True, False])
+@pytest.mark.parametrize("gather", [True, False])
+def test_kernel_is_exact(trans_w, gather):
+    """Each expert row: the int8 codes multiplied exactly, converted to fp32, times the row scale,
+    then the column scale; rows of no expert (past RT) untouched. Counts 19, 0, 1, 17 (an empty
+    expert, a single row, tiles of 16 partly filled), K = 37 and N = 21 not multiples of the tile."""
+    g = torch.Generator().manual_seed(0)
+    counts = [19, 0, 1, 17]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    rt, R, N, K = sum(counts), sum(counts) + 3, 21, 37
+    src_rows = 29 if gather else R
+    qa = torch.randint(-127, 128, (src_rows, K), generator=g, dtype=torch.int8)
+    sa = torch.rand(src_rows, generator=g)
+    idx = torch.randint(0, src_rows, (R,), generator=g, dtype=torch.int32) if gather else None
+    qw = torch.randint(-127, 128, (4, N, K) if trans_w else (4, K, N), generator=g, dtype=torch.int8)
+    sw = torch.rand(4, N, generator=g)
+    for with_sw, dtype in ((True, torch.float32), (False, torch.float32), (True, torch.bfloat16)):
+        out = torch.full((R, N), 7.0, dtype=dtype)
+        int8_gemm.int8_grouped_mm(qa, sa, idx, qw, sw if with_sw else None, cum, out, trans_w)
+        for e in range(4):
+            s, t = int(cum[e]), int(cum[e + 1])
+            src = idx[s:t].long() if gather else torch.arange(s, t)
+            b = qw[e].t() if trans_w else qw[e]
+            want = (qa[src].double() @ b.double()).float() * sa[src, None]
+            if with_sw:
+                want = want * sw[e][None, :]
+            if dtype == torch.float32:
+                assert torch.equal(out[s:t], want), (e, with_sw)
+            else:  # one bf16 step: the interpreter truncates float -> bf16 casts, GPUs round to nearest
+                torch.testing.assert_close(out[s:t].float(), want, rtol=2 ** -7, atol=0)
+        assert out[rt:].eq(7.0).all()
+
+
+def _case(T, H, I, E, K, seed=0, empty=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    if empty:
+        logits[:, K + 1:] -= 100
+    weights, idx = topk_routing(logits, K, True)
+    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
+            torch.randn(T, H, generator=g))
+
+
+@pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
+                         ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+def test_triton_int8_layer_matches_reference(shape, launched):
+    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="triton",
+                              expert_precision="int8")
+    out.backward(dout)
+    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8")
+    _close(out, want[0], "output")
+    _close(leaves[0].grad, want[1], "input gradient")
+    _close(leaves[2].grad, want[2], "gate_up weight gradient")
+    _close(leaves[3].grad, want[3], "down weight gradient")
+    _close(leaves[1].grad, want[4], "router-weight gradient")
+    # gate_up forward, down forward, down input gradient, gate_up input gradient
+    assert launched.count("_int8_grouped_mm_kernel") == 4, launched
+    assert "_grouped_mm_fwd_kernel" not in launched and "_gate_up_fwd_kernel" not in launched
+    if shape[0] == 5:
+        assert int(idx.max()) <= shape[4], "the routing did not leave experts empty"
+        assert torch.count_nonzero(leaves[2].grad[shape[4] + 1:]) == 0
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_int8_down_launchers_both_layouts(transposed, launched):
+    """``down_fwd`` / ``down_bwd`` of ``triton+int8`` against the torch-base launchers, bit for bit
+    (the same quantized maths, per expert there, grouped here), stored and transposed layouts."""
+    g = torch.Generator().manual_seed(3)
+    counts = [5, 0, 19, 1]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    a = torch.randn(sum(counts) + 2, 11, generator=g)
+    w = torch.randn(4, 13, 11, generator=g)
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    tri, ref = kernels("triton+int8"), kernels("torch+int8")
+    rt = sum(counts)
+    y = tri.down_fwd(a, cum, stored, transposed=transposed)
+    assert torch.equal(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt])
+    da, dw = tri.down_bwd(dy, a, cum, stored, transposed=transposed)
+    want_da, want_dw = ref.down_bwd(dy, a, cum, stored, transposed=transposed)
+    assert torch.equal(da[:rt], want_da[:rt]) and torch.equal(dw, want_dw)
+    assert launched.count("_int8_grouped_mm_kernel") == 2, launched
+    for e in range(4):  # and both against the reference per expert
+        s, t = int(cum[e]), int(cum[e + 1])
+        if s < t:
+            _close(y[s:t], qref.qlinear(a[s:t], w[e], "int8"), f"expert {e} forward")
+            _close(da[s:t], qref.qlinear_backward(dy[s:t], a[s:t], w[e], "int8")[0], f"expert {e} input gradient")
+
+
+def test_triton_int8_bf16_equals_torch_base():
+    """bf16 activations: the Triton base's int8 layer gives the torch base's int8 numbers."""
+    x, weights, idx, w_gu, w_d, dout = _case(23, 24, 14, 5, 2, seed=2)
+    res = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.to(torch.bfloat16).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend=backend,
+                                  expert_precision="int8")
+        out.backward(dout.to(torch.bfloat16))
+        res[backend] = [out.detach(), *(t.grad for t in leaves)]
+    for name, a, b in zip(("out", "dx", "dweights", "dw_gate_up", "dw_down"), res["triton"], res["torch"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=name)
