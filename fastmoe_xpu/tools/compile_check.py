@@ -88,9 +88,9 @@ def cuda_resources(compiled) -> tuple[int | None, int | None]:
     return getattr(md, "n_regs", None), getattr(md, "n_spills", None)
 
 
-#: SASS instructions whose presence the check reports: Hopper's tensor-core MMA (wgmma), TMA loads
-#: and stores, and cp.async copies.
-SASS_MARKERS = ("HGMMA", "UTMALDG", "UTMASTG", "LDGSTS")
+#: SASS instructions whose presence the check reports: Hopper's tensor-core MMA (wgmma: HGMMA on
+#: floats, IGMMA on int8), the integer MMA of mma.sync (IMMA), TMA loads and stores, and cp.async copies.
+SASS_MARKERS = ("HGMMA", "IGMMA", "IMMA", "UTMALDG", "UTMASTG", "LDGSTS")
 
 
 def cuda_sass(compiled) -> list[str]:

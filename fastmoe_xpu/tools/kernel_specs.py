@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.configs import configs
-from ..kernels.triton import combine, counting, grouped_gemm, indices, tma_gemm
+from ..kernels.triton import combine, counting, grouped_gemm, indices, int8_gemm, tma_gemm
 
 @dataclass
 class KernelSpec:
@@ -130,7 +130,22 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         ("d_row_w_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dweights_ptr", "K")))
     if target == "cuda":
         out += _tma_variants(act, _P32, _I32)
+    if target in ("cuda", "hip"):
+        out += _int8_variants(act)
     return out
+
+
+def _int8_variants(act: str) -> list:
+    """The int8 grouped GEMM (``expert_precision="int8"`` next to the Triton base) as its launchers
+    call it: the gate/up forward (rows gathered, weight scales), the down forward and the input
+    gradient (no column scales). Not for PVC: there the int8 entry keeps its per-expert GEMMs."""
+    sig = {"a_ptr": "*i8", "sa_ptr": "*fp32", "idx_ptr": _P32, "w_ptr": "*i8", "sw_ptr": "*fp32",
+           "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
+    aligned = ("a_ptr", "sa_ptr", "idx_ptr", "w_ptr", "sw_ptr", "cum_token_ptr", "out_ptr", "N", "K")
+    return [(f"int8_grouped_mm[{tag}]", int8_gemm.KERNEL, int8_gemm._int8_grouped_mm_kernel, sig,
+             {"TRANS_W": trans, "GATHER": gather, "HAS_SW": has_sw}, aligned)
+            for tag, trans, gather, has_sw in (("W^T+gather", True, True, True), ("W^T", True, False, True),
+                                               ("W", False, False, False))]
 
 
 def _desc(dtype: str, *box: str):
