@@ -12,9 +12,10 @@ registers, spills and shared memory:
   ``cuobjdump --dump-resource-usage`` (shipped in Triton's ``backends/nvidia/bin``) on the cubin
   (``REG``, ``LOCAL``); the compiled kernel's ``n_regs``/``n_spills`` metadata where that tool is
   missing; and which of HGMMA (wgmma), UTMALDG / UTMASTG (TMA) and LDGSTS (cp.async) the SASS
-  (``cuobjdump -sass``) contains.
+  (``cuobjdump -sass``) contains (the row's ``sass``).
 * ``hip`` = ``GPUTarget("hip", "gfx942", 64)`` (MI300X): ``.vgpr_count``, ``.vgpr_spill_count`` and
-  ``.sgpr_spill_count`` from the amdgcn text.
+  ``.sgpr_spill_count`` from the amdgcn text, and which MFMA forms (integer ``v_mfma_i32``, float
+  ``v_mfma_f32``) it contains (the row's ``sass`` column too).
 
 :func:`fastmoe_xpu.tools.kernel_specs.kernel_specs` is the shared description of what to compile
 (also used for Intel XPU by :mod:`fastmoe_xpu.tools.compile_xpu`).
@@ -106,6 +107,17 @@ def cuda_sass(compiled) -> list[str]:
     return [m for m in SASS_MARKERS if re.search(rf"\b{m}\b", sass)]
 
 
+#: amdgcn instructions whose presence the check reports for gfx942: the matrix cores' integer
+#: (int8 -> int32) and float MFMAs.
+HIP_MARKERS = ("v_mfma_i32", "v_mfma_f32")
+
+
+def hip_isa(compiled) -> list[str]:
+    """Which of :data:`HIP_MARKERS` a gfx942 kernel's amdgcn contains (as instruction prefixes)."""
+    text = compiled.asm["amdgcn"]
+    return [m for m in HIP_MARKERS if re.search(rf"^\s*{m}_", text, re.M)]
+
+
 def hip_resources(compiled) -> tuple[int | None, int | None]:
     """``(VGPRs, VGPR + SGPR spill count)`` of a gfx942 kernel."""
     text = compiled.asm["amdgcn"]
@@ -139,8 +151,7 @@ def run_check(targets: tuple[str, ...] = TARGETS, defaults_only: bool = False,
                 continue
             regs, spills = cuda_resources(compiled) if target == "cuda" else hip_resources(compiled)
             shared = int(getattr(compiled.metadata, "shared", 0) or 0)
-            if target == "cuda":
-                row["sass"] = cuda_sass(compiled)
+            row["sass"] = cuda_sass(compiled) if target == "cuda" else hip_isa(compiled)
             row.update(ok=True, registers=regs, spills=spills, shared=shared,
                        shared_ok=shared <= SHARED_LIMIT[target], seconds=round(time.time() - t0, 2))
             rows.append(row)
