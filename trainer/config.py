@@ -454,6 +454,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         )
     if p.dp_shard == "fsdp" and not m.is_hf:
         raise ConfigError("--parallel.dp_shard fsdp is implemented for --model.arch hf (any transformers MoE family)")
+    if p.dp_shard == "fsdp" and (o.stochastic_rounding or not o.master_weights):
+        raise ConfigError("--parallel.dp_shard fsdp keeps an fp32 master of the sharded weights: it does not combine "
+                          "with --optim.stochastic_rounding or --no-optim.master_weights")
     check_parallel(cfg)
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check

@@ -64,6 +64,16 @@ class _FsdpShard:
     def reduce_grad_shard(self) -> torch.Tensor:
         return self.flat_grad.float()
 
+    def weights32(self) -> torch.Tensor:
+        """The fp32 master of this rank's shards (what the update reads and writes)."""
+        return self.master
+
+    def store(self, w32: torch.Tensor, generator: torch.Generator | None) -> None:
+        """Keep the updated fp32 shards (always a master here) and write them into the parameters."""
+        if w32 is not self.master:
+            self.master.copy_(w32)
+        self.publish()
+
     @torch.no_grad()
     def publish(self) -> None:
         for p, piece in zip(self.params, self.master.split(self.sizes)):
