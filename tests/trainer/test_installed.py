@@ -47,6 +47,13 @@ def documented_commands() -> list[list[str]]:
     return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
 
 
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what points Python at the checkout: other tests leave
+    ``PYTHONPATH`` naming it, where pip would find the checkout's egg-info, take the package as
+    installed already and skip installing the wheel."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
 def _build_wheel(tmp: Path) -> Path:
     src, out = tmp / "src", tmp / "wheel"
     src.mkdir()
@@ -56,7 +63,7 @@ def _build_wheel(tmp: Path) -> Path:
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                            "--disable-pip-version-check", "-q", "-w", str(out), str(src)],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, env=_clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (wheel,) = out.glob("*.whl")
     return wheel
@@ -65,13 +72,14 @@ def _build_wheel(tmp: Path) -> Path:
 def _venv_with(wheel: Path, tmp: Path) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+                   timeout=120, env=_clean_env())
     py = venv / "bin" / "python"
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+                             capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip()
     Path(purelib, "_project_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n", encoding="utf-8")
     proc = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q",
-                           "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=180)
+                           "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=180,
+                          env=_clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     # torchrun's console script, as installing torch into this venv would write it
     torchrun = venv / "bin" / "torchrun"
@@ -91,7 +99,7 @@ def test_documented_commands_run_installed_outside_the_checkout(tmp_path):
     work.mkdir()
     corpus = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md")))
     (work / "corpus.txt").write_text(corpus[:200_000], encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = _clean_env()
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
 
     def run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
