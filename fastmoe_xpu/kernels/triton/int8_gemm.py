@@ -86,7 +86,7 @@ def _int8_grouped_mm_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # explicit: triton 3.6 takes fp32 as the default
             a_ptrs += BLOCK_K
             b_ptrs += b_step
         res = acc.to(tl.float32) * sa[:, None]
