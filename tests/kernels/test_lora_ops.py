@@ -79,8 +79,9 @@ def low_rank_engine(request, monkeypatch):
     impl = registry.IMPLEMENTATIONS["torch"]
     monkeypatch.setitem(registry.IMPLEMENTATIONS, "torch", dataclasses.replace(impl, low_rank_gemm=(request.param,)))
     registry._low_rank_set.cache_clear()
-    if registry.unavailable_reason(request.param, "torch", "cpu", torch.float32) is not None:
-        pytest.skip(f"{request.param} does not run here")
+    reason = registry.unavailable_reason(request.param, "torch", "cpu", torch.float32)
+    if reason is not None:
+        pytest.skip(f"low-rank products on {request.param}: {reason}")
     yield request.param
     registry._low_rank_set.cache_clear()
 

@@ -17,7 +17,8 @@ import pytest
 from device_util import test_device_name
 
 if test_device_name() != "cpu":
-    pytest.skip("interpreter tests on CPU tensors", allow_module_level=True)
+    pytest.skip("these tests run the kernel in the Triton interpreter on CPU tensors; on a device the compiled "
+                "engine runs in every case of tests/kernels/test_gemm_engines.py", allow_module_level=True)
 
 os.environ["TRITON_INTERPRET"] = "1"
 

@@ -429,6 +429,22 @@ def _row_dot_scale_kernel(
 
 
 # ---------------------------------------------------------------- launchers
+def check_gate_up_fwd_inputs(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                             w_gate_up_N2IH: torch.Tensor) -> None:
+    """The input checks of a Triton ``gate_up_fwd`` (this engine's and the TMA engine's)."""
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
+    check_float("gate_up_fwd", None, x=x_TH, w_gate_up=w_gate_up_N2IH)
+    check_index("gate_up_fwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+
+
+def check_down_fwd_inputs(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+                          transposed: bool) -> None:
+    """The input checks of a Triton ``down_fwd`` (this engine's and the TMA engine's)."""
+    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
+    check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
+    check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
+
+
 #: Row-tile programs per expert, as a multiple of the fair share ``R / NR`` rows: routing up to this
 #: imbalanced runs fully parallel; an expert with more rows loops (grid-stride) over its extra tiles.
 ROW_SLACK = 2
@@ -446,9 +462,7 @@ def gate_up_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
     ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
-    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
-    check_float("gate_up_fwd", None, x=x_TH, w_gate_up=w_gate_up_N2IH)
-    check_index("gate_up_fwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    check_gate_up_fwd_inputs(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
     T, H = x_TH.shape
     NR, two_i, _ = w_gate_up_N2IH.shape
     if two_i % 2:
@@ -534,9 +548,7 @@ def down_fwd(
     """``y [R, H] = h @ w_down[e]^T`` per expert group; rows past RT unspecified. ``transposed``
     (``w_down`` stored ``[NR, I, H]``): ``y = h @ w_down[e]``, the kernel's ``W_e`` variant (the one
     the input gradients use), reading the weight in place."""
-    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
-    check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
-    check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
+    check_down_fwd_inputs(h_RI, cum_token_counts, w_down_NHI, transposed)
     return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, not transposed)
 
 

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ..configs import CONFIGS, dot_precision, table_for
-from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
+from ..contract import check_float, check_index, check_stored_gemm_inputs
 from . import autotune
 from . import grouped_gemm as _plain
 from . import launch as _launch
@@ -320,9 +320,7 @@ def gate_up_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
     ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
-    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
-    check_float("gate_up_fwd", None, x=x_TH, w_gate_up=w_gate_up_N2IH)
-    check_index("gate_up_fwd", x_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    _plain.check_gate_up_fwd_inputs(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
     T, H = x_TH.shape
     NR, two_i, _ = w_gate_up_N2IH.shape
     I = two_i // 2
@@ -419,9 +417,7 @@ def down_fwd(
 ) -> torch.Tensor:
     """``y [R, H] = h @ w_down[e]^T`` per expert group; rows past RT unspecified. ``transposed``
     (``w_down`` stored ``[NR, I, H]``): ``y = h @ w_down[e]``."""
-    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
-    check_float("down_fwd", None, h=h_RI, w_down=w_down_NHI)
-    check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
+    _plain.check_down_fwd_inputs(h_RI, cum_token_counts, w_down_NHI, transposed)
     return _grouped_mm(h_RI, w_down_NHI, cum_token_counts, not transposed)
 
 
