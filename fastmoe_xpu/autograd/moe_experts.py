@@ -91,7 +91,7 @@ def moe_experts_forward(
     stage-4 GEMM quantized, on the registry's implementation of that precision (which then replaces
     ``gemm_engine``); None: full precision. A fused layer with ``gemm_engine="auto"`` small enough for
     one of the registry's ``experts`` implementations (:func:`~fastmoe_xpu.kernels.registry.whole_layer`)
-    runs on it instead of the staged chain: ``fastmoe::experts``, the same numbers."""
+    runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers."""
     check_choice(gemm_engine)
     check_precision(expert_precision)
     base = kernel_backend(backend, x_TH.device)
@@ -106,9 +106,11 @@ def moe_experts_forward(
         num_local = w_gate_up_N2IH.shape[0]
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
     # no shape in the graph depends on data.
-    if expert_rows is None and not lora and expert_precision is None and isinstance(x_TH.shape[0], int):
-        # A layer small enough that launches outweigh arithmetic runs in one piece (registry: ``experts``).
-        # Only for a token count known when tracing: a graph for any T keeps the staged chain.
+    if expert_rows is None and not lora and expert_precision is None and not torch.compiler.is_compiling():
+        # An eager layer small enough that launches outweigh arithmetic runs in one piece (registry:
+        # ``experts``). A traced graph keeps the staged chain: it serves any T without a guard on the
+        # size (an exported program's dynamic dimensions allow none), and a compiled graph has no
+        # launch overhead to save.
         dev = x_TH.device
         macs = layer_macs(x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local)
         for name, budget in _whole_layer_options(base, gemm_engine, dev.type, -1 if dev.index is None else dev.index,

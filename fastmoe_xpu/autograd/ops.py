@@ -125,8 +125,9 @@ def call(op: Any, *args: Any) -> Any:
 
 def _traced(args: tuple[Any, ...]) -> bool:
     """Whether a call may be seen by something other than plain eager execution: a compiler, a
-    dispatch mode (fake tensors, functionalization, proxies, checks) or a tensor subclass."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    dispatch mode (fake tensors, functionalization, proxies, checks), the profiler (which then
+    records the op by name) or a tensor subclass."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._autograd._profiler_enabled():
         return True
     # An op's leading tensors tell: the rest come from the same program as they do.
     return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args[:2])
