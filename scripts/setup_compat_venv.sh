@@ -22,8 +22,7 @@
 set -euo pipefail
 
 # shellcheck source=scripts/venv_common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
-venv="${COMPAT_VENV:-$repo_root/.venv-compat}"
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh" COMPAT_VENV .venv-compat
 
 TORCH_VERSION="2.11.0"
 TRITON_VERSION="3.6.0"

@@ -14,8 +14,7 @@
 set -euo pipefail
 
 # shellcheck source=scripts/venv_common.sh
-source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
-venv="${XPU_VENV:-$repo_root/.venv-xpu}"
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh" XPU_VENV .venv-xpu
 
 # Versions: triton-xpu 3.3.0b1 and intel-sycl-rt 2026.2.0 (headers and libsycl for the backend's
 # small C helper) are what the compile gate was verified with; torch is the CPU wheel the main
