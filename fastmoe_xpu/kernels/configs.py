@@ -46,6 +46,7 @@ KERNELS = (
     "tma_grouped_mm_bwd",
     "tma_grouped_mm_bwd_silu",
     "int8_grouped_mm",
+    "int8_grouped_wgrad",
 )
 
 
@@ -100,6 +101,11 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
             _c("m128n128k128", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
             _c("m64n128k128", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
         ],
+        # Its weight gradient (a contraction over each expert's rows): the same tiles.
+        "int8_grouped_wgrad": [
+            _c("m128n128k128", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
+            _c("m64n128k128", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
+        ],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
         "tma_gate_up_fwd": [
@@ -148,6 +154,10 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
         "int8_grouped_mm": [
+            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
+            _c("m128n128k128", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
+        ],
+        "int8_grouped_wgrad": [
             _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
             _c("m128n128k128", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
         ],
@@ -204,6 +214,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "tma_grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "tma_grouped_mm_bwd_silu": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
         "int8_grouped_mm": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        "int8_grouped_wgrad": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
     },
 }
 
