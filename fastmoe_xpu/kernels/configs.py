@@ -195,6 +195,17 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "combine_fwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
         "combine_bwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
         "router_weights_bwd": [_c("t64", 4, 1, _XPU, BLOCK_T=64)],
+        # The int8 GEMMs (pointer loads, no block pointers): at 16 dpas per thread and k-step
+        # (m128n128k64 with 16 warps, m128n64k64 with 8, m256n128k64 with 32) PVC spills 8-13 KB;
+        # at 8 or fewer (these) nothing (docs/xpu.md).
+        "int8_grouped_mm": [
+            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
+            _c("m64n64k64", 8, 2, _XPU, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        ],
+        "int8_grouped_wgrad": [
+            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
+            _c("m64n64k64", 8, 2, _XPU, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+        ],
     },
     "interpreter": {
         "count_tokens": [_c("e4", 1, 1, BLOCK_E=4)],

@@ -130,8 +130,7 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         ("d_row_w_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dweights_ptr", "K")))
     if target == "cuda":
         out += _tma_variants(act, _P32, _I32)
-    if target in ("cuda", "hip"):
-        out += _int8_variants(act)
+    out += _int8_variants(act)
     return out
 
 
@@ -139,7 +138,7 @@ def _int8_variants(act: str) -> list:
     """The int8 grouped GEMMs (``expert_precision="int8"`` next to the Triton base) as their launchers
     call them: the gate/up forward (rows gathered, weight scales), the down forward and the input
     gradient (no column scales); the weight gradient in the stored layout (the gradient's scales
-    first) and the transposed one. Not for PVC: there the int8 entry keeps its per-expert GEMMs."""
+    first) and the transposed one."""
     sig = {"a_ptr": "*i8", "sa_ptr": "*fp32", "idx_ptr": _P32, "w_ptr": "*i8", "sw_ptr": "*fp32",
            "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
     aligned = ("a_ptr", "sa_ptr", "idx_ptr", "w_ptr", "sw_ptr", "cum_token_ptr", "out_ptr", "N", "K")
