@@ -6,11 +6,11 @@ against the forward's weight codes) and the weight gradient (per column of each 
 rows and input rows: scales along the dimensions that stay, over that expert's rows). Accumulation
 is exact (int32) or fp32 (fp8), dequantized by the scales right after; SiLU*up, its backward and the
 router-weight products stay in fp32. ``silu_mul_bwd`` and stages 2, 3 and 5 come from the kernel
-backend this engine is combined with. The expert bounds are read on the host (as the ``loop``
-engine does); scales are computed on the device. Row buffers: rows past RT are zero.
+backend this engine is combined with. On this per-expert path the expert bounds are read on the
+host (as the ``loop`` engine does); scales are computed on the device. Row buffers: rows past RT are zero.
 
 Next to the Triton base (``grouped=True``, int8, where the device's Triton config table has the
-kernel: cuda, hip and the interpreter), the forward GEMMs and the input-gradient GEMMs run as one
+kernels: cuda, hip, xpu and the interpreter), the forward GEMMs and the input-gradient GEMMs run as one
 Triton int8 grouped GEMM each (:mod:`..triton.int8_gemm`: int32 ``tl.dot``, the scales applied in
 its epilogue, the gate/up rows gathered in its loads, the expert bounds read on the device), and the
 weight-gradient GEMMs as one Triton int8 grouped weight-gradient GEMM each (the contraction over

@@ -163,7 +163,7 @@ def _int8_grouped_wgrad_kernel(
 
 
 def available(device: torch.device) -> bool:
-    """Whether the config table of ``device`` has these kernels (cuda, hip and the interpreter)."""
+    """Whether the config table of ``device`` has these kernels (cuda, hip, xpu and the interpreter)."""
     table = CONFIGS[table_for(device)]
     return KERNEL in table and WGRAD_KERNEL in table
 
