@@ -47,6 +47,7 @@ KERNELS = (
     "tma_grouped_mm_bwd",
     "tma_grouped_mm_bwd_silu",
     "int8_grouped_mm",
+    "int8_grouped_wgrad",
 )
 
 
@@ -107,6 +108,8 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         # The int8 grouped GEMM (triton/int8_gemm.py): int8 operands are half as wide as bf16, so
         # twice the K tile for the same bytes per stage; an int32 accumulator like fp32's.
         "int8_grouped_mm": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
+        # Its weight gradient (a contraction over each expert's rows): the same tiles.
+        "int8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
         "tma_gate_up_fwd": [_mm("m128n64k64", 8, 4), _mm("m128n128k64", 8, 3), _mm("m64n64k64", 4, 4)],
@@ -125,6 +128,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "grouped_mm_bwd_silu": [_mm("m128n128k32", 4, 2)],
         **_row_kernels(),
         "int8_grouped_mm": [_mm("m128n128k64", 8, 2), _mm("m128n128k128", 8, 2)],
+        "int8_grouped_wgrad": [_mm("m128n128k64", 8, 2), _mm("m128n128k128", 8, 2)],
     },
     "xpu": {
         **_counting(4, _XPU),
@@ -144,6 +148,11 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
             _mm("m256n128k32", 32, 2, _XPU),
         ],
         **_row_kernels(_XPU),
+        # The int8 GEMMs (pointer loads, no block pointers): at 16 dpas per thread and k-step
+        # (m128n128k64 with 16 warps, m128n64k64 with 8, m256n128k64 with 32) PVC spills 8-13 KB;
+        # at 8 or fewer (these) nothing (docs/xpu.md).
+        "int8_grouped_mm": [_mm("m128n64k32", 16, 2, _XPU), _mm("m64n64k64", 8, 2, _XPU)],
+        "int8_grouped_wgrad": [_mm("m128n64k32", 16, 2, _XPU), _mm("m64n64k64", 8, 2, _XPU)],
     },
     "interpreter": {
         "count_tokens": [_c("e4", 1, 1, BLOCK_E=4)],
@@ -152,7 +161,8 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         # Every GEMM on one small tile, so that tests exercise multi-tile paths quickly.
         **{kernel: [_mm("m16n16k16", 1, 1)] for kernel in (
             "gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd", "grouped_mm_bwd_silu", "tma_gate_up_fwd",
-            "tma_grouped_mm", "tma_grouped_mm_bwd", "tma_grouped_mm_bwd_silu", "int8_grouped_mm")},
+            "tma_grouped_mm", "tma_grouped_mm_bwd", "tma_grouped_mm_bwd_silu", "int8_grouped_mm",
+            "int8_grouped_wgrad")},
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "row_dot_scale": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
