@@ -13,7 +13,7 @@ import torch
 from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
 
 from .cases import DTYPES, make_case
-from .measure import set_clock
+from .measure import run_options
 from .presets import PRESETS, resolve_presets
 from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names, with_precisions
 from .report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header, write_chart,
@@ -142,16 +142,11 @@ def _run(args: argparse.Namespace) -> int:
         from .table3 import main_table3
 
         return main_table3(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    set_clock(args.clock)
     training_only = [p for p in args.precision if p in ("bf16", "bf16-sr")]
     if training_only:
         raise ValueError(f"--precision {training_only[0]} is a training mode: it needs --table3 (the layer "
                          "benchmark takes --dtype bf16)")
-    args.rounds = 5 if args.rounds is None else args.rounds
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    args.rounds = run_options(args)
     presets = resolve_presets(args.preset)
     names = with_precisions(expand_names(args.providers), args.precision)
     device = torch.device(args.device)

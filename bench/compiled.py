@@ -20,6 +20,8 @@ import torch.nn as nn
 from fastmoe_xpu import patch_olmoe
 from fastmoe_xpu.compiling import compile_decoder, compile_seconds
 
+from .measure import check_rounds
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -118,9 +120,7 @@ def main_compile(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         raise SystemExit(f"--compile-models: unknown {unknown}; choose from {list(SHAPES)}")
-    rounds = 5 if args.rounds is None else args.rounds
-    if rounds < 1:
-        raise SystemExit("--rounds must be >= 1")
+    rounds = check_rounds(args.rounds)
     results = {}
     for i, name in enumerate(names):
         if not args.no_progress:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .cases import make_case
+from .measure import check_rounds
 from .presets import Preset
 from .providers import REFERENCE, default_fastmoe
 from .report import BOUND_LINE, derive, run_header
@@ -91,9 +92,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """The ``--demo`` entry of ``fastmoe-bench``: measure, print, write ``demo.json`` into ``--out``."""
     t0 = time.perf_counter()
     device = torch.device(args.device)
-    rounds = DEMO_ROUNDS if args.rounds is None else args.rounds
-    if rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    rounds = check_rounds(args.rounds, DEMO_ROUNDS)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     mach = header["machine"]
     print(f"# {header['date_utc']}  {mach['cpu_model']}, {mach['usable_cpus']} cpus, torch {mach['torch']}, "

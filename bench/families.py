@@ -134,16 +134,11 @@ def family_providers(family: str, case: Case, seed: int = 0) -> dict[str, Provid
 
 def run_family(args: Any) -> int:
     """The ``--family`` entry of ``fastmoe-bench`` (``args`` from :func:`bench.cli.build_parser`)."""
-    from .measure import set_clock
+    from .measure import run_options
 
     if args.mode not in MODES:
         raise SystemExit(f"--family runs --mode {' / '.join(MODES)}, got {args.mode!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    set_clock(args.clock)
-    rounds = 5 if args.rounds is None else args.rounds
-    if rounds < 1:
-        raise SystemExit("--rounds must be >= 1")
+    rounds = run_options(args)
     try:
         preset, note = family_preset(args.family, scale=args.family_scale, tokens=args.tokens)
     except ValueError as exc:

@@ -35,6 +35,23 @@ def set_clock(name: str) -> None:
     _clock = CLOCKS[name]
 
 
+def run_options(args, default_rounds: int = 5) -> int:  # noqa: ANN001
+    """Apply ``--threads`` and ``--clock`` of a parsed ``fastmoe-bench`` command line; returns
+    ``--rounds`` (``default_rounds`` when not given), ValueError below 1."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_clock(args.clock)
+    return check_rounds(args.rounds, default_rounds)
+
+
+def check_rounds(rounds: int | None, default: int = 5) -> int:
+    """``--rounds``, ``default`` when not given; ValueError below 1."""
+    rounds = default if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    return rounds
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

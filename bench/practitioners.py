@@ -30,7 +30,7 @@ from fastmoe_xpu.kernels import registry
 
 from .bounds import DenseCeiling
 from .cases import make_case
-from .measure import set_clock
+from .measure import run_options
 from .presets import shape_set
 from .providers import ProviderSkipped, build_provider, default_fastmoe
 from .report import run_header
@@ -130,12 +130,7 @@ def run_shapes(args) -> int:  # noqa: ANN001
         presets = shape_set(args.shapes, scale=scale, tokens=tokens)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    set_clock(args.clock)
-    rounds = 5 if args.rounds is None else args.rounds
-    if rounds < 1:
-        raise SystemExit("error: --rounds must be >= 1")
+    rounds = run_options(args)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     print(f"# {header['date_utc']}  {header['machine'].get('device_name', header['machine']['cpu_model'])}, "
           f"torch {header['machine']['torch']}, triton {header['machine']['triton']}, "

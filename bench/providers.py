@@ -259,8 +259,14 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         with torch.no_grad():
             moe_experts_forward(case.x_TH, case.weights_TK, case.topk_idx_TK, w_gu, w_d, backend=backend,
                                 expert_start=0, gemm_engine="auto")
-        chosen = registry.chosen_for(backend, case.device, case.x_TH.dtype,
-                                    (w_gu.shape[2], w_d.shape[2], w_gu.shape[0], case.topk_idx_TK.numel()))
+        T, K = case.topk_idx_TK.shape
+        layer = registry.whole_layer(backend, "auto", case.device, case.x_TH.dtype,
+                                     (T, K, w_gu.shape[2], w_d.shape[2], w_gu.shape[0]))
+        if layer is not None:  # a small layer: stages 2-5 in one op, no stage-4 engine to choose
+            chosen = f"{layer} experts op (stages 2-5 in one piece)"
+        else:
+            chosen = registry.chosen_for(backend, case.device, case.x_TH.dtype,
+                                        (w_gu.shape[2], w_d.shape[2], w_gu.shape[0], case.topk_idx_TK.numel()))
         note = f"FastSparseMoE stages 2-5, {backend} backend, GEMM engine auto -> {chosen}"
 
     def forward(x_TH, weights_TK, idx_TK):

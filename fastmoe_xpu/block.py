@@ -143,21 +143,12 @@ class FastSparseMoeBlock(nn.Module):
 
     # ---------------------------------------------------------------- construction from HF
     @classmethod
-    def from_hf(
-        cls,
-        block: nn.Module,
-        *,
-        backend: str = "auto",
-        forced_uniform_routing: bool = False,
-        ep_group: dist.ProcessGroup | None = None,
-        dispatch: str = "allgather",
-        check_inputs: bool = True,
-        gemm_engine: str = "auto",
-        expert_precision: str | None = None,
-    ) -> "FastSparseMoeBlock":
+    def from_hf(cls, block: nn.Module, **options: Any) -> "FastSparseMoeBlock":
         """Build from a transformers ``OlmoeSparseMoeBlock`` (v5 merged or v4 per-expert layout),
-        with the same weights. v5 parameters (and the router module itself) are shared, not copied;
-        with ``ep_group`` the block copies only this rank's experts (the full tensors can then be freed)."""
+        with the same weights; ``options`` are the block's keyword arguments (``backend``,
+        ``ep_group``, ``dispatch``, ...). v5 parameters (and the router module itself) are shared,
+        not copied; with ``ep_group`` the block copies only this rank's experts (the full tensors
+        can then be freed)."""
         gate = block.gate
         experts = block.experts
         if hasattr(experts, "gate_up_proj"):  # transformers v5
@@ -183,17 +174,13 @@ class FastSparseMoeBlock(nn.Module):
             norm_topk_prob=bool(norm), hidden_act="silu",
         )
         with torch.device("meta"):  # no memory or init work for weights replaced just below
-            new = cls(
-                cfg, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
-                dispatch=dispatch, check_inputs=check_inputs, gemm_engine=gemm_engine,
-                expert_precision=expert_precision,
-            )
+            new = cls(cfg, **options)
         if hasattr(gate, "top_k") and not isinstance(gate, nn.Linear):
             new.gate = gate  # v5 router: keep the very module (and any hooks on it)
         else:
             new.gate = TopKRouter(cfg).to(device=gate.weight.device)
             new.gate.weight = gate.weight
-        if ep_group is None:
+        if new.ep_group is None:
             new.experts.gate_up_proj = w_gate_up
             new.experts.down_proj = w_down
             return new

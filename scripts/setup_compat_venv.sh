@@ -21,9 +21,8 @@
 #   COMPAT_VENV  where the venv goes (default: <repo root>/.venv-compat)
 set -euo pipefail
 
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${COMPAT_VENV:-$repo_root/.venv-compat}"
-python="${PYTHON:-python3}"
+# shellcheck source=scripts/venv_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh" COMPAT_VENV .venv-compat
 
 TORCH_VERSION="2.11.0"
 TRITON_VERSION="3.6.0"
@@ -49,11 +48,6 @@ TORCH_PURE=("filelock" "typing-extensions>=4.10.0" "setuptools<82" "sympy>=1.13.
             "jinja2" "fsspec>=0.8.5")
 TEST_DEPS=("numpy>=2.4" "pytest" "pytest-benchmark")
 
-started=$SECONDS
-say() { echo "[setup_compat_venv] $*"; }
-
-# shellcheck source=scripts/venv_common.sh
-source "$repo_root/scripts/venv_common.sh"
 make_venv
 
 stamp="$venv/.fastmoe-compat-installed"

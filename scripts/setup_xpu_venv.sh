@@ -13,9 +13,8 @@
 #   XPU_VENV   where the venv goes (default: <repo root>/.venv-xpu)
 set -euo pipefail
 
-repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${XPU_VENV:-$repo_root/.venv-xpu}"
-python="${PYTHON:-python3}"
+# shellcheck source=scripts/venv_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh" XPU_VENV .venv-xpu
 
 # Versions: triton-xpu 3.3.0b1 and intel-sycl-rt 2026.2.0 (headers and libsycl for the backend's
 # small C helper) are what the compile gate was verified with; torch is the CPU wheel the main
@@ -23,9 +22,6 @@ python="${PYTHON:-python3}"
 TRITON_XPU_VERSION="3.3.0b1"
 TORCH_VERSION="2.13.0"
 SYCL_RT_VERSION="2026.2.0"
-
-started=$SECONDS
-say() { echo "[setup_xpu_venv] $*"; }
 
 # --- Debian packages: ocloc + IGC (intel-opencl-icd) and the Level Zero headers/loader (libze-dev),
 # which the Intel backend links its small C helper against.
@@ -45,8 +41,6 @@ fi
 command -v ocloc >/dev/null 2>&1 || { say "ocloc still missing after installing intel-opencl-icd"; exit 1; }
 
 # --- The virtual environment.
-# shellcheck source=scripts/venv_common.sh
-source "$repo_root/scripts/venv_common.sh"
 make_venv
 
 # The pip work is skipped while setup.py and this script are unchanged since the last full run.

@@ -1,5 +1,15 @@
-# Sourced by scripts/setup_xpu_venv.sh and scripts/setup_compat_venv.sh (not run on its own).
-# Expects $venv (the venv's folder), $python (the interpreter it is made from) and a say() function.
+# Sourced first by scripts/setup_xpu_venv.sh and scripts/setup_compat_venv.sh (not run on its own),
+# with two arguments: the environment variable that may name the venv's folder, and the folder's
+# default under the repository root (`source venv_common.sh XPU_VENV .venv-xpu`).
+# Sets repo_root, venv, python (the interpreter the venv is made from: $PYTHON, default python3),
+# started (for the closing "done in N s") and say(), which prefixes a line with the calling
+# script's name.
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${!1:-$repo_root/$2}"
+python="${PYTHON:-python3}"
+started=$SECONDS
+say() { echo "[$(basename "$0" .sh)] $*"; }
 
 # Create the venv unless it exists.
 make_venv() {

@@ -151,6 +151,10 @@ def test_opcheck_every_op(expert_start, num_local):
         "combine": (y.detach()[:, :H].contiguous().requires_grad_(), weights, rows[1], rows[2], rows[4], "torch"),
         "combine_backward": (torch.randn(T, H), y.detach()[:, :H].contiguous(), d(weights), rows[1], rows[2], rows[4],
                              "torch"),
+        "experts": (x, w_gu, w_d, weights, idx, expert_start, num_local, "padded"),
+        "experts_backward": (torch.randn(T, H), d(x), d(w_gu), d(w_d), d(weights),
+                             ops.experts(d(x), d(w_gu), d(w_d), d(weights), idx, expert_start, num_local, "padded")[1],
+                             idx, expert_start, num_local, "padded"),
     }
     assert set(cases) == set(ops.OP_NAMES)
     for name, args in cases.items():

@@ -252,9 +252,9 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
         assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1]), (tuple(t.shape), dim)
     acc = torch.randint(-2**20, 2**20, (37, 29), generator=g, dtype=torch.int32)
     sa, sb = torch.rand(37, generator=g), torch.rand(29, generator=g)
-    for col in (sb,):
+    for cols_first in (False, True):  # True: the transposed weight gradient's order
         buf = torch.zeros(40, 29)
-        assert core._run_fused("epilogue", buf[2:39], acc, sa, col)[0]
+        assert core._run_fused("epilogue", buf[2:39], acc, sa, sb, cols_first)[0]
         want = torch.zeros(40, 29)
-        core._epilogue_eager(want[2:39], acc, sa, col)
-        assert torch.equal(buf, want)
+        core._epilogue_eager(want[2:39], acc, sa, sb, cols_first)
+        assert torch.equal(buf, want), cols_first

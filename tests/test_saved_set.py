@@ -85,3 +85,17 @@ def test_saved_set_is_input_preactivation_router_and_metadata(backend, compiler)
     assert all(t.numel() <= T * K + 1 for t in ints), [tuple(t.shape) for t in ints]
     metadata_elems = sum(t.numel() for t in ints)
     assert metadata_elems <= 8 * (T * K + T + E + 1)
+
+
+def test_saved_set_of_the_padded_path():
+    """Small eager layers run the registry's ``padded`` experts op (with ``gemm_engine="auto"``,
+    which the tests' conftest otherwise pins to ``native``): it keeps the same set."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.kernels import registry
+
+    with settings.override(gemm_engine="auto"):
+        assert registry.whole_layer("torch", "auto", "cpu", torch.float32, (T, K, H, I, E)) == "padded"
+        with torch.profiler.profile() as prof:
+            _saved(_block("torch"), torch.randn(B, S, H, requires_grad=True))
+        assert "fastmoe::experts" in {e.key for e in prof.key_averages()}
+        test_saved_set_is_input_preactivation_router_and_metadata("torch", None)

@@ -67,16 +67,23 @@ def mula_220b_a10b() -> TrainConfig:
     return _mula("mula-220b-a10b", layers=64, hidden=3072, heads=24, intermediate=1536, experts=240, ep=12)
 
 
-def tiny_moe() -> TrainConfig:
-    """2 layers, width 64, 8 experts top-2, context 64: trains on two CPU cores in well under a minute."""
+def _tiny(name: str, *, arch: str, intermediate: int, experts: int, top_k: int, optim: str,
+          **model: object) -> TrainConfig:
+    """Width 64, 2 layers, context 64 and one CPU-sized recipe, shared by every tiny preset."""
     return TrainConfig(
-        preset="tiny-moe",
-        model=ModelConfig(arch="olmoe", num_layers=2, hidden_size=64, num_heads=4, head_dim=16,
-                          intermediate_size=128, num_experts=8, top_k=2, vocab_size=0),
+        preset=name,
+        model=ModelConfig(arch=arch, num_layers=2, hidden_size=64, num_heads=4, head_dim=16,
+                          intermediate_size=intermediate, num_experts=experts, top_k=top_k, vocab_size=0,
+                          **model),  # type: ignore[arg-type]
         data=DataConfig(context=64),
-        optim=OptimConfig(name="epso", lr=3e-3),
+        optim=OptimConfig(name=optim, lr=3e-3),
         schedule=ScheduleConfig(steps=300, global_batch=16, micro_batch=8, warmup_steps=30, min_lr=3e-4),
     )
+
+
+def tiny_moe() -> TrainConfig:
+    """2 layers, width 64, 8 experts top-2, context 64: trains on two CPU cores in well under a minute."""
+    return _tiny("tiny-moe", arch="olmoe", intermediate=128, experts=8, top_k=2, optim="epso")
 
 
 def small_moe() -> TrainConfig:
@@ -95,24 +102,13 @@ def small_moe() -> TrainConfig:
 
 def tiny_dense() -> TrainConfig:
     """The dense counterpart of tiny-moe (OLMo, MLP width 256)."""
-    return TrainConfig(
-        preset="tiny-dense",
-        model=ModelConfig(arch="olmo", num_layers=2, hidden_size=64, num_heads=4, head_dim=16,
-                          intermediate_size=256, num_experts=1, top_k=1, vocab_size=0),
-        data=DataConfig(context=64),
-        optim=OptimConfig(name="sharded", lr=3e-3),
-        schedule=ScheduleConfig(steps=300, global_batch=16, micro_batch=8, warmup_steps=30, min_lr=3e-4),
-    )
+    return _tiny("tiny-dense", arch="olmo", intermediate=256, experts=1, top_k=1, optim="sharded")
 
 
 def _tiny_family(name: str, family: str, **model: object) -> TrainConfig:
-    """tiny-moe's sizes and recipe on a transformers MoE family (``arch="hf"``, trainer/hf_family.py)."""
-    cfg = tiny_moe()
-    cfg.preset = name
-    cfg.model = ModelConfig(arch="hf", hf_family=family, num_layers=2, hidden_size=64, num_heads=4, head_dim=16,
-                            intermediate_size=128, num_experts=8, top_k=2, vocab_size=0, **model)  # type: ignore[arg-type]
-    cfg.optim.name = "adamw"  # one process; "sharded" (ZeRO-1) and "epso" shard it over DP and EP
-    return cfg
+    """tiny-moe's sizes and recipe on a transformers MoE family (``arch="hf"``, trainer/hf_family.py);
+    ``adamw``: one process ("sharded" (ZeRO-1) and "epso" shard it over DP and EP)."""
+    return _tiny(name, arch="hf", intermediate=128, experts=8, top_k=2, optim="adamw", hf_family=family, **model)
 
 
 def tiny_qwen3_moe() -> TrainConfig:

@@ -283,7 +283,8 @@ class _LoraMlpCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_TH, *_saved_grads):  # noqa: ANN001, ANN205
         saved = ctx.saved_tensors
-        dx, dweights, dA1, dB1, dA2, dB2 = lora_mlp_combine_backward(dout_TH.contiguous(), *saved, *ctx.consts)
+        dx, dweights, dA1, dB1, dA2, dB2 = _below_autograd(lora_mlp_combine_backward, dout_TH.contiguous(), *saved,
+                                                            *ctx.consts)
         a1, a2 = saved[4], saved[6]
         if a1 is None:
             dA1 = dB1 = None
@@ -377,7 +378,7 @@ class _LoraGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RO, _dt):  # noqa: ANN001, ANN205
-        da, dA, dB = lora_grouped_linear_backward(dy_RO.contiguous(), *ctx.saved_tensors, *ctx.consts)
+        da, dA, dB = _below_autograd(lora_grouped_linear_backward, dy_RO.contiguous(), *ctx.saved_tensors, *ctx.consts)
         return da, None, dA, dB, None, None, None, None
 
 

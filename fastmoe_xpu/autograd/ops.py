@@ -25,6 +25,12 @@ backend, unspecified on Triton, never read).
 ``fastmoe::grouped_linear_backward``  ``(da, dw)`` (``dw`` in the stored layout)
 ``fastmoe::combine``               stage 5 for rows computed outside the fused path: ``out [T, H]``
 ``fastmoe::combine_backward``      ``(dy [R, H], dweights [T, K])``
+``fastmoe::experts``               stages 2-5 in one implementation of the registry's ``experts``
+                                   stage (``padded``: batched GEMMs over zero-padded expert blocks,
+                                   for layers where launches outweigh arithmetic; chosen by
+                                   :func:`~fastmoe_xpu.kernels.registry.whole_layer`): ``(out [T, H],
+                                   gate_up [T*K, 2I])``, the chosen pairs' pre-activation in slot order
+``fastmoe::experts_backward``      ``(dx, dw_gate_up, dw_down, dweights)``
 =================================  ==============================================================
 
 The backward ops are ops themselves so that AOTAutograd traces a backward without entering the
@@ -40,17 +46,17 @@ from typing import Any, Callable
 import torch
 
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE, KernelBackend
-from ..kernels.registry import choose_engine, kernel_set_name, kernels
+from ..kernels.registry import choose_engine, kernel_set_name, kernels, module_of
 
 __all__ = [
-    "BODIES", "OP_NAMES", "combine", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
+    "BODIES", "OP_NAMES", "call", "combine", "experts", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
     "resolve_kernels", "route", "route_rows",
 ]
 
 #: Every op this module registers, as ``torch.ops.fastmoe.<name>``.
 OP_NAMES = (
     "route", "mlp_combine", "mlp_combine_backward", "grouped_linear", "grouped_linear_backward", "combine",
-    "combine_backward",
+    "combine_backward", "experts", "experts_backward",
 )
 
 
@@ -66,6 +72,14 @@ OP_NAMES = (
 # ``torch.compile`` and ``torch.export`` all go through these same kernels.
 _LIB = torch.library.Library("fastmoe", "FRAGMENT")
 
+#: The body of every op, by op: what :func:`_below_autograd` calls when nothing traces.
+_BODY_OF: dict[Any, Callable[..., Any]] = {}
+#: The Autograd kernel of every differentiable op, by op: what :func:`call` runs when nothing traces.
+_AUTOGRAD_OF: dict[Any, Callable[..., Any]] = {}
+#: Tensor types the bodies run on directly (a subclass such as a fake or functional tensor, or a
+#: distributed one, goes through the dispatcher).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 #: The Python body of every op by name (what the op runs below autograd; the benchmark's audit runs
 #: them under its dispatch mode to see inside).
 BODIES: dict[str, Callable[..., Any]] = {}
@@ -79,7 +93,9 @@ def _define(schema: str, body: Callable[..., Any], fake: Callable[..., Any]) -> 
     _LIB.impl(name, body, "CompositeExplicitAutograd")
     torch.library.register_fake(f"fastmoe::{name}", fake, lib=_LIB)
     BODIES[name] = body
-    return getattr(torch.ops.fastmoe, name).default
+    op = getattr(torch.ops.fastmoe, name).default
+    _BODY_OF[op] = body
+    return op
 
 
 def _differentiable(op: Any, function: type[torch.autograd.Function], tensor_args: int) -> None:
@@ -89,13 +105,42 @@ def _differentiable(op: Any, function: type[torch.autograd.Function], tensor_arg
     def autograd_kernel(*args: Any) -> Any:
         if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:tensor_args]):
             return function.apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
+        return _below_autograd(op, *args)
 
     _LIB.impl(op._schema.name.split("::")[1], autograd_kernel, "Autograd")
+    _AUTOGRAD_OF[op] = autograd_kernel
+
+
+def call(op: Any, *args: Any) -> Any:
+    """``op(*args)``. In plain eager execution, the op's Autograd kernel (or, for an op without a
+    gradient, its body) called directly: what the
+    dispatcher would run, less boxing the arguments into the op's schema and the results out of it,
+    which costs about as much as a small layer's combine (``python -m bench.op_overhead``). Anything
+    traced (a compiler, a dispatch mode, a tensor subclass) calls the op itself and sees it."""
+    if _traced(args):
+        return op(*args)
+    kernel = _AUTOGRAD_OF.get(op)
+    return kernel(*args) if kernel is not None else _BODY_OF[op](*args)
+
+
+def _traced(args: tuple[Any, ...]) -> bool:
+    """Whether a call may be seen by something other than plain eager execution: a compiler, a
+    dispatch mode (fake tensors, functionalization, proxies, checks), the profiler (which then
+    records the op by name) or a tensor subclass."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._autograd._profiler_enabled():
+        return True
+    # An op's leading tensors tell: the rest come from the same program as they do.
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args[:2])
 
 
 def _below_autograd(op: Any, *args: Any) -> Any:
+    """``op(*args)`` below the Autograd key. In plain eager execution that is the op's body, called
+    directly: the kernel the dispatcher would choose, less boxing the arguments into the op's schema
+    and out again, which costs more than a small layer's arithmetic on the CPU (a forward+backward
+    of the fused op at T=48 H=64 E=8 K=2, ``python -m bench.op_overhead``). Anything traced goes
+    through the dispatcher and sees the op."""
+    if not _traced(args):
+        return _BODY_OF[op](*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
 
@@ -292,14 +337,15 @@ class _MlpCombine(torch.autograd.Function):
         out_TH, gate_up_R2I = _below_autograd(mlp_combine, x_TH, w_gate_up, w_down, weights_TK, *rest)
         # gate_up is a saved activation, not a result: nothing downstream differentiates it.
         ctx.mark_non_differentiable(gate_up_R2I)
+        ctx.set_materialize_grads(False)  # no zeros for gate_up's (absent) gradient
         ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, *rest[:5])
         ctx.names = rest[5:]
         return out_TH, gate_up_R2I
 
     @staticmethod
     def backward(ctx, dout_TH, _d_gate_up):  # noqa: ANN001, ANN205
-        dx, dw_gate_up, dw_down, dweights = mlp_combine_backward(dout_TH.contiguous(), *ctx.saved_tensors,
-                                                                 *ctx.names)
+        dx, dw_gate_up, dw_down, dweights = _below_autograd(mlp_combine_backward, dout_TH.contiguous(),
+                                                             *ctx.saved_tensors, *ctx.names)
         return dx, dw_gate_up, dw_down, dweights, None, None, None, None, None, None, None
 
 
@@ -350,7 +396,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RO):  # noqa: ANN001, ANN205
-        da, dw = grouped_linear_backward(dy_RO.contiguous(), *ctx.saved_tensors, *ctx.names)
+        da, dw = _below_autograd(grouped_linear_backward, dy_RO.contiguous(), *ctx.saved_tensors, *ctx.names)
         return da, dw, None, None, None
 
 
@@ -427,11 +473,74 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TH):  # noqa: ANN001, ANN205
-        dy_RH, dweights_TK = combine_backward(dout_TH.contiguous(), *ctx.saved_tensors, ctx.kernels_name)
+        dy_RH, dweights_TK = _below_autograd(combine_backward, dout_TH.contiguous(), *ctx.saved_tensors,
+                                             ctx.kernels_name)
         return dy_RH, dweights_TK, None, None, None, None
 
 
 _differentiable(combine, _Combine, 2)
+
+
+# ---------------------------------------------------------------- stages 2-5 in one implementation
+def _experts(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, implementation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H], gate_up [T*K, 2I])``: stages 2-5 on the local experts
+    ``[expert_start, expert_start + num_local)`` by an ``experts`` implementation of the registry."""
+    return module_of(implementation).experts_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK,
+                                                     expert_start, num_local)
+
+
+def _experts_fake(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, num_local,  # noqa: ANN001, ANN202
+                  implementation):
+    return x_TH.new_empty((x_TH.shape[0], w_down_NHI.shape[1])), x_TH.new_empty(
+        (topk_idx_TK.numel(), w_gate_up_N2IH.shape[1]))
+
+
+def _experts_backward_body(
+    dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, gate_up_R2I: torch.Tensor, topk_idx_TK: torch.Tensor, expert_start: int,
+    num_local: int, implementation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [T, H], dw_gate_up [NR, 2I, H], dw_down [NR, H, I], dweights [T, K])``."""
+    return module_of(implementation).experts_backward(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
+                                                      gate_up_R2I, topk_idx_TK, expert_start, num_local)
+
+
+def _experts_backward_fake(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,  # noqa: ANN001, ANN202
+                           topk_idx_TK, expert_start, num_local, implementation):
+    return (torch.empty_like(x_TH), torch.empty_like(w_gate_up_N2IH), torch.empty_like(w_down_NHI),
+            torch.empty_like(weights_TK))
+
+
+experts = _define(
+    "experts(Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, Tensor weights_TK, Tensor topk_idx_TK, "
+    "int expert_start, int num_local, str implementation) -> (Tensor, Tensor)", _experts, _experts_fake)
+experts_backward = _define(
+    "experts_backward(Tensor dout_TH, Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, Tensor weights_TK, "
+    "Tensor gate_up_R2I, Tensor topk_idx_TK, int expert_start, int num_local, str implementation)"
+    " -> (Tensor, Tensor, Tensor, Tensor)", _experts_backward_body, _experts_backward_fake)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest):  # noqa: ANN001, ANN205
+        out_TH, gate_up_R2I = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest)
+        ctx.mark_non_differentiable(gate_up_R2I)
+        ctx.set_materialize_grads(False)  # no zeros for gate_up's (absent) gradient
+        ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, topk_idx_TK)
+        ctx.rest = rest
+        return out_TH, gate_up_R2I
+
+    @staticmethod
+    def backward(ctx, dout_TH, _d_gate_up):  # noqa: ANN001, ANN205
+        dx, dw_gate_up, dw_down, dweights = _below_autograd(experts_backward, dout_TH.contiguous(),
+                                                             *ctx.saved_tensors, *ctx.rest)
+        return dx, dw_gate_up, dw_down, dweights, None, None, None, None
+
+
+_differentiable(experts, _Experts, 4)
 
 
 #: ``(x [T, H], input_indices [R], cum_token_counts [NR+1], kernels name) -> y [R, H]``: a stage 4 of

@@ -95,31 +95,21 @@ def all_to_all_dim0(
 
 
 # ---------------------------------------------------------------- autograd Functions
-class _AllGatherReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_dim0(x_SX, group)
+class _GatherScatter(torch.autograd.Function):
+    """All-gather forward and reduce-scatter backward (``gather=True``), or the reverse: each
+    collective's gradient is the other (its adjoint along dim 0)."""
 
     @staticmethod
-    def backward(ctx, dout_TX: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.gather = group, gather
+        return (all_gather_dim0 if gather else reduce_scatter_dim0)(x, group)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
         return (
-            reduce_scatter_dim0(dout_TX, ctx.group),  # x_SX
+            (reduce_scatter_dim0 if ctx.gather else all_gather_dim0)(dout, ctx.group),  # x
             None,  # group
-        )
-
-
-class _ReduceScatterAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter_dim0(x_TX, group)
-
-    @staticmethod
-    def backward(ctx, dout_SX: torch.Tensor):
-        return (
-            all_gather_dim0(dout_SX, ctx.group),  # x_TX
-            None,  # group
+            None,  # gather
         )
 
 
@@ -157,7 +147,7 @@ def forward_allgather_backward_reducescatter(x_SX: torch.Tensor, group: dist.Pro
     """All-gather ``[S, ...] -> [W*S, ...]``; the gradient is reduce-scattered back to ``[S, ...]``."""
     if torch.compiler.is_compiling():
         return funcol.all_gather_tensor_autograd(x_SX.contiguous(), 0, world_if_none(group))
-    return _AllGatherReduceScatter.apply(x_SX, group)
+    return _GatherScatter.apply(x_SX, group, True)
 
 
 def forward_allgather(x_SX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -172,7 +162,7 @@ def forward_reducescatter_backward_allgather(x_TX: torch.Tensor, group: dist.Pro
     """Reduce-scatter ``[W*S, ...] -> [S, ...]`` (sum over ranks); the gradient is all-gathered."""
     if torch.compiler.is_compiling():
         return funcol.reduce_scatter_tensor_autograd(x_TX.contiguous(), "sum", 0, world_if_none(group))
-    return _ReduceScatterAllGather.apply(x_TX, group)
+    return _GatherScatter.apply(x_TX, group, False)
 
 
 def all_to_all_autograd(

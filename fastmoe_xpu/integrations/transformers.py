@@ -1,7 +1,9 @@
 """transformers integration: put FastSparseMoeBlock into a loaded OLMoE model in place."""
 from __future__ import annotations
 
-import torch.distributed as dist
+import inspect
+from typing import Any
+
 import torch.nn as nn
 
 from ..block import FastSparseMoeBlock
@@ -11,30 +13,17 @@ def _is_hf_olmoe_block(module: nn.Module) -> bool:
     return type(module).__name__ == "OlmoeSparseMoeBlock" and hasattr(module, "gate") and hasattr(module, "experts")
 
 
-def patch_olmoe(
-    model: nn.Module,
-    *,
-    backend: str = "auto",
-    forced_uniform_routing: bool = False,
-    ep_group: dist.ProcessGroup | None = None,
-    dispatch: str = "allgather",
-    check_inputs: bool = True,
-    gemm_engine: str = "auto",
-    expert_precision: str | None = None,
-) -> int:
+def patch_olmoe(model: nn.Module, **options: Any) -> int:
     """Replace every ``OlmoeSparseMoeBlock`` in ``model`` in place by a FastSparseMoeBlock with the
-    same weights; returns how many were replaced. With ``ep_group`` each block keeps only this
-    rank's experts. ``gemm_engine``: stage 4's grouped-GEMM engine, ``expert_precision``: quantized
-    expert GEMMs (both as in FastSparseMoeBlock)."""
+    same weights; returns how many were replaced. ``options`` are FastSparseMoeBlock's keyword
+    arguments (``backend``, ``gemm_engine``, ``expert_precision``, ...); with ``ep_group`` each
+    block keeps only this rank's experts."""
+    inspect.signature(FastSparseMoeBlock).bind(None, **options)  # TypeError for an unknown option
     targets = [(name, m) for name, m in model.named_modules() if _is_hf_olmoe_block(m)]
     for name, block in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = FastSparseMoeBlock.from_hf(
-            block, backend=backend, forced_uniform_routing=forced_uniform_routing, ep_group=ep_group,
-            dispatch=dispatch, check_inputs=check_inputs, gemm_engine=gemm_engine,
-            expert_precision=expert_precision,
-        )
+        new = FastSparseMoeBlock.from_hf(block, **options)
         new.train(block.training)
         _follow_experts_implementation(new, block)
         setattr(parent, child, new)

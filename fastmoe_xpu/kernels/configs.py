@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -46,6 +47,7 @@ KERNELS = (
     "tma_grouped_mm_bwd",
     "tma_grouped_mm_bwd_silu",
     "int8_grouped_mm",
+    "int8_grouped_wgrad",
 )
 
 
@@ -64,146 +66,108 @@ def _c(name: str, warps: int, stages: int, extra: Mapping[str, Any] | None = Non
     return KernelConfig(name=name, meta=dict(meta), num_warps=warps, num_stages=stages, extra_options=dict(extra or {}))
 
 
+def _mm(name: str, warps: int, stages: int, extra: Mapping[str, Any] | None = None) -> KernelConfig:
+    """A GEMM config named by its tile: ``m128n64k32`` is ``BLOCK_M=128, BLOCK_N=64, BLOCK_K=32``."""
+    m, n, k = (int(v) for v in re.fullmatch(r"m(\d+)n(\d+)k(\d+)", name).groups())  # type: ignore[union-attr]
+    return _c(name, warps, stages, extra, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+
+
+def _counting(warps: int, extra: Mapping[str, Any] | None = None) -> dict[str, list[KernelConfig]]:
+    """Stages 2 and 3 on a GPU: ``warps`` for the token count and the indices, 8 for the prefix sums."""
+    return {
+        "count_tokens": [_c("e64", warps, 1, extra, BLOCK_E=64)],
+        "cumsum_counts": [_c("b2048", 8, 1, extra, BLOCK=2048, BLOCK_E=256)],
+        "build_indices": [_c("default", warps, 1, extra)],
+    }
+
+
+def _row_kernels(extra: Mapping[str, Any] | None = None) -> dict[str, list[KernelConfig]]:
+    """The row-wise kernels (SiLU backward, row dots, combine, router-weight gradient) on a GPU: the
+    same tiles on every vendor's table."""
+    return {
+        "silu_mul_bwd": [_c("r16i128", 4, 1, extra, BLOCK_R=16, BLOCK_I=128)],
+        "row_dot_scale": [_c("r16i128", 4, 1, extra, BLOCK_R=16, BLOCK_I=128)],
+        "combine_fwd": [_c("t16h128", 4, 1, extra, BLOCK_T=16, BLOCK_H=128)],
+        "combine_bwd": [_c("t16h128", 4, 1, extra, BLOCK_T=16, BLOCK_H=128)],
+        "router_weights_bwd": [_c("t64", 4, 1, extra, BLOCK_T=64)],
+    }
+
+
 _XPU = {"grf_mode": "large"}
 
 CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
     "cuda": {
-        "count_tokens": [_c("e64", 4, 1, BLOCK_E=64)],
-        "cumsum_counts": [_c("b2048", 8, 1, BLOCK=2048, BLOCK_E=256)],
-        "build_indices": [_c("default", 4, 1)],
+        **_counting(4),
         # Two fp32 accumulators (gate and up) per program, so half the N tile of the plain GEMM.
-        "gate_up_fwd": [
-            _c("m128n64k64", 8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
-            _c("m64n64k64", 4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
-        ],
-        "grouped_mm_fwd": [
-            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m64n128k64", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
-        ],
-        "grouped_mm_bwd": [
-            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m64n128k32", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
-        ],
+        "gate_up_fwd": [_mm("m128n64k64", 8, 3), _mm("m64n64k64", 4, 3)],
+        "grouped_mm_fwd": [_mm("m128n128k64", 8, 3), _mm("m64n128k64", 4, 3)],
+        "grouped_mm_bwd": [_mm("m128n128k64", 8, 3), _mm("m64n128k32", 4, 3)],
         # The down weight gradient recomputing h in its B loads (gate and up tiles in fp32).
-        "grouped_mm_bwd_silu": [
-            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m64n128k32", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=32),
-        ],
-        "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
-        "row_dot_scale": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
-        "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
-        "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
-        "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
+        "grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m64n128k32", 4, 3)],
+        **_row_kernels(),
         # The int8 grouped GEMM (triton/int8_gemm.py): int8 operands are half as wide as bf16, so
         # twice the K tile for the same bytes per stage; an int32 accumulator like fp32's.
-        "int8_grouped_mm": [
-            _c("m128n128k128", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
-            _c("m64n128k128", 4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
-        ],
+        "int8_grouped_mm": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
+        # Its weight gradient (a contraction over each expert's rows): the same tiles.
+        "int8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
-        "tma_gate_up_fwd": [
-            _c("m128n64k64", 8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
-            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m64n64k64", 4, 4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
-        ],
-        "tma_grouped_mm": [
-            _c("m128n128k64", 8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n256k64", 8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
-            _c("m64n128k64", 4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
-        ],
-        "tma_grouped_mm_bwd": [
-            _c("m128n128k64", 8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n256k64", 8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
-            _c("m64n128k64", 4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
-        ],
-        "tma_grouped_mm_bwd_silu": [
-            _c("m128n128k64", 8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n64k64", 8, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
-        ],
+        "tma_gate_up_fwd": [_mm("m128n64k64", 8, 4), _mm("m128n128k64", 8, 3), _mm("m64n64k64", 4, 4)],
+        "tma_grouped_mm": [_mm("m128n128k64", 8, 4), _mm("m128n256k64", 8, 3), _mm("m64n128k64", 4, 4)],
+        "tma_grouped_mm_bwd": [_mm("m128n128k64", 8, 4), _mm("m128n256k64", 8, 3), _mm("m64n128k64", 4, 4)],
+        "tma_grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n64k64", 8, 4)],
     },
     "hip": {
         # 8 warps: with 4, the all-pairs block reductions run out of scalar registers on gfx942.
-        "count_tokens": [_c("e64", 8, 1, BLOCK_E=64)],
-        "cumsum_counts": [_c("b2048", 8, 1, BLOCK=2048, BLOCK_E=256)],
-        "build_indices": [_c("default", 8, 1)],
-        "gate_up_fwd": [
-            _c("m128n64k64", 8, 2, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),
-            _c("m64n64k64", 4, 2, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
-        ],
-        "grouped_mm_fwd": [
-            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
-        ],
-        "grouped_mm_bwd": [
-            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
-        ],
+        **_counting(8),
+        "gate_up_fwd": [_mm("m128n64k64", 8, 2), _mm("m64n64k64", 4, 2)],
+        "grouped_mm_fwd": [_mm("m128n128k64", 8, 2), _mm("m128n128k32", 4, 2)],
+        "grouped_mm_bwd": [_mm("m128n128k64", 8, 2), _mm("m128n128k32", 4, 2)],
         # k64 (8 warps, the plain weight gradient's default) spills 21 VGPRs on gfx942 once the gate
         # and up tiles are live in fp32; k32 does not.
-        "grouped_mm_bwd_silu": [_c("m128n128k32", 4, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32)],
-        "silu_mul_bwd": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
-        "row_dot_scale": [_c("r16i128", 4, 1, BLOCK_R=16, BLOCK_I=128)],
-        "combine_fwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
-        "combine_bwd": [_c("t16h128", 4, 1, BLOCK_T=16, BLOCK_H=128)],
-        "router_weights_bwd": [_c("t64", 4, 1, BLOCK_T=64)],
-        "int8_grouped_mm": [
-            _c("m128n128k64", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-            _c("m128n128k128", 8, 2, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128),
-        ],
+        "grouped_mm_bwd_silu": [_mm("m128n128k32", 4, 2)],
+        **_row_kernels(),
+        "int8_grouped_mm": [_mm("m128n128k64", 8, 2), _mm("m128n128k128", 8, 2)],
+        "int8_grouped_wgrad": [_mm("m128n128k64", 8, 2), _mm("m128n128k128", 8, 2)],
     },
     "xpu": {
-        "count_tokens": [_c("e64", 4, 1, _XPU, BLOCK_E=64)],
-        "cumsum_counts": [_c("b2048", 8, 1, _XPU, BLOCK=2048, BLOCK_E=256)],
-        "build_indices": [_c("default", 4, 1, _XPU)],
+        **_counting(4, _XPU),
         # Defaults: the least-spilling config of each GEMM in the PVC compile gate (docs/xpu.md);
         # 256x256 tiles and two 256x128 fp32 accumulators spill there.
-        "gate_up_fwd": [
-            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
-            _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
-        ],
-        "grouped_mm_fwd": [
-            _c("m128n256k32", 32, 2, _XPU, BLOCK_M=128, BLOCK_N=256, BLOCK_K=32),
-            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
-        ],
-        "grouped_mm_bwd": [
-            _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
-            _c("m256n256k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=256, BLOCK_K=32),
-        ],
+        "gate_up_fwd": [_mm("m128n64k32", 16, 2, _XPU), _mm("m256n128k32", 32, 2, _XPU)],
+        "grouped_mm_fwd": [_mm("m128n256k32", 32, 2, _XPU), _mm("m256n256k32", 32, 2, _XPU)],
+        "grouped_mm_bwd": [_mm("m256n128k32", 32, 2, _XPU), _mm("m256n256k32", 32, 2, _XPU)],
         # The down weight gradient recomputing h in its B loads: the gate and up tiles sit in fp32
         # beside the accumulator, so each work-item owns less of the tile than in the plain GEMM.
         # At 16 dpas per thread and k-step (m128n64k32 with 8 warps, m128n128k32 with 16,
         # m256n128k32 with 32) PVC spills 480-640 B; at 8 (these first three) nothing (docs/xpu.md).
         "grouped_mm_bwd_silu": [
-            _c("m128n128k32", 32, 2, _XPU, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32),
-            _c("m256n128k16", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=16),
-            _c("m128n64k32", 16, 2, _XPU, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32),
-            _c("m256n128k32", 32, 2, _XPU, BLOCK_M=256, BLOCK_N=128, BLOCK_K=32),
+            _mm("m128n128k32", 32, 2, _XPU),
+            _mm("m256n128k16", 32, 2, _XPU),
+            _mm("m128n64k32", 16, 2, _XPU),
+            _mm("m256n128k32", 32, 2, _XPU),
         ],
-        "silu_mul_bwd": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
-        "row_dot_scale": [_c("r16i128", 4, 1, _XPU, BLOCK_R=16, BLOCK_I=128)],
-        "combine_fwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
-        "combine_bwd": [_c("t16h128", 4, 1, _XPU, BLOCK_T=16, BLOCK_H=128)],
-        "router_weights_bwd": [_c("t64", 4, 1, _XPU, BLOCK_T=64)],
+        **_row_kernels(_XPU),
+        # The int8 GEMMs (pointer loads, no block pointers): at 16 dpas per thread and k-step
+        # (m128n128k64 with 16 warps, m128n64k64 with 8, m256n128k64 with 32) PVC spills 8-13 KB;
+        # at 8 or fewer (these) nothing (docs/xpu.md).
+        "int8_grouped_mm": [_mm("m128n64k32", 16, 2, _XPU), _mm("m64n64k64", 8, 2, _XPU)],
+        "int8_grouped_wgrad": [_mm("m128n64k32", 16, 2, _XPU), _mm("m64n64k64", 8, 2, _XPU)],
     },
     "interpreter": {
         "count_tokens": [_c("e4", 1, 1, BLOCK_E=4)],
         "cumsum_counts": [_c("b16", 1, 1, BLOCK=16, BLOCK_E=4)],
         "build_indices": [_c("default", 1, 1)],
-        "gate_up_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "grouped_mm_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "grouped_mm_bwd_silu": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
+        # Every GEMM on one small tile, so that tests exercise multi-tile paths quickly.
+        **{kernel: [_mm("m16n16k16", 1, 1)] for kernel in (
+            "gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd", "grouped_mm_bwd_silu", "tma_gate_up_fwd",
+            "tma_grouped_mm", "tma_grouped_mm_bwd", "tma_grouped_mm_bwd_silu", "int8_grouped_mm",
+            "int8_grouped_wgrad")},
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "row_dot_scale": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "combine_bwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],
         "router_weights_bwd": [_c("t4", 1, 1, BLOCK_T=4)],
-        "tma_gate_up_fwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "tma_grouped_mm": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "tma_grouped_mm_bwd": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "tma_grouped_mm_bwd_silu": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
-        "int8_grouped_mm": [_c("m16n16k16", 1, 1, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)],
     },
 }
 

@@ -1,7 +1,8 @@
 """The implementation registry: which kernels run stages 2-5, declared in one table and chosen in one place.
 
 Each :class:`Implementation` names the stages it provides (``route``: counting and index generation,
-stages 2-3; ``gemm``: the grouped GEMMs of stage 4; ``combine``: stage 5), the device types and
+stages 2-3; ``gemm``: the grouped GEMMs of stage 4; ``combine``: stage 5; ``experts``: stages 2-5 in
+one piece, for the layers it suits), the device types and
 dtypes it runs on, and the module holding its launchers (:class:`.contract.KernelBackend` methods).
 Adding an implementation (another GEMM engine, a low-precision or adapter variant) is one new entry
 in :data:`IMPLEMENTATIONS` plus its launcher module; nothing else is edited.
@@ -17,7 +18,17 @@ int8      gemm (precision)        quantized int8 GEMMs, ``torch._int_mm`` (``ker
 fp8       gemm (precision)        quantized fp8 GEMMs (e4m3 forward, e5m2 gradients), ``torch._scaled_mm``
 triton_tma  gemm                  persistent TMA grouped GEMMs for sm_90+ (``kernels/triton/tma_gemm.py``);
                                   CPU tensors only under TRITON_INTERPRET=1, never timed there
+padded    experts                 each expert's rows in a zero-padded block, one batched GEMM per
+                                  projection, next to the torch base on the CPU for layers under its
+                                  budget (``kernels/torch/padded.py``): small layers, where launches
+                                  dominate
 ========  ======================  ===============================================================
+
+An *experts* entry replaces the whole chain for the layers it suits (:func:`whole_layer`): the
+fused path of a layer whose ``gemm_engine`` is ``auto`` takes the first available one whose
+``max_layer_macs`` holds the layer's work ``max(T * K, NR) * 3 * H * I`` (:func:`layer_macs`: the
+routed rows, or one row per local expert where there are fewer, as in decoding); a named engine
+always runs the staged chain.
 
 A *precision* entry (``int8``, ``fp8``) is a stage-4 implementation that changes the numbers, not
 only the speed: ``gemm_engine`` and ``auto`` never pick it; a block's ``expert_precision`` does
@@ -55,6 +66,7 @@ STAGES: Mapping[str, tuple[str, ...]] = {
     "route": ("count_tokens", "build_indices"),
     "gemm": STAGE4_LAUNCHERS,
     "combine": ("combine_fwd", "combine_bwd", "router_weights_bwd"),
+    "experts": ("experts_forward", "experts_backward"),
 }
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -136,6 +148,11 @@ class Implementation:
     """For a base: the engines that run LoRA adapters' ``r``-wide grouped GEMMs, the first available
     one wins (empty: the kernel set's own stage 4). These products are thin (one side ``r`` wide), so
     one batched call beats a launch per expert whatever engine the base GEMMs were timed onto."""
+    bases: tuple[str, ...] = ()
+    """For an ``experts`` implementation: the bases it may stand in for (its numbers are theirs)."""
+    max_layer_macs: int = 0
+    """For an ``experts`` implementation: the largest layer it runs, in multiply-accumulates of the
+    forward (:func:`layer_macs`), up to which it was measured to beat the staged chain."""
 
     def launchers(self) -> tuple[str, ...]:
         return tuple(name for stage in self.stages for name in STAGES[stage])
@@ -168,6 +185,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_quantized_reason("int8"), timed=lambda device: False, precision="int8"),
         Implementation("fp8", ("gemm",), ("cpu", "cuda", "xpu"), _FLOATS, ".quantized.fp8",
                        unavailable=_quantized_reason("fp8"), timed=lambda device: False, precision="fp8"),
+        # Measured on the CPU against the staged chain and transformers (docs/small_shapes.md).
+        Implementation("padded", ("experts",), ("cpu",), _FLOATS, ".torch.padded", bases=("torch",),
+                       max_layer_macs=4 * 2**20),
     )
 }
 
@@ -189,6 +209,8 @@ settings.declare_gemm_engines(ENGINES)
 settings.declare_expert_precisions(tuple(PRECISIONS))
 #: The stage-4 engine of each base.
 NATIVE = {n: IMPLEMENTATIONS[n].native_gemm for n in BASES}
+#: The implementations of the whole experts op (stages 2-5 in one piece), in order of preference.
+LAYERS = tuple(n for n, impl in IMPLEMENTATIONS.items() if "experts" in impl.stages)
 
 
 def check_choice(gemm_engine: str) -> str:
@@ -205,6 +227,7 @@ def _implementation(name: str, role: str = "implementation") -> Implementation:
     return impl
 
 
+@functools.lru_cache(maxsize=None)
 def module_of(name: str) -> ModuleType:
     """The module holding ``name``'s launchers (imported on first use: triton stays optional)."""
     return importlib.import_module(_implementation(name).module, __package__)
@@ -385,6 +408,35 @@ def resolve_request(gemm_engine: str, backend: str) -> str:
     if gemm_engine == "native":
         return NATIVE[backend]
     return gemm_engine
+
+
+def whole_layer_options(backend: str, gemm_engine: str, device: torch.device | str,
+                        dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
+    """``(name, max_layer_macs)`` of each ``experts`` implementation that may run a fused layer of
+    ``backend`` (resolved: ``"torch"`` or ``"triton"``) on ``device`` for ``dtype``, in order of
+    preference; empty unless ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``."""
+    if resolve_request(gemm_engine, backend) != "auto":
+        return ()
+    return tuple((n, IMPLEMENTATIONS[n].max_layer_macs) for n in LAYERS
+                 if backend in IMPLEMENTATIONS[n].bases and IMPLEMENTATIONS[n].reason_unavailable(device, dtype) is None)
+
+
+def layer_macs(tokens: int, top_k: int, hidden: int, intermediate: int, local_experts: int) -> int:
+    """The forward work of a layer in multiply-accumulates, ``max(T * K, NR) * 3 * H * I``: the routed
+    rows' GEMMs, or one row per local expert where there are fewer rows than experts (a path that
+    runs every expert's block reads every expert's weights)."""
+    return max(tokens * top_k, local_experts) * 3 * hidden * intermediate
+
+
+def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtype: torch.dtype,
+                shape: tuple[int, int, int, int, int]) -> str | None:
+    """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
+    the staged chain. ``shape``: ``(T, K, H, I, NR)``."""
+    macs = layer_macs(*shape)
+    for name, budget in whole_layer_options(backend, gemm_engine, device, dtype):
+        if macs <= budget:
+            return name
+    return None
 
 
 def choose_engine(

@@ -104,6 +104,7 @@ class XpuResult:
     spilled_values: int | None = None
     calls: int | None = None          # calla instructions (builtins Debian's IGC leaves as calls)
     native_dpas: int | None = None    # dpas instructions in the native code
+    dpas_types: list[str] = field(default_factory=list)  # their operand types, "src1*src2->dst" (b*b->d: int8)
     seconds: float = 0.0
 
     @property
@@ -247,7 +248,8 @@ def analyse_ttgir(ttgir: str) -> dict[str, Any]:
 
 def parse_igc_asm(text: str) -> dict[str, Any]:
     """GRF count, RA type, spilled values and their scratch bytes, calls and DPAS instructions
-    from one ``.asm`` file of IGC's shader dump."""
+    (how many, and their operand types: ``bf*bf->f`` bf16, ``b*b->d`` int8 into int32) from one
+    ``.asm`` file of IGC's shader dump."""
     grf = re.search(r"^//\.thread_config\s+numGRF=(\d+)", text, re.M)
     ra = re.search(r"^//\.RA type\s+(\S+)", text, re.M)
     spill_end = 0
@@ -257,9 +259,11 @@ def parse_igc_asm(text: str) -> dict[str, Any]:
         spilled += 1
         spill_end = max(spill_end, slot * slot_bytes + size)
     calls = len(re.findall(r"^\s*(?:\(W\)\s*)?calla?\s", text, re.M))
-    dpas = len(re.findall(r"^\s*(?:\(W\)\s*)?dpas\.", text, re.M))
+    dpas = re.findall(r"^\s*(?:\(W\)\s*)?dpas\.\S+\s+\([^)]*\)\s+\S+?:(\w+)\s+\S+?:\w+\s+\S+?:(\w+)\s+\S+?:(\w+)",
+                      text, re.M)
     return {"grf": int(grf.group(1)) if grf else None, "ra_type": ra.group(1) if ra else "",
-            "spill_bytes": spill_end, "spilled_values": spilled, "calls": calls, "native_dpas": dpas}
+            "spill_bytes": spill_end, "spilled_values": spilled, "calls": calls, "native_dpas": len(dpas),
+            "dpas_types": sorted({f"{a}*{b}->{d}" for d, a, b in dpas})}
 
 
 def run_ocloc(spv: bytes, kernel_name: str, build_flags: str, workdir: Path) -> dict[str, Any]:

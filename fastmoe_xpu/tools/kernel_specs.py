@@ -130,22 +130,28 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         ("d_row_w_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dweights_ptr", "K")))
     if target == "cuda":
         out += _tma_variants(act, _P32, _I32)
-    if target in ("cuda", "hip"):
-        out += _int8_variants(act)
+    out += _int8_variants(act)
     return out
 
 
 def _int8_variants(act: str) -> list:
-    """The int8 grouped GEMM (``expert_precision="int8"`` next to the Triton base) as its launchers
-    call it: the gate/up forward (rows gathered, weight scales), the down forward and the input
-    gradient (no column scales). Not for PVC: there the int8 entry keeps its per-expert GEMMs."""
+    """The int8 grouped GEMMs (``expert_precision="int8"`` next to the Triton base) as their launchers
+    call them: the gate/up forward (rows gathered, weight scales), the down forward and the input
+    gradient (no column scales); the weight gradient in the stored layout (the gradient's scales
+    first) and the transposed one."""
     sig = {"a_ptr": "*i8", "sa_ptr": "*fp32", "idx_ptr": _P32, "w_ptr": "*i8", "sw_ptr": "*fp32",
            "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
     aligned = ("a_ptr", "sa_ptr", "idx_ptr", "w_ptr", "sw_ptr", "cum_token_ptr", "out_ptr", "N", "K")
-    return [(f"int8_grouped_mm[{tag}]", int8_gemm.KERNEL, int8_gemm._int8_grouped_mm_kernel, sig,
-             {"TRANS_W": trans, "GATHER": gather, "HAS_SW": has_sw}, aligned)
-            for tag, trans, gather, has_sw in (("W^T+gather", True, True, True), ("W^T", True, False, True),
-                                               ("W", False, False, False))]
+    out = [(f"int8_grouped_mm[{tag}]", int8_gemm.KERNEL, int8_gemm._int8_grouped_mm_kernel, sig,
+            {"TRANS_W": trans, "GATHER": gather, "HAS_SW": has_sw}, aligned)
+           for tag, trans, gather, has_sw in (("W^T+gather", True, True, True), ("W^T", True, False, True),
+                                              ("W", False, False, False))]
+    wsig = {"l_ptr": "*i8", "sl_ptr": "*fp32", "r_ptr": "*i8", "sr_ptr": "*fp32", "cum_token_ptr": _P32,
+            "out_ptr": act, "M": _I32, "N": _I32}
+    waligned = ("l_ptr", "sl_ptr", "r_ptr", "sr_ptr", "cum_token_ptr", "out_ptr", "M", "N")
+    out += [(f"int8_grouped_wgrad[{tag}]", int8_gemm.WGRAD_KERNEL, int8_gemm._int8_grouped_wgrad_kernel, wsig,
+             {"LEFT_SCALE_FIRST": left}, waligned) for tag, left in (("W", True), ("W^T", False))]
+    return out
 
 
 def _desc(dtype: str, *box: str):

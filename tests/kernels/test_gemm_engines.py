@@ -20,6 +20,7 @@ from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.dist.testing import run_distributed
 from fastmoe_xpu.kernels import registry, timing
 from fastmoe_xpu.kernels.contract import LAUNCHERS, STAGE4_LAUNCHERS
+from stage4_shapes import stage4_cases
 from tolerances import assert_close
 
 # Rows past RT of the Triton backend's buffers are uninitialised; SiLU's backward runs over them.
@@ -52,17 +53,9 @@ def _interpreted_triton(engine: str, device: torch.device) -> bool:
     return device.type == "cpu" and registry.IMPLEMENTATIONS[engine].module.startswith(".triton")
 
 
-# The stage-4 shapes of tests/kernels/test_triton_kernels.py: odd H and I, prime E, K=1, all tokens
-# to one expert, empty experts, an expert-parallel slice, bf16.
-# (T, K, E, expert_start, num_local, H, I, pattern, dtype)
-CASES = [
-    pytest.param(37, 3, 7, 0, 7, 33, 21, "random", torch.float32, id="odd-H-I-prime-E"),
-    pytest.param(19, 1, 5, 0, 5, 24, 40, "random", torch.float32, id="K1-I-above-H"),
-    pytest.param(24, 2, 6, 0, 6, 17, 9, "one_expert", torch.float32, id="all-tokens-to-one-expert"),
-    pytest.param(24, 2, 8, 0, 8, 20, 12, "low_half", torch.float32, id="empty-experts"),
-    pytest.param(37, 3, 7, 3, 2, 33, 21, "random", torch.float32, id="expert-parallel-start-3"),
-    pytest.param(21, 2, 5, 0, 5, 32, 16, "random", torch.bfloat16, id="bf16"),
-]
+# The stage-4 shapes of tests/kernels/test_triton_kernels.py but T below a block (tests/stage4_shapes.py).
+CASES = stage4_cases("odd-H-I-prime-E", "K1-I-above-H", "all-tokens-to-one-expert", "empty-experts-zero-weight-grad",
+                     "expert-parallel-start-3", "bf16-fp32-accumulation")
 
 
 @pytest.mark.parametrize("engine", registry.ENGINES)

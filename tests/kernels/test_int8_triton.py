@@ -1,7 +1,8 @@
-"""The Triton int8 grouped GEMM (``kernels/triton/int8_gemm.py``) under the interpreter: the kernel
-against exact integer products, and ``expert_precision="int8"`` next to the Triton base (forward and
-input-gradient GEMMs in the kernel) against the plain-PyTorch reference of the quantized maths
-(``kernels/quantized/reference.py``), gradients included, at awkward shapes."""
+"""The Triton int8 grouped GEMMs (``kernels/triton/int8_gemm.py``) under the interpreter: the kernels
+against exact integer products and the reference's weight-gradient maths, and
+``expert_precision="int8"`` next to the Triton base (every expert GEMM in these kernels) against the
+plain-PyTorch reference of the quantized maths (``kernels/quantized/reference.py``), gradients
+included, at awkward shapes."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels  # noqa: E402
-from fastmoe_xpu.kernels.quantized import reference as qref  # noqa: E402
+from fastmoe_xpu.kernels.quantized import core as qcore, launchers as qlaunchers, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import int8_gemm, launch  # noqa: E402
 from fastmoe_xpu.routing import topk_routing  # noqa: E402
 
@@ -28,6 +29,19 @@ def _close(got, want, what):
     scale = want.abs().max().item() if want.numel() else 1.0
     torch.testing.assert_close(got.detach().float(), want.float(), rtol=RTOL, atol=ATOL + RTOL * scale,
                                msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture
+def no_host_bounds(monkeypatch):
+    """The quantized launchers' host read of the expert bounds, made to fail: the Triton int8 path
+    must never take it. Returns a function that allows it again (for the torch-base launchers)."""
+    real = qlaunchers._groups
+
+    def refuse(cum_token_counts):
+        raise AssertionError("the expert bounds were read on the host")
+
+    monkeypatch.setattr(qlaunchers, "_groups", refuse)
+    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
 @pytest.fixture
@@ -76,6 +90,65 @@ def test_kernel_is_exact(trans_w, gather):
         assert out[rt:].eq(7.0).all()
 
 
+def _wgrad_case(counts, M, N, seed):
+    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
+    and out-of-range indices in the rows past RT (unspecified there: never read)."""
+    g = torch.Generator().manual_seed(seed)
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    rt, R, T = sum(counts), sum(counts) + 3, 13
+    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
+    grad[rt:] = float("nan")
+    grad[rt + 1:, 0] = float("inf")
+    x = torch.randn(T, N, generator=g)
+    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
+    idx[rt:] = 10**6
+    if rt > 2:
+        grad[1] = 0  # a zero row within an expert
+    return cum, grad, x, idx
+
+
+@pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_wgrad_kernel_equals_reference(counts, transposed, launched):
+    """The grouped int8 weight gradient, bit for bit the reference's ``[g]_col^T [x]_col`` per expert
+    (columns quantized over the expert's rows, codes multiplied exactly, fp32 scaled by the gradient's
+    scales, then the input's), in the stored ``[O, In]`` and the transposed ``[In, O]`` layout; zero for
+    empty experts; rows past RT (NaN, inf, out-of-range indices) never read. M = 21, N = 37: partial
+    tiles; an expert of 33 rows: three row chunks of the interpreter's 16."""
+    M, N = 21, 37
+    cum, grad, x, idx = _wgrad_case(counts, M, N, seed=len(counts))
+    nr = len(counts)
+    qg, sg = qcore.quantize_cols_grouped(grad, torch.int8, cum)
+    qx, sx = qcore.quantize_cols_grouped(x, torch.int8, cum, idx=idx)
+    assert sg.shape == (nr, M) and qx.shape == (len(idx), N)
+    out = torch.full((nr, N, M) if transposed else (nr, M, N), 7.0)
+    if transposed:
+        int8_gemm.int8_grouped_wgrad(qx, sx, qg, sg, cum, out, left_scale_first=False)
+    else:
+        int8_gemm.int8_grouped_wgrad(qg, sg, qx, sx, cum, out, left_scale_first=True)
+    assert launched == ["_int8_grouped_wgrad_kernel"]
+    for e in range(nr):
+        s, t = int(cum[e]), int(cum[e + 1])
+        got = out[e].t() if transposed else out[e]
+        if s == t:
+            assert torch.count_nonzero(got) == 0 and sg[e].eq(0).all(), e
+            continue
+        rows = x[idx[s:t].long()]
+        # the per-expert codes and scales, from the reference and from the per-expert quantizer
+        rq, rs = qref.cols_q(grad[s:t], torch.int8)
+        assert torch.equal(qg[s:t].double(), rq) and torch.equal(sg[e], rs), e
+        assert torch.equal(qx[s:t], qcore.quantize_cols(rows, torch.int8)[0]), e
+        want = qref.qlinear_backward(grad[s:t], rows, torch.zeros(M, N), "int8")[1]
+        assert torch.equal(got, want), e
+
+
+def test_wgrad_kernel_rejects_mismatched_shapes():
+    q = torch.zeros(4, 3, dtype=torch.int8)
+    s = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="int8_grouped_wgrad"):
+        int8_gemm.int8_grouped_wgrad(q, s, q, s, torch.tensor([0, 4], dtype=torch.int32), torch.empty(1, 3, 4))
+
+
 def _case(T, H, I, E, K, seed=0, empty=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
@@ -89,7 +162,7 @@ def _case(T, H, I, E, K, seed=0, empty=False):
 
 @pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
                          ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
-def test_triton_int8_layer_matches_reference(shape, launched):
+def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds):
     x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
     leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
     out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="triton",
@@ -103,6 +176,7 @@ def test_triton_int8_layer_matches_reference(shape, launched):
     _close(leaves[1].grad, want[4], "router-weight gradient")
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_int8_grouped_mm_kernel") == 4, launched
+    assert launched.count("_int8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients
     assert "_grouped_mm_fwd_kernel" not in launched and "_gate_up_fwd_kernel" not in launched
     if shape[0] == 5:
         assert int(idx.max()) <= shape[4], "the routing did not leave experts empty"
@@ -110,9 +184,10 @@ def test_triton_int8_layer_matches_reference(shape, launched):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_triton_int8_down_launchers_both_layouts(transposed, launched):
+def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_bounds):
     """``down_fwd`` / ``down_bwd`` of ``triton+int8`` against the torch-base launchers, bit for bit
-    (the same quantized maths, per expert there, grouped here), stored and transposed layouts."""
+    (the same quantized maths, per expert there, grouped here), stored and transposed layouts; the
+    weight gradients bit for bit against the reference as well."""
     g = torch.Generator().manual_seed(3)
     counts = [5, 0, 19, 1]
     cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
@@ -123,16 +198,22 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched):
     tri, ref = kernels("triton+int8"), kernels("torch+int8")
     rt = sum(counts)
     y = tri.down_fwd(a, cum, stored, transposed=transposed)
-    assert torch.equal(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt])
     da, dw = tri.down_bwd(dy, a, cum, stored, transposed=transposed)
+    assert launched.count("_int8_grouped_mm_kernel") == 2, launched
+    assert launched.count("_int8_grouped_wgrad_kernel") == 1, launched
+    no_host_bounds()
+    assert torch.equal(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt])
     want_da, want_dw = ref.down_bwd(dy, a, cum, stored, transposed=transposed)
     assert torch.equal(da[:rt], want_da[:rt]) and torch.equal(dw, want_dw)
-    assert launched.count("_int8_grouped_mm_kernel") == 2, launched
     for e in range(4):  # and both against the reference per expert
         s, t = int(cum[e]), int(cum[e + 1])
         if s < t:
             _close(y[s:t], qref.qlinear(a[s:t], w[e], "int8"), f"expert {e} forward")
-            _close(da[s:t], qref.qlinear_backward(dy[s:t], a[s:t], w[e], "int8")[0], f"expert {e} input gradient")
+            ref_da, ref_dw = qref.qlinear_backward(dy[s:t], a[s:t], w[e], "int8")
+            _close(da[s:t], ref_da, f"expert {e} input gradient")
+            assert torch.equal(dw[e].t() if transposed else dw[e], ref_dw), f"expert {e} weight gradient"
+        else:
+            assert torch.count_nonzero(dw[e]) == 0
 
 
 def test_triton_int8_bf16_equals_torch_base():

@@ -32,6 +32,7 @@ from fastmoe_xpu.kernels import registry  # noqa: E402
 from fastmoe_xpu.kernels import torch as torch_ops  # noqa: E402
 from fastmoe_xpu.kernels.triton import launch as _launch  # noqa: E402
 from fastmoe_xpu.kernels.triton import tma_gemm  # noqa: E402
+from stage4_shapes import stage4_cases  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -96,14 +97,8 @@ def _per_expert(cum, fn):
     return [fn(e, int(cum[e]), int(cum[e + 1])) for e in range(len(cum) - 1)]
 
 
-# (T, K, E, expert_start, num_local, H, I, pattern, dtype)
-CASES = [
-    pytest.param(37, 3, 7, 0, 7, 36, 20, "random", torch.float32, id="ragged-tiles-prime-E"),
-    pytest.param(24, 2, 8, 0, 8, 20, 12, "low_half", torch.float32, id="empty-experts"),
-    pytest.param(40, 2, 6, 0, 6, 24, 44, "one_expert", torch.float32, id="one-expert-many-row-tiles"),
-    pytest.param(37, 3, 7, 3, 2, 28, 20, "random", torch.float32, id="expert-parallel-slice"),
-    pytest.param(21, 2, 5, 0, 5, 40, 24, "random", torch.float16, id="fp16"),
-]
+CASES = stage4_cases("tma-ragged-tiles-prime-E", "empty-experts-zero-weight-grad", "tma-one-expert-many-row-tiles",
+                     "tma-expert-parallel-slice", "tma-fp16")
 
 
 @pytest.mark.parametrize("T,K,E,start,NR,H,I,pattern,dtype", CASES)

@@ -40,6 +40,7 @@ from fastmoe_xpu.kernels import configs  # noqa: E402
 from fastmoe_xpu.kernels import torch as torch_ops  # noqa: E402
 from fastmoe_xpu.kernels import triton as tops  # noqa: E402
 from bench.audit import audit_layer  # noqa: E402
+from stage4_shapes import stage4_cases  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,16 +189,8 @@ def test_counting_and_indices_match_reference(T, K, E, start, num_local, tbs, pa
 
 
 # ---------------------------------------------------------------- stage 4
-# (T, K, E, expert_start, num_local, H, I, pattern, dtype)
-MLP_CASES = [
-    pytest.param(37, 3, 7, 0, 7, 33, 21, "random", torch.float32, id="odd-H-I-prime-E"),
-    pytest.param(5, 2, 4, 0, 4, 16, 8, "random", torch.float32, id="T-below-block"),
-    pytest.param(19, 1, 5, 0, 5, 24, 40, "random", torch.float32, id="K1-I-above-H"),
-    pytest.param(24, 2, 6, 0, 6, 17, 9, "one_expert", torch.float32, id="all-tokens-to-one-expert"),
-    pytest.param(24, 2, 8, 0, 8, 20, 12, "low_half", torch.float32, id="empty-experts-zero-weight-grad"),
-    pytest.param(37, 3, 7, 3, 2, 33, 21, "random", torch.float32, id="expert-parallel-start-3"),
-    pytest.param(21, 2, 5, 0, 5, 32, 16, "random", torch.bfloat16, id="bf16-fp32-accumulation"),
-]
+MLP_CASES = stage4_cases("odd-H-I-prime-E", "T-below-block", "K1-I-above-H", "all-tokens-to-one-expert",
+                         "empty-experts-zero-weight-grad", "expert-parallel-start-3", "bf16-fp32-accumulation")
 
 
 @pytest.mark.parametrize("T,K,E,start,num_local,H,I,pattern,dtype", MLP_CASES)

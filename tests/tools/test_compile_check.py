@@ -27,9 +27,8 @@ from fastmoe_xpu.tools import compile_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = (counting, indices, grouped_gemm, combine)
-#: Kernels compiled for some targets only: the TMA grouped GEMMs are NVIDIA's (sm_90+); the int8
-#: grouped GEMM is compiled for sm_90 and gfx942 (on PVC the int8 entry keeps per-expert GEMMs).
-TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm), "hip": (int8_gemm,)}
+#: Kernels compiled for some targets only: the TMA grouped GEMMs are NVIDIA's (sm_90+).
+TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm), "hip": (int8_gemm,), "xpu": (int8_gemm,)}
 
 
 def _all_kernels(target: str) -> dict[str, object]:
@@ -118,13 +117,15 @@ def test_tma_kernels_use_tma_and_wgmma_on_sm90(default_rows):
 
 
 def test_int8_grouped_gemm_uses_integer_mma(default_rows):
-    """The int8 grouped GEMM's three variants compile without spills to the integer tensor-core MMA:
-    wgmma's int8 form (IGMMA) or mma.sync's (IMMA) in the sm_90 SASS, ``v_mfma_i32_*`` in the
-    gfx942 amdgcn; no float MMA in either."""
-    rows = [r for r in default_rows if r["kernel"].startswith("int8_grouped_mm")]
+    """The int8 grouped GEMM's three variants and the int8 weight gradient's two (stored and
+    transposed layout) compile without spills to the integer tensor-core MMA: wgmma's int8 form
+    (IGMMA) or mma.sync's (IMMA) in the sm_90 SASS, ``v_mfma_i32_*`` in the gfx942 amdgcn; no float
+    MMA in either."""
+    rows = [r for r in default_rows if r["kernel"].startswith("int8_")]
     assert {(r["kernel"], r["target"]) for r in rows} == {
         (s.name, t) for t in ("cuda", "hip") for s in compile_check.kernel_specs(t) if s.name.startswith("int8_")}
-    assert len(rows) == 6
+    assert len(rows) == 10
+    assert sum(r["kernel"].startswith("int8_grouped_wgrad") for r in rows) == 4
     for row in rows:
         assert row["ok"] and row["spills"] == 0, row
         if row["target"] == "hip":

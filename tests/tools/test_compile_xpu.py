@@ -98,7 +98,10 @@ def test_igc_asm_reader() -> None:
     # header's "spill size", which with calls present is the whole scratch/stack size.
     got = parse_igc_asm(IGC_ASM)
     assert got == {"grf": 256, "ra_type": "GRAPH_COLORING_SPILL_FF_RA", "spill_bytes": 119 * 64 + 64,
-                   "spilled_values": 3, "calls": 1, "native_dpas": 2}
+                   "spilled_values": 3, "calls": 1, "native_dpas": 2, "dpas_types": ["bf*bf->f"]}
+    # the integer form: int8 sources into int32 accumulators
+    int8 = "        dpas.8x8 (16|M0)         r71:d         r15:d             r41:b             r67.0:b    {Atomic}\n"
+    assert parse_igc_asm(int8)["dpas_types"] == ["b*b->d"]
 
 
 @pytest.mark.parametrize(
@@ -173,3 +176,17 @@ def test_xpu_default_config_is_least_spilling(xpu_check: tuple[subprocess.Comple
     assert set(defaults) == {r["kernel"] for r in data["results"]}, "a kernel without a default XPU config"
     wrong = {k: (cfg, best.get(k)) for k, cfg in defaults.items() if cfg not in best.get(k, [])}
     assert not wrong, f"default config is not the least-spilling one (kernel: (default, least-spilling)): {wrong}"
+
+
+@needs_xpu_venv
+def test_int8_kernels_use_integer_dpas(xpu_check: tuple[subprocess.CompletedProcess, dict[str, Any]]) -> None:
+    """The int8 grouped GEMM and weight gradient compile for PVC to DPAS on int8 sources with int32
+    accumulators (``dpas ... :d :d :b :b``), and to nothing else, without spills."""
+    _, data = xpu_check
+    assert data, "no JSON from the XPU compile check"
+    rows = [r for r in data["results"] if r["kernel"].startswith("int8_")]
+    assert {r["kernel"] for r in rows} == {"int8_grouped_mm[W^T+gather]", "int8_grouped_mm[W^T]", "int8_grouped_mm[W]",
+                                           "int8_grouped_wgrad[W]", "int8_grouped_wgrad[W^T]"}
+    for r in rows:
+        assert r["passed"] and r["native_dpas"] > 0 and r["dpas_types"] == ["b*b->d"], r
+        assert r["spill_bytes"] == 0, r

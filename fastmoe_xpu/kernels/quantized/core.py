@@ -76,7 +76,12 @@ def _quantize_eager(v: torch.Tensor, dtype: torch.dtype, dim: int,
     return q.to(dtype), (amax / qm).squeeze(dim)
 
 
-def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor | None) -> None:
+def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor | None,
+                    cols_first: bool = False) -> None:
+    if cols_first:
+        torch.mul(acc, sb[None, :], out=out)
+        out.mul_(sa[:, None])
+        return
     torch.mul(acc, sa[:, None], out=out)
     if sb is not None:
         out.mul_(sb[None, :])
@@ -98,7 +103,10 @@ def _fused(name: str):  # noqa: ANN202
         return None
     fn = _FUSED.get(name)
     if fn is None:
-        def epilogue(out, acc, sa, sb):  # noqa: ANN001, ANN202
+        def epilogue(out, acc, sa, sb, cols_first: bool = False):  # noqa: ANN001, ANN202
+            if cols_first:
+                out.copy_(acc.float() * sb[None, :] * sa[:, None])
+                return
             res = acc.float() * sa[:, None]
             out.copy_(res if sb is None else res * sb[None, :])
 
@@ -150,6 +158,36 @@ def quantize_cols(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return _quantize(v, dtype, -2)
 
 
+def expert_of_rows(cum_token_counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows]`` int64 on the device: the expert whose rows (``cum_token_counts[e] ..
+    cum_token_counts[e+1]``) hold each row, NR for rows past RT; no host read."""
+    bounds = cum_token_counts[1:].to(torch.int64)
+    return torch.searchsorted(bounds, torch.arange(rows, device=bounds.device), right=True)
+
+
+def quantize_cols_grouped(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor,
+                          idx: torch.Tensor | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [R, N], scales [NR, N])``: the rows ``v[r]`` (``idx`` given: ``v[idx[r]]``, R =
+    ``rows`` or ``len(idx)``) quantized with one scale per column over each expert's rows
+    ``cum_token_counts[e] .. cum_token_counts[e+1]``, the same codes and scales as
+    :func:`quantize_cols` of each expert's rows alone (the same fp32 operations), with the expert
+    bounds kept on the device: no host read. An empty expert's scales are zero; the codes of rows
+    past RT (and the indices there) are never used."""
+    NR = cum_token_counts.numel() - 1
+    R = rows if rows is not None else idx.shape[0] if idx is not None else v.shape[0]
+    eid = expert_of_rows(cum_token_counts, R)  # rows past RT: NR, a slot of their own, dropped
+    if idx is not None:
+        v = v.index_select(0, torch.where(eid < NR, idx[:R].to(torch.int64), 0))
+    v = v[:R].float()
+    amax = v.new_zeros(NR + 1, v.shape[1]).scatter_reduce_(0, eid[:, None].expand(R, v.shape[1]), v.abs(), "amax")
+    qm = _QMAX[dtype]
+    inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
+    q = v * inv.index_select(0, eid)
+    if dtype == torch.int8:
+        q.round_()
+    return q.to(dtype), amax[:NR] / qm
+
+
 # ---------------------------------------------------------------- the GEMM
 def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if t.shape == (rows, cols):
@@ -196,16 +234,18 @@ def scaled_mm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Te
 
 
 def qmm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor | None,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor | None = None, cols_first: bool = False) -> torch.Tensor:
     """``sa[:, None] * sb[None, :] * (qa @ qb)`` in fp32 (``sb`` None: no column scales), written into
     ``out`` when given (in its dtype): the quantized GEMM with its dequantizing epilogue, which for
-    int8 is two passes over the output (row scales while converting the int32 sums, then columns)."""
+    int8 is two passes over the output (row scales while converting the int32 sums, then columns;
+    ``cols_first``: the column scales first, as the transposed weight gradient needs to round as the
+    reference's layout does)."""
     if qa.dtype == torch.int8:
         acc = int_mm(qa, qb)
         res = out if out is not None and out.dtype == torch.float32 else torch.empty(
             acc.shape, dtype=torch.float32, device=acc.device)
-        if not (_use_fused(acc, torch.int8) and _run_fused("epilogue", res, acc, sa, sb)[0]):
-            _epilogue_eager(res, acc, sa, sb)
+        if not (_use_fused(acc, torch.int8) and _run_fused("epilogue", res, acc, sa, sb, cols_first)[0]):
+            _epilogue_eager(res, acc, sa, sb, cols_first)
     else:
         res = scaled_mm(qa, sa, qb, sb)
     if out is None or res is out:

@@ -6,16 +6,18 @@ against the forward's weight codes) and the weight gradient (per column of each 
 rows and input rows: scales along the dimensions that stay, over that expert's rows). Accumulation
 is exact (int32) or fp32 (fp8), dequantized by the scales right after; SiLU*up, its backward and the
 router-weight products stay in fp32. ``silu_mul_bwd`` and stages 2, 3 and 5 come from the kernel
-backend this engine is combined with. The expert bounds are read on the host (as the ``loop``
-engine does); scales are computed on the device. Row buffers: rows past RT are zero.
+backend this engine is combined with. On this per-expert path the expert bounds are read on the
+host (as the ``loop`` engine does); scales are computed on the device. Row buffers: rows past RT are zero.
 
 Next to the Triton base (``grouped=True``, int8, where the device's Triton config table has the
-kernel: cuda, hip and the interpreter), the forward GEMMs and the input-gradient GEMMs run as one
+kernels: cuda, hip, xpu and the interpreter), the forward GEMMs and the input-gradient GEMMs run as one
 Triton int8 grouped GEMM each (:mod:`..triton.int8_gemm`: int32 ``tl.dot``, the scales applied in
-its epilogue, the gate/up rows gathered in its loads, the expert bounds read on the device); the
-weight-gradient GEMMs stay one ``torch._int_mm`` per expert. The numbers are the same bits as the
-per-expert path: quantization is per row (per token) and per output channel, so quantizing all
-rows at once gives every row the codes and scale it gets alone.
+its epilogue, the gate/up rows gathered in its loads, the expert bounds read on the device), and the
+weight-gradient GEMMs as one Triton int8 grouped weight-gradient GEMM each (the contraction over
+each expert's rows, its column scales computed over those rows on the device): no host read in the
+whole stage-4 path. The numbers are the same bits as the per-expert path: quantization is per row
+(per token) and per output channel, so quantizing all rows at once gives every row the codes and
+scale it gets alone, and the per-column scales of the weight gradients are the same maxima.
 
 :mod:`.reference` states the same maths expert by expert in plain PyTorch; the tests hold these
 launchers to it.
@@ -31,7 +33,8 @@ from typing import Any, Callable
 import torch
 
 from ..contract import check_gemm_inputs, check_stored_gemm_inputs
-from .core import FORMATS, qmm, quantize_cols, quantize_rows, quantized_weight
+from .core import (FORMATS, expert_of_rows, qmm, quantize_cols, quantize_cols_grouped, quantize_rows,
+                   quantized_weight)
 
 
 def _groups(cum_token_counts: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]]:
@@ -58,8 +61,8 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fw
     """``out = g^T @ a`` (``transposed``: ``a^T @ g``) with both quantized per column over these rows."""
     qg, sg = quantize_cols(g, fmt_grad)
     qa, sa = quantize_cols(a, fmt_fwd)
-    if transposed:
-        qmm(qa.t(), sa, qg, sg, out=out)
+    if transposed:  # the gradient's scales first, as in the stored layout
+        qmm(qa.t(), sa, qg, sg, out=out, cols_first=True)
     else:
         qmm(qg.t(), sg, qa, sa, out=out)
 
@@ -73,37 +76,51 @@ def _grouped(grouped: bool, fmt: str, device: torch.device) -> bool:
     return int8_gemm.available(device)
 
 
-def _grouped_input_grad(groups: list[tuple[int, int, int]], g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor,
-                        d_rows: torch.Tensor, transposed: bool) -> None:  # noqa: ANN001
+def _grouped_input_grad(g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, d_rows: torch.Tensor,
+                        transposed: bool) -> None:  # noqa: ANN001
     """All experts' input gradients in one Triton int8 grouped GEMM: each row of ``g`` times its
     expert's weight scales, quantized per row, against the weight codes (``[O, In]`` per expert:
     the stored ``[NR, O, In]`` as ``W_e``, the transposed ``[NR, In, O]`` as ``W_e^T``)."""
     from ..triton.int8_gemm import int8_grouped_mm
 
-    rt = groups[-1][2] if groups else 0
-    if rt == 0:
-        return
-    counts = torch.tensor([t - s for _, s, t in groups], device=g.device)
-    row_scales = qw.scales.repeat_interleave(counts, dim=0, output_size=rt)  # [RT, O]
-    qg, sg = quantize_rows(g[:rt], f.grad, row_scales)
+    R = d_rows.shape[0]
+    eid = expert_of_rows(cum_token_counts, R).clamp_(max=qw.scales.shape[0] - 1)  # past RT: any expert
+    qg, sg = quantize_rows(g[:R], f.grad, qw.scales.index_select(0, eid))  # [R, O] row scales
     int8_grouped_mm(qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
 
 
+def _grouped_backward(g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: torch.Tensor,
+                      d_rows: torch.Tensor, dw: torch.Tensor, transposed: bool = False,
+                      a_idx: torch.Tensor | None = None) -> None:  # noqa: ANN001
+    """The Triton int8 grouped backward of one projection, expert bounds on the device: the input
+    gradients of rows ``g`` into ``d_rows`` (one grouped GEMM), and the weight gradients
+    ``[g]_col^T [a]_col`` per expert into ``dw`` (``a_idx``: the input rows are ``a[a_idx]``), both
+    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM."""
+    from ..triton.int8_gemm import int8_grouped_wgrad
+
+    if d_rows.shape[0] == 0:
+        dw.zero_()
+        return
+    _grouped_input_grad(g, qw, f, cum_token_counts, d_rows, transposed)
+    R = d_rows.shape[0]
+    qg, sg = quantize_cols_grouped(g, f.grad, cum_token_counts, rows=R)
+    qa, sa = quantize_cols_grouped(a, f.forward, cum_token_counts, idx=a_idx, rows=R)
+    if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
+        int8_grouped_wgrad(qa, sa, qg, sg, cum_token_counts, dw, left_scale_first=False)
+    else:
+        int8_grouped_wgrad(qg, sg, qa, sa, cum_token_counts, dw, left_scale_first=True)
+
+
 def _backward_gemms(groups: list[tuple[int, int, int]], g: torch.Tensor, a: torch.Tensor, qw, f, d_rows: torch.Tensor,
-                    dw: torch.Tensor, transposed: bool = False,
-                    cum_token_counts: torch.Tensor | None = None) -> None:  # noqa: ANN001
+                    dw: torch.Tensor, transposed: bool = False) -> None:  # noqa: ANN001
     """Per expert: the input gradient of rows ``g`` through the weight codes ``qw`` into ``d_rows``
-    and the weight gradient against the input rows ``a`` into ``dw`` (zero for empty experts).
-    ``cum_token_counts`` given: the input gradients as one Triton grouped GEMM instead."""
-    if cum_token_counts is not None:
-        _grouped_input_grad(groups, g, qw, f, cum_token_counts, d_rows, transposed)
+    and the weight gradient against the input rows ``a`` into ``dw`` (zero for empty experts)."""
     for e, s, t in groups:
         if t == s:
             dw[e].zero_()
             continue
-        if cum_token_counts is None:
-            b = qw.codes[e].t() if transposed else qw.codes[e]
-            _input_grad(g[s:t], qw.scales[e], b, f.grad, d_rows[s:t])
+        b = qw.codes[e].t() if transposed else qw.codes[e]
+        _input_grad(g[s:t], qw.scales[e], b, f.grad, d_rows[s:t])
         _weight_grad(g[s:t], a[s:t], f.grad, f.forward, dw[e], transposed)
 
 
@@ -166,13 +183,16 @@ def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts
     (per column over the expert's rows; zero for empty experts), ``dw`` in ``w``'s stored layout."""
     check_stored_gemm_inputs(dy_RH, w_down_NHI, cum_token_counts, "down_bwd", not transposed)
     f = FORMATS[fmt]
-    rt, groups = _groups(cum_token_counts)
     width = w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]
-    dh = _rows_buffer(dy_RH.shape[0], rt, width, dy_RH)
     dw = torch.empty_like(w_down_NHI)
     qw = quantized_weight(w_down_NHI, f.forward, transposed, reuse=True)
-    _backward_gemms(groups, dy_RH, h_RI, qw, f, dh, dw, transposed,
-                    cum_token_counts if _grouped(grouped, fmt, dy_RH.device) else None)
+    if _grouped(grouped, fmt, dy_RH.device):
+        dh = dy_RH.new_zeros(dy_RH.shape[0], width)
+        _grouped_backward(dy_RH, h_RI, qw, f, cum_token_counts, dh, dw, transposed)
+        return dh, dw
+    rt, groups = _groups(cum_token_counts)
+    dh = _rows_buffer(dy_RH.shape[0], rt, width, dy_RH)
+    _backward_gemms(groups, dy_RH, h_RI, qw, f, dh, dw, transposed)
     return dh, dw
 
 
@@ -182,15 +202,24 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     """The weighted down backward: ``g = Q(dy * sW) @ qW`` (unweighted), ``d_row_weights = <g, h>``,
     ``dh = w * g`` and ``dw_down = Q(dy_e)^T @ Q(w * h)_e``; ``h`` recomputed from ``gate_up`` in fp32."""
     f = FORMATS[fmt]
-    rt, groups = _groups(cum_token_counts)
     inter = w_down_NHI.shape[2]
-    h = torch._C._nn.silu(gate_up_R2I[:rt, :inter].float()).mul_(gate_up_R2I[:rt, inter:].float())
-    g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
     dw = torch.empty_like(w_down_NHI)
     qw = quantized_weight(w_down_NHI, f.forward, reuse=True)
-    w = row_weights_R[:rt, None].float()
-    _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw, False,
-                    cum_token_counts if _grouped(grouped, fmt, dy_RH.device) else None)
+    if _grouped(grouped, fmt, dy_RH.device):
+        # all R rows, those past RT zeroed (their contents are unspecified) without reading RT
+        rt = dy_RH.shape[0]  # every row computed: RT is not read
+        valid = (expert_of_rows(cum_token_counts, rt) < w_down_NHI.shape[0])[:, None]
+        h = torch._C._nn.silu(gate_up_R2I[:, :inter].float()).mul_(gate_up_R2I[:, inter:].float())
+        h = torch.where(valid, h, 0.0)
+        w = torch.where(valid, row_weights_R[:, None].float(), 0.0)
+        g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
+        _grouped_backward(dy_RH, h * w, qw, f, cum_token_counts, g, dw)
+    else:
+        rt, groups = _groups(cum_token_counts)
+        h = torch._C._nn.silu(gate_up_R2I[:rt, :inter].float()).mul_(gate_up_R2I[:rt, inter:].float())
+        g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
+        w = row_weights_R[:rt, None].float()
+        _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
     d_row_w = torch.linalg.vecdot(g, h)
     dh = _rows_buffer(dy_RH.shape[0], rt, inter, dy_RH)
     dh[:rt] = g.mul_(w)
@@ -204,13 +233,16 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
     gathered again)."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
     f = FORMATS[fmt]
-    rt, groups = _groups(cum_token_counts)
-    dx_rows = _rows_buffer(d_gate_up_R2I.shape[0], rt, x_TH.shape[1], x_TH)
     dw = torch.empty_like(w_gate_up_N2IH)
     qw = quantized_weight(w_gate_up_N2IH, f.forward, reuse=True)
+    if _grouped(grouped, fmt, x_TH.device):
+        dx_rows = x_TH.new_zeros(d_gate_up_R2I.shape[0], x_TH.shape[1])
+        _grouped_backward(d_gate_up_R2I, x_TH, qw, f, cum_token_counts, dx_rows, dw, a_idx=input_indices)
+        return dx_rows, dw
+    rt, groups = _groups(cum_token_counts)
+    dx_rows = _rows_buffer(d_gate_up_R2I.shape[0], rt, x_TH.shape[1], x_TH)
     rows = x_TH.index_select(0, input_indices[:rt])
-    _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw, False,
-                    cum_token_counts if _grouped(grouped, fmt, x_TH.device) else None)
+    _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw)
     return dx_rows, dw
 
 

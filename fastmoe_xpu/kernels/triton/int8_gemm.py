@@ -1,4 +1,8 @@
-"""The int8 grouped GEMM in Triton: ``tl.dot`` on int8 codes accumulating in int32, dequantized in the epilogue.
+"""The int8 grouped GEMMs in Triton: ``tl.dot`` on int8 codes accumulating in int32, dequantized in the epilogue.
+
+Two kernels: :func:`int8_grouped_mm` (the forward and input-gradient GEMMs, rows of each expert
+times its weight) and :func:`int8_grouped_wgrad` (the weight gradients, a contraction over each
+expert's rows).
 
 ``out[r] = (sa[src(r)] * sw_e) * (qa[src(r)] @ B_e)`` for the rows r of each expert e (rows
 ``cum_token_counts[e] .. cum_token_counts[e+1]``), with ``src(r) = idx[r]`` when ``GATHER`` (the
@@ -27,6 +31,8 @@ from .grouped_gemm import _row_programs
 
 #: The config key of :func:`int8_grouped_mm` in ``configs.py``.
 KERNEL = "int8_grouped_mm"
+#: The config key of :func:`int8_grouped_wgrad` in ``configs.py``.
+WGRAD_KERNEL = "int8_grouped_wgrad"
 
 
 @triton.jit
@@ -95,9 +101,71 @@ def _int8_grouped_mm_kernel(
         tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], res.to(out_ty, fp_downcast_rounding="rtne"), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _int8_grouped_wgrad_kernel(
+    l_ptr,
+    sl_ptr,
+    r_ptr,
+    sr_ptr,
+    cum_token_ptr,
+    out_ptr,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LEFT_SCALE_FIRST: tl.constexpr,
+):
+    """The weight gradient ``out[e] = (ql_e^T @ qr_e) * sl[e][:, None] * sr[e][None, :]`` over the
+    rows ``cum_token_counts[e] .. cum_token_counts[e+1]`` of expert e.
+
+    Grid ``(ceil(M/BLOCK_M), ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns that tile of
+    ``out[e]`` and reduces over all of expert e's rows, ``BLOCK_K`` at a time, in int32 (an empty
+    expert's tile is written as zeros). Reads ``ql [rows, M]`` and ``qr [rows, N]`` int8 (each
+    column's codes quantized over its expert's rows), ``sl [NR, M]`` and ``sr [NR, N]`` fp32,
+    ``cum_token_counts [NR+1]`` int32; writes ``out [NR, M, N]`` (its dtype). The epilogue converts
+    the sums to fp32 and multiplies by ``sl`` then ``sr`` (``LEFT_SCALE_FIRST``) or ``sr`` then
+    ``sl``: the gradient side's scales first, as the reference does, in either weight layout.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2)
+    row_start = tl.load(cum_token_ptr + e)
+    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    row0 = row_start.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    lt_ptrs = l_ptr + (row0 + offs_k[None, :]) * M + offs_m[:, None]  # ql_e^T tile [BLOCK_M, BLOCK_K]
+    r_ptrs = r_ptr + (row0 + offs_k[:, None]) * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, n_rows, BLOCK_K):
+        k_mask = offs_k < n_rows - k0
+        a = tl.load(lt_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0)
+        b = tl.load(r_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        lt_ptrs += BLOCK_K * M
+        r_ptrs += BLOCK_K * N
+    sl = tl.load(sl_ptr + e.to(tl.int64) * M + offs_m, mask=m_mask, other=0.0)
+    sr = tl.load(sr_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
+    res = acc.to(tl.float32)
+    if LEFT_SCALE_FIRST:
+        res = res * sl[:, None]
+        res = res * sr[None, :]
+    else:
+        res = res * sr[None, :]
+        res = res * sl[:, None]
+    out_ptrs = out_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
 def available(device: torch.device) -> bool:
-    """Whether the config table of ``device`` has this kernel (cuda, hip and the interpreter)."""
-    return KERNEL in CONFIGS[table_for(device)]
+    """Whether the config table of ``device`` has these kernels (cuda, hip, xpu and the interpreter)."""
+    table = CONFIGS[table_for(device)]
+    return KERNEL in table and WGRAD_KERNEL in table
 
 
 def int8_grouped_mm(qa: torch.Tensor, sa: torch.Tensor, idx: torch.Tensor | None, qw: torch.Tensor,
@@ -129,4 +197,37 @@ def int8_grouped_mm(qa: torch.Tensor, sa: torch.Tensor, idx: torch.Tensor | None
         )
 
     go(autotune.choose(KERNEL, table, N, K, R, NR, dev, go))
+    return out
+
+
+def int8_grouped_wgrad(ql: torch.Tensor, sl: torch.Tensor, qr: torch.Tensor, sr: torch.Tensor,
+                       cum_token_counts: torch.Tensor, out: torch.Tensor, left_scale_first: bool = True) -> torch.Tensor:
+    """Writes ``out[e] = (ql_e^T @ qr_e) * sl[e][:, None] * sr[e][None, :]`` for every expert e (its
+    rows ``cum_token_counts[e] .. cum_token_counts[e+1]`` of ``ql [rows, M]`` and ``qr [rows, N]``,
+    int8; zero for an empty expert) and returns ``out [NR, M, N]``. ``sl [NR, M]``, ``sr [NR, N]``
+    fp32; ``left_scale_first``: the epilogue multiplies by ``sl`` before ``sr`` (else after). The
+    expert bounds are read on the device."""
+    NR, M, N = out.shape
+    if (ql.dtype != torch.int8 or qr.dtype != torch.int8 or ql.dim() != 2 or qr.dim() != 2
+            or ql.shape != (qr.shape[0], M) or qr.shape[1] != N or sl.shape != (NR, M) or sr.shape != (NR, N)
+            or cum_token_counts.numel() != NR + 1):
+        raise ValueError(f"int8_grouped_wgrad: codes {ql.dtype} {tuple(ql.shape)} and {qr.dtype} {tuple(qr.shape)}, "
+                         f"scales {tuple(sl.shape)} and {tuple(sr.shape)} do not fit out {tuple(out.shape)} "
+                         f"over {cum_token_counts.numel() - 1} experts")
+    if out.numel() == 0:
+        return out
+    if ql.shape[0] == 0:
+        return out.zero_()
+    ql, qr = ql.contiguous(), qr.contiguous()
+    sl, sr = sl.float().contiguous(), sr.float().contiguous()
+    dev = out.device
+    table = table_for(dev)
+
+    def go(cfg):
+        grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(_int8_grouped_wgrad_kernel, grid, (ql, sl, qr, sr, cum_token_counts, out, M, N), cfg, dev,
+                       LEFT_SCALE_FIRST=left_scale_first)
+
+    # Keyed on the weight's (M, N) and the rows reduced over per expert.
+    go(autotune.choose(WGRAD_KERNEL, table, N, M, ql.shape[0], NR, dev, go))
     return out
