@@ -46,9 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
                     help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "
                          "per device, dtype and shape, its choice named in the provider's note)")
-    ap.add_argument("--precision", nargs="+", default=["none"], choices=["none", "int8", "fp8"],
+    ap.add_argument("--precision", nargs="+", default=["none"], choices=["none", "int8", "fp8", "bf16", "bf16-sr"],
                     help="expert-GEMM precisions of the fastmoe providers, side by side in one run: int8 / fp8 "
-                         "add fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one)")
+                         "add fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one); "
+                         "with --table3, precision rows for the F+B and training columns against fastmoe in fp32 "
+                         "(bf16: bf16 weights, fp32 master; bf16-sr: bf16 weights, stochastic rounding; "
+                         "training column only)")
     ap.add_argument("--budget", type=float, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
@@ -139,6 +142,10 @@ def _run(args: argparse.Namespace) -> int:
         from .table3 import main_table3
 
         return main_table3(args)
+    training_only = [p for p in args.precision if p in ("bf16", "bf16-sr")]
+    if training_only:
+        raise ValueError(f"--precision {training_only[0]} is a training mode: it needs --table3 (the layer "
+                         "benchmark takes --dtype bf16)")
     args.rounds = run_options(args)
     presets = resolve_presets(args.preset)
     names = with_precisions(expand_names(args.providers), args.precision)

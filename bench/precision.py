@@ -136,7 +136,7 @@ def markdown(results: dict[str, Any], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(results: dict[str, Any], path: Path, window: int = 25) -> None:
+def chart(results: dict[str, Any], path: Path, window: int = 25, preset: str = "tiny-moe") -> None:
     """The loss curves (moving average over ``window`` steps) and, below, each one's difference to
     fp32's, where the precisions separate."""
     import matplotlib
@@ -156,7 +156,7 @@ def chart(results: dict[str, Any], path: Path, window: int = 25) -> None:
         if base is not None and name != "fp32":
             bottom.plot(steps, [c - b for c, b in zip(curve, base)], label=name, linewidth=1, color=line.get_color())
     top.set_ylabel(f"training loss ({window}-step mean)")
-    top.set_title("tiny-moe on the embedded corpus: same seed and data per precision")
+    top.set_title(f"{preset} on the embedded corpus: same seed and data per precision")
     top.legend()
     bottom.axhline(0, color="black", linewidth=0.5)
     bottom.set_ylabel("difference to fp32")
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
            + (f" --set {' '.join(args.set)}" if args.set else ""))
     (out / "results.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1) + "\n")
     (out / "results.md").write_text(markdown(results, f"`{cmd}`"))
-    chart(results, out / "loss.png")
+    chart(results, out / "loss.png", preset=args.preset)
     print(markdown(results, f"`{cmd}`"))
     return 0
 

@@ -13,10 +13,14 @@ parameters left out, the input counted (a dense MLP saves it too). Contestants:
 
 Beside them: the dense-equivalent ``T*H + 2*T*K*I`` elements (the input and the gate/up
 pre-activation of a dense MLP of the same active size) and the routing metadata measured in the
-fastmoe block (integer tensors). ``--time`` also times forward+backward of ``fastmoe`` and
+fastmoe block (integer tensors). ``--precision int8 fp8`` measures the same block with quantized expert
+GEMMs (``expert_precision``, same weights and input) beside it: the bytes it saves for backward and,
+apart, the bytes of the weight codes it keeps from the forward for the backward (1 byte per expert
+weight and one fp32 scale per output channel, outside autograd's saved tensors). ``--time`` also times forward+backward of ``fastmoe`` and
 ``fastmoe@BASE`` in the same process, interleaved, min over rounds, same weights and input.
 
     python -m fastmoe_bench.saved --base dc12205 --tokens 128 2048 --time --rounds 3
+    python -m fastmoe_bench.saved --preset mula-7b-a1b --tokens 2048 --precision int8 fp8
 """
 from __future__ import annotations
 
@@ -72,6 +76,29 @@ def saved(block: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     return sum(n for n, _ in seen.values()), sum(n for n, i in seen.values() if i)
 
 
+def weight_code_bytes() -> int:
+    """Bytes of the quantized weights kept for the backward (codes and scales), all blocks together."""
+    from fastmoe_xpu.kernels.quantized import core
+
+    return sum(e[4].codes.nbytes + e[4].scales.nbytes for e in core._WEIGHTS.values() if e[0]() is not None)
+
+
+def precision_bytes(p: Preset, block: nn.Module, x: torch.Tensor, precision: str) -> tuple[int, int]:
+    """``(bytes saved for backward, weight-code bytes kept)`` of ``block``'s twin (same weights) with
+    ``expert_precision=precision`` on input ``x``."""
+    from fastmoe_xpu import FastSparseMoeBlock
+    from fastmoe_xpu.kernels.quantized import core
+
+    core.forget_weights()
+    q = FastSparseMoeBlock(_config(p), backend="torch", expert_precision=precision)
+    q.load_state_dict(block.state_dict())
+    try:
+        return saved(q, x.clone().requires_grad_())[0], weight_code_bytes()
+    finally:
+        del q
+        core.forget_weights()
+
+
 def _hf_block(p: Preset) -> nn.Module | None:
     try:
         from transformers import OlmoeConfig
@@ -99,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=None, help="git revision whose block is measured beside this tree's")
     ap.add_argument("--time", action="store_true", help="also time F+B of this tree's block and --base's")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--precision", nargs="+", default=[], choices=["int8", "fp8"],
+                    help="also measure the block with these expert-GEMM precisions (saved bytes, weight codes kept)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if any(t < 1 for t in args.tokens):
@@ -123,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         dense = (T * p.hidden + 2 * T * p.top_k * p.intermediate) * 4
         row = {"preset": p.name, "T": T, "dense": dense}
         row["fastmoe"], row["metadata"] = saved(new, x.clone().requires_grad_())
+        for prec in args.precision:
+            row[prec], row[f"{prec}_weight_codes"] = precision_bytes(p, new, x, prec)
         if base is not None:
             old = base.FastSparseMoeBlock(_config(p), backend="torch")
             old.load_state_dict(new.state_dict())
@@ -149,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         del new
     hdr = (f"{'preset':<18} {'T':>5} {'dense MiB':>10} {'meta MiB':>9} {'fastmoe MiB':>12} {'x(dense+meta)':>13} "
            f"{'base MiB':>9} {'hf MiB':>9} {'fastmoe/hf':>10}")
+    for prec in args.precision:
+        hdr += f" {prec + ' MiB':>9} {prec + ' codes MiB':>15}"
     if args.time:
         hdr += f" {'F+B new s':>10} {'F+B base s':>11} {'new/base':>9}"
     print(hdr)
@@ -157,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['fastmoe'] / mib:>12.2f} {r['fastmoe'] / (r['dense'] + r['metadata']):>13.3f} "
                 f"{r.get('base', float('nan')) / mib:>9.2f} {r.get('hf', float('nan')) / mib:>9.2f} "
                 f"{r['fastmoe'] / r['hf'] if 'hf' in r else float('nan'):>10.3f}")
+        for prec in args.precision:
+            line += f" {r[prec] / mib:>9.2f} {r[prec + '_weight_codes'] / mib:>15.2f}"
         if args.time:
             line += f" {r['fb_new']:>10.3f} {r['fb_base']:>11.3f} {r['fb_new'] / r['fb_base']:>9.3f}"
         print(line)

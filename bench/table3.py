@@ -11,6 +11,12 @@ Columns (a speedup is the baseline's time over ours, min over rounds; >1: ours i
 - ``epso_optimizer`` / ``epso_training``: the optimizer step and the whole step with
   ``--optimizer epso`` against ``sharded`` on real gloo processes (DP x EP), with the per-rank
   optimizer-state bytes measured and by the formula.
+- ``--precision int8 fp8 bf16 bf16-sr``: precision rows beside the table, the fastmoe layer and
+  training step at each precision against the same fastmoe run in fp32, side by side. F+B:
+  ``fastmoe/<backend>:<precision>`` in the same interleaved rounds as the fp32 provider (int8 and
+  fp8 only: bf16 weights are a training mode, the CPU layer runs fp32). Training: two trainers of
+  the scaled model, fp32 and the precision (:func:`bench.table3_workers.precision_steps`), stepped
+  in turn, one pair per precision so that never more than two are alive.
 - ``combined``: both changes against neither. transformers' block cannot run under EP in the
   trainer, so it is derived: the product of the two measured training speedups (marked so).
 
@@ -42,7 +48,8 @@ from .presets import Preset
 from .providers import REFERENCE, default_fastmoe
 from .report import derive, run_header, write_json
 from .runner import _progress, run_case
-from .table3_workers import StepSpec, check_steps, moe_impl_steps, optimizer_steps_rank, trainer_module
+from .table3_workers import (TRAIN_PRECISIONS, StepSpec, check_steps, moe_impl_steps, optimizer_steps_rank,
+                             precision_steps, trainer_module)
 
 COLUMNS = ("fsmoe_fb", "fsmoe_training", "epso_optimizer", "epso_training", "combined")
 COLUMN_TITLE = {"fsmoe_fb": "FSMOE F+B", "fsmoe_training": "FSMOE training", "epso_optimizer": "EPSO optimizer",
@@ -59,6 +66,11 @@ PUBLISHED: dict[str, dict[str, float | None]] = {
 PUBLISHED_NOTE = ("published: Aurora PVC tiles, bf16, full models; 7B without EP, the others EP=12; "
                   "'-' not reported (EPSO needs EP)")
 
+
+#: Precisions of the precision rows; the F+B column runs the quantized ones (expert GEMMs) only.
+PRECISIONS = tuple(TRAIN_PRECISIONS)
+FB_PRECISIONS = ("int8", "fp8")
+PRECISION_COLUMNS = ("fsmoe_fb", "fsmoe_training")
 
 #: The DP x EP mesh of the EPSO columns: four gloo processes, one instance of the batch each.
 DP, EP = 2, 2
@@ -127,15 +139,18 @@ def _min_ratio(base: list[float], ours: list[float]) -> tuple[float, float | Non
 
 # ---------------------------------------------------------------- the columns
 def fb_cell(name: str, m: Any, paper_ep: int, s: Scale, device: torch.device, dtype: str, budget_s: float,
-            progress: bool, log: Callable[[str], None]) -> tuple[dict, dict]:
-    """FSMOE F+B: the layer benchmark on the preset's layer (local slice under EP)."""
+            progress: bool, log: Callable[[str], None], precisions: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """FSMOE F+B: the layer benchmark on the preset's layer (local slice under EP), with
+    ``fastmoe/<backend>:<precision>`` in the same rounds for each quantized precision (see
+    :func:`precision_fb_cell`)."""
     preset = Preset(f"{name}-layer", m.hidden_size, m.intermediate_size, m.num_experts, m.top_k,
                     s.fb_tokens_per_rank, fb_ep(paper_ep, s), f"{name} layer for Table 3")
     fast = default_fastmoe(device)
     case = make_case(preset, dtype=dtype, device=device, seed=0)
-    res = run_case(case, [REFERENCE, "hf_v5_grouped_mm", fast], backward=True, rounds=s.rounds, budget_s=budget_s,
-                   ceiling_n=s.ceiling_n, progress=progress, log=log)
-    derive(res, [fast])
+    quantized = [f"{fast}:{p}" for p in precisions if p in FB_PRECISIONS]
+    res = run_case(case, [REFERENCE, "hf_v5_grouped_mm", fast, *quantized], backward=True, rounds=s.rounds,
+                   budget_s=budget_s, ceiling_n=s.ceiling_n, progress=progress, log=log)
+    derive(res, [fast, *quantized])
     del case
     gc.collect()
     m = res["metrics"]["fwdbwd"]
@@ -149,6 +164,43 @@ def fb_cell(name: str, m: Any, paper_ep: int, s: Scale, device: torch.device, dt
     return _cell(sp[REFERENCE]["min"], paired=sp[REFERENCE]["paired"],
                  vs_hf_v5_grouped_mm=gm["min"] if gm else None, x_bound=m["providers"][fast]["x_bound"],
                  correct=corr), res
+
+
+def precision_fb_cell(res: dict, precision: str, fast: str) -> dict:
+    """A precision row's F+B cell from :func:`fb_cell`'s run: fp32 fastmoe's time over the
+    precision's, the same rounds (and its speedup over the baseline beside)."""
+    if precision not in FB_PRECISIONS:
+        return _cell(reason=f"{precision} is a training mode (bf16 weights); on the CPU the layer runs in fp32")
+    name = f"{fast}:{precision}"
+    prov = res["providers"].get(name, {})
+    if prov.get("status") != "ok":
+        return _cell(reason=f"{name} did not run: {prov.get('reason', 'no result')}")
+    corr = prov.get("correct", {})
+    if not corr.get("ok"):
+        return _cell(reason=f"{name} disagrees with {REFERENCE} beyond {precision}'s tolerance: "
+                            f"{corr.get('max_rel_error')}")
+    sp = res["metrics"]["fwdbwd"]["speedup"].get(name, {})
+    if fast not in sp:
+        return _cell(reason=f"{fast} has no F+B time to compare with")
+    ref = sp.get(REFERENCE)
+    return _cell(sp[fast]["min"], paired=sp[fast]["paired"], vs_baseline=ref["min"] if ref else None,
+                 fp32_s=res["metrics"]["fwdbwd"]["providers"][fast]["min_s"],
+                 s=res["metrics"]["fwdbwd"]["providers"][name]["min_s"], correct=corr)
+
+
+def precision_training_cell(steps: dict, precision: str) -> dict:
+    """A precision row's training cell from :func:`precision_steps`: fp32's step time over the
+    precision's, the timed rounds (the first step is cold)."""
+    if not steps["correct"]["ok"]:
+        return _cell(reason=f"the {precision} step disagrees with fp32's beyond {steps['correct']['tolerance']}: "
+                            f"{steps['correct']['max_rel_error']}")
+    base = [r["step_s"] for r in steps["steps"]["fp32"][1:]]
+    ours = [r["step_s"] for r in steps["steps"][precision][1:]]
+    v, paired = _min_ratio(base, ours)
+    fb = (min(r["fwdbwd_s"] for r in steps["steps"]["fp32"][1:])
+          / min(r["fwdbwd_s"] for r in steps["steps"][precision][1:]))
+    return _cell(v, paired=paired, fp32_step_s=min(base), step_s=min(ours), fwdbwd_speedup=fb,
+                 optimizer_state_bytes=steps["optimizer_state_bytes"], correct=steps["correct"])
 
 
 def training_cell(steps: dict) -> dict:
@@ -210,11 +262,18 @@ def _preloaded_context() -> Any:
 # ---------------------------------------------------------------- the run
 def run_table3(models: list[str], s: Scale, *, device: torch.device, dtype: str, out_dir: Path, budget_s: float,
                progress: bool, columns: tuple[str, ...] = COLUMNS, dist_timeout_s: float = 1800.0,
-               log: Callable[[str], None] = lambda m: None, not_run: str | None = None) -> dict:
-    """Measure ``columns`` for ``models``; returns ``{"rows": {model: {column: cell}}, ...}``."""
+               log: Callable[[str], None] = lambda m: None, not_run: str | None = None,
+               precisions: tuple[str, ...] = ()) -> dict:
+    """Measure ``columns`` for ``models``; returns ``{"rows": {model: {column: cell}}, ...}``, and
+    with ``precisions`` ``"precision_rows": {model: {precision: {column: cell}}}`` for the F+B and
+    training columns among ``columns``."""
     for m in models:
         if m not in PUBLISHED:
             raise ValueError(f"unknown model {m!r}; Table 3 has {list(PUBLISHED)}")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ValueError(f"unknown precision {p!r} for Table 3; known: {list(PRECISIONS)}")
+    prec_rows: dict[str, dict] = {m: {p: {} for p in precisions} for m in models}
     dims = {m: model_dims(m, s.quick) for m in models}
     rows: dict[str, dict] = {m: {} for m in models}
     extra: dict[str, dict] = {m: {"scaled": describe(*dims[m], s), "model": dataclasses.asdict(dims[m][0]),
@@ -222,7 +281,8 @@ def run_table3(models: list[str], s: Scale, *, device: torch.device, dtype: str,
     train = "fsmoe_training" in columns or "combined" in columns
     want_dist = any(c in columns for c in ("epso_optimizer", "epso_training", "combined"))
     dist_models = [m for m in models if dims[m][1] > 1]
-    ticks = len(models) * ("fsmoe_fb" in columns) + len(models) * 2 * (s.rounds + 1) * train + want_dist
+    ticks = (len(models) * ("fsmoe_fb" in columns) + len(models) * 2 * (s.rounds + 1) * train + want_dist
+             + len(models) * len(precisions) * 2 * (s.rounds + 1) * ("fsmoe_training" in columns))
     bar = _progress(ticks, "table3", progress)
     tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
     # the trainers' scratch (embedded corpus, run folders), removed at the end
@@ -237,7 +297,10 @@ def run_table3(models: list[str], s: Scale, *, device: torch.device, dtype: str,
         d, paper_ep = dims[m]
         if "fsmoe_fb" in columns:
             log(f"{m}: FSMOE F+B (one layer)")
-            rows[m]["fsmoe_fb"], extra[m]["fb_case"] = fb_cell(m, d, paper_ep, s, device, dtype, budget_s, progress, log)
+            rows[m]["fsmoe_fb"], extra[m]["fb_case"] = fb_cell(m, d, paper_ep, s, device, dtype, budget_s, progress, log,
+                                                               precisions)
+            for p in precisions:
+                prec_rows[m][p]["fsmoe_fb"] = precision_fb_cell(extra[m]["fb_case"], p, default_fastmoe(device))
             tick()
         if train:
             if device.type != "cpu":
@@ -250,6 +313,15 @@ def run_table3(models: list[str], s: Scale, *, device: torch.device, dtype: str,
                 st = moe_impl_steps(spec(m, s.global_batch, s.global_batch), s.rounds, tick)
                 rows[m]["fsmoe_training"] = training_cell(st)
                 extra[m]["training_steps"] = st
+        if "fsmoe_training" in columns:
+            for p in precisions:
+                if device.type != "cpu" or s.train_experts < d.top_k:
+                    prec_rows[m][p]["fsmoe_training"] = _cell(reason=rows[m]["fsmoe_training"]["reason"])
+                    continue
+                log(f"{m}: training at {p} against fp32 (whole step, fastmoe)")
+                st = precision_steps(spec(m, s.global_batch, s.global_batch), p, s.rounds, tick)
+                prec_rows[m][p]["fsmoe_training"] = precision_training_cell(st, p)
+                extra[m].setdefault("precision_steps", {})[p] = st
     if want_dist:
         for m in models:
             if dims[m][1] == 1:
@@ -289,12 +361,16 @@ def run_table3(models: list[str], s: Scale, *, device: torch.device, dtype: str,
             rows[m]["combined"] = combined_cell(rows[m], dims[m][1])
         for c in COLUMNS:
             rows[m].setdefault(c, _cell(reason=not_run or f"not run (columns asked: {', '.join(columns)})"))
+        for p in precisions:
+            for c in PRECISION_COLUMNS:
+                prec_rows[m][p].setdefault(c, _cell(reason=not_run or f"not run (columns asked: {', '.join(columns)})"))
     if bar is not None:
         bar.close()
     shutil.rmtree(work, ignore_errors=True)
     return {"rows": rows, "published": {m: PUBLISHED[m] for m in models}, "models": extra,
             "scale": {**dataclasses.asdict(s), "global_batch": s.global_batch},
-            "layout": {"dp": DP, "ep": EP}, "device": str(device), "dtype": dtype}
+            "layout": {"dp": DP, "ep": EP}, "device": str(device), "dtype": dtype,
+            **({"precision_rows": prec_rows} if precisions else {})}
 
 
 # ---------------------------------------------------------------- the outputs
@@ -357,6 +433,36 @@ def format_table3(result: dict, markdown: bool = False) -> str:
         notes.append("optimizer state bytes per rank (rank 0): " + "; ".join(
             f"{m} {opt} {meas / 2**20:.1f} MiB (formula {form / 2**20:.1f} MiB)" for m, opt, meas, form, _, _ in st))
     sep = "  \n" if markdown else "\n"
+    text = "\n".join(lines) + "\n\n" + sep.join(("" if markdown else "# ") + n for n in notes)
+    if result.get("precision_rows"):
+        text += "\n\n" + format_precision_rows(result, markdown)
+    return text
+
+
+def format_precision_rows(result: dict, markdown: bool = False) -> str:
+    """The precision rows: fastmoe at each precision against fastmoe in fp32, measured side by side
+    (F+B in the same layer rounds, training in alternating steps), the reasons below."""
+    head = ["model", "precision"] + [f"{COLUMN_TITLE[c]} vs fp32" for c in PRECISION_COLUMNS] + [
+        "F+B vs baseline", "fwd+bwd part of the step vs fp32"]
+    body, notes = [], []
+    for m, per in result["precision_rows"].items():
+        for j, (p, cells) in enumerate(per.items()):
+            fb, tr = cells["fsmoe_fb"], cells["fsmoe_training"]
+            body.append(["" if j else m, p, _fmt(fb), _fmt(tr), _fmt(fb.get("vs_baseline")),
+                         _fmt(tr.get("fwdbwd_speedup"))])
+            notes += [f"{m} {p} {COLUMN_TITLE[c]}: {cells[c]['reason']}" for c in PRECISION_COLUMNS
+                      if cells[c]["value"] is None]
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+        lines += ["| " + " | ".join(r) + " |" for r in body]
+    else:
+        w = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+        lines = ["  ".join(x.ljust(w[i]) if i < 2 else x.rjust(w[i]) for i, x in enumerate(r)) for r in [head] + body]
+        lines.insert(1, "-" * len(lines[0]))
+    notes.insert(0, "precision rows: fastmoe's time in fp32 over its time at the precision, min over rounds, "
+                    "both in the same run (>1: the precision is faster); F+B vs baseline: the precision's layer "
+                    f"against {REFERENCE}")
+    sep = "  \n" if markdown else "\n"
     return "\n".join(lines) + "\n\n" + sep.join(("" if markdown else "# ") + n for n in notes)
 
 
@@ -368,6 +474,11 @@ def write_table3_csv(path: Path, result: dict) -> None:
             w.writerow([m, "measured"] + [row[c]["value"] if row[c]["value"] is not None else "" for c in COLUMNS]
                        + [row[c]["reason"] or row[c].get("derived", "") for c in COLUMNS]
                        + [result["models"][m]["scaled"]])
+            for p, cells in result.get("precision_rows", {}).get(m, {}).items():
+                w.writerow([m, f"{p} vs fp32"] + [cells[c]["value"] if c in cells and cells[c]["value"] is not None
+                                                   else "" for c in COLUMNS]
+                           + [(cells[c]["reason"] or "") if c in cells else "precision rows: F+B and training only"
+                              for c in COLUMNS] + [result["models"][m]["scaled"]])
             pub = result["published"][m]
             w.writerow([m, "published"] + ["" if pub[c] is None else pub[c] for c in COLUMNS]
                        + ["not reported" if pub[c] is None else "" for c in COLUMNS] + [PUBLISHED_NOTE])
@@ -445,7 +556,8 @@ def main_table3(args: argparse.Namespace, columns: tuple[str, ...] = COLUMNS, mo
     log = lambda t: print(t, file=sys.stderr, flush=True)  # noqa: E731
     result = run_table3(models or args.table3_models or list(MODELS), s, device=device, dtype=args.dtype,
                         out_dir=out_dir, budget_s=args.budget, progress=not args.no_progress, columns=columns,
-                        dist_timeout_s=args.dist_timeout, log=log, not_run=not_run)
+                        dist_timeout_s=args.dist_timeout, log=log, not_run=not_run,
+                        precisions=tuple(p for p in getattr(args, "precision", None) or () if p != "none"))
     header["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     print()
     print(format_table3(result))

@@ -7,6 +7,9 @@ parts are timed separately, so the same steps give the optimizer column and the 
 
 - :func:`moe_impl_steps` (one process): ``--model.moe_impl fastmoe`` against ``hf``, two trainers
   built from the same seed and reading the same batches, one step of each per round.
+- :func:`precision_steps` (one process, ``--table3 --precision``): the fastmoe model in fp32 against
+  the same model at one lower precision (int8 or fp8 expert GEMMs, bf16 weights with or without
+  stochastic rounding), built from the same seed and reading the same batches.
 - :func:`optimizer_steps_rank` (every rank of a DP x EP gloo group, started by
   ``fastmoe_xpu.dist.testing.run_distributed``): ``--optimizer sharded`` against ``epso``, with the
   per-rank optimizer-state bytes measured (``ZeroAdamW.state_bytes``) and by the formula.
@@ -30,6 +33,17 @@ import torch
 #: Relative tolerance of a contestant's first-step loss and gradient norm against the baseline's:
 #: fp32, the same weights and data, different summation orders.
 STEP_RTOL = 1e-4
+
+#: The training column's precisions: the trainer fields each one sets on the fp32 fastmoe model.
+TRAIN_PRECISIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "int8": {"model": {"expert_precision": "int8"}},
+    "fp8": {"model": {"expert_precision": "fp8"}},
+    "bf16": {"model": {"param_dtype": "bf16"}},
+    "bf16-sr": {"model": {"param_dtype": "bf16"}, "optim": {"stochastic_rounding": True}},
+}
+#: A precision's first-step loss and gradient norm (and weight norm after one update) against fp32's:
+#: the same weights and data, the numbers moved by the rounding only.
+PRECISION_STEP_RTOL = {"int8": 5e-2, "fp8": 2.5e-1, "bf16": 5e-2, "bf16-sr": 5e-2}
 
 
 def trainer_module(name: str) -> ModuleType:
@@ -60,9 +74,11 @@ class StepSpec:
     seed: int = 0
 
 
-def build_config(spec: StepSpec, *, moe_impl: str, optimizer: str, dp: int = 1, ep: int = 1) -> Any:
+def build_config(spec: StepSpec, *, moe_impl: str, optimizer: str, dp: int = 1, ep: int = 1,
+                 precision: str | None = None) -> Any:
     """The TrainConfig of ``spec``: byte-level vocabulary from the embedded corpus, no clipping warmup
-    (clipping is part of the step), no checkpoints, no logging side work."""
+    (clipping is part of the step), no checkpoints, no logging side work; ``precision`` (a key of
+    :data:`TRAIN_PRECISIONS`) lowers the fp32 model's precision."""
     cfg = trainer_module("presets").get_preset("tiny-moe")
     cfg.model = replace(spec.model, vocab_size=0, moe_impl=moe_impl, moe_backend="auto", param_dtype="fp32",
                         autocast="none", init_from=None)
@@ -75,6 +91,10 @@ def build_config(spec: StepSpec, *, moe_impl: str, optimizer: str, dp: int = 1, 
     cfg.checkpoint.resume = False
     lg = cfg.logging
     lg.out, lg.progress, lg.tensorboard, lg.plot, lg.peak_tflops = spec.out, False, False, False, 1.0
+    if precision is not None:
+        for section, fields in TRAIN_PRECISIONS[precision].items():
+            for key, value in fields.items():
+                setattr(getattr(cfg, section), key, value)
     return cfg
 
 
@@ -102,14 +122,15 @@ def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def check_steps(got: list[dict], ref: list[dict]) -> dict:
+def check_steps(got: list[dict], ref: list[dict], rtol: float = STEP_RTOL) -> dict:
     """The first step's loss and gradient norm and the second step's weight norm (after one update)
-    of a contestant against the baseline's: the same weights and data must give the same numbers."""
+    of a contestant against the baseline's: the same weights and data must give the same numbers
+    (to ``rtol``)."""
     errors = {"loss": rel_diff(got[0]["loss"], ref[0]["loss"]),
               "grad_norm": rel_diff(got[0]["grad_norm"], ref[0]["grad_norm"])}
     if len(got) > 1 and len(ref) > 1:
         errors["param_norm_after_update"] = rel_diff(got[1]["param_norm"], ref[1]["param_norm"])
-    return {"ok": all(e <= STEP_RTOL for e in errors.values()), "tolerance": STEP_RTOL, "max_rel_error": errors}
+    return {"ok": all(e <= rtol for e in errors.values()), "tolerance": rtol, "max_rel_error": errors}
 
 
 def moe_impl_steps(spec: StepSpec, rounds: int, tick: Callable[[], None] = lambda: None) -> dict:
@@ -127,6 +148,29 @@ def moe_impl_steps(spec: StepSpec, rounds: int, tick: Callable[[], None] = lambd
     del trainers
     gc.collect()
     return {"steps": steps, "params": params, "correct": check_steps(steps["fastmoe"], steps["hf"])}
+
+
+def precision_steps(spec: StepSpec, precision: str, rounds: int, tick: Callable[[], None] = lambda: None) -> dict:
+    """The fastmoe model in fp32 against the same model at ``precision`` in this process, as
+    :func:`moe_impl_steps` runs its two (one untimed step each, then ``rounds`` interleaved rounds,
+    the order flipping every round); the first steps checked with :data:`PRECISION_STEP_RTOL`.
+    Two trainers alive at a time, whatever the number of precisions asked."""
+    if precision not in TRAIN_PRECISIONS:
+        raise ValueError(f"unknown training precision {precision!r}; known: {list(TRAIN_PRECISIONS)}")
+    Trainer = trainer_module("trainer").Trainer
+    names = ("fp32", precision)
+    trainers = {n: Trainer(build_config(spec, moe_impl="fastmoe", optimizer="sharded",
+                                        precision=None if n == "fp32" else n)) for n in names}
+    steps: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            steps[n].append(timed_step(trainers[n]))
+            tick()
+    state = {n: trainers[n].optimizer.state_bytes() for n in names}
+    del trainers
+    gc.collect()
+    return {"steps": steps, "optimizer_state_bytes": state,
+            "correct": check_steps(steps[precision], steps["fp32"], PRECISION_STEP_RTOL[precision])}
 
 
 def optimizer_steps_rank(specs: list[StepSpec], dp: int, ep: int, rounds: int, blocks: int) -> dict:

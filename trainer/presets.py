@@ -86,6 +86,20 @@ def tiny_moe() -> TrainConfig:
     return _tiny("tiny-moe", arch="olmoe", intermediate=128, experts=8, top_k=2, optim="epso")
 
 
+def small_moe() -> TrainConfig:
+    """4 layers, width 128, 16 experts top-2 (6.6M parameters, 1.1M active), context 64: tiny-moe's
+    recipe four times deeper and wider, still a few minutes of training on two CPU cores (the
+    precision comparison's larger model, docs/precision.md)."""
+    return TrainConfig(
+        preset="small-moe",
+        model=ModelConfig(arch="olmoe", num_layers=4, hidden_size=128, num_heads=4, head_dim=32,
+                          intermediate_size=256, num_experts=16, top_k=2, vocab_size=0),
+        data=DataConfig(context=64),
+        optim=OptimConfig(name="epso", lr=2e-3),
+        schedule=ScheduleConfig(steps=600, global_batch=16, micro_batch=16, warmup_steps=60, min_lr=2e-4),
+    )
+
+
 def tiny_dense() -> TrainConfig:
     """The dense counterpart of tiny-moe (OLMo, MLP width 256)."""
     return _tiny("tiny-dense", arch="olmo", intermediate=256, experts=1, top_k=1, optim="sharded")
@@ -115,6 +129,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "mula-100b-a7b": mula_100b_a7b,
     "mula-220b-a10b": mula_220b_a10b,
     "tiny-moe": tiny_moe,
+    "small-moe": small_moe,
     "tiny-dense": tiny_dense,
     "tiny-qwen3-moe": tiny_qwen3_moe,
     "tiny-deepseek-v3": tiny_deepseek_v3,

@@ -171,7 +171,7 @@ def test_state_dict_refuses_other_layout(data_cache, tmp_path) -> None:
 
 
 def test_param_counts_match_models_and_paper() -> None:
-    for name in ("tiny-moe", "tiny-dense"):
+    for name in ("tiny-moe", "small-moe", "tiny-dense"):
         m = get_preset(name).model
         m.vocab_size = 258
         model = build_model(m, 16, seed=0)
