@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.cases import make_case
-from bench.presets import PRESETS
+from bench.presets import PRESETS, Preset
 from bench.providers import ProviderSkipped, build_provider, expand_names
 from fastmoe_xpu import settings
 from fastmoe_xpu.kernels import registry
@@ -29,11 +29,17 @@ def test_each_engine_computes_the_same_layer_and_auto_is_named(tmp_path):
         outs[name] = p.forward(case.x_TH, case.weights_TK, case.topk_idx_TK).detach()
     assert_close(outs["fastmoe/torch@grouped_mm"], outs["fastmoe/torch@loop"])
     registry.forget_choices()
+    # Above the small-layer budget auto times the engines and the note names the one it took; the
+    # tiny preset is under it, and the note says that the whole layer ran as one op instead.
+    wider = make_case(Preset("wider", 256, 128, 8, 2, 96, 1, "above the padded budget"), dtype="fp32", device="cpu",
+                      seed=0)
     with settings.override(gemm_engine=None, gemm_cache=str(tmp_path / "c.json")):
-        auto = build_provider("fastmoe/torch", case)
+        auto = build_provider("fastmoe/torch", wider)
+        small = build_provider("fastmoe/torch", case)
     registry.forget_choices()
     chosen = auto.note.rsplit("auto -> ", 1)[1]
     assert chosen in ("loop", "grouped_mm")
+    assert small.note.rsplit("auto -> ", 1)[1] == "padded experts op (stages 2-5 in one piece)"
     with pytest.raises(ProviderSkipped, match="interpreter|TRITON_INTERPRET|GPU"):
         build_provider("fastmoe/triton@triton", case)
     assert torch.isfinite(outs["fastmoe/torch@loop"]).all()
