@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..kernels.contract import TOKEN_BLOCK_SIZE
 from ..kernels.registry import (
-    check_choice, check_precision, layer_macs, precision_engine, resolve_backend, whole_layer_options,
+    check_choice, check_precision, precision_engine, resolve_backend, whole_layer,
 )
 from .lora_ops import ExpertsLora, lora_mlp_combine
 from .ops import ExpertRows, call, combine, experts, mlp_combine, route
@@ -44,15 +44,6 @@ def _precision_engine(precision: str, base: str, device_type: str, device_index:
     """:func:`precision_engine` outside any traced graph (it probes the device with a tiny GEMM once)."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
     return precision_engine(precision, base, device, dtype)
-
-
-@torch.compiler.assume_constant_result
-def _whole_layer_options(base: str, gemm_engine: str, device_type: str, device_index: int,
-                         dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
-    """:func:`whole_layer_options` outside any traced graph (it reads the settings). The size test
-    against each budget stays in the graph, where the compiler guards on it."""
-    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
-    return whole_layer_options(base, gemm_engine, device, dtype)
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
@@ -104,20 +95,18 @@ def moe_experts_forward(
         gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
-    # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
-    # no shape in the graph depends on data.
     if expert_rows is None and not lora and expert_precision is None and not torch.compiler.is_compiling():
         # An eager layer small enough that launches outweigh arithmetic runs in one piece (registry:
         # ``experts``). A traced graph keeps the staged chain: it serves any T without a guard on the
         # size (an exported program's dynamic dimensions allow none), and a compiled graph has no
         # launch overhead to save.
-        dev = x_TH.device
-        macs = layer_macs(x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local)
-        for name, budget in _whole_layer_options(base, gemm_engine, dev.type, -1 if dev.index is None else dev.index,
-                                                 x_TH.dtype):
-            if macs <= budget:
-                return call(experts, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start,
-                            num_local, name)[0]
+        layer = whole_layer(base, gemm_engine, x_TH.device, x_TH.dtype,
+                            (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local))
+        if layer is not None:
+            return call(experts, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, num_local,
+                        layer)[0]
+    # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
+    # no shape in the graph depends on data.
     rows = call(route, topk_idx_TK, expert_start, num_local, base, not torch.compiler.is_compiling())
     if expert_rows is None and lora:
         return lora_mlp_combine(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, lora, f"{base}+{gemm_engine}",

@@ -410,17 +410,6 @@ def resolve_request(gemm_engine: str, backend: str) -> str:
     return gemm_engine
 
 
-def whole_layer_options(backend: str, gemm_engine: str, device: torch.device | str,
-                        dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
-    """``(name, max_layer_macs)`` of each ``experts`` implementation that may run a fused layer of
-    ``backend`` (resolved: ``"torch"`` or ``"triton"``) on ``device`` for ``dtype``, in order of
-    preference; empty unless ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``."""
-    if resolve_request(gemm_engine, backend) != "auto":
-        return ()
-    return tuple((n, IMPLEMENTATIONS[n].max_layer_macs) for n in LAYERS
-                 if backend in IMPLEMENTATIONS[n].bases and IMPLEMENTATIONS[n].reason_unavailable(device, dtype) is None)
-
-
 def layer_macs(tokens: int, top_k: int, hidden: int, intermediate: int, local_experts: int) -> int:
     """The forward work of a layer in multiply-accumulates, ``max(T * K, NR) * 3 * H * I``: the routed
     rows' GEMMs, or one row per local expert where there are fewer rows than experts (a path that
@@ -431,10 +420,15 @@ def layer_macs(tokens: int, top_k: int, hidden: int, intermediate: int, local_ex
 def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtype: torch.dtype,
                 shape: tuple[int, int, int, int, int]) -> str | None:
     """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
-    the staged chain. ``shape``: ``(T, K, H, I, NR)``."""
+    the staged chain: the first one for ``backend`` (resolved: ``"torch"`` or ``"triton"``) available
+    on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer, and only while
+    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``."""
+    if resolve_request(gemm_engine, backend) != "auto":
+        return None
     macs = layer_macs(*shape)
-    for name, budget in whole_layer_options(backend, gemm_engine, device, dtype):
-        if macs <= budget:
+    for name in LAYERS:
+        impl = IMPLEMENTATIONS[name]
+        if backend in impl.bases and macs <= impl.max_layer_macs and impl.reason_unavailable(device, dtype) is None:
             return name
     return None
 
