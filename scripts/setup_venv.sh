@@ -8,11 +8,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.fastmoe-installed
-want="$(cat pyproject.toml setup.py scripts/setup_venv.sh | sha256sum | cut -c1-16)"
+# The other packages at the versions the suite last passed on (see the file; FASTMOE_CONSTRAINTS overrides).
+constraints=${FASTMOE_CONSTRAINTS:-scripts/constraints.txt}
+want="$(cat pyproject.toml setup.py scripts/setup_venv.sh "$constraints" | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test,trainer,bench]"
+  .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" -e ".[test,trainer,bench]"
   # LoRA on the expert weights: the PEFT integration tests and the trainer's adapter export
-  .venv/bin/pip install -q --disable-pip-version-check "peft==0.21.2"
+  .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" peft
   echo "$want" > "$stamp"
 fi

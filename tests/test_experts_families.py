@@ -26,6 +26,7 @@ FAMILIES = discover_families()
 #: that this is still so.
 NO_BF16_EAGER = {
     "inkling2": "its router casts activations to fp32 but keeps bf16 weights (a dtype error in eager)",
+    "inkling2_loop": "the same router as inkling2 (fp32 activations, bf16 weights)",
 }
 
 

@@ -37,6 +37,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # the family routes one expert per token only
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8},
     "ernie4_5_vl_moe": {"moe_intermediate_size": [24, 24], "moe_num_experts": [4, 4]},
+    # its multimodal RoPE sections (time, height, width) must sum to half the tiny RoPE head size
+    "hy_v4_vl": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 1, 1]}},
 }
 
 #: Families the tiny walk cannot build, with the reason (the test checks each still fails, so the
