@@ -7,6 +7,7 @@ and weights. The specs mirror how the launchers in ``kernels/triton`` call the k
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,16 +39,33 @@ _jit_cache: dict[int, Any] = {}
 
 def _jit(kernel: Any) -> Any:
     """A compiled-mode JITFunction of ``kernel`` even when its module was imported under the
-    interpreter (the kernels call no other jit functions, so re-wrapping the Python function is
-    enough)."""
+    interpreter. The Python function is wrapped again over a copy of its globals in which every
+    interpreted jit function it calls (``@triton.jit`` helpers, referenced by name) is itself
+    wrapped again, recursively: the compiler accepts only JITFunctions as callees."""
     from triton.runtime.jit import JITFunction
 
     if isinstance(kernel, JITFunction):
         return kernel
     key = id(kernel)
     if key not in _jit_cache:
-        _jit_cache[key] = JITFunction(kernel.fn)
+        fn = kernel.fn
+        scope = dict(fn.__globals__)
+        rewrapped = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        rewrapped.__qualname__, rewrapped.__module__ = fn.__qualname__, fn.__module__
+        rewrapped.__kwdefaults__, rewrapped.__annotations__ = fn.__kwdefaults__, fn.__annotations__
+        _jit_cache[key] = JITFunction(rewrapped, **getattr(kernel, "kwargs", {}))
+        for name, value in scope.items():  # after caching: a helper may reach this kernel again
+            if _is_interpreted(value):
+                scope[name] = _jit(value)
     return _jit_cache[key]
+
+
+def _is_interpreted(value: Any) -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # a Triton build without the interpreter has only JITFunctions
+        return False
+    return isinstance(value, InterpretedFunction)
 
 
 # Representative problem: OLMoE-1B-7B-like layer on one rank.

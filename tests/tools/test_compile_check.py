@@ -38,7 +38,8 @@ def _all_kernels(target: str) -> dict[str, object]:
     found = {}
     for mod in KERNEL_MODULES + TARGET_MODULES.get(target, ()):
         for name, obj in vars(mod).items():
-            if isinstance(obj, (JITFunction, InterpretedFunction)):
+            # the kernels a module defines; the jit functions they call (kernels/triton/common.py) are not launched
+            if isinstance(obj, (JITFunction, InterpretedFunction)) and obj.fn.__module__ == mod.__name__:
                 found[name] = obj
     return found
 
@@ -69,6 +70,39 @@ def test_kernel_specs_cover_every_kernel_and_config(target):
         assert sum(s.is_default for s in group) == 1, name
         key = name.split("[")[0]
         assert [s.config_name for s in group] == [c.name for c in configs.configs(target, key)]
+
+
+def _callees(fn) -> dict[str, object]:
+    """The jit functions that ``fn`` names in its globals, recursively, by qualified name."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    seen: dict[str, object] = {}
+    todo = [fn]
+    while todo:
+        for obj in todo.pop().fn.__globals__.values():
+            if isinstance(obj, (JITFunction, InterpretedFunction)) and obj.fn.__qualname__ not in seen:
+                seen[obj.fn.__qualname__] = obj
+                todo.append(obj)
+    return seen
+
+
+def test_specs_reach_only_compiled_mode_callees():
+    """Under the interpreter the kernels' helpers are interpreted functions, which ``triton.compile``
+    rejects as callees: each spec's kernel, and every jit function it reaches, is a JITFunction
+    (helpers called from helpers included), and the kernel modules themselves are left as they were."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    assert isinstance(combine._combine_fwd_kernel, InterpretedFunction)  # this process runs the interpreter
+    assert isinstance(combine._combine_fwd_kernel.fn.__globals__["token_slots"], InterpretedFunction)
+    reached = set()
+    for target in ("cuda", "hip", "xpu"):
+        for spec in compile_check.kernel_specs(target):
+            callees = _callees(spec.fn)
+            assert all(isinstance(c, JITFunction) for c in callees.values()), (spec.name, callees)
+            reached |= set(callees)
+    assert {"token_slots", "tile", "slot_row"} <= reached  # token_slots calls tile: reached through a helper
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import triton.language as tl
 from ..configs import table_for, get_config
 from ..contract import check_float, check_index
 from . import launch as _launch
+from .common import slot_row, tile, token_slots
 
 
 @triton.jit
@@ -41,16 +42,11 @@ def _combine_fwd_kernel(
     ``output_indices [R]`` int32 and, when ``WEIGHTED``, ``selected_expert_indices [R]`` int32
     and ``weights [T, K]`` (``w_i = weights[t, selected_expert_indices[i]]``; else ``w_i = 1``).
     """
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_mask = offs_t < T
-    h_mask = offs_h < H
-    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
-    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
+    offs_t, t_mask, first, count = token_slots(cum_expert_ptr, T, BLOCK_T)
+    offs_h, h_mask = tile(tl.program_id(1), BLOCK_H, H)
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for j in range(0, tl.max(count, axis=0)):
-        has = j < count
-        row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+        has, row = slot_row(output_idx_ptr, first, count, j)
         y = tl.load(y_ptr + row[:, None] * H + offs_h[None, :], mask=has[:, None] & h_mask[None, :], other=0.0)
         y = y.to(tl.float32)
         if WEIGHTED:
@@ -86,17 +82,12 @@ def _combine_bwd_kernel(
     ``selected_expert_indices [R]`` int32. No expert outputs: the router-weight gradient is formed
     in the down GEMM's backward.
     """
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    t_mask = offs_t < T
-    h_mask = offs_h < H
-    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
-    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
+    offs_t, t_mask, first, count = token_slots(cum_expert_ptr, T, BLOCK_T)
+    offs_h, h_mask = tile(tl.program_id(1), BLOCK_H, H)
     tok = offs_t.to(tl.int64)
     dout = tl.load(dout_ptr + tok[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0)
     for j in range(0, tl.max(count, axis=0)):
-        has = j < count
-        row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+        has, row = slot_row(output_idx_ptr, first, count, j)
         tl.store(dy_ptr + row[:, None] * H + offs_h[None, :], dout.to(dy_ptr.dtype.element_ty),
                  mask=has[:, None] & h_mask[None, :])
         if tl.program_id(1) == 0:
@@ -124,15 +115,11 @@ def _router_weights_bwd_kernel(
     ``cum_expert_counts [T+1]``, ``output_indices [R]``, ``selected_expert_indices [R]`` int32;
     ``BLOCK_K >= K``.
     """
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
+    offs_t, t_mask, first, count = token_slots(cum_expert_ptr, T, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
-    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
     dw = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     for j in range(0, tl.max(count, axis=0)):
-        has = j < count
-        row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+        has, row = slot_row(output_idx_ptr, first, count, j)
         k = tl.load(selected_ptr + first + j, mask=has, other=0)
         g = tl.load(d_row_w_ptr + row, mask=has, other=0.0)
         dw += tl.where((offs_k[None, :] == k[:, None]) & has[:, None], g[:, None], 0.0)

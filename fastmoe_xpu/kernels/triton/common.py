@@ -1,0 +1,47 @@
+"""The openings the Triton kernels share: which tokens, slots, experts' rows and columns a program owns.
+
+``@triton.jit`` functions called from the kernels (the compiler inlines them). Kernels import them
+by name, ``from .common import tile``, not through the module: the compile gates wrap each kernel
+and the jit functions it names again for compiled mode (:func:`fastmoe_xpu.tools.kernel_specs._jit`).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile(index, BLOCK: tl.constexpr, n):
+    """Offsets ``[index*BLOCK, (index+1)*BLOCK)`` of tile ``index`` along an axis of length ``n``, and
+    their mask (the offsets below ``n``)."""
+    offs = index * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
+@triton.jit
+def token_slots(cum_expert_ptr, T, BLOCK_T: tl.constexpr):
+    """The tokens of this program's block on grid axis 0, their mask, and each token's first slot and
+    slot count from ``cum_expert_counts [T+1]`` int32 (zero for masked tokens)."""
+    offs_t, t_mask = tile(tl.program_id(0), BLOCK_T, T)
+    first = tl.load(cum_expert_ptr + offs_t, mask=t_mask, other=0)
+    count = tl.load(cum_expert_ptr + offs_t + 1, mask=t_mask, other=0) - first
+    return offs_t, t_mask, first, count
+
+
+@triton.jit
+def slot_row(output_idx_ptr, first, count, j):
+    """Whether each token has a slot ``j`` (``j < count``) and that slot's row ``output_indices[first + j]``
+    (int64; 0 where it has none)."""
+    has = j < count
+    row = tl.load(output_idx_ptr + first + j, mask=has, other=0).to(tl.int64)
+    return has, row
+
+
+@triton.jit
+def expert_rows(cum_token_ptr):
+    """The expert e on grid axis 2, its first row and its row count from ``cum_token_counts [NR+1]``
+    int32 (expert e owns rows ``cum_token_counts[e] .. cum_token_counts[e+1]``)."""
+    e = tl.program_id(2)
+    row_start = tl.load(cum_token_ptr + e)
+    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    return e, row_start, n_rows
