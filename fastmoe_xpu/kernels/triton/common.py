@@ -45,3 +45,17 @@ def expert_rows(cum_token_ptr):
     row_start = tl.load(cum_token_ptr + e)
     n_rows = tl.load(cum_token_ptr + e + 1) - row_start
     return e, row_start, n_rows
+
+
+@triton.jit
+def weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K: tl.constexpr, TRANS_W: tl.constexpr):
+    """Pointers to the ``[BLOCK_K, BLOCK_N]`` tile at rows ``offs_k``, columns ``offs_n`` of ``B_e``
+    and the pointer step from one k-step to the next: ``TRANS_W``, ``B_e = W_e^T`` with ``W_e [N, K]``
+    read along its contiguous K; else ``B_e = W_e`` with ``W_e [K, N]``."""
+    if TRANS_W:
+        b_ptrs = w_e + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        b_step = BLOCK_K
+    else:
+        b_ptrs = w_e + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
+        b_step = BLOCK_K * N
+    return b_ptrs, b_step

@@ -41,6 +41,7 @@ from ..configs import table_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
 from . import autotune
 from . import launch as _launch
+from .common import expert_rows, tile, weight_tile_ptrs
 
 
 @triton.jit
@@ -67,19 +68,14 @@ def _gate_up_fwd_kernel(
     ``input_indices [R]`` int32, ``cum_token_counts [NR+1]`` int32, ``gate_up_proj [NR, 2I, H]``;
     writes ``gate_up [R, 2I]`` and ``h [R, I]`` in x's dtype.
     """
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.program_id(2)
-    row_start = tl.load(cum_token_ptr + e)
-    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    e, row_start, n_rows = expert_rows(cum_token_ptr)
     w_gate = w_ptr + e.to(tl.int64) * 2 * I * H
     w_up = w_gate + tl.cast(I, tl.int64) * H
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
+    offs_n, n_mask = tile(pid_n, BLOCK_N, I)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile_m in range(pid_m, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < n_rows
+    for tile_m in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        offs_m, m_mask = tile(tile_m, BLOCK_M, n_rows)
         tok = tl.load(input_idx_ptr + row_start + offs_m, mask=m_mask, other=0).to(tl.int64)
         a_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -168,21 +164,16 @@ def _grouped_mm_fwd_kernel(
     same fp32 tile before the one store, ``RANK`` in chunks of ``BLOCK_R``; else ``t_ptr``,
     ``lb_ptr`` and ``RANK`` are not read.
     """
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.program_id(2)
-    row_start = tl.load(cum_token_ptr + e)
-    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    e, row_start, n_rows = expert_rows(cum_token_ptr)
     row0 = row_start.to(tl.int64)
     w_e = w_ptr + e.to(tl.int64) * N * K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs_n, n_mask = tile(pid_n, BLOCK_N, N)
     offs_k = tl.arange(0, BLOCK_K)
     out_ty = out_ptr.dtype.element_ty
-    for tile_m in range(pid_m, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+    for tile_m in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < n_rows
+        offs_m, m_mask = tile(tile_m, BLOCK_M, n_rows)
         rows = row0 + offs_m
         if BLOCK_PTR:
             a_bp = tl.make_block_ptr(a_ptr + row0 * K, shape=(n_rows, K), strides=(K, 1),
@@ -201,12 +192,7 @@ def _grouped_mm_fwd_kernel(
                 b_bp = tl.advance(b_bp, (BLOCK_K, 0))
         else:
             a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
-            if TRANS_W:
-                b_ptrs = w_e + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
-                b_step = BLOCK_K
-            else:
-                b_ptrs = w_e + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
-                b_step = BLOCK_K * N
+            b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
             for k0 in range(0, K, BLOCK_K):
                 k_mask = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -267,15 +253,11 @@ def _grouped_mm_bwd_kernel(
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.program_id(2)
-    row_start = tl.load(cum_token_ptr + e)
-    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    e, row_start, n_rows = expert_rows(cum_token_ptr)
     row0 = row_start.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, m_mask = tile(pid_m, BLOCK_M, M)
+    offs_n, n_mask = tile(pid_n, BLOCK_N, N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BLOCK_PTR:
         # a[rows_e]^T viewed as [M, n_rows] with M contiguous.

@@ -27,6 +27,7 @@ import triton.language as tl
 from ..configs import table_for, CONFIGS
 from . import autotune
 from . import launch as _launch
+from .common import expert_rows, tile, weight_tile_ptrs
 from .grouped_gemm import _row_programs
 
 #: The config key of :func:`int8_grouped_mm` in ``configs.py``.
@@ -58,22 +59,16 @@ def _int8_grouped_mm_kernel(
     [rows]`` fp32, ``idx [R]`` int32 (``GATHER``), ``W`` int8, ``sw [NR, N]`` fp32 (``HAS_SW``),
     ``cum_token_counts [NR+1]`` int32; writes ``out [R, N]`` (its dtype) for the experts' rows only.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.program_id(2)
-    row_start = tl.load(cum_token_ptr + e)
-    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    e, row_start, n_rows = expert_rows(cum_token_ptr)
     row0 = row_start.to(tl.int64)
     w_e = w_ptr + e.to(tl.int64) * N * K
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs_n, n_mask = tile(tl.program_id(1), BLOCK_N, N)
     offs_k = tl.arange(0, BLOCK_K)
     out_ty = out_ptr.dtype.element_ty
     if HAS_SW:
         sw = tl.load(sw_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    for tile_m in range(pid_m, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < n_rows
+    for tile_m in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        offs_m, m_mask = tile(tile_m, BLOCK_M, n_rows)
         rows = row0 + offs_m
         if GATHER:
             src = tl.load(idx_ptr + rows, mask=m_mask, other=0).to(tl.int64)
@@ -81,12 +76,7 @@ def _int8_grouped_mm_kernel(
             src = rows
         sa = tl.load(sa_ptr + src, mask=m_mask, other=0.0)
         a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
-        if TRANS_W:
-            b_ptrs = w_e + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
-            b_step = BLOCK_K
-        else:
-            b_ptrs = w_e + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
-            b_step = BLOCK_K * N
+        b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
@@ -127,17 +117,11 @@ def _int8_grouped_wgrad_kernel(
     the sums to fp32 and multiplies by ``sl`` then ``sr`` (``LEFT_SCALE_FIRST``) or ``sr`` then
     ``sl``: the gradient side's scales first, as the reference does, in either weight layout.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.program_id(2)
-    row_start = tl.load(cum_token_ptr + e)
-    n_rows = tl.load(cum_token_ptr + e + 1) - row_start
+    e, row_start, n_rows = expert_rows(cum_token_ptr)
     row0 = row_start.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, m_mask = tile(tl.program_id(0), BLOCK_M, M)
+    offs_n, n_mask = tile(tl.program_id(1), BLOCK_N, N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
     lt_ptrs = l_ptr + (row0 + offs_k[None, :]) * M + offs_m[:, None]  # ql_e^T tile [BLOCK_M, BLOCK_K]
     r_ptrs = r_ptr + (row0 + offs_k[:, None]) * N + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
