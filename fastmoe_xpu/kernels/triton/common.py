@@ -59,3 +59,32 @@ def weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K: tl.constexpr, TRANS_W: 
         b_ptrs = w_e + offs_k[:, None].to(tl.int64) * N + offs_n[None, :]
         b_step = BLOCK_K * N
     return b_ptrs, b_step
+
+
+@triton.jit
+def row_walk_start(cum_token_ptr, N, BLOCK_N: tl.constexpr):
+    """The start of a persistent program's walk over (expert, row tile, column tile) work items, items
+    ``pid, pid + P, ...`` for P programs on grid axis 0: its first item, the stride P, the column
+    tiles of an ``N``-wide output, the first item of expert 0 and expert 0's first row."""
+    item = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first = 0
+    row_end = tl.load(cum_token_ptr)
+    return item, n_progs, tiles_n, first, row_end
+
+
+@triton.jit
+def next_expert(cum_token_ptr, e, row_end, BLOCK_M: tl.constexpr):
+    """Expert e's rows on the walk over the experts in order (``row_end``: where expert e - 1's rows
+    end): its first row, its end, its row count and its row tiles."""
+    row_start = row_end
+    row_end = tl.load(cum_token_ptr + e + 1)
+    n_rows = row_end - row_start
+    return row_start, row_end, n_rows, tl.cdiv(n_rows, BLOCK_M)
+
+
+@triton.jit
+def item_tile(local, tiles_m, BLOCK_N: tl.constexpr):
+    """The row tile and first column of an expert's work item ``local`` (items row tile fastest)."""
+    return local % tiles_m, (local // tiles_m) * BLOCK_N

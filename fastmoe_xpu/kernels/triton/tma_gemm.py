@@ -50,6 +50,7 @@ from ..contract import check_float, check_index, check_stored_gemm_inputs
 from . import autotune
 from . import grouped_gemm as _plain
 from . import launch as _launch
+from .common import item_tile, next_expert, row_walk_start, tile
 
 
 @triton.jit
@@ -77,25 +78,15 @@ def _tma_gate_up_fwd_kernel(
     ``n``, up rows at ``I + n``); ``g_desc`` / ``u_desc``: the gate and up halves of ``gate_up [R, 2I]``
     as ``[R, I]`` views; ``h_desc``: ``h [R, I]``; all output boxes ``[BLOCK_M, BLOCK_N]``.
     """
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    tiles_n = tl.cdiv(I, BLOCK_N)
+    # item: this program's next work item; first: the first work item of expert e
+    item, n_progs, tiles_n, first, row_end = row_walk_start(cum_token_ptr, I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     out_ty = h_ptr.dtype.element_ty
-    item = pid  # this program's next work item
-    first = 0  # the first work item of expert e
-    row_end = tl.load(cum_token_ptr)
     for e in range(NR):
-        row_start = row_end
-        row_end = tl.load(cum_token_ptr + e + 1)
-        n_rows = row_end - row_start
-        tiles_m = tl.cdiv(n_rows, BLOCK_M)
+        row_start, row_end, n_rows, tiles_m = next_expert(cum_token_ptr, e, row_end, BLOCK_M)
         while item < first + tiles_m * tiles_n:
-            local = item - first
-            tile_m = local % tiles_m
-            n0 = (local // tiles_m) * BLOCK_N
-            offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < n_rows
+            tile_m, n0 = item_tile(item - first, tiles_m, BLOCK_N)
+            offs_m, m_mask = tile(tile_m, BLOCK_M, n_rows)
             tok = tl.load(input_idx_ptr + row_start + offs_m, mask=m_mask, other=0).to(tl.int64)
             a_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -147,22 +138,12 @@ def _tma_grouped_mm_kernel(
     ``w_desc`` over ``W [NR, N, K]`` (boxes ``[1, BLOCK_N, BLOCK_K]``), else ``B_e = W_e`` over
     ``W [NR, K, N]`` (boxes ``[1, BLOCK_K, BLOCK_N]``); ``out_desc``: ``out [R, N]``.
     """
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    item, n_progs, tiles_n, first, row_end = row_walk_start(cum_token_ptr, N, BLOCK_N)
     out_ty = out_ptr.dtype.element_ty
-    item = pid
-    first = 0
-    row_end = tl.load(cum_token_ptr)
     for e in range(NR):
-        row_start = row_end
-        row_end = tl.load(cum_token_ptr + e + 1)
-        n_rows = row_end - row_start
-        tiles_m = tl.cdiv(n_rows, BLOCK_M)
+        row_start, row_end, n_rows, tiles_m = next_expert(cum_token_ptr, e, row_end, BLOCK_M)
         while item < first + tiles_m * tiles_n:
-            local = item - first
-            tile_m = local % tiles_m
-            n0 = (local // tiles_m) * BLOCK_N
+            tile_m, n0 = item_tile(item - first, tiles_m, BLOCK_N)
             row = row_start + tile_m * BLOCK_M
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
