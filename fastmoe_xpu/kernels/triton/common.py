@@ -88,3 +88,17 @@ def next_expert(cum_token_ptr, e, row_end, BLOCK_M: tl.constexpr):
 def item_tile(local, tiles_m, BLOCK_N: tl.constexpr):
     """The row tile and first column of an expert's work item ``local`` (items row tile fastest)."""
     return local % tiles_m, (local // tiles_m) * BLOCK_N
+
+
+@triton.jit
+def block_ptr_dot(a_bp, b_bp, acc, length, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc + A @ B`` over ``length`` of the shared axis, ``BLOCK_K`` at a time, with the operands'
+    tiles read through block pointers (zero past their bounds): ``a_bp`` steps along A's columns,
+    ``b_bp`` along B's rows."""
+    for k0 in range(0, length, BLOCK_K):
+        a = tl.load(a_bp, boundary_check=(0, 1), padding_option="zero")
+        b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_bp = tl.advance(a_bp, (0, BLOCK_K))
+        b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+    return acc

@@ -41,7 +41,7 @@ from ..configs import table_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
 from . import autotune
 from . import launch as _launch
-from .common import expert_rows, tile, weight_tile_ptrs
+from .common import block_ptr_dot, expert_rows, tile, weight_tile_ptrs
 
 
 @triton.jit
@@ -184,12 +184,7 @@ def _grouped_mm_fwd_kernel(
             else:
                 b_bp = tl.make_block_ptr(w_e, shape=(K, N), strides=(N, 1), offsets=(0, pid_n * BLOCK_N),
                                          block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(a_bp, boundary_check=(0, 1), padding_option="zero")
-                b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                a_bp = tl.advance(a_bp, (0, BLOCK_K))
-                b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+            acc = block_ptr_dot(a_bp, b_bp, acc, K, BLOCK_K, DOT_PRECISION)
         else:
             a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
             b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
@@ -290,12 +285,7 @@ def _grouped_mm_bwd_kernel(
         else:
             b_bp = tl.make_block_ptr(b_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
-            for k0 in range(0, n_rows, BLOCK_K):
-                a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
-                b = tl.load(b_bp, boundary_check=(0, 1), padding_option="zero")
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                at_bp = tl.advance(at_bp, (0, BLOCK_K))
-                b_bp = tl.advance(b_bp, (BLOCK_K, 0))
+            acc = block_ptr_dot(at_bp, b_bp, acc, n_rows, BLOCK_K, DOT_PRECISION)
         dw_bp = tl.make_block_ptr(dw_ptr + e.to(tl.int64) * M * N, shape=(M, N), strides=(N, 1),
                                   offsets=(pid_m * BLOCK_M, pid_n * BLOCK_N), block_shape=(BLOCK_M, BLOCK_N),
                                   order=(1, 0))
