@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -119,6 +119,38 @@ def _fb(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], floa
     return run
 
 
+def _columns(precisions: list[str], timed: bool) -> list[tuple[str, str, str, Callable[[dict], Any]]]:
+    """The table's columns: ``(title, alignment and width, number format, the value of a row)``."""
+    mib, nan = 2.0 ** 20, float("nan")
+    cols = [
+        ("preset", "<18", "", lambda r: r["preset"]),
+        ("T", ">5", "", lambda r: r["T"]),
+        ("dense MiB", ">10", ".2f", lambda r: r["dense"] / mib),
+        ("meta MiB", ">9", ".3f", lambda r: r["metadata"] / mib),
+        ("fastmoe MiB", ">12", ".2f", lambda r: r["fastmoe"] / mib),
+        ("x(dense+meta)", ">13", ".3f", lambda r: r["fastmoe"] / (r["dense"] + r["metadata"])),
+        ("base MiB", ">9", ".2f", lambda r: r.get("base", nan) / mib),
+        ("hf MiB", ">9", ".2f", lambda r: r.get("hf", nan) / mib),
+        ("fastmoe/hf", ">10", ".3f", lambda r: r["fastmoe"] / r["hf"] if "hf" in r else nan),
+    ]
+    for prec in precisions:
+        cols += [(f"{prec} MiB", ">9", ".2f", lambda r, k=prec: r[k] / mib),
+                 (f"{prec} codes MiB", ">15", ".2f", lambda r, k=f"{prec}_weight_codes": r[k] / mib)]
+    if timed:
+        cols += [("F+B new s", ">10", ".3f", lambda r: r["fb_new"]),
+                 ("F+B base s", ">11", ".3f", lambda r: r["fb_base"]),
+                 ("new/base", ">9", ".3f", lambda r: r["fb_new"] / r["fb_base"])]
+    return cols
+
+
+def _table(rows: list[dict], precisions: list[str], timed: bool) -> list[str]:
+    """The header line and one line a row, every column in its width."""
+    cols = _columns(precisions, timed)
+    lines = [" ".join(format(title, width) for title, width, _, _ in cols)]
+    lines += [" ".join(format(value(r), width + fmt) for _, width, fmt, value in cols) for r in rows]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fastmoe_bench.saved", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", nargs="+", default=[p.name for p in MULA], choices=sorted(PRESETS))
@@ -144,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(p, t) for p in (PRESETS[n] for n in args.preset) for t in args.tokens]
     bar = tqdm(jobs, desc="layers", disable=args.no_progress) if tqdm else jobs
     rows = []
-    mib = 2.0 ** 20
     for p, T in bar:
         torch.manual_seed(0)
         new = FastSparseMoeBlock(_config(p), backend="torch")
@@ -178,22 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None:
             del old
         del new
-    hdr = (f"{'preset':<18} {'T':>5} {'dense MiB':>10} {'meta MiB':>9} {'fastmoe MiB':>12} {'x(dense+meta)':>13} "
-           f"{'base MiB':>9} {'hf MiB':>9} {'fastmoe/hf':>10}")
-    for prec in args.precision:
-        hdr += f" {prec + ' MiB':>9} {prec + ' codes MiB':>15}"
-    if args.time:
-        hdr += f" {'F+B new s':>10} {'F+B base s':>11} {'new/base':>9}"
-    print(hdr)
-    for r in rows:
-        line = (f"{r['preset']:<18} {r['T']:>5} {r['dense'] / mib:>10.2f} {r['metadata'] / mib:>9.3f} "
-                f"{r['fastmoe'] / mib:>12.2f} {r['fastmoe'] / (r['dense'] + r['metadata']):>13.3f} "
-                f"{r.get('base', float('nan')) / mib:>9.2f} {r.get('hf', float('nan')) / mib:>9.2f} "
-                f"{r['fastmoe'] / r['hf'] if 'hf' in r else float('nan'):>10.3f}")
-        for prec in args.precision:
-            line += f" {r[prec] / mib:>9.2f} {r[prec + '_weight_codes'] / mib:>15.2f}"
-        if args.time:
-            line += f" {r['fb_new']:>10.3f} {r['fb_base']:>11.3f} {r['fb_new'] / r['fb_base']:>9.3f}"
+    for line in _table(rows, args.precision, args.time):
         print(line)
     return 0
 

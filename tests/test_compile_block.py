@@ -153,8 +153,8 @@ def test_opcheck_every_op(expert_start, num_local):
                              "torch"),
         "experts": (x, w_gu, w_d, weights, idx, expert_start, num_local, "padded"),
         "experts_backward": (torch.randn(T, H), d(x), d(w_gu), d(w_d), d(weights),
-                             ops.experts(d(x), d(w_gu), d(w_d), d(weights), idx, expert_start, num_local, "padded")[1],
-                             idx, expert_start, num_local, "padded"),
+                             *ops.experts(d(x), d(w_gu), d(w_d), d(weights), idx, expert_start, num_local, "padded")[1:],
+                             expert_start, num_local, "padded"),
     }
     assert set(cases) == set(ops.OP_NAMES)
     for name, args in cases.items():

@@ -29,7 +29,9 @@ backend, unspecified on Triton, never read).
                                    stage (``padded``: batched GEMMs over zero-padded expert blocks,
                                    for layers where launches outweigh arithmetic; chosen by
                                    :func:`~fastmoe_xpu.kernels.registry.whole_layer`): ``(out [T, H],
-                                   gate_up [T*K, 2I])``, the chosen pairs' pre-activation in slot order
+                                   gate_up [T*K, 2I], plan [T*K+1])``, the chosen pairs'
+                                   pre-activation in slot order and the implementation's int64
+                                   routing plan, which its backward receives back (built once)
 ``fastmoe::experts_backward``      ``(dx, dw_gate_up, dw_down, dweights)``
 =================================  ==============================================================
 
@@ -485,8 +487,8 @@ _differentiable(combine, _Combine, 2)
 def _experts(
     x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, implementation: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H], gate_up [T*K, 2I])``: stages 2-5 on the local experts
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out [T, H], gate_up [T*K, 2I], plan [T*K+1])``: stages 2-5 on the local experts
     ``[expert_start, expert_start + num_local)`` by an ``experts`` implementation of the registry."""
     return module_of(implementation).experts_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK,
                                                      expert_start, num_local)
@@ -494,47 +496,48 @@ def _experts(
 
 def _experts_fake(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, num_local,  # noqa: ANN001, ANN202
                   implementation):
-    return x_TH.new_empty((x_TH.shape[0], w_down_NHI.shape[1])), x_TH.new_empty(
-        (topk_idx_TK.numel(), w_gate_up_N2IH.shape[1]))
+    S = topk_idx_TK.numel()
+    return (x_TH.new_empty((x_TH.shape[0], w_down_NHI.shape[1])), x_TH.new_empty((S, w_gate_up_N2IH.shape[1])),
+            topk_idx_TK.new_empty((S + 1,), dtype=torch.int64))
 
 
 def _experts_backward_body(
     dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-    weights_TK: torch.Tensor, gate_up_R2I: torch.Tensor, topk_idx_TK: torch.Tensor, expert_start: int,
+    weights_TK: torch.Tensor, gate_up_R2I: torch.Tensor, plan: torch.Tensor, expert_start: int,
     num_local: int, implementation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx [T, H], dw_gate_up [NR, 2I, H], dw_down [NR, H, I], dweights [T, K])``."""
     return module_of(implementation).experts_backward(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
-                                                      gate_up_R2I, topk_idx_TK, expert_start, num_local)
+                                                      gate_up_R2I, plan, expert_start, num_local)
 
 
 def _experts_backward_fake(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,  # noqa: ANN001, ANN202
-                           topk_idx_TK, expert_start, num_local, implementation):
+                           plan, expert_start, num_local, implementation):
     return (torch.empty_like(x_TH), torch.empty_like(w_gate_up_N2IH), torch.empty_like(w_down_NHI),
             torch.empty_like(weights_TK))
 
 
 experts = _define(
     "experts(Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, Tensor weights_TK, Tensor topk_idx_TK, "
-    "int expert_start, int num_local, str implementation) -> (Tensor, Tensor)", _experts, _experts_fake)
+    "int expert_start, int num_local, str implementation) -> (Tensor, Tensor, Tensor)", _experts, _experts_fake)
 experts_backward = _define(
     "experts_backward(Tensor dout_TH, Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, Tensor weights_TK, "
-    "Tensor gate_up_R2I, Tensor topk_idx_TK, int expert_start, int num_local, str implementation)"
+    "Tensor gate_up_R2I, Tensor plan, int expert_start, int num_local, str implementation)"
     " -> (Tensor, Tensor, Tensor, Tensor)", _experts_backward_body, _experts_backward_fake)
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest):  # noqa: ANN001, ANN205
-        out_TH, gate_up_R2I = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest)
-        ctx.mark_non_differentiable(gate_up_R2I)
-        ctx.set_materialize_grads(False)  # no zeros for gate_up's (absent) gradient
-        ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, topk_idx_TK)
+        out_TH, gate_up_R2I, plan = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest)
+        ctx.mark_non_differentiable(gate_up_R2I, plan)
+        ctx.set_materialize_grads(False)  # no zeros for gate_up's and plan's (absent) gradients
+        ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, plan)
         ctx.rest = rest
-        return out_TH, gate_up_R2I
+        return out_TH, gate_up_R2I, plan
 
     @staticmethod
-    def backward(ctx, dout_TH, _d_gate_up):  # noqa: ANN001, ANN205
+    def backward(ctx, dout_TH, _d_gate_up, _d_plan):  # noqa: ANN001, ANN205
         dx, dw_gate_up, dw_down, dweights = _below_autograd(experts_backward, dout_TH.contiguous(),
                                                              *ctx.saved_tensors, *ctx.rest)
         return dx, dw_gate_up, dw_down, dweights, None, None, None, None

@@ -66,8 +66,8 @@ def _grads(out, tensors, seed=1):
 def test_padded_equals_reference(case):
     T, H, I, E, K, start, nl, dup = CASES[case]
     x, w_gu, w_d, weights, idx = _inputs(T, H, I, E, K, start, nl, dup)
-    out, gate_up = ops.experts(x, w_gu, w_d, weights, idx, start, nl, "padded")
-    assert gate_up.shape == (T * K, 2 * I)
+    out, gate_up, plan = ops.experts(x, w_gu, w_d, weights, idx, start, nl, "padded")
+    assert gate_up.shape == (T * K, 2 * I) and plan.shape == (T * K + 1,) and plan.dtype == torch.int64
     want = reference_experts_forward(x, weights, idx, w_gu, w_d, expert_start=start)
     assert_close(out, want, msg=f"{case} output")
     for name, got, ref in zip(("dx", "dw_gate_up", "dw_down", "dweights"),
@@ -79,7 +79,7 @@ def test_padded_equals_reference(case):
 def test_padded_bf16_matches_fp32_reference():
     T, H, I, E, K, start, nl, dup = CASES["odd"]
     x, w_gu, w_d, weights, idx = _inputs(T, H, I, E, K, start, nl, dup, dtype=torch.bfloat16)
-    out, _ = ops.experts(x, w_gu, w_d, weights, idx, start, nl, "padded")
+    out, _, _ = ops.experts(x, w_gu, w_d, weights, idx, start, nl, "padded")
     assert out.dtype == torch.bfloat16
     f = lambda t: t.detach().float().requires_grad_()  # noqa: E731
     x32, gu32, d32, w32 = f(x), f(w_gu), f(w_d), f(weights)
@@ -100,6 +100,12 @@ def test_layout_places_each_slot_in_its_experts_block():
     ep = padded.layout(idx, 1, 2)  # local experts 1 and 2; the rest go to the dump row 2*cap
     assert ep.cap == 3 and ep.padded == 7
     assert ep.rows.tolist() == [3, 6, 4, 0, 6, 5, 6, 1]
+    # The plan the forward hands its backward gives the same layout back, dump row or not.
+    for each, nl in ((lay, 4), (ep, 2), (padded.layout(idx, 3, 1), 1)):
+        back = padded.Layout.of_plan(each.plan(), nl)
+        assert (back.rows.tolist(), back.cap, back.padded, back.dump) == (each.rows.tolist(), each.cap, each.padded,
+                                                                           each.dump), nl
+    assert (ep.dump, lay.dump) == (1, 0)
 
 
 def test_bad_shapes_are_refused():

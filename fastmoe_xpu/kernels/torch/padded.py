@@ -42,11 +42,38 @@ class Layout(NamedTuple):
     """Rows per expert block."""
     padded: int
     """Rows of a padded buffer: ``NR * cap``, +1 when some choice goes to the dump row."""
+    dump: int = 0
+    """1 when a choice goes to the dump row (another rank's expert), else 0."""
+
+    def plan(self) -> torch.Tensor:
+        """``[S + 1]`` int64: the slot rows, then ``2 * cap + dump``; what the forward hands its
+        backward (the ``fastmoe::experts`` op's third output), so that the layout is built once."""
+        return torch.cat((self.rows, self.rows.new_full((1,), 2 * self.cap + self.dump)))
+
+    @staticmethod
+    def of_plan(plan: torch.Tensor, num_local: int) -> "Layout":
+        """The layout :meth:`plan` wrote."""
+        code = int(plan[-1])
+        cap, dump = code >> 1, code & 1
+        return Layout(plan[:-1], cap, num_local * cap + dump, dump)
+
+
+#: ``arange(n)`` per (n, device): the one-hot comparison's right side.
+_ARANGE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    t = _ARANGE.get((n, device))
+    if t is None:
+        t = _ARANGE[(n, device)] = torch.arange(n, device=device)
+    return t
 
 
 def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layout:
     """The padded layout of the local choices in ``topk_idx [T, K]`` (host reads: CPU tensors)."""
-    idx = topk_idx_TK.reshape(-1).long()
+    idx = topk_idx_TK.reshape(-1)
+    if idx.dtype != torch.int64:
+        idx = idx.long()
     if expert_start:
         idx = idx - expert_start
     S = idx.numel()
@@ -57,12 +84,13 @@ def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layo
     if dump:
         idx = torch.where((idx >= 0) & (idx < num_local), idx, num_local)
     # Position of each slot among its expert's slots: a running count over the one-hot slots.
-    running = torch.nn.functional.one_hot(idx, num_local + dump).cumsum_(0)
-    cap = int(running[-1, :num_local].max())
-    rows = idx * cap + running.gather(1, idx[:, None]).squeeze_(1).sub_(1)
+    col = idx.unsqueeze(1)
+    running = torch.eq(col, _arange(num_local + dump, idx.device)).cumsum(0)
+    cap = int(running[-1, :num_local].max()) if dump else int(running[-1].max())
+    rows = running.gather(1, col).view(S).add_(idx, alpha=cap).sub_(1)
     if dump:
         rows = torch.where(idx < num_local, rows, num_local * cap)
-    return Layout(rows, cap, num_local * cap + dump)
+    return Layout(rows, cap, num_local * cap + dump, int(dump))
 
 
 def _check(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
@@ -82,91 +110,105 @@ def _check(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.T
                         f"{w_gate_up_N2IH.dtype}, {w_down_NHI.dtype}")
 
 
-def _pad(src_TH: torch.Tensor, k: int, lay: Layout) -> torch.Tensor:
-    """``[P, H]``: each token's row (repeated for its K slots) at its slots' padded rows, zero elsewhere."""
-    T, H = src_TH.shape
-    slots = src_TH[:, None, :].expand(T, k, H).reshape(T * k, H)
-    return src_TH.new_zeros(lay.padded, H).index_copy_(0, lay.rows, slots)
+def _pad(src_SN: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """``[P, N]``: slot ``s``'s row of ``src`` at padded row ``lay.rows[s]``, zero elsewhere."""
+    return src_SN.new_zeros(lay.padded, src_SN.shape[1]).index_copy_(0, lay.rows, src_SN)
+
+
+def _pad_tokens(src_TN: torch.Tensor, k: int, lay: Layout) -> torch.Tensor:
+    """``[P, N]``: token ``t``'s row of ``src`` at the padded rows of its ``k`` slots, zero elsewhere
+    (one indexed write of the broadcast rows: no ``[T*K, N]`` copy first)."""
+    T, N = src_TN.shape
+    return src_TN.new_zeros(lay.padded, N).index_put_((lay.rows.view(T, k),), src_TN.unsqueeze(1))
 
 
 def _blocks(t: torch.Tensor, num_local: int, cap: int) -> torch.Tensor:
     """The ``[NR, cap, .]`` expert blocks of a padded buffer (its dump row left out)."""
-    return t[: num_local * cap].view(num_local, cap, t.shape[-1])
+    if t.shape[0] != num_local * cap:
+        t = t[: num_local * cap]
+    return t.view(num_local, cap, t.shape[-1])
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor, lay: Layout) -> torch.Tensor:
     """``[P, N]``: ``a @ b`` per expert block, the dump row (if any) zero."""
     NR = a.shape[0]
+    if lay.padded == NR * lay.cap:
+        return torch.bmm(a, b).view(lay.padded, b.shape[-1])
     out = a.new_empty(lay.padded, b.shape[-1])
     torch.bmm(a, b, out=out[: NR * lay.cap].view(NR, lay.cap, b.shape[-1]))
-    if lay.padded > NR * lay.cap:
-        out[NR * lay.cap:].zero_()
+    out[NR * lay.cap:].zero_()
     return out
 
 
 def experts_forward(
     x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H], gate_up [T*K, 2I])``: the layer's output over the local experts and the chosen
-    pairs' pre-activation in slot order (rows of other ranks' choices unspecified)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out [T, H], gate_up [T*K, 2I], plan [T*K + 1])``: the layer's output over the local experts,
+    the chosen pairs' pre-activation in slot order (rows of other ranks' choices unspecified) and the
+    layout (:meth:`Layout.plan`) for the backward."""
     _check(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
     T, H = x_TH.shape
     NR, I2, _ = w_gate_up_N2IH.shape
     I, K = I2 // 2, topk_idx_TK.shape[1]
     lay = layout(topk_idx_TK, expert_start, num_local)
     if lay.cap == 0:  # no choice of a local expert
-        return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2)
-    x_pad = _blocks(_pad(x_TH, K, lay), NR, lay.cap)
-    gate_up = torch.bmm(x_pad, w_gate_up_N2IH.transpose(1, 2))  # [NR, cap, 2I]
+        return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan()
+    gate_up = torch.bmm(_blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap), w_gate_up_N2IH.mT)  # [NR, cap, 2I]
     g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
-    h = torch.nn.functional.silu(g[..., :I]).mul_(g[..., I:]).to(x_TH.dtype)
-    y_PH = _batched(h, w_down_NHI.transpose(1, 2), lay)
+    gate, up = g.chunk(2, -1)
+    h = torch.nn.functional.silu(gate).mul_(up)
+    y_PH = _batched(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI.mT, lay)
     y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
-    out_TH = torch.bmm(weights_TK.to(y_TKH.dtype).view(T, 1, K), y_TKH).view(T, H)
+    w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
+    out_TH = y_TKH.mul_(w.unsqueeze(-1)).sum(1)
     # Rows of the dump (other ranks' choices) read the last block row: never used.
-    saved = gate_up.view(NR * lay.cap, I2).index_select(0, lay.rows.clamp(max=NR * lay.cap - 1))
-    return out_TH, saved
+    rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
+    saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
+    return out_TH, saved, lay.plan()
 
 
 def experts_backward(
     dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-    weights_TK: torch.Tensor, gate_up_S2I: torch.Tensor, topk_idx_TK: torch.Tensor, expert_start: int,
-    num_local: int,
+    weights_TK: torch.Tensor, gate_up_S2I: torch.Tensor, plan: torch.Tensor, expert_start: int, num_local: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx [T, H], dw_gate_up [NR, 2I, H], dw_down [NR, H, I], dweights [T, K])`` of
-    :func:`experts_forward`, from the saved pre-activation of the chosen pairs."""
+    :func:`experts_forward`, from the saved pre-activation of the chosen pairs and the forward's plan."""
     T, H = x_TH.shape
     NR, I2, _ = w_gate_up_N2IH.shape
-    I, K = I2 // 2, topk_idx_TK.shape[1]
+    I, K = I2 // 2, weights_TK.shape[1]
     dtype = x_TH.dtype
-    lay = layout(topk_idx_TK, expert_start, num_local)
+    lay = Layout.of_plan(plan, num_local)
     if lay.cap == 0:
         return (torch.zeros_like(x_TH), torch.zeros_like(w_gate_up_N2IH), torch.zeros_like(w_down_NHI),
                 torch.zeros_like(weights_TK))
     f32 = torch.float32
-    gu = _blocks(gate_up_S2I.new_zeros(lay.padded, I2).index_copy_(0, lay.rows, gate_up_S2I[: T * K]), NR, lay.cap)
+    gu = _blocks(_pad(gate_up_S2I[: T * K], lay), NR, lay.cap)
     gu = gu if gu.dtype == f32 else gu.float()
-    gate, up = gu[..., :I], gu[..., I:]
+    gate, up = gu.chunk(2, -1)
     silu = torch.nn.functional.silu(gate)
     h = silu * up  # [NR, cap, I] fp32
-    dout_blocks = _blocks(_pad(dout_TH.to(dtype), K, lay), NR, lay.cap)
-    w_rows = weights_TK.reshape(-1).float()
-    w_blocks = _blocks(w_rows.new_zeros(lay.padded, 1).index_copy_(0, lay.rows, w_rows[:, None]), NR, lay.cap)
+    dout_blocks = _blocks(_pad_tokens(dout_TH if dout_TH.dtype == dtype else dout_TH.to(dtype), K, lay), NR, lay.cap)
+    w_blocks = _blocks(_pad(weights_TK.reshape(T * K, 1).to(f32), lay), NR, lay.cap)
     # Unweighted dout @ W_down[e]: its dot with h is the router-weight gradient.
     g = torch.bmm(dout_blocks, w_down_NHI)
     g = g if g.dtype == f32 else g.float()
-    dw_rows = g.new_zeros(lay.padded)
-    torch.linalg.vecdot(g, h, out=dw_rows[: NR * lay.cap].view(NR, lay.cap))
-    dweights_TK = dw_rows.index_select(0, lay.rows).view(T, K).to(weights_TK.dtype)
-    dw_down = torch.bmm(dout_blocks.transpose(1, 2), h.mul_(w_blocks).to(dtype))  # [NR, H, I]
+    dw_rows = torch.linalg.vecdot(g, h).view(-1)
+    if lay.dump:  # the dump row's gradient is zero
+        dw_rows = torch.cat((dw_rows, dw_rows.new_zeros(1)))
+    dweights_TK = dw_rows.index_select(0, lay.rows).view(T, K)
+    if dweights_TK.dtype != weights_TK.dtype:
+        dweights_TK = dweights_TK.to(weights_TK.dtype)
+    h.mul_(w_blocks)
+    dw_down = torch.bmm(dout_blocks.mT, h if h.dtype == dtype else h.to(dtype))  # [NR, H, I]
     g.mul_(w_blocks)
     d_gu = torch.empty(NR, lay.cap, I2, dtype=f32, device=x_TH.device)
-    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gu[..., :I])
-    torch.mul(g, silu, out=d_gu[..., I:])
-    d_gu = d_gu.to(dtype)
-    x_blocks = _blocks(_pad(x_TH, K, lay), NR, lay.cap)
-    dw_gate_up = torch.bmm(d_gu.transpose(1, 2), x_blocks)  # [NR, 2I, H]
+    d_gate, d_up = d_gu.chunk(2, -1)
+    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+    torch.mul(g, silu, out=d_up)
+    if dtype != f32:
+        d_gu = d_gu.to(dtype)
+    dw_gate_up = torch.bmm(d_gu.mT, _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap))  # [NR, 2I, H]
     dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
     dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
     return dx_TH, dw_gate_up, dw_down, dweights_TK
