@@ -5,6 +5,8 @@ RT routed rows on this rank (sum of the local experts' token counts), R >= RT ro
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..contract import check_gemm_inputs, check_stored_gemm_inputs
@@ -42,7 +44,9 @@ def _zero_empty(dw: torch.Tensor, bounds: list[int]) -> None:
         dw[a:b].zero_()
 
 
-def _per_expert(w: torch.Tensor, groups: list[tuple[int, int, int]]) -> "tuple[torch.Tensor, ...] | dict[int, torch.Tensor]":
+def _per_expert(
+    w: torch.Tensor, groups: list[tuple[int, int, int]]
+) -> Sequence[torch.Tensor] | dict[int, torch.Tensor]:
     """Expert ``e``'s matrix ``w[e]`` for every expert in ``groups``, indexable by ``e``: one ``unbind``
     (about 0.3 us a view, every expert's) when at least half the experts have rows, else ``w[e]``
     for those alone (about 0.7 us each): at one decode token, 8 views instead of 64."""
