@@ -258,6 +258,24 @@ def test_block_auto_times_once_on_real_shapes_and_matches_native(cache_file):
     assert all(s > 0 for s in entry["seconds"].values())
 
 
+def test_timer_counts_this_threads_cpu_time_on_a_one_thread_cpu():
+    """On a one-thread CPU the choice is timed in this thread's CPU time, so that another process
+    holding the core does not count; a sleep (no CPU work) then costs nothing. Wall time otherwise."""
+    import time
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert timing.clock(torch.device("cpu")) is time.thread_time
+        slept = timing.best_seconds(lambda: time.sleep(0.02), torch.device("cpu"), 1)
+        assert slept < 0.01, slept
+        torch.set_num_threads(2)
+        assert timing.clock(torch.device("cpu")) is time.perf_counter
+        assert timing.best_seconds(lambda: time.sleep(0.02), torch.device("cpu"), 1) >= 0.02
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cache_location_default_and_override(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with settings.override(gemm_cache=None):
