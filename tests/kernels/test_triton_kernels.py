@@ -487,6 +487,8 @@ def test_block_pointer_path_under_triton_3_3():
         from fastmoe_xpu.tools import compile_check as cc
         cuda = {s.name: s for s in cc.kernel_specs("cuda") if s.is_default}
         for spec in list(cuda.values()) + [s for s in cc.kernel_specs("xpu") if s.is_default]:
+            if spec.name.startswith("tma_"):  # Hopper tensor descriptors: a type Triton 3.3 does not have
+                continue
             if spec.constexprs.get("BLOCK_PTR"):
                 ref = cuda[spec.name]
                 spec.constexprs = {**ref.constexprs, "BLOCK_PTR": True}
