@@ -14,6 +14,8 @@ torch     route, gemm, combine    plain PyTorch, any device (the CPU's kernels);
 triton    route, gemm, combine    Triton kernels: xpu, cuda, and CPU tensors under TRITON_INTERPRET=1
 loop      gemm                    one ``torch.mm`` per expert (``kernels/torch/grouped_gemm.py``)
 grouped_mm  gemm                  PyTorch's grouped GEMM (``kernels/grouped_mm.py``)
+onednn    gemm                    the loop on oneDNN's matmul instead of MKL's, CPU, float32
+                                  (``kernels/torch/onednn.py``)
 int8      gemm (precision)        quantized int8 GEMMs, ``torch._int_mm`` (``kernels/quantized``)
 fp8       gemm (precision)        quantized fp8 GEMMs (e4m3 forward, e5m2 gradients), ``torch._scaled_mm``
 triton_tma  gemm                  persistent TMA grouped GEMMs for sm_90+ (``kernels/triton/tma_gemm.py``);
@@ -113,6 +115,12 @@ def _grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return unsupported_reason(device, dtype)
 
 
+def _onednn_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    from .torch.onednn import unsupported_reason
+
+    return unsupported_reason(device, dtype)
+
+
 def _quantized_reason(fmt: str) -> Callable[[torch.device, torch.dtype], str | None]:
     def reason(device: torch.device, dtype: torch.dtype) -> str | None:
         from .quantized.core import unsupported_reason
@@ -177,6 +185,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         Implementation("loop", ("gemm",), ("cpu", "cuda", "xpu"), None, ".torch.grouped_gemm"),
         Implementation("grouped_mm", ("gemm",), ("cpu", "cuda", "xpu"), None, ".grouped_mm",
                        unavailable=_grouped_mm_reason),
+        Implementation("onednn", ("gemm",), ("cpu",), (torch.float32,), ".torch.onednn", unavailable=_onednn_reason),
         Implementation("triton", ("route", "gemm", "combine"), ("cpu", "cuda", "xpu"), _FLOATS, ".triton",
                        unavailable=_triton_reason, native_gemm="triton", timed=lambda device: device.type != "cpu"),
         Implementation("triton_tma", ("gemm",), ("cpu", "cuda"), _FLOATS, ".triton.tma_gemm",

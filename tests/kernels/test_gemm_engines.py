@@ -175,9 +175,13 @@ def _choose(measure, shape=(16, 8, 4, 64), **kw):
                                  measure=measure, **kw)
 
 
-@pytest.mark.parametrize("fastest", ["loop", "grouped_mm"])
+_CPU_CANDIDATES = registry.candidates("torch", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("fastest", _CPU_CANDIDATES)
 def test_chooser_picks_the_fastest_and_caches_it(cache_file, fastest):
-    times = {"loop": 2.0, "grouped_mm": 2.0}
+    assert {"loop", "grouped_mm"} <= set(_CPU_CANDIDATES)
+    times = dict.fromkeys(_CPU_CANDIDATES, 2.0)
     times[fastest] = 1.0
     calls: list[str] = []
 
@@ -186,8 +190,8 @@ def test_chooser_picks_the_fastest_and_caches_it(cache_file, fastest):
         return times[engine]
 
     assert _choose(measure) == fastest
-    assert sorted(calls) == ["grouped_mm", "loop"]  # each candidate timed once
-    assert _choose(measure) == fastest and len(calls) == 2  # in-process: no second timing
+    assert sorted(calls) == sorted(_CPU_CANDIDATES)  # each candidate timed once
+    assert _choose(measure) == fastest and len(calls) == len(_CPU_CANDIDATES)  # in-process: no second timing
     data = json.loads(cache_file.read_text())
     (key, entry), = data["entries"].items()
     assert entry["engine"] == fastest and entry["seconds"] == times
@@ -195,7 +199,7 @@ def test_chooser_picks_the_fastest_and_caches_it(cache_file, fastest):
     registry.forget_choices()
     assert _choose(lambda e: pytest.fail("a cached choice is not timed again")) == fastest  # from disk
     # Another shape bucket is timed on its own.
-    assert _choose(lambda e: {"loop": 1.0, "grouped_mm": 3.0}[e], shape=(16, 8, 4, 1000)) == "loop"
+    assert _choose(lambda e: 1.0 if e == "loop" else 3.0, shape=(16, 8, 4, 1000)) == "loop"
     assert len(json.loads(cache_file.read_text())["entries"]) == 2
 
 
@@ -219,7 +223,7 @@ def test_explicit_engine_and_setting_win_over_timing(cache_file):
 def test_corrupt_or_stale_cache_warns_and_is_replaced(cache_file, content):
     cache_file.write_text(content)
     with pytest.warns(RuntimeWarning, match="gemm engine cache"):
-        assert _choose(lambda e: {"loop": 1.0, "grouped_mm": 2.0}[e]) == "loop"
+        assert _choose(lambda e: 1.0 if e == "loop" else 2.0) == "loop"
     data = json.loads(cache_file.read_text())  # rewritten whole and valid
     assert data["format"] == timing.FORMAT and [v["engine"] for v in data["entries"].values()] == ["loop"]
 
@@ -230,7 +234,7 @@ def test_unwritable_cache_location_warns_and_keeps_the_choice(tmp_path):
     registry.forget_choices()
     with settings.override(gemm_cache=str(blocker / "sub" / "engines.json"), gemm_engine=None):
         with pytest.warns(RuntimeWarning, match="not written"):
-            assert _choose(lambda e: {"loop": 3.0, "grouped_mm": 1.0}[e]) == "grouped_mm"
+            assert _choose(lambda e: 1.0 if e == "grouped_mm" else 3.0) == "grouped_mm"
         assert _choose(lambda e: pytest.fail("remembered in-process")) == "grouped_mm"
     registry.forget_choices()
 
@@ -254,7 +258,7 @@ def test_block_auto_times_once_on_real_shapes_and_matches_native(cache_file):
     for a, b in zip(*outs):
         assert_close(a, b)
     (entry,) = json.loads(cache_file.read_text())["entries"].values()
-    assert entry["engine"] in ("loop", "grouped_mm") and set(entry["seconds"]) == {"loop", "grouped_mm"}
+    assert entry["engine"] in _CPU_CANDIDATES and set(entry["seconds"]) == set(_CPU_CANDIDATES)
     assert all(s > 0 for s in entry["seconds"].values())
 
 
@@ -307,7 +311,7 @@ def _rank_choice(cache_dir: str) -> tuple[str, list[str]]:
 def test_expert_parallel_ranks_agree_on_rank0_choice(tmp_path):
     results = run_distributed(_rank_choice, 2, str(tmp_path), timeout_s=120.0, comm_timeout_s=60.0, fail_fast=True)
     assert [c for c, _ in results] == ["grouped_mm", "grouped_mm"]
-    assert sorted(results[0][1]) == ["grouped_mm", "loop"] and results[1][1] == []
+    assert sorted(results[0][1]) == sorted(_CPU_CANDIDATES) and results[1][1] == []
 
 
 def test_interpreted_triton_is_never_timed():

@@ -15,6 +15,7 @@ import torch
 from fastmoe_xpu import reference as ref
 from fastmoe_xpu.kernels.contract import INDEX_DTYPE
 from fastmoe_xpu.kernels.torch import grouped_gemm as gg
+from fastmoe_xpu.kernels.torch import onednn
 from tolerances import assert_close
 
 COUNTS = [
@@ -49,9 +50,14 @@ def _problem(counts, T=5, H=12, I=6, seed=0):
     return cum, inp, x, wgu, wd, row_w, dy
 
 
+# The onednn engine runs these loops on oneDNN's matmul (and its accumulate, for an expert spanning
+# several pieces of the weighted down backward).
+@pytest.mark.parametrize("engine", ["loop", pytest.param("onednn", marks=pytest.mark.skipif(
+    onednn.unsupported_reason("cpu", torch.float32) is not None, reason="no oneDNN matmul here"))])
 @pytest.mark.parametrize("pieces", ["default", "8-row"])
 @pytest.mark.parametrize("counts", COUNTS)
-def test_launchers_match_reference_at_sparse_counts(monkeypatch, nan_buffers, counts, pieces):
+def test_launchers_match_reference_at_sparse_counts(monkeypatch, nan_buffers, counts, pieces, engine):
+    mod = gg if engine == "loop" else onednn
     if pieces == "8-row":
         monkeypatch.setattr(gg, "piece_rows", lambda width: 8)
     cum, inp, x, wgu, wd, row_w, dy = _problem(counts)
@@ -60,19 +66,19 @@ def test_launchers_match_reference_at_sparse_counts(monkeypatch, nan_buffers, co
     want_y = ref.reference_down(want_h, cum, wd)
     (want_y * row_w[:, None]).backward(dy)
 
-    gu, h = gg.gate_up_fwd(x.detach(), inp, cum, wgu.detach())
+    gu, h = mod.gate_up_fwd(x.detach(), inp, cum, wgu.detach())
     assert_close(gu, want_gu, torch.float32, "gate_up")
     assert_close(h, want_h, torch.float32, "h")
-    y = gg.down_fwd(h, cum, wd.detach())
+    y = mod.down_fwd(h, cum, wd.detach())
     assert_close(y, want_y, torch.float32, "down")
-    y_t = gg.down_fwd(h, cum, wd.detach().transpose(1, 2).contiguous(), transposed=True)
+    y_t = mod.down_fwd(h, cum, wd.detach().transpose(1, 2).contiguous(), transposed=True)
     assert_close(y_t, want_y, torch.float32, "down, transposed storage")
 
-    dh, dwd, d_row_w = gg.down_weighted_bwd(dy, gu, row_w.detach(), cum, wd.detach())
+    dh, dwd, d_row_w = mod.down_weighted_bwd(dy, gu, row_w.detach(), cum, wd.detach())
     assert_close(dwd, wd.grad, torch.float32, "d w_down (zero for empty experts)")
     assert_close(d_row_w, row_w.grad, torch.float32, "d row weights")
     d_gu = gg.silu_mul_bwd(gu, dh, cum)
-    dx_rows, dwgu = gg.gate_up_bwd(d_gu, x.detach(), inp, cum, wgu.detach())
+    dx_rows, dwgu = mod.gate_up_bwd(d_gu, x.detach(), inp, cum, wgu.detach())
     assert_close(dwgu, wgu.grad, torch.float32, "d w_gate_up (zero for empty experts)")
     dx = torch.zeros(T, x.shape[1]).index_add_(0, inp.long(), dx_rows)
     assert_close(dx, x.grad, torch.float32, "d x")
@@ -84,10 +90,10 @@ def test_launchers_match_reference_at_sparse_counts(monkeypatch, nan_buffers, co
     h_leaf = h.detach().requires_grad_()
     wd_leaf = wd.detach().requires_grad_()
     ref.reference_down(h_leaf, cum, wd_leaf).backward(dy)
-    dh_u, dwd_u = gg.down_bwd(dy, h, cum, wd.detach())
+    dh_u, dwd_u = mod.down_bwd(dy, h, cum, wd.detach())
     assert_close(dh_u, h_leaf.grad, torch.float32, "down_bwd dh")
     assert_close(dwd_u, wd_leaf.grad, torch.float32, "down_bwd dw")
-    dh_t, dwd_t = gg.down_bwd(dy, h, cum, wd.detach().transpose(1, 2).contiguous(), transposed=True)
+    dh_t, dwd_t = mod.down_bwd(dy, h, cum, wd.detach().transpose(1, 2).contiguous(), transposed=True)
     assert_close(dh_t, h_leaf.grad, torch.float32, "down_bwd dh, transposed storage")
     assert_close(dwd_t, wd_leaf.grad.transpose(1, 2), torch.float32, "down_bwd dw, transposed storage")
     assert rt == gu.shape[0] == dx_rows.shape[0]

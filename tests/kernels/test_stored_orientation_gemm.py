@@ -49,7 +49,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("engine", ["loop", "grouped_mm", "triton"])
+@pytest.mark.parametrize("engine", ["loop", "grouped_mm", "onednn", "triton"])
 @pytest.mark.parametrize("counts,d_in,d_out", SHAPES)
 def test_transposed_launchers_match_the_reference(engine: str, counts: list[int], d_in: int, d_out: int) -> None:
     mod = _engine(engine)
@@ -70,7 +70,7 @@ def test_transposed_launchers_match_the_reference(engine: str, counts: list[int]
     torch.testing.assert_close(dw, dw_c.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("engine", ["loop", "grouped_mm", "triton"])
+@pytest.mark.parametrize("engine", ["loop", "grouped_mm", "onednn", "triton"])
 def test_transposed_width_mismatch_raises(engine: str) -> None:
     mod = _engine(engine)
     a, w, _, cum = _problem([3, 2], 16, 24)

@@ -5,7 +5,7 @@ RT routed rows on this rank (sum of the local experts' token counts), R >= RT ro
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -75,6 +75,19 @@ def _counts(groups: list[tuple[int, int, int]]) -> list[int]:
     return [t - s for _, s, t in groups]
 
 
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) with ``torch.mm``: the GEMM every launcher
+    here runs, passed in as ``mm`` so that another engine (``kernels/torch/onednn.py``) runs the same
+    loops on its own GEMM."""
+    if accumulate:
+        torch.addmm(out, a, b, out=out)
+    else:
+        torch.mm(a, b, out=out)
+
+
+MatMul = Callable[..., None]
+
+
 def _silu_mul(gate_up_R2I: torch.Tensor, out_RI: torch.Tensor) -> None:
     inter = out_RI.shape[1]
     torch._C._nn.silu(gate_up_R2I[:, :inter], out=out_RI)
@@ -86,6 +99,7 @@ def gate_up_fwd(
     input_indices: torch.Tensor,
     cum_token_counts: torch.Tensor,
     w_gate_up_N2IH: torch.Tensor,
+    mm: MatMul = mm_into,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
     ``h [R, I] = silu(gate) * up``. R is ``input_indices``' length (at least RT); rows past RT
@@ -116,13 +130,14 @@ def gate_up_fwd(
         rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
         counts = _counts(piece)
         for (e, _, _), a, o in zip(piece, rows.split(counts), gate_up_R2I[p0:p1].split(counts)):
-            torch.mm(a, w_t[e], out=o)
+            mm(a, w_t[e], o)
         _silu_mul(gate_up_R2I[p0:p1], h_RI[p0:p1])
     return gate_up_R2I, h_RI
 
 
 def down_fwd(
-    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
+    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False,
+    mm: MatMul = mm_into,
 ) -> torch.Tensor:
     """``y [R, H] = h @ w_down[e]^T`` per expert group; R is ``h``'s rows, those past RT are zero.
     ``transposed``: ``w_down`` is stored ``[NR, I, H]`` and ``y = h @ w_down[e]``, read in place."""
@@ -137,13 +152,13 @@ def down_fwd(
     counts = _counts(groups)
     w_e = _per_expert(w_down_NHI if transposed else w_down_NHI.transpose(1, 2), groups)
     for (e, _, _), a, o in zip(groups, h_RI[:rt].split(counts), y_RH[:rt].split(counts)):
-        torch.mm(a, w_e[e], out=o)
+        mm(a, w_e[e], o)
     return y_RH
 
 
 def down_bwd(
     dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
-    transposed: bool = False,
+    transposed: bool = False, mm: MatMul = mm_into,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts).
     ``transposed`` (``w_down`` stored ``[NR, I, H]``): ``dh = dy @ w_down[e]^T`` and the gradient in
@@ -154,11 +169,11 @@ def down_bwd(
     _zero_empty(dw_NHI, bounds)
     for e, s, t in _groups(bounds):
         if transposed:
-            torch.mm(dy_RH[s:t], w_down_NHI[e].t(), out=dh_RI[s:t])
-            torch.mm(h_RI[s:t].t(), dy_RH[s:t], out=dw_NHI[e])
+            mm(dy_RH[s:t], w_down_NHI[e].t(), dh_RI[s:t])
+            mm(h_RI[s:t].t(), dy_RH[s:t], dw_NHI[e])
         else:
-            torch.mm(dy_RH[s:t], w_down_NHI[e], out=dh_RI[s:t])
-            torch.mm(dy_RH[s:t].t(), h_RI[s:t], out=dw_NHI[e])
+            mm(dy_RH[s:t], w_down_NHI[e], dh_RI[s:t])
+            mm(dy_RH[s:t].t(), h_RI[s:t], dw_NHI[e])
     return dh_RI, dw_NHI
 
 
@@ -168,6 +183,7 @@ def down_weighted_bwd(
     row_weights_R: torch.Tensor,
     cum_token_counts: torch.Tensor,
     w_down_NHI: torch.Tensor,
+    mm: MatMul = mm_into,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the weighted down GEMM, ``y_r = w_r * h_r @ w_down[e]^T``, given the unweighted
     row gradients ``dy``: ``dh = w_r * dy_r @ w_down[e]``, ``dw_down [NR, H, I] = sum_r w_r dy_r^T h_r``
@@ -186,7 +202,8 @@ def down_weighted_bwd(
     exact = dy_RH.dtype == torch.float32
     step = piece_rows(inter)
     if exact and bounds[-1] <= step:
-        _down_weighted_bwd_one_piece(dy_RH, gate_up_R2I, row_weights_R, bounds, w_down_NHI, dh_RI, dw_NHI, d_row_w)
+        _down_weighted_bwd_one_piece(dy_RH, gate_up_R2I, row_weights_R, bounds, w_down_NHI, dh_RI, dw_NHI, d_row_w,
+                                     mm)
         return dh_RI, dw_NHI, d_row_w
     h_buf = cached_empty((max(1, min(step, bounds[-1])), inter), dy_RH)
     _zero_empty(dw_NHI, bounds)
@@ -197,7 +214,7 @@ def down_weighted_bwd(
             _silu_mul(gate_up_R2I[p0:p1], h)
             dh = dh_RI[p0:p1]
             w = row_weights_R[p0:p1, None]
-            torch.mm(dy_RH[p0:p1], w_down_NHI[e], out=dh)  # unweighted: its dot with h is the weight's gradient
+            mm(dy_RH[p0:p1], w_down_NHI[e], dh)  # unweighted: its dot with h is the weight's gradient
             if exact:
                 torch.linalg.vecdot(dh, h, out=d_row_w[p0:p1])
                 dh.mul_(w)
@@ -207,13 +224,13 @@ def down_weighted_bwd(
                 dh.copy_(dh.float() * w)
                 h.copy_(h.float() * w)
             # dw_down[e] = sum over the expert's pieces of dy^T (w * h)
-            torch.addmm(dw_NHI[e], dy_RH[p0:p1].t(), h, beta=0 if p0 == s else 1, out=dw_NHI[e])
+            mm(dy_RH[p0:p1].t(), h, dw_NHI[e], accumulate=p0 != s)
     return dh_RI, dw_NHI, d_row_w
 
 
 def _down_weighted_bwd_one_piece(
     dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor, bounds: list[int],
-    w_down_NHI: torch.Tensor, dh_RI: torch.Tensor, dw_NHI: torch.Tensor, d_row_w: torch.Tensor,
+    w_down_NHI: torch.Tensor, dh_RI: torch.Tensor, dw_NHI: torch.Tensor, d_row_w: torch.Tensor, mm: MatMul,
 ) -> None:
     """:func:`down_weighted_bwd` (fp32) when all RT rows fit one piece: ``h``, the row dot products
     and the weight scaling run once over every row and only the two GEMMs go expert by expert,
@@ -228,7 +245,7 @@ def _down_weighted_bwd_one_piece(
     dy_e = dy.split(counts)
     w_e = _per_expert(w_down_NHI, groups)
     for (e, _, _), a, o in zip(groups, dy_e, dh_RI.split(counts)):
-        torch.mm(a, w_e[e], out=o)  # unweighted: its dot with h is the weight's gradient
+        mm(a, w_e[e], o)  # unweighted: its dot with h is the weight's gradient
     torch.linalg.vecdot(dh_RI, h, out=d_row_w)
     w = row_weights_R[:rt, None]
     dh_RI.mul_(w)
@@ -236,7 +253,7 @@ def _down_weighted_bwd_one_piece(
     _zero_empty(dw_NHI, bounds)
     dw_e = _per_expert(dw_NHI, groups)
     for (e, _, _), a, h_rows in zip(groups, dy_e, h.split(counts)):
-        torch.mm(a.t(), h_rows, out=dw_e[e])
+        mm(a.t(), h_rows, dw_e[e])
 
 
 def silu_mul_bwd(
@@ -276,6 +293,7 @@ def gate_up_bwd(
     input_indices: torch.Tensor,
     cum_token_counts: torch.Tensor,
     w_gate_up_N2IH: torch.Tensor,
+    mm: MatMul = mm_into,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``;
     the expert's input rows are gathered again into a small cached buffer, never stored."""
@@ -295,6 +313,6 @@ def gate_up_bwd(
         rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
         d = d_gate_up_R2I[p0:p1]
         for (e, _, _), d_rows, a, dx in zip(piece, d.split(counts), rows.split(counts), dx_rows_RH[p0:p1].split(counts)):
-            torch.mm(d_rows, w_e[e], out=dx)
-            torch.mm(d_rows.t(), a, out=dw_e[e])
+            mm(d_rows, w_e[e], dx)
+            mm(d_rows.t(), a, dw_e[e])
     return dx_rows_RH, dw_N2IH
