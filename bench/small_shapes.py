@@ -1,8 +1,8 @@
 """Where the small-layer path pays: transformers, the staged chain and the ``padded`` experts op, side by side.
 
 ``python -m bench.small_shapes`` times, for each layer shape, transformers' ``grouped_mm`` experts
-(OLMoE's), the staged chain (``fastmoe::route`` + ``fastmoe::mlp_combine``; the better of the ``loop``
-and ``grouped_mm`` engines) and ``fastmoe::experts`` on the registry's ``padded`` entry, forward
+(OLMoE's), the staged chain (``fastmoe::route`` + ``fastmoe::mlp_combine``; the best of the CPU's
+full-precision engines, ``loop``, ``grouped_mm`` and ``onednn`` where it runs) and ``fastmoe::experts`` on the registry's ``padded`` entry, forward
 (no autograd) and forward+backward, fp32 on the CPU, interleaved, minimum over rounds of CPU thread
 time, and prints one Markdown row per shape with the layer's work ``max(T*K, NR) * 3 * H * I`` (what
 the ``padded`` entry's ``max_layer_macs`` budget is compared with, :func:`fastmoe_xpu.kernels.registry.layer_macs`).
@@ -18,7 +18,7 @@ import torch
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.autograd.ops import call, experts
-from fastmoe_xpu.kernels.registry import layer_macs
+from fastmoe_xpu.kernels.registry import candidates, layer_macs
 
 #: (T, H, I, E, K): around the budget, from the tiny preset up; two decode steps of an OLMoE layer.
 SHAPES = [(48, 64, 32, 8, 2), (192, 64, 32, 8, 2), (48, 128, 64, 8, 2), (48, 128, 64, 16, 2), (48, 64, 32, 64, 8),
@@ -51,20 +51,17 @@ def _layer(T: int, H: int, I: int, E: int, K: int) -> dict:
     with torch.device("meta"):
         hf = OlmoeExperts(cfg)
     hf.gate_up_proj, hf.down_proj = w_gu, w_d
-    return {
-        "transformers": lambda: hf(x, idx, weights),
-        "loop": lambda: moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="loop"),
-        "grouped_mm": lambda: moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="grouped_mm"),
-        "padded": lambda: call(experts, x, w_gu, w_d, weights, idx, 0, E, "padded")[0],
-        "dout": torch.randn(T, H, generator=g),
-    }
+    fns = {"transformers": lambda: hf(x, idx, weights),
+           "padded": lambda: call(experts, x, w_gu, w_d, weights, idx, 0, E, "padded")[0]}
+    for engine in candidates("torch", torch.device("cpu"), torch.float32):
+        fns[engine] = lambda engine=engine: moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine=engine)
+    return fns, torch.randn(T, H, generator=g)
 
 
 def measure(shape: tuple[int, int, int, int, int], rounds: int, reps: int) -> dict[str, dict[str, float]]:
     """``{mode: {variant: seconds}}`` for one shape; modes ``fwd`` and ``fb``, variants
     ``transformers``, ``staged``, ``padded``."""
-    fns = _layer(*shape)
-    dout = fns.pop("dout")
+    fns, dout = _layer(*shape)
     out: dict[str, dict[str, float]] = {}
     for mode in ("fwd", "fb"):
         best = {n: float("inf") for n in fns}
@@ -78,8 +75,8 @@ def measure(shape: tuple[int, int, int, int, int], rounds: int, reps: int) -> di
                     else:
                         f().backward(dout)
                 best[name] = min(best[name], (time.thread_time() - t0) / reps)
-        out[mode] = {"transformers": best["transformers"], "staged": min(best["loop"], best["grouped_mm"]),
-                     "padded": best["padded"]}
+        staged = min(v for n, v in best.items() if n not in ("transformers", "padded"))
+        out[mode] = {"transformers": best["transformers"], "staged": staged, "padded": best["padded"]}
     return out
 
 
