@@ -4,7 +4,9 @@
 - GEMM-only bound: the layer's own per-expert GEMMs of forward and backward, with the same shapes
   (the case's per-expert row counts), run back to back with ``torch.mm`` into buffers allocated
   once, and nothing else: no routing, gather, activation, scatter, reduction or allocation. No
-  implementation built from per-expert library GEMMs can beat it by more than noise.
+  implementation built from per-expert ``torch.mm`` calls (transformers' included) can beat it by
+  more than noise; one on a faster GEMM library can (the ``onednn`` engine on CPUs where oneDNN's
+  matmul beats MKL's, docs/engines.md), and then runs below 1.00x of it.
 
 Legend: H hidden, I intermediate, NR local experts, RT routed rows, n rows of one expert.
 """

@@ -144,8 +144,9 @@ BASELINE_NAMES = {"hf_v5_grouped_mm": "transformers' default experts implementat
                   "hf_v4": "the transformers-4-style per-expert loop (the published baseline, correctness reference)",
                   "hf_v5_eager": "transformers 5's eager per-expert loop"}
 #: The GEMM-only bound in one line.
-BOUND_LINE = ("GEMM-only bound: the time of the same expert matmuls of forward and backward with nothing else "
-              "(no routing, gather, combine or allocation), what an implementation without overhead would take")
+BOUND_LINE = ("GEMM-only bound: the time of the same expert matmuls of forward and backward on torch.mm with "
+              "nothing else (no routing, gather, combine or allocation), what an implementation on torch.mm without "
+              "overhead would take; an engine on a faster GEMM (onednn on the CPU) can run below it")
 #: One line per column of the per-case table.
 CASE_COLUMNS = (
     "median ms / min ms: time per call over the timed rounds; spread: (max - min) / median",
