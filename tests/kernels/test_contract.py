@@ -1,4 +1,5 @@
-"""Both kernel backends satisfy the launcher contract: every launcher, same parameter names and defaults."""
+"""Both kernel backends, and the torch backend with each CPU engine's stage 4, satisfy the launcher
+contract: every launcher, same parameter names and defaults."""
 import inspect
 
 import pytest
@@ -18,7 +19,7 @@ def test_protocol_lists_every_launcher():
     assert members == set(contract.LAUNCHERS)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "torch+grouped_mm", "torch+onednn"])
 def test_backend_satisfies_the_contract(backend):
     if backend == "triton":
         pytest.importorskip("triton")

@@ -5,7 +5,7 @@ RT routed rows on this rank (sum of the local experts' token counts), R >= RT ro
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -76,9 +76,9 @@ def _counts(groups: list[tuple[int, int, int]]) -> list[int]:
 
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-    """``out = a @ b`` (``accumulate``: ``out += a @ b``) with ``torch.mm``: the GEMM every launcher
-    here runs, passed in as ``mm`` so that another engine (``kernels/torch/onednn.py``) runs the same
-    loops on its own GEMM."""
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) with ``torch.mm``: the GEMM of this engine's
+    launchers (:func:`launchers_on` builds them around a GEMM, so that another engine,
+    ``kernels/torch/onednn.py``, runs the same loops on its own)."""
     if accumulate:
         torch.addmm(out, a, b, out=out)
     else:
@@ -92,141 +92,6 @@ def _silu_mul(gate_up_R2I: torch.Tensor, out_RI: torch.Tensor) -> None:
     inter = out_RI.shape[1]
     torch._C._nn.silu(gate_up_R2I[:, :inter], out=out_RI)
     out_RI.mul_(gate_up_R2I[:, inter:])
-
-
-def gate_up_fwd(
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-    mm: MatMul = mm_into,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
-    ``h [R, I] = silu(gate) * up``. R is ``input_indices``' length (at least RT); rows past RT
-    are zero, so a caller that sizes for the worst case (the custom ops, R = T*K) gets defined rows.
-
-    A piece of consecutive experts at a time: their rows are gathered into a cached buffer, each
-    expert's GEMM reads its part, and SiLU*up runs on the piece's fresh GEMM output, so the gathered
-    ``[R, H]`` input never exists whole and ``gate_up`` is not read back from memory.
-    """
-    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
-    bounds = _bounds(cum_token_counts)
-    rt = bounds[-1]
-    rows_out = max(rt, input_indices.shape[0])
-    two_i = w_gate_up_N2IH.shape[1]
-    gate_up_R2I = cached_empty((rows_out, two_i), x_TH)
-    h_RI = cached_empty((rows_out, two_i // 2), x_TH)
-    if rows_out > rt:
-        gate_up_R2I[rt:].zero_()
-        h_RI[rt:].zero_()
-    groups = _groups(bounds)
-    if not groups:
-        return gate_up_R2I, h_RI
-    pieces = _expert_pieces(groups, piece_rows(x_TH.shape[1]))
-    buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
-    w_t = _per_expert(w_gate_up_N2IH.transpose(1, 2), groups)
-    for piece in pieces:
-        p0, p1 = piece[0][1], piece[-1][2]
-        rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
-        counts = _counts(piece)
-        for (e, _, _), a, o in zip(piece, rows.split(counts), gate_up_R2I[p0:p1].split(counts)):
-            mm(a, w_t[e], o)
-        _silu_mul(gate_up_R2I[p0:p1], h_RI[p0:p1])
-    return gate_up_R2I, h_RI
-
-
-def down_fwd(
-    h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False,
-    mm: MatMul = mm_into,
-) -> torch.Tensor:
-    """``y [R, H] = h @ w_down[e]^T`` per expert group; R is ``h``'s rows, those past RT are zero.
-    ``transposed``: ``w_down`` is stored ``[NR, I, H]`` and ``y = h @ w_down[e]``, read in place."""
-    check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
-    bounds = _bounds(cum_token_counts)
-    rt = bounds[-1]
-    out = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
-    y_RH = cached_empty((max(rt, h_RI.shape[0]), out), h_RI)
-    if y_RH.shape[0] > rt:
-        y_RH[rt:].zero_()
-    groups = _groups(bounds)
-    counts = _counts(groups)
-    w_e = _per_expert(w_down_NHI if transposed else w_down_NHI.transpose(1, 2), groups)
-    for (e, _, _), a, o in zip(groups, h_RI[:rt].split(counts), y_RH[:rt].split(counts)):
-        mm(a, w_e[e], o)
-    return y_RH
-
-
-def down_bwd(
-    dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
-    transposed: bool = False, mm: MatMul = mm_into,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts).
-    ``transposed`` (``w_down`` stored ``[NR, I, H]``): ``dh = dy @ w_down[e]^T`` and the gradient in
-    the stored layout, ``dw_down [NR, I, H] = h_e^T @ dy_e``."""
-    bounds = _bounds(cum_token_counts)
-    dh_RI = cached_empty((bounds[-1], w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]), dy_RH)
-    dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
-    _zero_empty(dw_NHI, bounds)
-    for e, s, t in _groups(bounds):
-        if transposed:
-            mm(dy_RH[s:t], w_down_NHI[e].t(), dh_RI[s:t])
-            mm(h_RI[s:t].t(), dy_RH[s:t], dw_NHI[e])
-        else:
-            mm(dy_RH[s:t], w_down_NHI[e], dh_RI[s:t])
-            mm(dy_RH[s:t].t(), h_RI[s:t], dw_NHI[e])
-    return dh_RI, dw_NHI
-
-
-def down_weighted_bwd(
-    dy_RH: torch.Tensor,
-    gate_up_R2I: torch.Tensor,
-    row_weights_R: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_down_NHI: torch.Tensor,
-    mm: MatMul = mm_into,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of the weighted down GEMM, ``y_r = w_r * h_r @ w_down[e]^T``, given the unweighted
-    row gradients ``dy``: ``dh = w_r * dy_r @ w_down[e]``, ``dw_down [NR, H, I] = sum_r w_r dy_r^T h_r``
-    (zero for empty experts) and the router-weight gradient per row ``<dy_r @ w_down[e], h_r>``
-    (fp32 ``[R]``), which is ``<dout_t, y_r>`` without the expert outputs ever being kept.
-
-    ``h = silu(gate) * up`` is recomputed from ``gate_up`` a piece of rows at a time into a small
-    cached buffer, where the row dot products, the weight scaling and the weight-gradient GEMM read
-    it while it is in cache; it is never stored whole.
-    """
-    bounds = _bounds(cum_token_counts)
-    inter = w_down_NHI.shape[2]
-    dh_RI = cached_empty((bounds[-1], inter), dy_RH)
-    dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
-    d_row_w = torch.empty(bounds[-1], dtype=torch.float32, device=dy_RH.device)
-    exact = dy_RH.dtype == torch.float32
-    step = piece_rows(inter)
-    if exact and bounds[-1] <= step:
-        _down_weighted_bwd_one_piece(dy_RH, gate_up_R2I, row_weights_R, bounds, w_down_NHI, dh_RI, dw_NHI, d_row_w,
-                                     mm)
-        return dh_RI, dw_NHI, d_row_w
-    h_buf = cached_empty((max(1, min(step, bounds[-1])), inter), dy_RH)
-    _zero_empty(dw_NHI, bounds)
-    for e, s, t in _groups(bounds):
-        for p0 in range(s, t, step):
-            p1 = min(t, p0 + step)
-            h = h_buf[: p1 - p0]
-            _silu_mul(gate_up_R2I[p0:p1], h)
-            dh = dh_RI[p0:p1]
-            w = row_weights_R[p0:p1, None]
-            mm(dy_RH[p0:p1], w_down_NHI[e], dh)  # unweighted: its dot with h is the weight's gradient
-            if exact:
-                torch.linalg.vecdot(dh, h, out=d_row_w[p0:p1])
-                dh.mul_(w)
-                h.mul_(w)
-            else:  # bf16/fp16: the dot products and the scaling in fp32
-                torch.linalg.vecdot(dh.float(), h.float(), out=d_row_w[p0:p1])
-                dh.copy_(dh.float() * w)
-                h.copy_(h.float() * w)
-            # dw_down[e] = sum over the expert's pieces of dy^T (w * h)
-            mm(dy_RH[p0:p1].t(), h, dw_NHI[e], accumulate=p0 != s)
-    return dh_RI, dw_NHI, d_row_w
-
 
 def _down_weighted_bwd_one_piece(
     dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor, bounds: list[int],
@@ -287,32 +152,177 @@ def silu_mul_bwd(
     return out_R2I
 
 
-def gate_up_bwd(
-    d_gate_up_R2I: torch.Tensor,
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-    mm: MatMul = mm_into,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``;
-    the expert's input rows are gathered again into a small cached buffer, never stored."""
-    bounds = _bounds(cum_token_counts)
-    dx_rows_RH = cached_empty((bounds[-1], x_TH.shape[1]), x_TH)
-    dw_N2IH = cached_empty(w_gate_up_N2IH.shape, w_gate_up_N2IH)
-    _zero_empty(dw_N2IH, bounds)
-    groups = _groups(bounds)
-    if not groups:
+def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
+    """This engine's stage-4 launchers with ``mm`` as their GEMM (:func:`mm_into` for ``loop``;
+    ``kernels/torch/onednn.py`` passes oneDNN's), each with the contract's signature."""
+
+    def gate_up_fwd(
+        x_TH: torch.Tensor,
+        input_indices: torch.Tensor,
+        cum_token_counts: torch.Tensor,
+        w_gate_up_N2IH: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
+        ``h [R, I] = silu(gate) * up``. R is ``input_indices``' length (at least RT); rows past RT
+        are zero, so a caller that sizes for the worst case (the custom ops, R = T*K) gets defined rows.
+
+        A piece of consecutive experts at a time: their rows are gathered into a cached buffer, each
+        expert's GEMM reads its part, and SiLU*up runs on the piece's fresh GEMM output, so the gathered
+        ``[R, H]`` input never exists whole and ``gate_up`` is not read back from memory.
+        """
+        check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
+        bounds = _bounds(cum_token_counts)
+        rt = bounds[-1]
+        rows_out = max(rt, input_indices.shape[0])
+        two_i = w_gate_up_N2IH.shape[1]
+        gate_up_R2I = cached_empty((rows_out, two_i), x_TH)
+        h_RI = cached_empty((rows_out, two_i // 2), x_TH)
+        if rows_out > rt:
+            gate_up_R2I[rt:].zero_()
+            h_RI[rt:].zero_()
+        groups = _groups(bounds)
+        if not groups:
+            return gate_up_R2I, h_RI
+        pieces = _expert_pieces(groups, piece_rows(x_TH.shape[1]))
+        buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
+        w_t = _per_expert(w_gate_up_N2IH.transpose(1, 2), groups)
+        for piece in pieces:
+            p0, p1 = piece[0][1], piece[-1][2]
+            rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
+            counts = _counts(piece)
+            for (e, _, _), a, o in zip(piece, rows.split(counts), gate_up_R2I[p0:p1].split(counts)):
+                mm(a, w_t[e], o)
+            _silu_mul(gate_up_R2I[p0:p1], h_RI[p0:p1])
+        return gate_up_R2I, h_RI
+
+
+    def down_fwd(
+        h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
+    ) -> torch.Tensor:
+        """``y [R, H] = h @ w_down[e]^T`` per expert group; R is ``h``'s rows, those past RT are zero.
+        ``transposed``: ``w_down`` is stored ``[NR, I, H]`` and ``y = h @ w_down[e]``, read in place."""
+        check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
+        bounds = _bounds(cum_token_counts)
+        rt = bounds[-1]
+        out = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
+        y_RH = cached_empty((max(rt, h_RI.shape[0]), out), h_RI)
+        if y_RH.shape[0] > rt:
+            y_RH[rt:].zero_()
+        groups = _groups(bounds)
+        counts = _counts(groups)
+        w_e = _per_expert(w_down_NHI if transposed else w_down_NHI.transpose(1, 2), groups)
+        for (e, _, _), a, o in zip(groups, h_RI[:rt].split(counts), y_RH[:rt].split(counts)):
+            mm(a, w_e[e], o)
+        return y_RH
+
+
+    def down_bwd(
+        dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+        transposed: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dh [R, I] = dy @ w_down[e]`` and ``dw_down [NR, H, I] = dy_e^T @ h_e`` (zero for empty experts).
+        ``transposed`` (``w_down`` stored ``[NR, I, H]``): ``dh = dy @ w_down[e]^T`` and the gradient in
+        the stored layout, ``dw_down [NR, I, H] = h_e^T @ dy_e``."""
+        bounds = _bounds(cum_token_counts)
+        dh_RI = cached_empty((bounds[-1], w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]), dy_RH)
+        dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
+        _zero_empty(dw_NHI, bounds)
+        for e, s, t in _groups(bounds):
+            if transposed:
+                mm(dy_RH[s:t], w_down_NHI[e].t(), dh_RI[s:t])
+                mm(h_RI[s:t].t(), dy_RH[s:t], dw_NHI[e])
+            else:
+                mm(dy_RH[s:t], w_down_NHI[e], dh_RI[s:t])
+                mm(dy_RH[s:t].t(), h_RI[s:t], dw_NHI[e])
+        return dh_RI, dw_NHI
+
+
+    def down_weighted_bwd(
+        dy_RH: torch.Tensor,
+        gate_up_R2I: torch.Tensor,
+        row_weights_R: torch.Tensor,
+        cum_token_counts: torch.Tensor,
+        w_down_NHI: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Backward of the weighted down GEMM, ``y_r = w_r * h_r @ w_down[e]^T``, given the unweighted
+        row gradients ``dy``: ``dh = w_r * dy_r @ w_down[e]``, ``dw_down [NR, H, I] = sum_r w_r dy_r^T h_r``
+        (zero for empty experts) and the router-weight gradient per row ``<dy_r @ w_down[e], h_r>``
+        (fp32 ``[R]``), which is ``<dout_t, y_r>`` without the expert outputs ever being kept.
+
+        ``h = silu(gate) * up`` is recomputed from ``gate_up`` a piece of rows at a time into a small
+        cached buffer, where the row dot products, the weight scaling and the weight-gradient GEMM read
+        it while it is in cache; it is never stored whole.
+        """
+        bounds = _bounds(cum_token_counts)
+        inter = w_down_NHI.shape[2]
+        dh_RI = cached_empty((bounds[-1], inter), dy_RH)
+        dw_NHI = cached_empty(w_down_NHI.shape, w_down_NHI)
+        d_row_w = torch.empty(bounds[-1], dtype=torch.float32, device=dy_RH.device)
+        exact = dy_RH.dtype == torch.float32
+        step = piece_rows(inter)
+        if exact and bounds[-1] <= step:
+            _down_weighted_bwd_one_piece(dy_RH, gate_up_R2I, row_weights_R, bounds, w_down_NHI, dh_RI, dw_NHI, d_row_w,
+                                         mm)
+            return dh_RI, dw_NHI, d_row_w
+        h_buf = cached_empty((max(1, min(step, bounds[-1])), inter), dy_RH)
+        _zero_empty(dw_NHI, bounds)
+        for e, s, t in _groups(bounds):
+            for p0 in range(s, t, step):
+                p1 = min(t, p0 + step)
+                h = h_buf[: p1 - p0]
+                _silu_mul(gate_up_R2I[p0:p1], h)
+                dh = dh_RI[p0:p1]
+                w = row_weights_R[p0:p1, None]
+                mm(dy_RH[p0:p1], w_down_NHI[e], dh)  # unweighted: its dot with h is the weight's gradient
+                if exact:
+                    torch.linalg.vecdot(dh, h, out=d_row_w[p0:p1])
+                    dh.mul_(w)
+                    h.mul_(w)
+                else:  # bf16/fp16: the dot products and the scaling in fp32
+                    torch.linalg.vecdot(dh.float(), h.float(), out=d_row_w[p0:p1])
+                    dh.copy_(dh.float() * w)
+                    h.copy_(h.float() * w)
+                # dw_down[e] = sum over the expert's pieces of dy^T (w * h)
+                mm(dy_RH[p0:p1].t(), h, dw_NHI[e], accumulate=p0 != s)
+        return dh_RI, dw_NHI, d_row_w
+
+    def gate_up_bwd(
+        d_gate_up_R2I: torch.Tensor,
+        x_TH: torch.Tensor,
+        input_indices: torch.Tensor,
+        cum_token_counts: torch.Tensor,
+        w_gate_up_N2IH: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``;
+        the expert's input rows are gathered again into a small cached buffer, never stored."""
+        bounds = _bounds(cum_token_counts)
+        dx_rows_RH = cached_empty((bounds[-1], x_TH.shape[1]), x_TH)
+        dw_N2IH = cached_empty(w_gate_up_N2IH.shape, w_gate_up_N2IH)
+        _zero_empty(dw_N2IH, bounds)
+        groups = _groups(bounds)
+        if not groups:
+            return dx_rows_RH, dw_N2IH
+        pieces = _expert_pieces(groups, piece_rows(x_TH.shape[1]))
+        buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
+        w_e, dw_e = _per_expert(w_gate_up_N2IH, groups), _per_expert(dw_N2IH, groups)
+        for piece in pieces:
+            p0, p1 = piece[0][1], piece[-1][2]
+            counts = _counts(piece)
+            rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
+            d = d_gate_up_R2I[p0:p1]
+            dx_rows = dx_rows_RH[p0:p1].split(counts)
+            for (e, _, _), d_rows, a, dx in zip(piece, d.split(counts), rows.split(counts), dx_rows):
+                mm(d_rows, w_e[e], dx)
+                mm(d_rows.t(), a, dw_e[e])
         return dx_rows_RH, dw_N2IH
-    pieces = _expert_pieces(groups, piece_rows(x_TH.shape[1]))
-    buf = cached_empty((max(p[-1][2] - p[0][1] for p in pieces), x_TH.shape[1]), x_TH)
-    w_e, dw_e = _per_expert(w_gate_up_N2IH, groups), _per_expert(dw_N2IH, groups)
-    for piece in pieces:
-        p0, p1 = piece[0][1], piece[-1][2]
-        counts = _counts(piece)
-        rows = torch.index_select(x_TH, 0, input_indices[p0:p1], out=buf[: p1 - p0])
-        d = d_gate_up_R2I[p0:p1]
-        for (e, _, _), d_rows, a, dx in zip(piece, d.split(counts), rows.split(counts), dx_rows_RH[p0:p1].split(counts)):
-            mm(d_rows, w_e[e], dx)
-            mm(d_rows.t(), a, dw_e[e])
-    return dx_rows_RH, dw_N2IH
+
+    return {"gate_up_fwd": gate_up_fwd, "down_fwd": down_fwd, "down_bwd": down_bwd,
+            "down_weighted_bwd": down_weighted_bwd, "gate_up_bwd": gate_up_bwd}
+
+
+_LOOP = launchers_on(mm_into)
+gate_up_fwd = _LOOP["gate_up_fwd"]
+down_fwd = _LOOP["down_fwd"]
+down_bwd = _LOOP["down_bwd"]
+down_weighted_bwd = _LOOP["down_weighted_bwd"]
+gate_up_bwd = _LOOP["gate_up_bwd"]

@@ -73,9 +73,9 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
         out.copy_(result)
 
 
-gate_up_fwd = functools.update_wrapper(functools.partial(_loop.gate_up_fwd, mm=mm_into), _loop.gate_up_fwd)
-down_fwd = functools.update_wrapper(functools.partial(_loop.down_fwd, mm=mm_into), _loop.down_fwd)
-down_bwd = functools.update_wrapper(functools.partial(_loop.down_bwd, mm=mm_into), _loop.down_bwd)
-down_weighted_bwd = functools.update_wrapper(functools.partial(_loop.down_weighted_bwd, mm=mm_into),
-                                             _loop.down_weighted_bwd)
-gate_up_bwd = functools.update_wrapper(functools.partial(_loop.gate_up_bwd, mm=mm_into), _loop.gate_up_bwd)
+_ONEDNN = _loop.launchers_on(mm_into)
+gate_up_fwd = _ONEDNN["gate_up_fwd"]
+down_fwd = _ONEDNN["down_fwd"]
+down_bwd = _ONEDNN["down_bwd"]
+down_weighted_bwd = _ONEDNN["down_weighted_bwd"]
+gate_up_bwd = _ONEDNN["gate_up_bwd"]
