@@ -507,7 +507,7 @@ def _decide(name: str, key: ShapeKey, options: list[str], measure: Callable[[str
     from . import timing
 
     if use_disk:
-        cached = timing.lookup(name, key)
+        cached = timing.lookup(name, key, options)
         if cached in options:
             return cached
     if measure is None:

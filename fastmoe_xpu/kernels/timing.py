@@ -29,7 +29,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -142,10 +142,17 @@ def _load(path: Path) -> dict[str, Any]:
     return entries
 
 
-def lookup(device_name: str, key: Any) -> str | None:
-    """The cached engine for ``key`` on ``device_name`` with these versions, or None."""
+def lookup(device_name: str, key: Any, candidates: Sequence[str] | None = None) -> str | None:
+    """The cached engine for ``key`` on ``device_name`` with these versions, or None. With
+    ``candidates``: None unless that choice was timed against every one of them (an engine added
+    since, or newly available here, is timed rather than never tried)."""
     entry = _load(cache_path()).get(entry_key(device_name, key))
-    return entry["engine"] if entry else None
+    if not entry:
+        return None
+    timed = entry.get("seconds")
+    if candidates is not None and not (isinstance(timed, dict) and set(candidates) <= set(timed)):
+        return None
+    return entry["engine"]
 
 
 def store(device_name: str, key: Any, engine: str, seconds: Mapping[str, float]) -> Path | None:

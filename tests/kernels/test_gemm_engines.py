@@ -203,6 +203,30 @@ def test_chooser_picks_the_fastest_and_caches_it(cache_file, fastest):
     assert len(json.loads(cache_file.read_text())["entries"]) == 2
 
 
+def test_a_cached_choice_missing_a_candidate_is_timed_again(cache_file):
+    """A cache written before an engine existed (or ran here) names a choice among fewer engines:
+    it is timed again with every candidate, not trusted."""
+    assert _choose(lambda e: 1.0 if e == "loop" else 2.0) == "loop"
+    data = json.loads(cache_file.read_text())
+    (key, entry), = data["entries"].items()
+    entry["seconds"] = {"loop": 1.0, "grouped_mm": 2.0}  # as written before a third engine
+    entry["engine"] = "grouped_mm"
+    cache_file.write_text(json.dumps(data))
+    registry.forget_choices()
+    timed: list[str] = []
+    fastest = _CPU_CANDIDATES[-1]
+
+    def measure(engine):
+        timed.append(engine)
+        return 1.0 if engine == fastest else 2.0
+
+    if len(_CPU_CANDIDATES) > 2:
+        assert _choose(measure) == fastest and sorted(timed) == sorted(_CPU_CANDIDATES)
+        assert set(json.loads(cache_file.read_text())["entries"][key]["seconds"]) == set(_CPU_CANDIDATES)
+    else:  # every candidate was timed: the cached choice holds
+        assert _choose(measure) == "grouped_mm" and not timed
+
+
 def test_explicit_engine_and_setting_win_over_timing(cache_file):
     never = lambda e: pytest.fail("not timed")  # noqa: E731
     assert registry.choose_engine("grouped_mm", backend="torch", device="cpu", dtype=torch.float32,
