@@ -5,14 +5,15 @@ Each local expert's rows go into a block of ``cap`` rows (``cap``: the largest e
 read on the host, which is free on the CPU), padded with zero rows, so that every projection is one
 ``bmm`` over the ``[NR, cap, .]`` blocks instead of a GEMM per expert (a grouped GEMM on the CPU is a
 loop of them, 2-3 us of launch each). Rows are placed by a one-hot prefix sum over the (token, k)
-slots, which are token-major, so the combine is one batched product of each token's K rows with its
-K weights. About twenty ATen calls forward and thirty backward, against some sixty on the staged
+slots, which are token-major, so the combine is a product of each token's K rows with its K weights
+and a sum over K. About twenty ATen calls forward and thirty backward, against some sixty on the staged
 chain; the padding costs arithmetic (at worst, every token on one expert, it is the dense layer's),
 which is why the registry (:func:`fastmoe_xpu.kernels.registry.whole_layer`) takes this path only
 below the ``padded`` entry's budget (docs/small_shapes.md).
 
 What it keeps for backward is what the staged chain keeps: the input and the chosen pairs'
-pre-activation ``[T*K, 2I]`` (slot order; the backward puts the rows back into their blocks).
+pre-activation ``[T*K, 2I]`` (slot order; the backward puts the rows back into their blocks), and
+the layout as a plan of ``T*K + 1`` integers (:meth:`Layout.plan`), so that it is built once.
 ``h = silu(gate) * up`` and the expert outputs are never kept; the router-weight gradient is
 ``<dout_t @ W_down[e], h_r>``, formed in the down GEMM's backward as on the staged chain.
 
