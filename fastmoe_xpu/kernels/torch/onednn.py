@@ -61,12 +61,12 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype) -> str | 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """``out = a @ b`` (``accumulate``: ``out += a @ b``) on oneDNN: ``linear(a, b^T)``, except where
     ``torch.mm``'s kernels were measured faster on this CPU (one thread, 2048-wide experts): a rank-1
-    update (an expert's weight gradient from one row: 16.9 vs 54.5 ms over 32 experts) and a product
-    of fewer than 8 rows with a weight read transposed (the input gradient ``dY @ W``: 36.6 vs 42.7 ms
-    at 2 rows). A product with the weight in ``linear``'s own layout (the forward ``x @ W^T``) runs on
-    oneDNN at any row count, one row included (26.3 vs 23.1 GB/s of weights read)."""
+    update (an expert's weight gradient from one row: 16.9 vs 54.5 ms over 32 experts) and a one-row
+    product with a weight read transposed (the input gradient ``dY @ W`` of one row: 19.7 vs 44.6 ms).
+    The forward ``x @ W^T``, whose weight is in ``linear``'s own layout, runs on oneDNN at any row
+    count, one row included (26.3 vs 23.1 GB/s of weights read)."""
     # (A one-row ``b`` counts as contiguous either way: the rank-1 test comes first.)
-    if a.shape[1] == 1 or (a.shape[0] < 8 and not b.t().is_contiguous()):
+    if a.shape[1] == 1 or (a.shape[0] == 1 and not b.t().is_contiguous()):
         _loop.mm_into(a, b, out, accumulate)
         return
     result = _linear()(a, b.t(), None, "none", [], "")
