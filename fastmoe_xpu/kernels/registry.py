@@ -109,16 +109,12 @@ def _tma_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    from .grouped_mm import unsupported_reason
+def _module_reason(module: str) -> Callable[[torch.device, torch.dtype], str | None]:
+    """The ``unsupported_reason(device, dtype)`` of an engine's own module, imported on first use."""
+    def reason(device: torch.device, dtype: torch.dtype) -> str | None:
+        return importlib.import_module(module, __package__).unsupported_reason(device, dtype)
 
-    return unsupported_reason(device, dtype)
-
-
-def _onednn_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    from .torch.onednn import unsupported_reason
-
-    return unsupported_reason(device, dtype)
+    return reason
 
 
 def _quantized_reason(fmt: str) -> Callable[[torch.device, torch.dtype], str | None]:
@@ -184,8 +180,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        native_gemm="loop", low_rank_gemm=("grouped_mm", "loop")),
         Implementation("loop", ("gemm",), ("cpu", "cuda", "xpu"), None, ".torch.grouped_gemm"),
         Implementation("grouped_mm", ("gemm",), ("cpu", "cuda", "xpu"), None, ".grouped_mm",
-                       unavailable=_grouped_mm_reason),
-        Implementation("onednn", ("gemm",), ("cpu",), (torch.float32,), ".torch.onednn", unavailable=_onednn_reason),
+                       unavailable=_module_reason(".grouped_mm")),
+        Implementation("onednn", ("gemm",), ("cpu",), (torch.float32,), ".torch.onednn", unavailable=_module_reason(".torch.onednn")),
         Implementation("triton", ("route", "gemm", "combine"), ("cpu", "cuda", "xpu"), _FLOATS, ".triton",
                        unavailable=_triton_reason, native_gemm="triton", timed=lambda device: device.type != "cpu"),
         Implementation("triton_tma", ("gemm",), ("cpu", "cuda"), _FLOATS, ".triton.tma_gemm",

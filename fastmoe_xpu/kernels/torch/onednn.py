@@ -26,7 +26,9 @@ from . import grouped_gemm as _loop
 LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")
 
 
+@functools.lru_cache(maxsize=1)
 def _linear():  # noqa: ANN202
+    """The op, looked up once (``mm_into`` runs it for every expert's products)."""
     return torch.ops.mkldnn._linear_pointwise
 
 
