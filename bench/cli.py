@@ -18,7 +18,7 @@ from .presets import PRESETS, resolve_presets
 from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names, with_precisions
 from .report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header, write_chart,
                      write_csv, write_json)
-from .runner import run_case
+from .runner import MIN_SAMPLE_S, run_case
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the table shows the chosen one); stages: fastmoe launcher by launcher")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed interleaved rounds (after one cold call; default 5, --table3 3, --quick 1)")
+    ap.add_argument("--min-sample-ms", type=float, default=1e3 * MIN_SAMPLE_S,
+                    help="calls shorter than this are timed several in a row, their mean one sample "
+                         f"(default {1e3 * MIN_SAMPLE_S:g}; 0: one call per sample)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton, "
@@ -147,6 +150,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--precision {training_only[0]} is a training mode: it needs --table3 (the layer "
                          "benchmark takes --dtype bf16)")
     args.rounds = run_options(args)
+    if args.min_sample_ms < 0:
+        raise ValueError(f"--min-sample-ms must be >= 0, got {args.min_sample_ms}")
     presets = resolve_presets(args.preset)
     names = with_precisions(expand_names(args.providers), args.precision)
     device = torch.device(args.device)
@@ -193,7 +198,8 @@ def _run(args: argparse.Namespace) -> int:
         case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
         ceiling_n = args.ceiling_size or (256 if p.name.startswith("tiny") else 4096)
         res = run_case(case, names, backward=backward, rounds=args.rounds, budget_s=args.budget,
-                       ceiling_n=ceiling_n, progress=progress, log=log, gemm_engine=args.gemm_engine)
+                       ceiling_n=ceiling_n, progress=progress, log=log, gemm_engine=args.gemm_engine,
+                       min_sample_s=args.min_sample_ms / 1e3)
         derive(res, fast_names)
         print()
         print(format_case(res, mode, fast), flush=True)

@@ -154,7 +154,8 @@ CASE_COLUMNS = (
     "x bound: min time over the GEMM-only bound's min time (1.00 = as fast as the bare matmuls); %bound: its inverse; "
     "paired: x bound as the median of same-round ratios",
     "speedup: the provider's time over fastmoe's (min over rounds | median of same-round ratios; >1: fastmoe faster)",
-    "saved MB: tensors kept for backward; faults: minor page faults per call; rounds: timed rounds; "
+    "saved MB: tensors kept for backward; faults: minor page faults per call; rounds: timed rounds (x N: each "
+    "sample the mean of N calls in a row, for calls shorter than --min-sample-ms); "
     "correct: outputs and gradients against hf_v4 (largest relative error)",
 )
 BUDGET_NOTE = "* fewer rounds than asked (time budget); a kept cold call pairs with no round"
@@ -165,6 +166,11 @@ def _pair(a: float, b: float | None, sep: str, unit: str = "") -> str:
     return f"{a:.2f}{unit}{sep}" + (f"{b:.2f}{unit}" if b is not None else "-")
 
 
+def _rounds(n: int, calls: int | None) -> str:
+    """Timed rounds, with ``xN`` when each sample was the mean of N calls."""
+    return f"{n}x{calls}" if calls and calls > 1 else str(n)
+
+
 def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
     """One row per contestant of a case (the bound first), as strings both tables print."""
     m = result["metrics"][mode]
@@ -172,7 +178,8 @@ def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
     rows = [dict(name="gemm_bound", median=f"{1e3 * b['median_s']:.1f}", spread=100 * b["spread"],
                  min=f"{1e3 * b['min_s']:.1f}", gflops=f"{m['bound']['gflops']:.1f}",
                  ceil=100 * m["bound"]["frac_ceiling"], x_bound=1.0, x_paired="1.00", speedup="", saved="",
-                 faults=_faults(result["bound"].get("page_faults_per_call")), rounds=str(b["n"]), star="",
+                 faults=_faults(result["bound"].get("page_faults_per_call")),
+                 rounds=_rounds(b["n"], result["bound"].get("calls_per_sample")), star="",
                  correct="")]
     sp = m["speedup"].get(fast, {})
     for name, p in result["providers"].items():
@@ -195,7 +202,7 @@ def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
             x_paired=f"{q['x_bound_paired']:.2f}" if q["x_bound_paired"] is not None else "-",
             speedup=_pair(s["min"], s["paired"], sep, "x") if s else ("-" if name == fast else ""),
             saved=_mb(p.get("saved_bytes")), faults=_faults(p.get("page_faults_per_call")),
-            rounds=str(p.get("rounds", 0)),
+            rounds=_rounds(p.get("rounds", 0), p.get("calls_per_sample")),
             star=" *" if p.get("budget_limited") else "", correct=c_txt))
     return rows
 

@@ -9,6 +9,11 @@ A provider whose cold call shows it cannot fit ``rounds`` calls into ``budget_s`
 rounds; one whose cold call alone exceeds the budget keeps that cold call as its only sample.
 Both are flagged in the results (``budget_limited``) rather than stalling the run.
 
+A call shorter than ``min_sample_s`` (a small layer's 0.1-0.5 ms) is timed as ``n`` calls in a row, its
+sample their mean, ``n`` set from a warm call after the cold one so that a sample lasts about
+``min_sample_s`` (``calls_per_sample`` in the results): one such call's time varies by more than the
+differences the case is run to show. Longer calls are one call per sample.
+
 Each timed call also counts the process's minor page faults (median per call in the results):
 fresh memory the kernel maps page by page, the cost that separates implementations which
 allocate their big buffers every step from those which do not, and a large part of the spread.
@@ -29,6 +34,10 @@ from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
 
 CEILING = "dense_ceiling"
 BOUND = "gemm_bound"
+#: Calls shorter than this are timed several in a row, their mean one sample (seconds).
+MIN_SAMPLE_S = 0.01
+#: At most this many calls make one sample.
+MAX_CALLS_PER_SAMPLE = 200
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -55,12 +64,15 @@ def run_case(
     build: Callable[[str, Case], Provider] | None = None,
     reference: str = REFERENCE,
     ceiling: DenseCeiling | None = None,
+    min_sample_s: float = MIN_SAMPLE_S,
 ) -> dict:
     """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
     engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs).
     ``build`` makes a provider from its name (``bench --family`` passes its own; the default is
     :func:`build_provider` with ``gemm_engine``), ``reference`` names the one the others are checked
-    against; ``ceiling``: the dense matmul to time beside them (default the ``ceiling_n`` square)."""
+    against; ``ceiling``: the dense matmul to time beside them (default the ``ceiling_n`` square);
+    ``min_sample_s``: contestants whose calls are shorter take the mean of several calls as one sample
+    (0: always one call)."""
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
                     "budget_s": budget_s}
     providers: dict[str, Provider] = {}
@@ -89,7 +101,16 @@ def run_case(
         contestants[name] = (lambda p: lambda: timed_call(p, case, backward=backward)[:2])(prov)
 
     allowed: dict[str, int] = {}
+    calls: dict[str, int] = {}  # calls per sample
     samples: dict[str, list[tuple[float, float]]] = {n: [] for n in contestants}
+
+    def calibrate(name: str, cold_s: float) -> None:
+        """``calls[name]`` from one warm call when the cold call was shorter than a sample."""
+        n = 1
+        if cold_s < min_sample_s:
+            f, b = contestants[name]()
+            n = min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(min_sample_s / max(f + b, 1e-9))))
+        calls[name] = n
     bar = _progress(len(contestants) * (rounds + 1), f"{case.preset.name}", progress)
 
     # Cold calls; the reference first so that each other provider is checked and its tensors freed.
@@ -118,9 +139,11 @@ def run_case(
                 else:
                     entry["budget_note"] = f"{n_ok} of {rounds} rounds fit the {budget_s:.0f} s budget"
                 log(f"  {name}: {entry['budget_note']}")
+            calibrate(name, cold)
         else:
-            contestants[name]()
+            f, b = contestants[name]()
             allowed[name] = rounds
+            calibrate(name, f + b)
         if bar is not None:
             bar.update(1)
 
@@ -131,10 +154,12 @@ def run_case(
         k = r % len(names)
         for name in names[k:] + names[:k]:
             if r < allowed[name]:
+                n = calls[name]
                 f0 = page_faults()
-                samples[name].append(contestants[name]())
+                got = [contestants[name]() for _ in range(n)]
                 if f0 is not None:
-                    faults[name].append(page_faults() - f0)
+                    faults[name].append((page_faults() - f0) // n)
+                samples[name].append((sum(f for f, _ in got) / n, sum(b for _, b in got) / n))
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -160,10 +185,12 @@ def run_case(
     result["ceiling"] = {"size": ceiling.n, "shape": list(ceiling.shape), "flops": ceiling.flops, **stats([f for f, _ in samples[CEILING]])}
     result["bound"] = split(BOUND)
     result["bound"]["page_faults_per_call"] = median_faults(BOUND)
+    result["bound"]["calls_per_sample"] = calls[BOUND]
     for name in providers:
         result["providers"][name].update(split(name))
         result["providers"][name]["rounds"] = len(samples[name])
         result["providers"][name]["page_faults_per_call"] = median_faults(name)
+        result["providers"][name]["calls_per_sample"] = calls[name]
     del providers, bound, ceiling
     gc.collect()
     return result

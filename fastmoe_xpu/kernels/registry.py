@@ -363,10 +363,15 @@ _CHOSEN: dict[tuple[str, ShapeKey], str] = {}
 _ANSWERS: dict[tuple, str] = {}
 
 
+#: Answers of :func:`whole_layer` by its arguments and the settings in force.
+_LAYER_ANSWERS: dict[tuple, str | None] = {}
+
+
 def forget_choices() -> None:
     """Drop the in-process choices (the disk cache stays); tests and benchmarks start afresh with it."""
     _CHOSEN.clear()
     _ANSWERS.clear()
+    _LAYER_ANSWERS.clear()
 
 
 def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -427,15 +432,25 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
     """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
     the staged chain: the first one for ``backend`` (resolved: ``"torch"`` or ``"triton"``) available
     on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer, and only while
-    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``."""
-    if resolve_request(gemm_engine, backend) != "auto":
-        return None
-    macs = layer_macs(*shape)
-    for name in LAYERS:
-        impl = IMPLEMENTATIONS[name]
-        if backend in impl.bases and macs <= impl.max_layer_macs and impl.reason_unavailable(device, dtype) is None:
-            return name
-    return None
+    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``.
+    Asked on every layer call: answered from :data:`_LAYER_ANSWERS` after the first."""
+    key = (backend, gemm_engine, device, dtype, shape, settings.get())
+    try:
+        return _LAYER_ANSWERS[key]
+    except KeyError:
+        pass
+    answer = None
+    if resolve_request(gemm_engine, backend) == "auto":
+        macs = layer_macs(*shape)
+        for name in LAYERS:
+            impl = IMPLEMENTATIONS[name]
+            if backend in impl.bases and macs <= impl.max_layer_macs and impl.reason_unavailable(device, dtype) is None:
+                answer = name
+                break
+    if len(_LAYER_ANSWERS) >= 4096:  # one entry per token count seen: bounded for long generations
+        _LAYER_ANSWERS.clear()
+    _LAYER_ANSWERS[key] = answer
+    return answer
 
 
 def choose_engine(

@@ -86,6 +86,37 @@ def test_budget_limits_rounds_and_says_so():
     assert res["bound"]["fwdbwd"]["n"] == 3  # the limits always run every round
 
 
+@pytest.mark.parametrize("min_sample_s", [0.0, 0.005])
+def test_short_calls_are_timed_several_to_a_sample(min_sample_s):
+    case = make_case(PRESETS["tiny"])
+    calls = {"hf_v4": 0, "fastmoe/torch": 0}
+
+    def counted(name, case):
+        prov = build_provider(name, case)
+        forward = prov.forward
+
+        def count(*args):
+            calls[name] += 1
+            return forward(*args)
+
+        prov.forward = count
+        return prov
+
+    res = run_case(case, list(calls), rounds=3, ceiling_n=32, progress=False, build=counted, min_sample_s=min_sample_s)
+    for name, n_calls in calls.items():
+        p = res["providers"][name]
+        n = p["calls_per_sample"]
+        assert p["fwdbwd"]["n"] == 3 and len(p["fwdbwd"]["samples_s"]) == 3
+        if min_sample_s == 0:
+            assert n == 1
+        else:  # a tiny layer's call is far under 5 ms: each sample is the mean of several
+            assert n > 1
+            assert min(p["fwdbwd"]["samples_s"]) * n >= 0.2 * min_sample_s
+        # the cold call, the saved-bytes count, the calibrating call (only when a sample takes several), the rounds
+        assert n_calls == 2 + (n > 1) + 3 * n, (name, n_calls, n)
+    assert res["bound"]["calls_per_sample"] >= 1
+
+
 def test_timed_call_leaves_no_gradients_behind():
     case = make_case(PRESETS["tiny"])
     prov = build_provider("fastmoe/torch", case)

@@ -102,7 +102,7 @@ def test_layout_places_each_slot_in_its_experts_block():
     assert ep.rows.tolist() == [3, 6, 4, 0, 6, 5, 6, 1]
     # The plan the forward hands its backward gives the same layout back, dump row or not.
     for each, nl in ((lay, 4), (ep, 2), (padded.layout(idx, 3, 1), 1)):
-        back = padded.Layout.of_plan(each.plan(), nl)
+        back = padded.Layout.of_plan(each.plan, nl)
         assert (back.rows.tolist(), back.cap, back.padded, back.dump) == (each.rows.tolist(), each.cap, each.padded,
                                                                            each.dump), nl
     assert (ep.dump, lay.dump) == (1, 0)

@@ -13,7 +13,7 @@ below the ``padded`` entry's budget (docs/small_shapes.md).
 
 What it keeps for backward is what the staged chain keeps: the input and the chosen pairs'
 pre-activation ``[T*K, 2I]`` (slot order; the backward puts the rows back into their blocks), and
-the layout as a plan of ``T*K + 1`` integers (:meth:`Layout.plan`), so that it is built once.
+the layout as a plan of ``T*K + 1`` integers (:attr:`Layout.plan`), so that it is built once.
 ``h = silu(gate) * up`` and the expert outputs are never kept; the router-weight gradient is
 ``<dout_t @ W_down[e], h_r>``, formed in the down GEMM's backward as on the staged chain.
 
@@ -38,25 +38,23 @@ class Layout(NamedTuple):
 
     rows: torch.Tensor
     """``[S]`` int64: slot -> padded row ``e * cap + position`` (the dump row ``NR * cap`` for a choice
-    of another rank's expert)."""
+    of another rank's expert); the first ``S`` entries of :attr:`plan`."""
     cap: int
     """Rows per expert block."""
     padded: int
     """Rows of a padded buffer: ``NR * cap``, +1 when some choice goes to the dump row."""
-    dump: int = 0
+    dump: int
     """1 when a choice goes to the dump row (another rank's expert), else 0."""
-
-    def plan(self) -> torch.Tensor:
-        """``[S + 1]`` int64: the slot rows, then ``2 * cap + dump``; what the forward hands its
-        backward (the ``fastmoe::experts`` op's third output), so that the layout is built once."""
-        return torch.cat((self.rows, self.rows.new_full((1,), 2 * self.cap + self.dump)))
+    plan: torch.Tensor
+    """``[S + 1]`` int64: the slot rows, then ``2 * cap + dump``; what the forward hands its backward
+    (the ``fastmoe::experts`` op's third output), so that the layout is built once."""
 
     @staticmethod
     def of_plan(plan: torch.Tensor, num_local: int) -> "Layout":
-        """The layout :meth:`plan` wrote."""
+        """The layout whose :attr:`plan` this is."""
         code = int(plan[-1])
         cap, dump = code >> 1, code & 1
-        return Layout(plan[:-1], cap, num_local * cap + dump, dump)
+        return Layout(plan[:-1], cap, num_local * cap + dump, dump, plan)
 
 
 #: ``arange(n)`` per (n, device): the one-hot comparison's right side.
@@ -78,20 +76,28 @@ def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layo
     if expert_start:
         idx = idx - expert_start
     S = idx.numel()
+    plan = idx.new_empty(S + 1)
+    rows = plan[:S]
     if S == 0:
-        return Layout(idx, 0, 0)
-    lo, hi = torch.aminmax(idx)
-    dump = int(lo) < 0 or int(hi) >= num_local
+        plan.zero_()
+        return Layout(rows, 0, 0, 0, plan)
+    # Position of each slot among its expert's slots: a running count over the one-hot slots. Its
+    # last row holds the experts' counts (one host read); they sum to S unless some choice names
+    # another rank's expert, whose slots then count in a column of their own, the dump's.
+    col = idx.unsqueeze(1)
+    running = torch.eq(col, _arange(num_local, idx.device)).cumsum(0)
+    counts = running[-1].tolist()
+    cap = max(counts)
+    dump = int(sum(counts) != S)
     if dump:
         idx = torch.where((idx >= 0) & (idx < num_local), idx, num_local)
-    # Position of each slot among its expert's slots: a running count over the one-hot slots.
-    col = idx.unsqueeze(1)
-    running = torch.eq(col, _arange(num_local + dump, idx.device)).cumsum(0)
-    cap = int(running[-1, :num_local].max()) if dump else int(running[-1].max())
-    rows = running.gather(1, col).view(S).add_(idx, alpha=cap).sub_(1)
+        col = idx.unsqueeze(1)
+        running = torch.eq(col, _arange(num_local + 1, idx.device)).cumsum(0)
+    torch.add(running.gather(1, col).view(S), idx, alpha=cap, out=rows).sub_(1)
     if dump:
-        rows = torch.where(idx < num_local, rows, num_local * cap)
-    return Layout(rows, cap, num_local * cap + dump, int(dump))
+        rows.masked_fill_(idx == num_local, num_local * cap)
+    plan[S:].fill_(2 * cap + dump)
+    return Layout(rows, cap, num_local * cap + dump, dump, plan)
 
 
 def _check(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
@@ -147,14 +153,14 @@ def experts_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out [T, H], gate_up [T*K, 2I], plan [T*K + 1])``: the layer's output over the local experts,
     the chosen pairs' pre-activation in slot order (rows of other ranks' choices unspecified) and the
-    layout (:meth:`Layout.plan`) for the backward."""
+    layout (:attr:`Layout.plan`) for the backward."""
     _check(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
     T, H = x_TH.shape
     NR, I2, _ = w_gate_up_N2IH.shape
     I, K = I2 // 2, topk_idx_TK.shape[1]
     lay = layout(topk_idx_TK, expert_start, num_local)
     if lay.cap == 0:  # no choice of a local expert
-        return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan()
+        return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan
     gate_up = torch.bmm(_blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap), w_gate_up_N2IH.mT)  # [NR, cap, 2I]
     g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
     gate, up = g.chunk(2, -1)
@@ -166,7 +172,7 @@ def experts_forward(
     # Rows of the dump (other ranks' choices) read the last block row: never used.
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
     saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
-    return out_TH, saved, lay.plan()
+    return out_TH, saved, lay.plan
 
 
 def experts_backward(
