@@ -87,7 +87,7 @@ def test_budget_limits_rounds_and_says_so():
     assert res["bound"]["fwdbwd"]["n"] == 3  # the limits always run every round
 
 
-@pytest.mark.parametrize("min_sample_s", [0.0, 0.005])
+@pytest.mark.parametrize("min_sample_s", [0.0, 0.05])
 def test_short_calls_are_timed_several_to_a_sample(min_sample_s):
     case = make_case(PRESETS["tiny"])
     calls = {"hf_v4": 0, "fastmoe/torch": 0}
@@ -110,9 +110,10 @@ def test_short_calls_are_timed_several_to_a_sample(min_sample_s):
         assert p["fwdbwd"]["n"] == 3 and len(p["fwdbwd"]["samples_s"]) == 3
         if min_sample_s == 0:
             assert n == 1
-        else:  # a tiny layer's call is far under 5 ms: each sample is the mean of several
+        else:  # a tiny layer's call is about 1 ms: each sample is the mean of several, lasting about 50 ms
             assert n > 1
-            assert min(p["fwdbwd"]["samples_s"]) * n >= 0.2 * min_sample_s
+            # (a calibrating call slowed by load gives a smaller n: the bound allows one 10x slower)
+            assert min(p["fwdbwd"]["samples_s"]) * n >= 0.1 * min_sample_s
         # the cold call, the saved-bytes count, the calibrating call (only when a sample takes several), the rounds
         assert n_calls == 2 + (n > 1) + 3 * n, (name, n_calls, n)
     assert res["bound"]["calls_per_sample"] >= 1
