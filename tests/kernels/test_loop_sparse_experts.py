@@ -52,8 +52,11 @@ def _problem(counts, T=5, H=12, I=6, seed=0):
 
 # The onednn engine runs these loops on oneDNN's matmul (and its accumulate, for an expert spanning
 # several pieces of the weighted down backward).
+_ONEDNN_REASON = onednn.unsupported_reason("cpu", torch.float32)
+
+
 @pytest.mark.parametrize("engine", ["loop", pytest.param("onednn", marks=pytest.mark.skipif(
-    onednn.unsupported_reason("cpu", torch.float32) is not None, reason="no oneDNN matmul here"))])
+    _ONEDNN_REASON is not None, reason=f"the onednn engine cannot run here: {_ONEDNN_REASON}"))])
 @pytest.mark.parametrize("pieces", ["default", "8-row"])
 @pytest.mark.parametrize("counts", COUNTS)
 def test_launchers_match_reference_at_sparse_counts(monkeypatch, nan_buffers, counts, pieces, engine):

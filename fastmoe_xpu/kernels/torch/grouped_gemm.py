@@ -93,6 +93,7 @@ def _silu_mul(gate_up_R2I: torch.Tensor, out_RI: torch.Tensor) -> None:
     torch._C._nn.silu(gate_up_R2I[:, :inter], out=out_RI)
     out_RI.mul_(gate_up_R2I[:, inter:])
 
+
 def _down_weighted_bwd_one_piece(
     dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor, bounds: list[int],
     w_down_NHI: torch.Tensor, dh_RI: torch.Tensor, dw_NHI: torch.Tensor, d_row_w: torch.Tensor, mm: MatMul,
@@ -195,7 +196,6 @@ def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
             _silu_mul(gate_up_R2I[p0:p1], h_RI[p0:p1])
         return gate_up_R2I, h_RI
 
-
     def down_fwd(
         h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor, transposed: bool = False
     ) -> torch.Tensor:
@@ -214,7 +214,6 @@ def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
         for (e, _, _), a, o in zip(groups, h_RI[:rt].split(counts), y_RH[:rt].split(counts)):
             mm(a, w_e[e], o)
         return y_RH
-
 
     def down_bwd(
         dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
@@ -235,7 +234,6 @@ def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
                 mm(dy_RH[s:t], w_down_NHI[e], dh_RI[s:t])
                 mm(dy_RH[s:t].t(), h_RI[s:t], dw_NHI[e])
         return dh_RI, dw_NHI
-
 
     def down_weighted_bwd(
         dy_RH: torch.Tensor,
