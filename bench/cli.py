@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--shapes", default=None, choices=["practitioners"],
                     help="OLMoE-1B-7B, Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-20B, Mixtral-8x7B, DeepSeek-V3 EP=8 slice")
     sh.add_argument("--shape-tokens", type=int, default=None, help="with --shapes: T (default 32768 on a GPU, 256 here)")
+    sh.add_argument("--shape-names", nargs="+", default=None, metavar="NAME",
+                    help="with --shapes: only these shapes of the set (e.g. qwen3-30b-a3b olmoe-1b-7b)")
     sh.add_argument("--shape-scale", type=int, default=None,
                     help="with --shapes: divide H and I by this (default 1 on a GPU, 8 on the CPU)")
     cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")

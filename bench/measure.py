@@ -146,6 +146,22 @@ def saved_bytes(prov: Provider, case: Case) -> int:
     return sum(seen.values())
 
 
+def peak_bytes(prov: Provider, case: Case, *, backward: bool) -> int | None:
+    """Device memory one training step of the layer adds at its peak over what was allocated before it
+    (activations, workspaces, gradients; not the inputs or weights): from the allocator's peak counter on
+    CUDA and XPU, None on the CPU (no such counter)."""
+    dev = case.device
+    mod = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu") else None
+    if mod is None or not hasattr(mod, "reset_peak_memory_stats"):
+        return None
+    synchronize(dev)
+    mod.reset_peak_memory_stats(dev)
+    before = mod.memory_allocated(dev)
+    timed_call(prov, case, backward=backward)
+    synchronize(dev)
+    return int(mod.max_memory_allocated(dev) - before)
+
+
 def page_faults() -> int | None:
     """Minor page faults of this process so far (``getrusage``); None where it is not available.
 

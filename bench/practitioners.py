@@ -11,65 +11,66 @@ FLOPs are the usual count over the routed rows RT (= T*K without expert parallel
 the rate of the dense ``[RT, H] @ [H, 3I]`` product (the forward's FLOPs in one ``torch.mm``),
 timed interleaved with the providers (:func:`bench.runner.run_case`).
 
-Providers: transformers' ``grouped_mm`` and ``eager`` experts, FastSparseMoE on the default
+Providers: transformers' ``grouped_mm`` experts (every user's default), FastSparseMoE on the default
 backend (its ``auto`` engine choice named) and on each grouped-GEMM engine that runs here
-(``triton_tma`` on sm_90+), and Liger-Kernel's fused MoE and SonicMoE, reported as skipped with the
-reason when they cannot run. Every provider is checked against transformers' eager experts.
+(``triton_tma`` on sm_90+), Liger-Kernel's fused MoE (``liger``) and SonicMoE (``sonicmoe``), each
+reported as skipped with the reason when it cannot run; off a GPU transformers' ``eager`` experts too.
+Every provider is checked against one fp32 reference computed apart from the timing (the mask-based
+``fastmoe_xpu.reference`` on fp32 copies of the case's tensors): the table gives each one's largest
+relative error over the output and the four gradients, and its peak memory on the device (what one
+forward+backward adds to what was allocated before it).
+
+The first table is the comparison the shape set exists for: at each shape, FastSparseMoE's default
+against the fastest peer (transformers or another project) that ran, forward and F+B, as a ratio of
+their median times; ``summary.md`` under ``--out`` holds it with every shape's table.
 """
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from fastmoe_xpu import reference as fp32_ref
 from fastmoe_xpu.kernels import registry
 
 from .bounds import DenseCeiling
 from .cases import make_case
 from .measure import run_options
 from .presets import shape_set
-from .providers import ProviderSkipped, build_provider, default_fastmoe
+from .providers import EXTERNAL_PROVIDERS, build_provider, default_fastmoe
 from .report import run_header
 from .runner import run_case
 
 #: Defaults off a GPU: a layer small enough for a shared CPU.
 CPU_TOKENS, CPU_SCALE = 256, 8
 GPU_TOKENS = 32768
-REFERENCE = "hf_v5_eager"
-#: Other projects' MoE kernels the published comparisons name: (provider, module).
-EXTERNAL = (("liger_fused_moe", "liger_kernel"), ("sonicmoe", "sonicmoe"))
+#: The peers FastSparseMoE is compared with: transformers' default and the other projects' layers.
+PEERS = ("hf_v5_grouped_mm", "hf_v5_eager", *EXTERNAL_PROVIDERS)
 
 
 def providers_for(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """transformers' two, FastSparseMoE's default and each engine available next to its backend,
-    then the external kernels."""
+    """transformers' grouped_mm (and, off a GPU, its eager loop: 10-40x slower than the rest at T=32k on a
+    GPU, it would take most of the time budget there), FastSparseMoE's default and each engine available
+    next to its backend, then the other projects' layers."""
     fast = default_fastmoe(device)
     backend = fast.split("/", 1)[1]
-    names = ["hf_v5_grouped_mm", REFERENCE, fast]
+    names = ["hf_v5_grouped_mm"] + ([] if device.type in ("cuda", "xpu") else ["hf_v5_eager"]) + [fast]
     names += [f"{fast}@{e}" for e in registry.ENGINES
               if registry.IMPLEMENTATIONS[e].timed(device) and registry.unavailable_reason(e, backend, device, dtype) is None]
-    return names + [name for name, _ in EXTERNAL]
+    return names + list(EXTERNAL_PROVIDERS)
 
 
-def _external(name: str) -> None:
-    """Raise :class:`ProviderSkipped` saying why ``name`` does not run in this process."""
-    module = dict(EXTERNAL)[name]
-    try:
-        importlib.import_module(module)
-    except Exception as exc:
-        raise ProviderSkipped(f"{module} not importable: {exc}") from None
-    raise ProviderSkipped(f"{module} is importable, but its layer routes tokens itself with its own router and "
-                          "weights, so it cannot take this case's routing: not measured side by side")
-
-
-def build(name: str, case):  # noqa: ANN001
-    if name in dict(EXTERNAL):
-        _external(name)
-    return build_provider(name, case, "auto")
+def fp32_reference(case) -> dict:  # noqa: ANN001
+    """Output and gradients (input, routing weights, both expert weights) of the case's layer in fp32 by the
+    mask-based reference, on the case's device: what every provider's results are checked against."""
+    leaves = [t.detach().float().requires_grad_() for t in (case.x_TH, case.weights_TK, case.w_gate_up_N2IH,
+                                                           case.w_down_NHI)]
+    out = fp32_ref.reference_experts_forward(leaves[0], leaves[1], case.topk_idx_TK, leaves[2], leaves[3])
+    grads = torch.autograd.grad(out, leaves, case.dout_TH.float())
+    return {"out": out.detach(), **dict(zip(("dx", "dweights", "dw_gate_up", "dw_down"), grads))}
 
 
 def tflops(flops: float, seconds: float | None) -> float | None:
@@ -83,7 +84,7 @@ def rows_of(res: dict) -> list[dict]:
     mm = tflops(ceil["flops"], ceil.get("median_s"))
     out = [{"provider": "torch.mm (same FLOPs)", "status": "ok", "fwd_tflops": mm, "fwdbwd_tflops": None,
             "fwd_vs_mm": 1.0 if mm else None, "fwdbwd_vs_mm": None, "fwd_ms": 1e3 * ceil.get("median_s", 0.0),
-            "fwdbwd_ms": None, "correct": None}]
+            "fwdbwd_ms": None, "correct": None, "peak_mb": None, "max_error": None}]
     for name, pr in res["providers"].items():
         if pr["status"] != "ok":
             out.append({"provider": name, "status": "skipped: " + pr["reason"]})
@@ -94,8 +95,52 @@ def rows_of(res: dict) -> list[dict]:
                     "fwd_vs_mm": f / mm if f and mm else None, "fwdbwd_vs_mm": fb / mm if fb and mm else None,
                     "fwd_ms": 1e3 * pr["fwd"]["median_s"],
                     "fwdbwd_ms": 1e3 * pr["fwdbwd"]["median_s"] if "fwdbwd" in pr else None,
-                    "correct": pr.get("correct", {}).get("ok"), "note": pr.get("note", "")})
+                    "correct": pr.get("correct", {}).get("ok"), "note": pr.get("note", ""),
+                    "peak_mb": pr["peak_bytes"] / 2**20 if "peak_bytes" in pr else None,
+                    "max_error": max(pr["correct"]["max_rel_error"].values()) if pr.get("correct") else None})
     return out
+
+
+def _engine(note: str) -> str:
+    """The engine ``auto`` picked, from the default provider's note (``... auto -> triton_tma``)."""
+    return note.rsplit("auto -> ", 1)[1] if "auto -> " in note else ""
+
+
+def comparison(res: dict) -> dict | None:
+    """FastSparseMoE's default provider against the fastest peer that ran at this shape: ratios of the peer's
+    median time to ours (above 1: we are faster), forward and F+B; None when either is missing."""
+    rows = {r["provider"]: r for r in rows_of(res) if r["status"] == "ok"}
+    fast = next((n for n in rows if n.startswith("fastmoe/") and "@" not in n and ":" not in n), None)
+    peers = [n for n in rows if n in PEERS and rows[n]["fwdbwd_ms"]]
+    if fast is None or not peers or not rows[fast]["fwdbwd_ms"]:
+        return None
+    best = min(peers, key=lambda n: rows[n]["fwdbwd_ms"])
+    f, p = rows[fast], rows[best]
+    return {"shape": res["case"]["preset"]["name"], "fastmoe": fast, "engine": _engine(f.get("note", "")),
+            "fastmoe_fwd_tflops": f["fwd_tflops"], "fastmoe_fwdbwd_tflops": f["fwdbwd_tflops"], "peer": best,
+            "peer_fwd_tflops": p["fwd_tflops"], "peer_fwdbwd_tflops": p["fwdbwd_tflops"],
+            "fwd_ratio": p["fwd_ms"] / f["fwd_ms"], "fwdbwd_ratio": p["fwdbwd_ms"] / f["fwdbwd_ms"],
+            "fastmoe_peak_mb": f["peak_mb"], "peer_peak_mb": p["peak_mb"],
+            "fastmoe_error": f["max_error"], "peer_error": p["max_error"]}
+
+
+def format_comparison(results: list[dict]) -> str:
+    """One row per shape: our default against the fastest peer, the first table of the shape set's report."""
+    cols = ("shape", "fastmoe (auto ->)", "F+B TFLOP/s", "fastest peer", "peer F+B TFLOP/s", "fwd ratio",
+            "F+B ratio", "peak MB ours / peer", "max error ours / peer")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for res in results:
+        c = comparison(res)
+        if c is None:
+            lines.append(f"| {res['case']['preset']['name']} | no comparison: FastSparseMoE or every peer did not run |"
+                         + " |" * (len(cols) - 2))
+            continue
+        lines.append("| " + " | ".join((
+            c["shape"], f"{c['fastmoe']} ({c['engine'] or '-'})", _num(c["fastmoe_fwdbwd_tflops"], ".1f"), c["peer"],
+            _num(c["peer_fwdbwd_tflops"], ".1f"), f"{c['fwd_ratio']:.2f}x", f"{c['fwdbwd_ratio']:.2f}x",
+            f"{_num(c['fastmoe_peak_mb'], '.0f')} / {_num(c['peer_peak_mb'], '.0f')}",
+            f"{_num(c['fastmoe_error'], '.1e')} / {_num(c['peer_error'], '.1e')}")) + " |")
+    return "\n".join(lines)
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -107,21 +152,44 @@ def format_table(res: dict) -> str:
     head = (f"{p['name']}: H={p['hidden']} I={p['intermediate']} E={p['experts']} K={p['top_k']}"
             + (f" EP={p['ep']} (NR={p['local_experts']})" if p["ep"] > 1 else "")
             + f" T={p['tokens']} RT={res['case']['rows']} {res['case']['dtype']} {res['case']['device']}")
-    cols = ("provider", "fwd ms", "fwd TFLOP/s", "vs mm", "F+B ms", "F+B TFLOP/s", "vs mm", "correct")
+    cols = ("provider", "fwd ms", "fwd TFLOP/s", "vs mm", "F+B ms", "F+B TFLOP/s", "vs mm", "peak MB", "max error",
+            "correct")
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows_of(res):
         if r["status"] != "ok":
             lines.append(f"| {r['provider']} | {r['status']} |" + " |" * (len(cols) - 2))
             continue
         ok = {None: "-", True: "yes", False: "NO"}[r["correct"]]
-        lines.append("| " + " | ".join((r["provider"], _num(r["fwd_ms"], ".2f"), _num(r["fwd_tflops"], ".3f"),
+        name = r["provider"] + (f" (auto -> {_engine(r.get('note', ''))})" if _engine(r.get("note", "")) else "")
+        lines.append("| " + " | ".join((name, _num(r["fwd_ms"], ".2f"), _num(r["fwd_tflops"], ".3f"),
                                         _num(r["fwd_vs_mm"], ".2f"), _num(r["fwdbwd_ms"], ".2f"),
-                                        _num(r["fwdbwd_tflops"], ".3f"), _num(r["fwdbwd_vs_mm"], ".2f"), ok)) + " |")
+                                        _num(r["fwdbwd_tflops"], ".3f"), _num(r["fwdbwd_vs_mm"], ".2f"),
+                                        _num(r["peak_mb"], ".0f"), _num(r["max_error"], ".1e"), ok)) + " |")
     return "\n".join(lines)
 
 
+def _write(out_dir: Path, shapes: str, header: dict, results: list[dict]) -> Path:
+    """The JSON and ``summary.md`` (comparison first, then each shape's table), rewritten after every shape so
+    that a run stopped part-way (a time limit) keeps what it measured."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"shapes_{shapes}.json"
+    path.write_text(json.dumps({**header, "cases": results}, indent=1, default=str) + "\n")
+    md = [f"# Shape set {shapes}: FastSparseMoE against the fastest peer", "",
+          f"{header['date_utc']}, {header['machine'].get('device_name', header['machine']['cpu_model'])}, "
+          f"torch {header['machine']['torch']}, triton {header['machine']['triton']}, "
+          f"transformers {header['machine']['transformers']}; `{header['command']}`", "",
+          "Ratio: the peer's median time over ours (above 1: FastSparseMoE is faster). Max error: the largest "
+          "relative error over the output and the four gradients against the fp32 reference.", "",
+          format_comparison(results), ""]
+    for res in results:
+        md += [format_table(res), ""]
+    (out_dir / "summary.md").write_text("\n".join(md))
+    return path
+
+
 def run_shapes(args) -> int:  # noqa: ANN001
-    """The ``--shapes`` mode of ``python -m bench``: table per shape, JSON under ``--out``."""
+    """The ``--shapes`` mode of ``python -m bench``: the comparison, a table per shape, JSON and summary.md
+    under ``--out``."""
     device = torch.device(args.device)
     on_gpu = device.type in ("cuda", "xpu")
     tokens = args.shape_tokens or (GPU_TOKENS if on_gpu else CPU_TOKENS)
@@ -130,6 +198,13 @@ def run_shapes(args) -> int:  # noqa: ANN001
         presets = shape_set(args.shapes, scale=scale, tokens=tokens)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    wanted = getattr(args, "shape_names", None)
+    if wanted:
+        known = [p.name.split("/")[0] for p in presets]
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            raise SystemExit(f"error: --shape-names {' '.join(unknown)}: not in shape set {args.shapes} ({', '.join(known)})")
+        presets = [p for p in presets if p.name.split("/")[0] in wanted]
     rounds = run_options(args)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     print(f"# {header['date_utc']}  {header['machine'].get('device_name', header['machine']['cpu_model'])}, "
@@ -137,30 +212,37 @@ def run_shapes(args) -> int:  # noqa: ANN001
           f"transformers {header['machine']['transformers']}")
     print(f"# {header['command']}")
     print(f"# shape set {args.shapes}: T={tokens}" + (f", H and I divided by {scale}" if scale > 1 else "")
-          + "; FLOPs: forward 6*RT*H*I, backward 12*RT*H*I; vs mm: over a dense torch.mm of the forward's FLOPs")
+          + "; FLOPs: forward 6*RT*H*I, backward 12*RT*H*I; vs mm: over a dense torch.mm of the forward's FLOPs; "
+          "max error: against the fp32 reference")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     torch.set_grad_enabled(True)
-    results = []
+    out_dir = Path(args.out)
+    results: list[dict] = []
     for p in presets:
-        log(f"{p.name}: building inputs")
+        log(f"{p.name}: building inputs and the fp32 reference")
         case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
+        ref = fp32_reference(case)
         names = providers_for(device, case.dtype)
         res = run_case(case, names, backward=True, rounds=rounds, budget_s=args.budget, progress=not args.no_progress,
-                       log=log, build=build, reference=REFERENCE, ceiling=DenseCeiling.same_flops(case))
+                       log=log, build=lambda name, c: build_provider(name, c, "auto"), reference_out=ref,
+                       ceiling=DenseCeiling.same_flops(case))
         res["table"] = rows_of(res)
+        res["comparison"] = comparison(res)
         print()
         print(format_table(res), flush=True)
         results.append(res)
-        del case
+        path = _write(out_dir, args.shapes, header, results)
+        del case, ref
         gc.collect()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"shapes_{args.shapes}.json"
-    path.write_text(json.dumps({**header, "cases": results}, indent=1, default=str) + "\n")
-    print(f"\n# wrote {path}")
-    bad = [(r["case"]["preset"]["name"], n) for r in results for n, pr in r["providers"].items()
-           if pr.get("correct") is not None and not pr["correct"]["ok"]]
-    if bad:
-        print(f"# CORRECTNESS FAILURE against {REFERENCE}: {bad}", file=sys.stderr)
+    print("\n# FastSparseMoE against the fastest peer (ratio: the peer's median time over ours)")
+    print(format_comparison(results))
+    print(f"\n# wrote {path} and {out_dir / 'summary.md'}")
+    wrong = [(r["case"]["preset"]["name"], n, max(pr["correct"]["max_rel_error"].values()))
+             for r in results for n, pr in r["providers"].items() if pr.get("correct") and not pr["correct"]["ok"]]
+    for shape, name, err in wrong:
+        print(f"# {shape}: {name} is off the fp32 reference by {err:.2e} (over the {args.dtype} tolerance)",
+              file=sys.stderr)
+    if any(name.startswith("fastmoe/") for _, name, _ in wrong):
+        print("# CORRECTNESS FAILURE of FastSparseMoE (above)", file=sys.stderr)
         return 1
     return 0

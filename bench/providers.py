@@ -7,6 +7,10 @@
   local slices (EP > 1) run as transformers' ``AllToAllEP`` (its training path) runs a rank's
   experts: top-1 on the rank's (token, expert) rows, the weighted sum per token after; only the
   all-to-all itself is left out, as every provider's communication is.
+- ``liger``: Liger-Kernel's fused MoE (``liger_kernel.ops.fused_moe.LigerFusedMoEFunction``), the same
+  ``[E, 2I, H]`` / ``[E, H, I]`` weights and the case's routing; ``sonicmoe``: SonicMoE's
+  ``moe_general_routing_inputs`` on the same routing. Neither is in the default list; each reports in one
+  line why it cannot run where its package is missing or cannot take the case.
 - ``fastmoe/<backend>``: stages 2-5 of FastSparseMoeBlock (``block.moe_experts_forward``) on each
   kernel backend, stage 4 on the engine ``--gemm-engine`` names (default ``auto``: the timed choice,
   named in the provider's note); ``fastmoe/<backend>@<engine>``: the same with stage 4 on one
@@ -22,6 +26,8 @@ Legend: T tokens, H hidden, I intermediate, E experts, K experts per token, NR l
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
@@ -38,6 +44,8 @@ from .cases import Case
 HF_PROVIDERS = ("hf_v4", "hf_v5_eager", "hf_v5_grouped_mm")
 FASTMOE_BACKENDS = ("torch", "triton")
 ALL_PROVIDERS = HF_PROVIDERS + tuple(f"fastmoe/{b}" for b in FASTMOE_BACKENDS)
+#: Other projects' MoE layers, fed the case's routing (named on request, not in the default list).
+EXTERNAL_PROVIDERS = ("liger", "sonicmoe")
 REFERENCE = "hf_v4"
 
 
@@ -82,7 +90,7 @@ def expand_names(names: list[str] | None) -> list[str]:
             out.append(n)
         elif n == "fastmoe":
             out.extend(f"fastmoe/{b}" for b in FASTMOE_BACKENDS)
-        elif n in ALL_PROVIDERS:
+        elif n in ALL_PROVIDERS or n in EXTERNAL_PROVIDERS:
             out.append(n)
         elif n.startswith("fastmoe/") and "@" in n:
             backend, engine = n[len("fastmoe/"):].split("@", 1)
@@ -91,7 +99,7 @@ def expand_names(names: list[str] | None) -> list[str]:
                                  f"backend in {FASTMOE_BACKENDS} and engine in {registry.ENGINES}")
             out.append(n)
         else:
-            raise ValueError(f"unknown provider {n!r}; known: {list(ALL_PROVIDERS)} or 'fastmoe'")
+            raise ValueError(f"unknown provider {n!r}; known: {list(ALL_PROVIDERS + EXTERNAL_PROVIDERS)} or 'fastmoe'")
     if REFERENCE not in out:
         out.insert(0, REFERENCE)  # correctness is judged against it
     return list(dict.fromkeys(out))
@@ -116,6 +124,10 @@ def build_provider(name: str, case: Case, gemm_engine: str = "auto") -> Provider
         return _hf_v4(case)
     if name in ("hf_v5_eager", "hf_v5_grouped_mm"):
         return _hf_v5(case, name.split("_", 2)[2])
+    if name == "liger":
+        return _liger(case)
+    if name == "sonicmoe":
+        return _sonicmoe(case)
     if name.startswith("fastmoe/"):
         spec, _, precision = name.split("/", 1)[1].partition(":")
         backend, _, engine = spec.partition("@")
@@ -220,6 +232,107 @@ def _grouped_mm_path(case: Case) -> str:
         return "transformers' grouped_mm fallback loop"
     except Exception:  # private helper moved: not worth failing the run over a label
         return "grouped GEMM path unknown"
+
+
+# ---------------------------------------------------------------- other projects
+def _whole_layer_only(case: Case, who: str) -> None:
+    """Raise :class:`ProviderSkipped` for a local slice (EP > 1): ``who`` computes every expert the routing
+    names on one device, so it cannot run a rank's share the way the other providers do."""
+    p = case.preset
+    if p.local_experts < p.experts:
+        raise ProviderSkipped(f"{who} computes every expert the routing names on one device; this case is one "
+                              f"rank's slice ({p.local_experts} of {p.experts} experts, EP={p.ep})")
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _liger(case: Case) -> Provider:
+    """Liger-Kernel's fused MoE on the case's tensors. On a GPU its Triton autotuner picks each kernel's
+    config (unless ``LIGER_FUSED_MOE_AUTOTUNE=0`` was set before it was imported: one pinned config); on
+    the CPU it runs only under ``TRITON_INTERPRET=1``, with the pinned config (the autotuner times
+    configs on a GPU)."""
+    _whole_layer_only(case, "Liger's fused MoE")
+    on_cpu = case.device.type == "cpu"
+    if on_cpu:
+        if not _interpreted():
+            raise ProviderSkipped("Liger's fused MoE is Triton kernels: on the CPU they run only under "
+                                  "TRITON_INTERPRET=1, set before Python starts (a correctness check, not a benchmark)")
+        os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # read when liger_kernel is imported
+    try:
+        fused = importlib.import_module("liger_kernel.ops.fused_moe")
+        kernels = importlib.import_module("liger_kernel.ops.fused_moe_kernels")
+    except Exception as exc:
+        raise ProviderSkipped(f"liger_kernel not importable ({exc}): pip install liger-kernel "
+                              "(the bench extra has it)") from None
+    pinned = bool(getattr(kernels, "_AUTOTUNE_DISABLED", False))
+    if on_cpu and not pinned:
+        raise ProviderSkipped("liger_kernel was imported with its autotuner on, which times configs on a GPU: "
+                              "set LIGER_FUSED_MOE_AUTOTUNE=0 before it is imported")
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:  # imported from a path, not installed
+        version = "unknown version"
+    fn = fused.LigerFusedMoEFunction
+    w_gu, w_d = case.w_gate_up_N2IH, case.w_down_NHI
+
+    def forward(x_TH, weights_TK, idx_TK):
+        # Its kernels read int32 expert indices; the conversion is what a caller with torch.topk's
+        # int64 indices pays, so it stays in the timed call.
+        return fn.apply(x_TH, w_gu, w_d, idx_TK.to(torch.int32), weights_TK)
+
+    def merged_grads():
+        return tuple(w.grad if w.grad is not None else torch.zeros_like(w) for w in (w_gu, w_d))
+
+    configs = "one pinned config (LIGER_FUSED_MOE_AUTOTUNE=0)" if pinned else "configs chosen by its autotuner"
+    return Provider("liger", forward, [w_gu, w_d], merged_grads,
+                    f"Liger-Kernel {version} LigerFusedMoEFunction, {configs}")
+
+
+def _sonicmoe(case: Case) -> Provider:
+    """SonicMoE's layer on precomputed routing (``sonicmoe.functional.moe_general_routing_inputs``): its
+    weights are ``w1 [2I, H, E]`` with gate and up rows interleaved and ``w2 [H, I, E]``, both stored
+    expert-major, so the provider keeps its own copies of the case's weights in that layout (made once,
+    untimed) and maps their gradients back for the check."""
+    _whole_layer_only(case, "SonicMoE's layer")
+    if case.device.type != "cuda":
+        raise ProviderSkipped(f"SonicMoE runs on NVIDIA Hopper and Blackwell GPUs only, not on {case.device.type}")
+    try:
+        functional = importlib.import_module("sonicmoe.functional")
+        enums = importlib.import_module("sonicmoe.enums")
+    except Exception as exc:
+        raise ProviderSkipped(f"sonicmoe not importable ({type(exc).__name__}: {exc}); it needs pip install "
+                              "sonic-moe with its CUTLASS DSL packages and a torch it supports") from None
+    NR, I2, H = case.w_gate_up_N2IH.shape
+    I = I2 // 2
+    T, K = case.topk_idx_TK.shape
+    with torch.no_grad():
+        gu = case.w_gate_up_N2IH.detach()
+        inter = torch.stack([gu[:, :I], gu[:, I:]], dim=2).reshape(NR, I2, H)  # gate0, up0, gate1, up1, ...
+        w1 = nn.Parameter(inter.permute(1, 2, 0))                # [2I, H, E], E the slowest-moving dim
+        w2 = nn.Parameter(case.w_down_NHI.detach().clone().permute(1, 2, 0))  # [H, I, E]
+    tokens = torch.arange(T, device=case.device, dtype=torch.int32).repeat_interleave(K)  # sorted, as it requires
+    swiglu = enums.ActivationType.SWIGLU
+
+    def forward(x_TH, weights_TK, idx_TK):
+        out = functional.moe_general_routing_inputs(
+            x_TH, weights_TK.reshape(-1), tokens, idx_TK.reshape(-1).to(torch.int32), w1, None, w2, None, NR,
+            torch.cuda.current_stream().cuda_stream, swiglu)
+        return out[0] if isinstance(out, tuple) else out
+
+    def merged_grads():
+        g1 = w1.grad if w1.grad is not None else torch.zeros_like(w1)
+        g2 = w2.grad if w2.grad is not None else torch.zeros_like(w2)
+        g1 = g1.permute(2, 0, 1).reshape(NR, I, 2, H)
+        return torch.cat([g1[:, :, 0], g1[:, :, 1]], dim=1), g2.permute(2, 0, 1)
+
+    try:
+        version = importlib.metadata.version("sonic-moe")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown version"
+    return Provider("sonicmoe", forward, [w1, w2], merged_grads,
+                    f"SonicMoE {version} moe_general_routing_inputs on the case's routing")
 
 
 # ---------------------------------------------------------------- fastmoe

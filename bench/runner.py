@@ -29,7 +29,7 @@ import torch
 
 from .bounds import DenseCeiling, GemmBound
 from .cases import Case
-from .measure import compare, page_faults, saved_bytes, stats, time_fn, timed_call
+from .measure import compare, page_faults, peak_bytes, saved_bytes, stats, time_fn, timed_call
 from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
 
 CEILING = "dense_ceiling"
@@ -65,6 +65,7 @@ def run_case(
     reference: str = REFERENCE,
     ceiling: DenseCeiling | None = None,
     min_sample_s: float = MIN_SAMPLE_S,
+    reference_out: dict | None = None,
 ) -> dict:
     """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
     engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs).
@@ -72,7 +73,8 @@ def run_case(
     :func:`build_provider` with ``gemm_engine``), ``reference`` names the one the others are checked
     against; ``ceiling``: the dense matmul to time beside them (default the ``ceiling_n`` square);
     ``min_sample_s``: contestants whose calls are shorter take the mean of several calls as one sample
-    (0: always one call)."""
+    (0: always one call). ``reference_out``: outputs and gradients to check every provider against
+    instead of a reference provider's (an fp32 reference computed apart, say)."""
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
                     "budget_s": budget_s}
     providers: dict[str, Provider] = {}
@@ -114,19 +116,22 @@ def run_case(
     bar = _progress(len(contestants) * (rounds + 1), f"{case.preset.name}", progress)
 
     # Cold calls; the reference first so that each other provider is checked and its tensors freed.
-    ref_out = None
+    ref_out = reference_out
     order = [CEILING, BOUND] + sorted(providers, key=lambda n: n != reference)
     for name in order:
         if name in providers:
             prov = providers[name]
             f, b, got = timed_call(prov, case, backward=backward, capture=True)
             entry = result["providers"][name] = {"status": "ok", "note": prov.note, "cold_s": f + b}
-            if name == reference:
+            if name == reference and reference_out is None:
                 ref_out = got
             if ref_out is not None:
                 entry["correct"] = compare(got, ref_out, case.dtype, prov.precision)
             del got
             entry["saved_bytes"] = saved_bytes(prov, case)
+            peak = peak_bytes(prov, case, backward=backward)
+            if peak is not None:
+                entry["peak_bytes"] = peak
             cold = f + b
             n_ok = rounds if cold * rounds <= budget_s else int(budget_s // cold) if cold > 0 else rounds
             allowed[name] = n_ok

@@ -5,14 +5,15 @@
 #
 # The image: Python 3.12, torch 2.11.0, triton 3.6.0, transformers 5.17.0 (with tokenizers,
 # safetensors, huggingface-hub), numpy 2.5, pytest, pytest-benchmark, pytest-xdist, matplotlib, tqdm,
-# pyarrow, tensorboard (with protobuf), peft. Of the project's imports it lacks only tensorboardX
-# (the trainer's TensorBoard event files), whose own requirements (numpy, packaging, protobuf) are there.
+# pyarrow, tensorboard (with protobuf), peft. Of the project's imports it lacks tensorboardX (the
+# trainer's TensorBoard event files), whose own requirements (numpy, packaging, protobuf) are there, and
+# liger-kernel (Liger's fused MoE, the peer the kit's comparison times; it needs only torch and triton).
 #
 # kit_wheels/ is git-ignored: copy it to the machine with the checkout.
 # Only *-none-any.whl files are kept; anything else would not run on every machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=("tensorboardX==2.6.5")
+WHEELS=("tensorboardX==2.6.5" "liger-kernel==0.8.5")
 mkdir -p kit_wheels
 python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation py --abi none --platform any -d kit_wheels "${WHEELS[@]}" 2>&1 \

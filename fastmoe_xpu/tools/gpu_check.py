@@ -4,29 +4,36 @@ Runs on any machine with a CUDA or XPU device, with the Python and the torch / t
 transformers versions found there (no network), and writes everything into one folder:
 
 1. ``versions.json``: device, driver-visible name, Python, torch, triton, transformers, date;
-2. the kernel and block tests on the device with compiled kernels (``pytest --device <dev>``; their
-   fp32 and bf16 cases), JUnit XML and log;
-3. ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
+2. ``compare``: the question a user asks first, is it faster than what I would use instead on this GPU?
+   ``bench --shapes practitioners`` in bf16 at the shapes published MoE kernels compare on (OLMoE-1B-7B,
+   Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-20B, Mixtral-8x7B, DeepSeek-V3's EP=8 slice; T=32k):
+   forward and F+B TFLOP/s of FastSparseMoE's ``auto`` (the engine it picked named) and each of its
+   engines, transformers' ``grouped_mm`` and Liger-Kernel's fused MoE (with its one pinned config,
+   ``LIGER_FUSED_MOE_AUTOTUNE=0``: its autotuner compiles over a hundred configs at every shape, minutes
+   each; set the variable to 1 to let it tune), the ratio of ours to the fastest peer, peak memory and
+   each one's error against an fp32 reference; the summary's first table;
+3. ``tests``: the kernel and block tests on the device with compiled kernels (``pytest --device <dev>``;
+   their fp32 and bf16 cases), JUnit XML and log;
+4. ``mula``: ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
-   (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, whose choice the report names; the
-   benchmark's GEMM-only bound is its dense ``torch.mm`` of the same FLOPs in the same run; then
-   ``bench --shapes practitioners``: TFLOP/s of one layer at the shapes published kernels are
-   compared on (T=32k), beside a dense ``torch.mm`` of the same FLOPs;
-4. ``compute-sanitizer --tool memcheck`` and ``--tool racecheck`` over a small forward+backward
-   (CUDA, where the tool is installed; otherwise the step says why it did not run; where the tool
-   refuses the device, e.g. ``Device not supported``, the step is reported as not run with the tool's
-   own words and does not fail the check);
-5. ``summary.md``: one row per step (ran / failed / not run, and why) and the benchmark's table,
-   ready to paste into docs/bench.md.
+   (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, with the benchmark's GEMM-only bound;
+5. ``memcheck`` and ``racecheck``: ``compute-sanitizer`` over a small forward+backward (racecheck over a
+   tinier one: it instruments every shared-memory access) (CUDA, where the tool is installed; otherwise
+   the step says why it did not run; where the tool refuses the device, e.g. ``Device not supported``,
+   the step is reported as not run with the tool's own words and does not fail the check);
+6. ``liger-tuned``: the Qwen3-30B-A3B shape again with Liger's autotuner on (its published shape), when the
+   budget has time left for it;
+7. ``summary.md``: one row per step (ran / failed / not run, and why), the comparison, then the Mula table.
 
-What the machine's Python lacks and the kit carries (pure-Python wheels in ``kit_wheels/``, prepared
+A step that fails does not stop the others; ``--steps`` runs a subset (the others are reported as not
+selected). What the machine's Python lacks and the kit carries (pure-Python wheels in ``kit_wheels/``, prepared
 by ``scripts/prepare_kit_wheels.sh``) is unpacked into ``<out>/pylib`` and put on the steps'
 ``PYTHONPATH``; the Triton and TorchInductor caches go to ``<out>/cache``: nothing is written outside
 the output folder.
 
 Without a device it says so and exits 2; ``--dry-run`` lists the steps and exits 0. Every step has
-a time limit, and none may run past the ``--budget`` (default 600 s) counted from the start, so the
-whole run ends within it.
+a time limit, and none may run past the ``--budget`` (default 540 s, nine minutes) counted from the
+start, so the whole run ends within it.
 """
 from __future__ import annotations
 
@@ -48,6 +55,9 @@ from pathlib import Path
 PRESETS = ("mula-7b-a1b", "mula-7b-a1b-small", "mula-20b-a2b", "mula-220b-a10b")
 BASELINES = ("hf_v4", "hf_v5_grouped_mm", "hf_v5_eager")
 ENGINES = ("triton", "triton_tma", "grouped_mm", "loop")
+#: The steps in the order they run (``--steps`` names a subset).
+STEP_KEYS = ("compare", "tests", "mula", "memcheck", "racecheck", "liger-tuned")
+DEFAULT_BUDGET_S = 540.0
 NO_DEVICE_EXIT = 2
 #: compute-sanitizer's words when it cannot instrument the GPU it finds (seen on an H200).
 SANITIZER_REFUSALS = ("Device not supported",)
@@ -68,6 +78,8 @@ class Step:
     refusals: tuple[str, ...] = ()
     """Words of a tool that refuses this machine (case-insensitive): a failed run whose log holds
     one is reported as not run, with the tool's line, instead of as a failure."""
+    key: str = ""
+    """The step's name for ``--steps``."""
     status: str = "not run"
     seconds: float = 0.0
     log: str = ""
@@ -95,63 +107,93 @@ def _bench_module() -> str:
     return "bench"
 
 
-def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.executable) -> list[Step]:
-    """The steps for ``device``, writing under ``out`` (nothing runs here)."""
-    steps: list[Step] = []
+def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.executable,
+         only: tuple[str, ...] | None = None) -> list[Step]:
+    """The steps for ``device``, writing under ``out`` (nothing runs here); ``only``: the keys to run
+    (:data:`STEP_KEYS`), the others reported as not selected."""
+    bench = [python, "-m", _bench_module()]
+    cache = {"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")}
+    liger_pinned = os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "0")
+    steps: list[Step] = [Step(
+        key="compare", name="the comparison: bf16 TFLOP/s against transformers and Liger at the practitioners' shapes",
+        argv=[*bench, "--shapes", "practitioners", "--device", device, "--dtype", "bf16", "--rounds", "3",
+         "--budget", str(int(0.012 * budget_s)), "--no-progress", "--out", str(out / "compare")],
+        timeout_s=0.45 * budget_s, env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": liger_pinned},
+    )]
     tests = [p for p in ("tests/kernels", "tests/test_block.py") if (repo / p).exists()]
     steps.append(Step(
-        "kernel and block tests on the device (fp32 and bf16 cases)",
-        [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests, "--device", device,
+        key="tests", name="kernel and block tests on the device (fp32 and bf16 cases)",
+        argv=[python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests, "--device", device,
          "-m", "not distributed and not slow", f"--junitxml={out / 'tests.xml'}"],
-        timeout_s=0.3 * budget_s, env={"FASTMOE_TEST_DEVICE": device, "TRITON_INTERPRET": "0"},
+        timeout_s=0.2 * budget_s, env={"FASTMOE_TEST_DEVICE": device, "TRITON_INTERPRET": "0"},
         skip=None if tests else f"no tests/ folder under {repo} (an installed package): run from a checkout",
     ))
     providers = [*BASELINES, "fastmoe/triton", *(f"fastmoe/triton@{e}" for e in ENGINES)]
     steps.append(Step(
-        "bench bf16 F+B on the Mula presets, every engine, against transformers",
-        [python, "-m", _bench_module(), "--device", device, "--dtype", "bf16", "--mode", "fwdbwd",
-         "--preset", *PRESETS, "--providers", *providers, "--rounds", "5", "--budget", str(int(0.08 * budget_s)),
-         "--no-progress", "--out", str(out / "bench")],
-        timeout_s=0.35 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
-    ))
-    steps.append(Step(
-        "bench bf16 TFLOP/s at the practitioners' shapes (OLMoE, Qwen3, GPT-OSS, Mixtral, DeepSeek-V3 slice)",
-        [python, "-m", _bench_module(), "--shapes", "practitioners", "--device", device, "--dtype", "bf16",
-         "--rounds", "3", "--no-progress", "--out", str(out / "practitioners")],
-        timeout_s=0.2 * budget_s, env={"FASTMOE_GEMM_CACHE": str(out / "gemm_engines.json")},
+        key="mula", name="bench bf16 F+B on the Mula presets, every engine, against transformers",
+        argv=[*bench, "--device", device, "--dtype", "bf16", "--mode", "fwdbwd", "--preset", *PRESETS,
+         "--providers", *providers, "--rounds", "3", "--budget", str(int(0.03 * budget_s)), "--no-progress",
+         "--out", str(out / "bench")],
+        timeout_s=0.15 * budget_s, env=cache,
     ))
     sanitizer = shutil.which("compute-sanitizer")
-    for tool in ("memcheck", "racecheck"):
+    for tool, size in (("memcheck", "small"), ("racecheck", "tiny")):
         why = None
         if device != "cuda":
             why = f"compute-sanitizer is NVIDIA's tool; no equivalent run on {device}"
         elif sanitizer is None:
             why = "compute-sanitizer not found on PATH (CUDA toolkit not installed)"
         steps.append(Step(
-            f"compute-sanitizer --tool {tool} over a small forward+backward",
-            [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1", python, "-m",
-             _THIS_MODULE, "--small-fwdbwd", "--device", device],
+            key=tool, name=f"compute-sanitizer --tool {tool} over a {size} forward+backward",
+            argv=[sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1", python, "-m",
+             _THIS_MODULE, f"--{size}-fwdbwd", "--device", device],
             timeout_s=0.1 * budget_s, skip=why, refusals=SANITIZER_REFUSALS,
         ))
+    steps.append(Step(
+        key="liger-tuned", name="Qwen3-30B-A3B with Liger's autotuner on (its published shape), fastmoe beside it",
+        argv=[*bench, "--shapes", "practitioners", "--shape-names", "qwen3-30b-a3b", "--device", device, "--dtype",
+         "bf16", "--rounds", "3", "--budget", str(int(0.012 * budget_s)), "--no-progress", "--out",
+         str(out / "liger_tuned")],
+        timeout_s=0.25 * budget_s, env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": "1"},
+        skip=None if liger_pinned == "0" else "Liger's autotuner was on in the comparison already",
+    ))
+    if only is not None:
+        for step in steps:
+            if step.key not in only and not step.skip:
+                step.skip = "not selected (--steps)"
     return steps
 
 
-def small_fwdbwd(device: str) -> None:
-    """One small forward and backward of the block on the Triton backend (for the sanitizers)."""
+def _fwdbwd(device: str, hidden: int, inter: int, experts: int, tokens: int, dtypes) -> None:  # noqa: ANN001
     from types import SimpleNamespace
 
     import torch
 
     from fastmoe_xpu.block import FastSparseMoeBlock  # absolute: the script runs this file by path
 
-    cfg = SimpleNamespace(hidden_size=128, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, num_experts=experts, num_experts_per_tok=2,
                           norm_topk_prob=True, hidden_act="silu")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         block = FastSparseMoeBlock(cfg, backend="triton", gemm_engine="triton").to(device=device, dtype=dtype)
-        x = torch.randn(2, 37, 128, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(2, tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         block(x).float().square().mean().backward()
     getattr(torch, device).synchronize()
+
+
+def small_fwdbwd(device: str) -> None:
+    """One small forward and backward of the block on the Triton backend, fp32 and bf16 (for memcheck)."""
+    import torch
+
+    _fwdbwd(device, 128, 96, 8, 37, (torch.float32, torch.bfloat16))
     print(f"small forward+backward on {device}: ok")
+
+
+def tiny_fwdbwd(device: str) -> None:
+    """A tinier one, bf16 only, for racecheck (which instruments every shared-memory access)."""
+    import torch
+
+    _fwdbwd(device, 64, 32, 4, 9, (torch.bfloat16,))
+    print(f"tiny forward+backward on {device}: ok")
 
 
 def versions(device: str | None) -> dict[str, str | None]:
@@ -254,15 +296,35 @@ def step_env(out: Path) -> dict[str, str]:
     return env
 
 
+def _comparison(folder: Path) -> list[str]:
+    """The comparison table of a ``bench --shapes`` run (its summary.md from the table's header to the
+    first blank line after it); a line saying why when there is none."""
+    path = folder / "summary.md"
+    if not path.exists():
+        return [f"(no comparison: {path} was not written; see the step's log)"]
+    text = path.read_text(encoding="utf-8").splitlines()
+    start = next((i for i, line in enumerate(text) if line.startswith("| shape |")), None)
+    if start is None:
+        return [f"(no comparison table in {path})"]
+    end = next((i for i in range(start, len(text)) if not text[i].strip()), len(text))
+    return text[start:end]
+
+
 def summary(steps: list[Step], info: dict, out: Path) -> str:
     lines = [f"# GPU check: {info.get('device_name') or info.get('device')}", "",
              f"{info['date_utc']}; Python {info['python']}, torch {info['torch']}, triton {info['triton']}, "
              f"transformers {info['transformers']}; kit wheels unpacked: {', '.join(info.get('kit_wheels') or []) or 'none'}",
-             "", "| step | result | seconds |", "|---|---|---|"]
-    lines += [f"| {s.name} | {s.status} | {s.seconds:.0f} |" for s in steps]
+             "", "## FastSparseMoE against the fastest peer (bf16, T=32k, forward and forward+backward)", "",
+             "Ratio: the peer's median time over ours (above 1: FastSparseMoE is faster); errors against an fp32 "
+             "reference. Every provider's table: compare/summary.md.", ""]
+    lines += _comparison(out / "compare")
+    if (out / "liger_tuned" / "summary.md").exists():
+        lines += ["", "With Liger's autotuner on, at its published shape:", ""] + _comparison(out / "liger_tuned")
+    lines += ["", "## Steps", "", "| step | result | seconds |", "|---|---|---|"]
+    lines += [f"| {s.key}: {s.name} | {s.status} | {s.seconds:.0f} |" for s in steps]
     table = out / "bench" / "results.md"
-    lines += ["", "## Benchmark (bf16, forward+backward, one MoE layer)", ""]
-    lines += [table.read_text(encoding="utf-8")] if table.exists() else ["(no benchmark table: see the bench step's log)"]
+    lines += ["", "## Mula presets (bf16, forward+backward, one MoE layer)", ""]
+    lines += [table.read_text(encoding="utf-8")] if table.exists() else ["(no benchmark table: see the mula step's log)"]
     return "\n".join(lines) + "\n"
 
 
@@ -271,14 +333,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default gpu_check_out/<date>)")
     ap.add_argument("--dry-run", action="store_true", help="list the steps and exit 0")
     ap.add_argument("--device", choices=("cuda", "xpu"), default=None, help="default: the one torch sees")
-    ap.add_argument("--budget", type=float, default=600.0, help="seconds for the whole run (default 600)")
+    ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"seconds for the whole run (default {DEFAULT_BUDGET_S:.0f})")
+    ap.add_argument("--steps", default=None, metavar="KEY,...",
+                    help=f"run only these steps, comma-separated, of: {', '.join(STEP_KEYS)}")
     ap.add_argument("--small-fwdbwd", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny-fwdbwd", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     started = time.monotonic()
     if args.budget <= 0:
         raise SystemExit("--budget must be > 0")
-    if args.small_fwdbwd:
-        small_fwdbwd(args.device or find_device() or "cpu")
+    only = None
+    if args.steps is not None:
+        only = tuple(k.strip() for k in args.steps.split(",") if k.strip())
+        unknown = [k for k in only if k not in STEP_KEYS]
+        if unknown or not only:
+            ap.error(f"--steps {args.steps!r}: unknown step {', '.join(unknown) or '(none given)'}; "
+                     f"the steps are {', '.join(STEP_KEYS)}")
+    if args.small_fwdbwd or args.tiny_fwdbwd:
+        (small_fwdbwd if args.small_fwdbwd else tiny_fwdbwd)(args.device or find_device() or "cpu")
         return 0
     repo = Path.cwd()
     out = Path(args.out or f"gpu_check_out/{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%d-%H%M%S')}")
@@ -288,12 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         wheels = sorted(p.name for p in (repo / "kit_wheels").glob("*.whl"))
         print(f"  0. unpack into {out / 'pylib'} the kit wheels whose modules are missing: "
               f"{', '.join(wheels) or 'none in kit_wheels/ (scripts/prepare_kit_wheels.sh)'}")
-        for i, step in enumerate(plan(device, out, repo, args.budget), 1):
-            print(f"  {i}. {step.name}  [limit {step.timeout_s:.0f} s]")
+        steps = plan(device, out, repo, args.budget, only=only)
+        for i, step in enumerate(steps, 1):
+            print(f"  {i}. {step.key}: {step.name}  [limit {step.timeout_s:.0f} s]")
             print(f"     {shlex.join(step.argv)}")
             if step.skip:
                 print(f"     (would not run: {step.skip})")
-        print(f"  {len(plan(device, out, repo, args.budget)) + 1}. write {out / 'versions.json'} and {out / 'summary.md'}")
+        print(f"  {len(steps) + 1}. write {out / 'versions.json'} and {out / 'summary.md'}")
         return 0
     device = args.device or find_device()
     if device is None:
@@ -303,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     info = versions(device)
     info["kit_wheels"] = provide_wheels(repo / "kit_wheels", out / "pylib")
     (out / "versions.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-    steps = plan(device, out, repo, args.budget)
+    steps = plan(device, out, repo, args.budget, only=only)
     run_steps(steps, out, repo, env=step_env(out), deadline=started + args.budget - _RESERVE_S)
     text = summary(steps, info, out)
     (out / "summary.md").write_text(text, encoding="utf-8")

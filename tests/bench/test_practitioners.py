@@ -31,6 +31,11 @@ def test_shapes_run_prints_tflops_beside_the_dense_mm(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert out.count("| torch.mm (same FLOPs) |") == 2 and "qwen3-30b-a3b/128: H=16 I=8 E=128 K=8 T=8" in out
     assert "| sonicmoe | skipped: " in out and "| hf_v5_grouped_mm | " in out
+    # the comparison: one row per shape, our default against the fastest peer that ran
+    summary = (tmp_path / "summary.md").read_text()
+    first = summary.index("| shape | fastmoe (auto ->) |")
+    assert first < summary.index("qwen3-30b-a3b/128: H=16")  # the comparison comes first
+    assert summary.count("| qwen3-30b-a3b/128 | fastmoe/torch (") == 1
     data = json.loads((tmp_path / "shapes_practitioners.json").read_text())
     for case in data["cases"]:
         flops = case["case"]["flops"]
@@ -41,3 +46,21 @@ def test_shapes_run_prints_tflops_beside_the_dense_mm(tmp_path, capsys, monkeypa
         fast = rows["fastmoe/torch"]
         assert fast["status"] == "ok" and fast["correct"] is True and fast["fwdbwd_tflops"] > 0
         assert fast["fwd_vs_mm"] == pytest.approx(fast["fwd_tflops"] / rows["torch.mm (same FLOPs)"]["fwd_tflops"])
+        # checked against the fp32 reference: every tensor's error is there and small
+        errors = case["providers"]["fastmoe/torch"]["correct"]["max_rel_error"]
+        assert set(errors) == {"out", "dx", "dweights", "dw_gate_up", "dw_down"} and fast["max_error"] < 1e-4
+        cmp = case["comparison"]
+        peer = rows[cmp["peer"]]
+        assert cmp["fastmoe"] == "fastmoe/torch" and peer["status"] == "ok"
+        assert cmp["fwdbwd_ratio"] == pytest.approx(peer["fwdbwd_ms"] / fast["fwdbwd_ms"])
+        assert all(rows[n]["fwdbwd_ms"] >= peer["fwdbwd_ms"] for n in ("hf_v5_grouped_mm", "hf_v5_eager"))
+
+
+def test_shape_names_choose_a_subset_and_refuse_unknown_ones(tmp_path, capsys):
+    args = ["--shapes", "practitioners", "--shape-scale", "128", "--shape-tokens", "4", "--rounds", "1",
+            "--no-progress", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="--shape-names qwen9: not in shape set practitioners"):
+        main([*args, "--shape-names", "qwen9"])
+    assert main([*args, "--shape-names", "mixtral-8x7b"]) == 0
+    data = json.loads((tmp_path / "shapes_practitioners.json").read_text())
+    assert [c["case"]["preset"]["name"] for c in data["cases"]] == ["mixtral-8x7b/128"]

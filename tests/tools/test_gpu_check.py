@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fastmoe_xpu.tools.gpu_check import SANITIZER_REFUSALS, Step, exit_status, provide_wheels, run_steps, step_env
+from fastmoe_xpu.tools.gpu_check import (SANITIZER_REFUSALS, STEP_KEYS, Step, exit_status, plan, provide_wheels,
+                                         run_steps, step_env, summary)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,3 +89,33 @@ def test_dry_run_from_the_script_alone(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "kit wheels" in proc.stdout and "compute-sanitizer --tool racecheck" in proc.stdout
     assert str(tmp_path / "o" / "pylib") in proc.stdout
+
+
+def test_the_comparison_runs_first_and_leads_the_summary(tmp_path: Path) -> None:
+    steps = plan("cuda", tmp_path, ROOT, 540.0)
+    assert [s.key for s in steps] == list(STEP_KEYS) and steps[0].key == "compare"
+    assert "--shapes" in steps[0].argv and steps[0].env["LIGER_FUSED_MOE_AUTOTUNE"] == "0"
+    # a subset: the others are reported, not dropped
+    chosen = plan("cuda", tmp_path, ROOT, 540.0, only=("compare", "tests"))
+    assert {"mula", "liger-tuned"} <= {s.key for s in chosen if s.skip == "not selected (--steps)"}
+    assert all(s.skip for s in chosen if s.key not in ("compare", "tests"))
+    assert all(s.skip is None for s in chosen if s.key in ("compare", "tests"))
+    run_steps([s for s in chosen if s.skip], tmp_path, tmp_path)  # runs nothing: marks them not run, saying why
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare" / "summary.md").write_text(
+        "# Shape set\n\nintro\n\n| shape | fastmoe (auto ->) | F+B TFLOP/s |\n|---|---|---|\n"
+        "| qwen3-30b-a3b | fastmoe/triton (triton_tma) | 354.3 |\n\nolmoe: H=2048 ...\n")
+    info = {"device_name": "GPU", "date_utc": "today", "python": "3", "torch": "t", "triton": "tr",
+            "transformers": "hf"}
+    text = summary(chosen, info, tmp_path)
+    assert text.index("| qwen3-30b-a3b | fastmoe/triton (triton_tma) | 354.3 |") < text.index("## Steps")
+    assert "olmoe: H=2048" not in text and "not selected (--steps)" in text
+    assert "(no benchmark table: see the mula step's log)" in text
+
+
+def test_unknown_steps_are_refused_in_one_line(capsys) -> None:
+    from fastmoe_xpu.tools.gpu_check import main
+
+    with pytest.raises(SystemExit):
+        main(["--dry-run", "--steps", "compare,nope"])
+    assert "unknown step nope; the steps are compare, tests" in capsys.readouterr().err
