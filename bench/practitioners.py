@@ -15,6 +15,10 @@ Providers: transformers' ``grouped_mm`` and ``eager`` experts, FastSparseMoE on 
 backend (its ``auto`` engine choice named) and on each grouped-GEMM engine that runs here
 (``triton_tma`` on sm_90+), and Liger-Kernel's fused MoE and SonicMoE, reported as skipped with the
 reason when they cannot run. Every provider is checked against transformers' eager experts.
+
+``--precision none fp8`` adds FastSparseMoE with its expert GEMMs in fp8 (``fastmoe/triton:fp8`` on a
+GPU: the Triton fp8 grouped GEMMs) beside the plain one, checked with fp8's tolerance, and a line
+under each table with its speed over the plain provider's (same FLOPs, so the ratio of the times).
 """
 from __future__ import annotations
 
@@ -44,12 +48,13 @@ REFERENCE = "hf_v5_eager"
 EXTERNAL = (("liger_fused_moe", "liger_kernel"), ("sonicmoe", "sonicmoe"))
 
 
-def providers_for(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """transformers' two, FastSparseMoE's default and each engine available next to its backend,
-    then the external kernels."""
+def providers_for(device: torch.device, dtype: torch.dtype, precisions: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """transformers' two, FastSparseMoE's default (and, for each of ``precisions`` other than
+    ``none``, the same with its expert GEMMs quantized: ``fastmoe/triton:fp8``) and each engine
+    available next to its backend, then the external kernels."""
     fast = default_fastmoe(device)
     backend = fast.split("/", 1)[1]
-    names = ["hf_v5_grouped_mm", REFERENCE, fast]
+    names = ["hf_v5_grouped_mm", REFERENCE, fast, *(f"{fast}:{p}" for p in precisions if p != "none")]
     names += [f"{fast}@{e}" for e in registry.ENGINES
               if registry.IMPLEMENTATIONS[e].timed(device) and registry.unavailable_reason(e, backend, device, dtype) is None]
     return names + [name for name, _ in EXTERNAL]
@@ -117,7 +122,25 @@ def format_table(res: dict) -> str:
         lines.append("| " + " | ".join((r["provider"], _num(r["fwd_ms"], ".2f"), _num(r["fwd_tflops"], ".3f"),
                                         _num(r["fwd_vs_mm"], ".2f"), _num(r["fwdbwd_ms"], ".2f"),
                                         _num(r["fwdbwd_tflops"], ".3f"), _num(r["fwdbwd_vs_mm"], ".2f"), ok)) + " |")
+    for name, q in precision_speedups(res).items():
+        lines.append(f"{name} over {name.split(':', 1)[0]} (same run): forward {_num(q['fwd'], '.2f')}x, "
+                     f"F+B {_num(q['fwdbwd'], '.2f')}x")
     return "\n".join(lines)
+
+
+def precision_speedups(res: dict) -> dict[str, dict[str, float | None]]:
+    """For each quantized provider (``fastmoe/<backend>:<precision>``) that ran beside its plain one:
+    the plain provider's median time over its own, forward and F+B (above 1: the quantized one is
+    faster)."""
+    rows = {r["provider"]: r for r in rows_of(res) if r["status"] == "ok"}
+    out = {}
+    for name, r in rows.items():
+        base = rows.get(name.split(":", 1)[0]) if ":" in name else None
+        if base is None:
+            continue
+        out[name] = {mode: (base[f"{mode}_ms"] / r[f"{mode}_ms"]) if base[f"{mode}_ms"] and r[f"{mode}_ms"] else None
+                     for mode in ("fwd", "fwdbwd")}
+    return out
 
 
 def run_shapes(args) -> int:  # noqa: ANN001
@@ -130,6 +153,11 @@ def run_shapes(args) -> int:  # noqa: ANN001
         presets = shape_set(args.shapes, scale=scale, tokens=tokens)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    precisions = getattr(args, "precision", None) or ["none"]
+    unknown = [p for p in precisions if p != "none" and p not in registry.PRECISIONS]
+    if unknown:
+        raise SystemExit(f"error: --shapes takes --precision none or one of {tuple(registry.PRECISIONS)} "
+                         f"(expert-GEMM precisions), not {unknown[0]!r}")
     rounds = run_options(args)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     print(f"# {header['date_utc']}  {header['machine'].get('device_name', header['machine']['cpu_model'])}, "
@@ -144,10 +172,11 @@ def run_shapes(args) -> int:  # noqa: ANN001
     for p in presets:
         log(f"{p.name}: building inputs")
         case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
-        names = providers_for(device, case.dtype)
+        names = providers_for(device, case.dtype, precisions)
         res = run_case(case, names, backward=True, rounds=rounds, budget_s=args.budget, progress=not args.no_progress,
                        log=log, build=build, reference=REFERENCE, ceiling=DenseCeiling.same_flops(case))
         res["table"] = rows_of(res)
+        res["precision_speedups"] = precision_speedups(res)
         print()
         print(format_table(res), flush=True)
         results.append(res)
