@@ -364,13 +364,28 @@ def _probe(fmt: str, device_type: str, device_index: int | None) -> str | None:
     return None
 
 
-def unsupported_reason(fmt: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None when precision ``fmt`` runs for ``dtype`` activations on ``device``; else why not
-    (probed once with a tiny quantized GEMM, so the answer follows the installed torch)."""
+def unsupported_reason(fmt: str, device: torch.device | str, dtype: torch.dtype, base: str | None = None) -> str | None:
+    """None when precision ``fmt`` runs for ``dtype`` activations on ``device`` next to kernel base
+    ``base``; else why not. Next to the Triton base, where the format's Triton grouped GEMMs run on
+    the device (their config table has them; fp8: sm_89+), those are every GEMM of the path and
+    nothing else is needed; otherwise the torch GEMMs are probed once with a tiny quantized GEMM, so
+    the answer follows the installed torch (whose CPU ``_scaled_mm`` took row-wise scales only from
+    2.13 on)."""
     dev = torch.device(device)
     if dev.type == "meta":
         return f"{fmt} GEMMs are not probed on the meta device"
     if fmt == "fp8" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
         return f"fp8 GEMMs need sm_89 or newer, {torch.cuda.get_device_name(dev)} is sm_" + "".join(
             map(str, torch.cuda.get_device_capability(dev)))
+    if base == "triton" and _triton_kernels_run(fmt, dev):
+        return None
     return _probe(fmt, dev.type, dev.index)
+
+
+def _triton_kernels_run(fmt: str, dev: torch.device) -> bool:
+    try:
+        from .launchers import _kernels
+
+        return bool(_kernels(fmt).available(dev))
+    except ImportError:  # no triton
+        return False
