@@ -23,6 +23,10 @@ forward+backward adds to what was allocated before it).
 The first table is the comparison the shape set exists for: at each shape, FastSparseMoE's default
 against the fastest peer (transformers or another project) that ran, forward and F+B, as a ratio of
 their median times; ``summary.md`` under ``--out`` holds it with every shape's table.
+
+``--precision none fp8`` adds FastSparseMoE with its expert GEMMs in fp8 (``fastmoe/triton:fp8`` on a
+GPU: the Triton fp8 grouped GEMMs) beside the plain one, checked with fp8's tolerance, and a line
+under each table with its speed over the plain provider's (same FLOPs, so the ratio of the times).
 """
 from __future__ import annotations
 
@@ -51,13 +55,15 @@ GPU_TOKENS = 32768
 PEERS = ("hf_v5_grouped_mm", "hf_v5_eager", *EXTERNAL_PROVIDERS)
 
 
-def providers_for(device: torch.device, dtype: torch.dtype) -> list[str]:
+def providers_for(device: torch.device, dtype: torch.dtype, precisions: list[str] | tuple[str, ...] = ()) -> list[str]:
     """transformers' grouped_mm (and, off a GPU, its eager loop: 10-40x slower than the rest at T=32k on a
-    GPU, it would take most of the time budget there), FastSparseMoE's default and each engine available
-    next to its backend, then the other projects' layers."""
+    GPU, it would take most of the time budget there), FastSparseMoE's default (and, for each of
+    ``precisions`` other than ``none``, the same with its expert GEMMs quantized: ``fastmoe/triton:fp8``)
+    and each engine available next to its backend, then the other projects' layers."""
     fast = default_fastmoe(device)
     backend = fast.split("/", 1)[1]
     names = ["hf_v5_grouped_mm"] + ([] if device.type in ("cuda", "xpu") else ["hf_v5_eager"]) + [fast]
+    names += [f"{fast}:{p}" for p in precisions if p != "none"]
     names += [f"{fast}@{e}" for e in registry.ENGINES
               if registry.IMPLEMENTATIONS[e].timed(device) and registry.unavailable_reason(e, backend, device, dtype) is None]
     return names + list(EXTERNAL_PROVIDERS)
@@ -165,7 +171,25 @@ def format_table(res: dict) -> str:
                                         _num(r["fwd_vs_mm"], ".2f"), _num(r["fwdbwd_ms"], ".2f"),
                                         _num(r["fwdbwd_tflops"], ".3f"), _num(r["fwdbwd_vs_mm"], ".2f"),
                                         _num(r["peak_mb"], ".0f"), _num(r["max_error"], ".1e"), ok)) + " |")
+    for name, q in precision_speedups(res).items():
+        lines.append(f"{name} over {name.split(':', 1)[0]} (same run): forward {_num(q['fwd'], '.2f')}x, "
+                     f"F+B {_num(q['fwdbwd'], '.2f')}x")
     return "\n".join(lines)
+
+
+def precision_speedups(res: dict) -> dict[str, dict[str, float | None]]:
+    """For each quantized provider (``fastmoe/<backend>:<precision>``) that ran beside its plain one:
+    the plain provider's median time over its own, forward and F+B (above 1: the quantized one is
+    faster)."""
+    rows = {r["provider"]: r for r in rows_of(res) if r["status"] == "ok"}
+    out = {}
+    for name, r in rows.items():
+        base = rows.get(name.split(":", 1)[0]) if ":" in name else None
+        if base is None:
+            continue
+        out[name] = {mode: (base[f"{mode}_ms"] / r[f"{mode}_ms"]) if base[f"{mode}_ms"] and r[f"{mode}_ms"] else None
+                     for mode in ("fwd", "fwdbwd")}
+    return out
 
 
 def _write(out_dir: Path, shapes: str, header: dict, results: list[dict]) -> Path:
@@ -205,6 +229,11 @@ def run_shapes(args) -> int:  # noqa: ANN001
         if unknown:
             raise SystemExit(f"error: --shape-names {' '.join(unknown)}: not in shape set {args.shapes} ({', '.join(known)})")
         presets = [p for p in presets if p.name.split("/")[0] in wanted]
+    precisions = getattr(args, "precision", None) or ["none"]
+    unknown = [p for p in precisions if p != "none" and p not in registry.PRECISIONS]
+    if unknown:
+        raise SystemExit(f"error: --shapes takes --precision none or one of {tuple(registry.PRECISIONS)} "
+                         f"(expert-GEMM precisions), not {unknown[0]!r}")
     rounds = run_options(args)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     print(f"# {header['date_utc']}  {header['machine'].get('device_name', header['machine']['cpu_model'])}, "
@@ -222,12 +251,13 @@ def run_shapes(args) -> int:  # noqa: ANN001
         log(f"{p.name}: building inputs and the fp32 reference")
         case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
         ref = fp32_reference(case)
-        names = providers_for(device, case.dtype)
+        names = providers_for(device, case.dtype, precisions)
         res = run_case(case, names, backward=True, rounds=rounds, budget_s=args.budget, progress=not args.no_progress,
                        log=log, build=lambda name, c: build_provider(name, c, "auto"), reference_out=ref,
                        ceiling=DenseCeiling.same_flops(case))
         res["table"] = rows_of(res)
         res["comparison"] = comparison(res)
+        res["precision_speedups"] = precision_speedups(res)
         print()
         print(format_table(res), flush=True)
         results.append(res)

@@ -48,6 +48,8 @@ KERNELS = (
     "tma_grouped_mm_bwd_silu",
     "int8_grouped_mm",
     "int8_grouped_wgrad",
+    "fp8_grouped_mm",
+    "fp8_grouped_wgrad",
 )
 
 
@@ -110,6 +112,10 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "int8_grouped_mm": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
         # Its weight gradient (a contraction over each expert's rows): the same tiles.
         "int8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
+        # The fp8 grouped GEMMs (triton/fp8_gemm.py, sm_89+): one-byte operands as int8's, an fp32
+        # accumulator beside each k-step's partial product (the fp32 promotion of every BLOCK_K).
+        "fp8_grouped_mm": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
+        "fp8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
         "tma_gate_up_fwd": [_mm("m128n64k64", 8, 4), _mm("m128n128k64", 8, 3), _mm("m64n64k64", 4, 4)],
@@ -162,7 +168,7 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         **{kernel: [_mm("m16n16k16", 1, 1)] for kernel in (
             "gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd", "grouped_mm_bwd_silu", "tma_gate_up_fwd",
             "tma_grouped_mm", "tma_grouped_mm_bwd", "tma_grouped_mm_bwd_silu", "int8_grouped_mm",
-            "int8_grouped_wgrad")},
+            "int8_grouped_wgrad", "fp8_grouped_mm", "fp8_grouped_wgrad")},
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "row_dot_scale": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],

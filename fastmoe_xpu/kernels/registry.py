@@ -117,11 +117,11 @@ def _module_reason(module: str) -> Callable[[torch.device, torch.dtype], str | N
     return reason
 
 
-def _quantized_reason(fmt: str) -> Callable[[torch.device, torch.dtype], str | None]:
-    def reason(device: torch.device, dtype: torch.dtype) -> str | None:
+def _quantized_reason(fmt: str) -> Callable[..., str | None]:
+    def reason(device: torch.device, dtype: torch.dtype, base: str | None = None) -> str | None:
         from .quantized.core import unsupported_reason
 
-        return unsupported_reason(fmt, device, dtype)
+        return unsupported_reason(fmt, device, dtype, base)
 
     return reason
 
@@ -161,15 +161,19 @@ class Implementation:
     def launchers(self) -> tuple[str, ...]:
         return tuple(name for stage in self.stages for name in STAGES[stage])
 
-    def reason_unavailable(self, device: torch.device | str, dtype: torch.dtype) -> str | None:
-        """None when this implementation runs for ``dtype`` on ``device``; else why not."""
+    def reason_unavailable(self, device: torch.device | str, dtype: torch.dtype, base: str | None = None) -> str | None:
+        """None when this implementation runs for ``dtype`` on ``device``; else why not. ``base``: the
+        kernel base it runs next to, which a precision entry's answer depends on (next to the Triton
+        base its GEMMs may be Triton kernels rather than torch's)."""
         dev = torch.device(device)
         if dev.type not in self.devices:
             return f"{self.name} runs on {'/'.join(self.devices)} tensors, not {dev.type}"
         if self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"{self.name} takes {names}, not {str(dtype).removeprefix('torch.')}"
-        return self.unavailable(dev, dtype) if self.unavailable is not None else None
+        if self.unavailable is None:
+            return None
+        return self.unavailable(dev, dtype, base) if self.precision is not None else self.unavailable(dev, dtype)
 
 
 #: Every implementation, by name. Order matters only for breaking timing ties (earlier wins).
@@ -243,7 +247,7 @@ def unavailable_reason(engine: str, backend: str, device: torch.device | str, dt
     ``dtype``; else why not."""
     if engine not in GEMMS:
         raise ValueError(f"unknown gemm engine {engine!r} (expected one of {GEMMS})")
-    return IMPLEMENTATIONS[engine].reason_unavailable(device, dtype)
+    return IMPLEMENTATIONS[engine].reason_unavailable(device, dtype, backend)
 
 
 # ---------------------------------------------------------------- kernel sets by name

@@ -90,8 +90,9 @@ def cuda_resources(compiled) -> tuple[int | None, int | None]:
 
 
 #: SASS instructions whose presence the check reports: Hopper's tensor-core MMA (wgmma: HGMMA on
-#: floats, IGMMA on int8), the integer MMA of mma.sync (IMMA), TMA loads and stores, and cp.async copies.
-SASS_MARKERS = ("HGMMA", "IGMMA", "IMMA", "UTMALDG", "UTMASTG", "LDGSTS")
+#: 16/32-bit floats, IGMMA on int8, QGMMA on fp8), the integer and fp8 MMAs of mma.sync (IMMA, QMMA),
+#: TMA loads and stores, and cp.async copies.
+SASS_MARKERS = ("HGMMA", "IGMMA", "QGMMA", "IMMA", "QMMA", "UTMALDG", "UTMASTG", "LDGSTS")
 
 
 def cuda_sass(compiled) -> list[str]:

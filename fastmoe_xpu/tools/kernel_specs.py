@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.configs import configs
-from ..kernels.triton import combine, counting, grouped_gemm, indices, int8_gemm, tma_gemm
+from ..kernels.triton import combine, counting, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm
 
 @dataclass
 class KernelSpec:
@@ -149,6 +149,8 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     if target == "cuda":
         out += _tma_variants(act, _P32, _I32)
     out += _int8_variants(act)
+    if target == "cuda":  # fp8 dots: NVIDIA's OCP e4m3 / e5m2 (gfx942 has another fp8 encoding, PVC none)
+        out += _fp8_variants(act)
     return out
 
 
@@ -169,6 +171,32 @@ def _int8_variants(act: str) -> list:
     waligned = ("l_ptr", "sl_ptr", "r_ptr", "sr_ptr", "cum_token_ptr", "out_ptr", "M", "N")
     out += [(f"int8_grouped_wgrad[{tag}]", int8_gemm.WGRAD_KERNEL, int8_gemm._int8_grouped_wgrad_kernel, wsig,
              {"LEFT_SCALE_FIRST": left}, waligned) for tag, left in (("W", True), ("W^T", False))]
+    return out
+
+
+def _fp8_variants(act: str) -> list:
+    """The fp8 grouped GEMMs (``expert_precision="fp8"`` next to the Triton base) as their launchers
+    call them: the gate/up forward (e4m3 rows gathered, weight scales), the down forward, the input
+    gradient (e5m2 gradient codes against the e4m3 weight codes, both weight layouts); the weight
+    gradients (e5m2 gradient codes against e4m3 input codes, stored by column with each expert's
+    rows aligned) in both weight layouts."""
+    e4, e5 = "*fp8e4nv", "*fp8e5"
+    aligned = ("a_ptr", "sa_ptr", "idx_ptr", "w_ptr", "sw_ptr", "cum_token_ptr", "out_ptr", "N", "K")
+    out = []
+    for tag, a, trans, gather, has_sw in (("W^T+gather", e4, True, True, True), ("W^T", e4, True, False, True),
+                                          ("W", e4, False, False, True), ("dgrad:W", e5, False, False, False),
+                                          ("dgrad:W^T", e5, True, False, False)):
+        sig = {"a_ptr": a, "sa_ptr": "*fp32", "idx_ptr": _P32, "w_ptr": e4, "sw_ptr": "*fp32",
+               "cum_token_ptr": _P32, "out_ptr": act, "N": _I32, "K": _I32}
+        out.append((f"fp8_grouped_mm[{tag}]", fp8_gemm.KERNEL, fp8_gemm._fp8_grouped_mm_kernel, sig,
+                    {"TRANS_W": trans, "GATHER": gather, "HAS_SW": has_sw}, aligned))
+    waligned = ("l_ptr", "sl_ptr", "r_ptr", "sr_ptr", "pcum_ptr", "out_ptr", "M", "N", "LD")
+    for tag, left in (("W", True), ("W^T", False)):
+        l_ty, r_ty = (e5, e4) if left else (e4, e5)
+        wsig = {"l_ptr": l_ty, "sl_ptr": "*fp32", "r_ptr": r_ty, "sr_ptr": "*fp32", "pcum_ptr": _P32,
+                "out_ptr": act, "M": _I32, "N": _I32, "LD": _I32}
+        out.append((f"fp8_grouped_wgrad[{tag}]", fp8_gemm.WGRAD_KERNEL, fp8_gemm._fp8_grouped_wgrad_kernel, wsig,
+                    {"LEFT_SCALE_FIRST": left, "ROW_ALIGN": fp8_gemm.ROW_ALIGN}, waligned))
     return out
 
 

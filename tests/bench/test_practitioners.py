@@ -64,3 +64,21 @@ def test_shape_names_choose_a_subset_and_refuse_unknown_ones(tmp_path, capsys):
     assert main([*args, "--shape-names", "mixtral-8x7b"]) == 0
     data = json.loads((tmp_path / "shapes_practitioners.json").read_text())
     assert [c["case"]["preset"]["name"] for c in data["cases"]] == ["mixtral-8x7b/128"]
+
+
+def test_shapes_run_times_a_precision_beside_the_plain_provider(tmp_path, capsys, monkeypatch):
+    """``--precision none fp8``: the default fastmoe provider in fp8 beside the plain one, checked with
+    fp8's tolerance, and its speed over the plain one printed under the table and kept in the JSON."""
+    monkeypatch.setitem(SHAPE_SETS, "practitioners", SHAPE_SETS["practitioners"][1:2])
+    assert main(["--shapes", "practitioners", "--shape-scale", "128", "--shape-tokens", "8", "--rounds", "1",
+                 "--precision", "none", "fp8", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| fastmoe/torch:fp8 | " in out and "fastmoe/torch:fp8 over fastmoe/torch (same run): forward " in out
+    case = json.loads((tmp_path / "shapes_practitioners.json").read_text())["cases"][0]
+    rows = {r["provider"]: r for r in case["table"]}
+    assert rows["fastmoe/torch:fp8"]["correct"] is True and rows["fastmoe/torch"]["correct"] is True
+    assert case["providers"]["fastmoe/torch:fp8"]["correct"]["tolerance"] == 0.25
+    ratio = case["precision_speedups"]["fastmoe/torch:fp8"]
+    assert ratio["fwdbwd"] == pytest.approx(rows["fastmoe/torch"]["fwdbwd_ms"] / rows["fastmoe/torch:fp8"]["fwdbwd_ms"])
+    with pytest.raises(SystemExit, match="--shapes takes --precision none or one of"):
+        main(["--shapes", "practitioners", "--precision", "bf16-sr", "--out", str(tmp_path)])

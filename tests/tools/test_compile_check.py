@@ -22,13 +22,13 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from fastmoe_xpu.kernels import configs  # noqa: E402
-from fastmoe_xpu.kernels.triton import combine, counting, grouped_gemm, indices, int8_gemm, tma_gemm  # noqa: E402
+from fastmoe_xpu.kernels.triton import combine, counting, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm  # noqa: E402
 from fastmoe_xpu.tools import compile_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = (counting, indices, grouped_gemm, combine)
-#: Kernels compiled for some targets only: the TMA grouped GEMMs are NVIDIA's (sm_90+).
-TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm), "hip": (int8_gemm,), "xpu": (int8_gemm,)}
+#: Kernels compiled for some targets only: the TMA grouped GEMMs and the fp8 ones are NVIDIA's (sm_90+, sm_89+).
+TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm, fp8_gemm), "hip": (int8_gemm,), "xpu": (int8_gemm,)}
 
 
 def _all_kernels(target: str) -> dict[str, object]:
@@ -166,3 +166,22 @@ def test_int8_grouped_gemm_uses_integer_mma(default_rows):
             assert "v_mfma_i32" in row["sass"] and "v_mfma_f32" not in row["sass"], row
         elif compile_check._cuobjdump() is not None:
             assert {"IGMMA", "IMMA"} & set(row["sass"]) and "HGMMA" not in row["sass"], row
+
+
+
+def test_fp8_grouped_gemm_uses_fp8_mma(default_rows):
+    """The fp8 grouped GEMM's five variants (e4m3 forward with and without the gather, in both weight
+    layouts; e5m2 input gradients in both) and the fp8 weight gradient's two compile for sm_90 without
+    spills to wgmma's fp8 form (QGMMA), with no 16-bit float MMA; the weight gradient's operands,
+    stored by column with each expert's rows aligned, are copied to shared memory asynchronously
+    (LDGSTS), and so are the forward's gathered rows."""
+    rows = {r["kernel"]: r for r in default_rows if r["kernel"].startswith("fp8_")}
+    assert set(rows) == {s.name for s in compile_check.kernel_specs("cuda") if s.name.startswith("fp8_")}
+    assert len(rows) == 7 and all(r["target"] == "cuda" for r in rows.values())
+    for row in rows.values():
+        assert row["ok"] and row["spills"] == 0, row
+        if compile_check._cuobjdump() is not None:
+            assert "QGMMA" in row["sass"] and "HGMMA" not in row["sass"], row
+    if compile_check._cuobjdump() is not None:
+        for name in ("fp8_grouped_wgrad[W]", "fp8_grouped_wgrad[W^T]", "fp8_grouped_mm[W^T+gather]"):
+            assert "LDGSTS" in rows[name]["sass"], rows[name]

@@ -165,6 +165,59 @@ def expert_of_rows(cum_token_counts: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(bounds, torch.arange(rows, device=bounds.device), right=True)
 
 
+#: The fp8 weight-gradient codes (:func:`quantize_cols_grouped_t`) start each expert's rows at a
+#: multiple of this: 16 one-byte codes, the width of an aligned asynchronous copy.
+ROW_ALIGN = 16
+
+
+def padded_bounds(cum_token_counts: torch.Tensor, align: int = ROW_ALIGN) -> torch.Tensor:
+    """``[NR+1]`` int32 on the device: expert e's block ``[b[e], b[e+1])`` of ``align``-rounded length
+    (its row count rounded up to a multiple of ``align``), the blocks back to back from 0."""
+    cum = cum_token_counts.to(torch.int64)
+    padded = (cum[1:] - cum[:-1] + (align - 1)) // align * align
+    return torch.cat([cum.new_zeros(1), padded.cumsum(0)]).to(torch.int32)
+
+
+def padded_length(rows: int, num_experts: int, align: int = ROW_ALIGN) -> int:
+    """A length every :func:`padded_bounds` of ``rows`` rows over ``num_experts`` experts fits in
+    (each expert adds fewer than ``align`` rows), a multiple of ``align``: known on the host."""
+    return -(-(rows + (align - 1) * num_experts) // align) * align
+
+
+def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor,
+                            padded_cum: torch.Tensor, length: int, idx: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_cols_grouped` with the codes stored by column, each expert's rows aligned:
+    ``(codes [N, length], scales [NR, N])`` where column block ``padded_cum[e] .. padded_cum[e+1]``
+    (:func:`padded_bounds`) holds the codes of expert e's rows ``cum_token_counts[e] ..
+    cum_token_counts[e+1]`` of ``v`` (``idx`` given: of ``v[idx[r]]``) in order, then zeros; zeros
+    past the last block (``length``: :func:`padded_length`). The same codes and scales as
+    :func:`quantize_cols` of each expert's rows alone; no host read. The fp8 weight-gradient
+    kernel's operand layout (:func:`..triton.fp8_gemm.fp8_grouped_wgrad`)."""
+    NR = cum_token_counts.numel() - 1
+    cum = cum_token_counts.to(torch.int64)
+    pcum = padded_cum.to(torch.int64)
+    pos = torch.arange(length, device=v.device)
+    e = torch.searchsorted(pcum[1:], pos, right=True)  # NR past the last block
+    ec = e.clamp(max=NR - 1)
+    row = pos - pcum.index_select(0, ec) + cum.index_select(0, ec)
+    valid = (e < NR) & (row < cum.index_select(0, ec + 1))
+    row = torch.where(valid, row, 0)
+    if idx is not None:
+        row = torch.where(valid, idx.index_select(0, row).to(torch.int64), 0)
+    v = torch.where(valid[:, None], v.index_select(0, row).float(), 0.0)  # the pads: zero, whatever v holds
+    eid = torch.where(valid, e, NR)
+    amax = v.new_zeros(NR + 1, v.shape[1]).scatter_reduce_(0, eid[:, None].expand(length, v.shape[1]), v.abs(), "amax")
+    qm = _QMAX[dtype]
+    inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
+    q = v * inv.index_select(0, eid)
+    if dtype == torch.int8:
+        q.round_()
+    codes = torch.empty(v.shape[1], length, dtype=dtype, device=v.device)
+    codes.t().copy_(q)
+    return codes, amax[:NR] / qm
+
+
 def quantize_cols_grouped(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor,
                           idx: torch.Tensor | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [R, N], scales [NR, N])``: the rows ``v[r]`` (``idx`` given: ``v[idx[r]]``, R =
@@ -311,13 +364,28 @@ def _probe(fmt: str, device_type: str, device_index: int | None) -> str | None:
     return None
 
 
-def unsupported_reason(fmt: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None when precision ``fmt`` runs for ``dtype`` activations on ``device``; else why not
-    (probed once with a tiny quantized GEMM, so the answer follows the installed torch)."""
+def unsupported_reason(fmt: str, device: torch.device | str, dtype: torch.dtype, base: str | None = None) -> str | None:
+    """None when precision ``fmt`` runs for ``dtype`` activations on ``device`` next to kernel base
+    ``base``; else why not. Next to the Triton base, where the format's Triton grouped GEMMs run on
+    the device (their config table has them; fp8: sm_89+), those are every GEMM of the path and
+    nothing else is needed; otherwise the torch GEMMs are probed once with a tiny quantized GEMM, so
+    the answer follows the installed torch (whose CPU ``_scaled_mm`` took row-wise scales only from
+    2.13 on)."""
     dev = torch.device(device)
     if dev.type == "meta":
         return f"{fmt} GEMMs are not probed on the meta device"
     if fmt == "fp8" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
         return f"fp8 GEMMs need sm_89 or newer, {torch.cuda.get_device_name(dev)} is sm_" + "".join(
             map(str, torch.cuda.get_device_capability(dev)))
+    if base == "triton" and _triton_kernels_run(fmt, dev):
+        return None
     return _probe(fmt, dev.type, dev.index)
+
+
+def _triton_kernels_run(fmt: str, dev: torch.device) -> bool:
+    try:
+        from .launchers import _kernels
+
+        return bool(_kernels(fmt).available(dev))
+    except ImportError:  # no triton
+        return False

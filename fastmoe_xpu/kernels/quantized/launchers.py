@@ -9,15 +9,19 @@ router-weight products stay in fp32. ``silu_mul_bwd`` and stages 2, 3 and 5 come
 backend this engine is combined with. On this per-expert path the expert bounds are read on the
 host (as the ``loop`` engine does); scales are computed on the device. Row buffers: rows past RT are zero.
 
-Next to the Triton base (``grouped=True``, int8, where the device's Triton config table has the
-kernels: cuda, hip, xpu and the interpreter), the forward GEMMs and the input-gradient GEMMs run as one
-Triton int8 grouped GEMM each (:mod:`..triton.int8_gemm`: int32 ``tl.dot``, the scales applied in
-its epilogue, the gate/up rows gathered in its loads, the expert bounds read on the device), and the
-weight-gradient GEMMs as one Triton int8 grouped weight-gradient GEMM each (the contraction over
-each expert's rows, its column scales computed over those rows on the device): no host read in the
-whole stage-4 path. The numbers are the same bits as the per-expert path: quantization is per row
+Next to the Triton base (``grouped=True``), where the device's Triton config table has the format's
+kernels (int8: cuda, hip, xpu and the interpreter; fp8: cuda on sm_89+ and the interpreter), the
+forward GEMMs and the input-gradient GEMMs run as one Triton grouped GEMM each
+(:mod:`..triton.int8_gemm`: int32 ``tl.dot``; :mod:`..triton.fp8_gemm`: fp8 ``tl.dot`` into fp32;
+both with the scales applied in the epilogue, the gate/up rows gathered in the loads, the expert
+bounds read on the device), and the weight-gradient GEMMs as one Triton grouped weight-gradient
+GEMM each (the contraction over each expert's rows, its column scales computed over those rows on
+the device; fp8's codes stored by column, each expert's rows aligned): no host read in the whole
+stage-4 path. int8's numbers are the same bits as the per-expert path: quantization is per row
 (per token) and per output channel, so quantizing all rows at once gives every row the codes and
-scale it gets alone, and the per-column scales of the weight gradients are the same maxima.
+scale it gets alone, and the per-column scales of the weight gradients are the same maxima. fp8's
+codes and scales are the same too; its fp32 sums may differ from ``torch._scaled_mm``'s by the
+order of summation.
 
 :mod:`.reference` states the same maths expert by expert in plain PyTorch; the tests hold these
 launchers to it.
@@ -33,8 +37,8 @@ from typing import Any, Callable
 import torch
 
 from ..contract import check_gemm_inputs, check_stored_gemm_inputs
-from .core import (FORMATS, expert_of_rows, qmm, quantize_cols, quantize_cols_grouped, quantize_rows,
-                   quantized_weight)
+from .core import (FORMATS, expert_of_rows, padded_bounds, padded_length, qmm, quantize_cols, quantize_cols_grouped,
+                   quantize_cols_grouped_t, quantize_rows, quantized_weight)
 
 
 def _groups(cum_token_counts: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]]:
@@ -68,41 +72,68 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fw
 
 
 def _grouped(grouped: bool, fmt: str, device: torch.device) -> bool:
-    """Whether the Triton int8 grouped GEMM runs this call."""
-    if not grouped or fmt != "int8":
+    """Whether the Triton grouped GEMMs of format ``fmt`` run this call."""
+    if not grouped:
         return False
-    from ..triton import int8_gemm
+    return _kernels(fmt).available(device)
 
-    return int8_gemm.available(device)
+
+def _kernels(fmt: str):  # noqa: ANN202
+    """The Triton module of format ``fmt``'s grouped GEMMs."""
+    if fmt == "int8":
+        from ..triton import int8_gemm
+
+        return int8_gemm
+    from ..triton import fp8_gemm
+
+    return fp8_gemm
+
+
+def _grouped_mm(fmt: str, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+    """Format ``fmt``'s Triton grouped GEMM (:func:`..triton.int8_gemm.int8_grouped_mm` or
+    :func:`..triton.fp8_gemm.fp8_grouped_mm`, the same arguments)."""
+    k = _kernels(fmt)
+    return (k.int8_grouped_mm if fmt == "int8" else k.fp8_grouped_mm)(*args, **kwargs)
 
 
 def _grouped_input_grad(g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, d_rows: torch.Tensor,
                         transposed: bool) -> None:  # noqa: ANN001
-    """All experts' input gradients in one Triton int8 grouped GEMM: each row of ``g`` times its
+    """All experts' input gradients in one Triton grouped GEMM: each row of ``g`` times its
     expert's weight scales, quantized per row, against the weight codes (``[O, In]`` per expert:
     the stored ``[NR, O, In]`` as ``W_e``, the transposed ``[NR, In, O]`` as ``W_e^T``)."""
-    from ..triton.int8_gemm import int8_grouped_mm
-
     R = d_rows.shape[0]
     eid = expert_of_rows(cum_token_counts, R).clamp_(max=qw.scales.shape[0] - 1)  # past RT: any expert
     qg, sg = quantize_rows(g[:R], f.grad, qw.scales.index_select(0, eid))  # [R, O] row scales
-    int8_grouped_mm(qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
+    _grouped_mm(f.name, qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
 
 
 def _grouped_backward(g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: torch.Tensor,
                       d_rows: torch.Tensor, dw: torch.Tensor, transposed: bool = False,
                       a_idx: torch.Tensor | None = None) -> None:  # noqa: ANN001
-    """The Triton int8 grouped backward of one projection, expert bounds on the device: the input
+    """The Triton grouped backward of one projection, expert bounds on the device: the input
     gradients of rows ``g`` into ``d_rows`` (one grouped GEMM), and the weight gradients
     ``[g]_col^T [a]_col`` per expert into ``dw`` (``a_idx``: the input rows are ``a[a_idx]``), both
-    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM."""
-    from ..triton.int8_gemm import int8_grouped_wgrad
-
+    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM
+    (fp8: the codes stored by column, each expert's rows aligned, :func:`.core.quantize_cols_grouped_t`)."""
     if d_rows.shape[0] == 0:
         dw.zero_()
         return
     _grouped_input_grad(g, qw, f, cum_token_counts, d_rows, transposed)
     R = d_rows.shape[0]
+    if f.name == "fp8":
+        from ..triton.fp8_gemm import fp8_grouped_wgrad
+
+        pcum = padded_bounds(cum_token_counts)
+        length = padded_length(R, cum_token_counts.numel() - 1)
+        qg, sg = quantize_cols_grouped_t(g, f.grad, cum_token_counts, pcum, length)
+        qa, sa = quantize_cols_grouped_t(a, f.forward, cum_token_counts, pcum, length, idx=a_idx)
+        if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
+            fp8_grouped_wgrad(qa, sa, qg, sg, pcum, dw, left_scale_first=False)
+        else:
+            fp8_grouped_wgrad(qg, sg, qa, sa, pcum, dw, left_scale_first=True)
+        return
+    from ..triton.int8_gemm import int8_grouped_wgrad
+
     qg, sg = quantize_cols_grouped(g, f.grad, cum_token_counts, rows=R)
     qa, sa = quantize_cols_grouped(a, f.forward, cum_token_counts, idx=a_idx, rows=R)
     if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
@@ -132,12 +163,10 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
     two_i = w_gate_up_N2IH.shape[1]
     qw = quantized_weight(w_gate_up_N2IH, f.forward)
     if _grouped(grouped, fmt, x_TH.device):
-        from ..triton.int8_gemm import int8_grouped_mm
-
         gate_up = x_TH.new_zeros(input_indices.shape[0], two_i)
         if x_TH.shape[0]:  # every token quantized once; the kernel gathers the routed rows' codes
             qx, sx = quantize_rows(x_TH, f.forward)
-            int8_grouped_mm(qx, sx, input_indices, qw.codes, qw.scales, cum_token_counts, gate_up, trans_w=True)
+            _grouped_mm(fmt, qx, sx, input_indices, qw.codes, qw.scales, cum_token_counts, gate_up, trans_w=True)
         rt = None
     else:
         rt, groups = _groups(cum_token_counts)
@@ -160,11 +189,9 @@ def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_dow
     width = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
     qw = quantized_weight(w_down_NHI, f.forward, transposed)
     if _grouped(grouped, fmt, h_RI.device):
-        from ..triton.int8_gemm import int8_grouped_mm
-
         y = h_RI.new_zeros(h_RI.shape[0], width)
         qh, sh = quantize_rows(h_RI, f.forward)  # row-local: rows past RT change no expert row
-        return int8_grouped_mm(qh, sh, None, qw.codes, qw.scales, cum_token_counts, y, trans_w=not transposed)
+        return _grouped_mm(fmt, qh, sh, None, qw.codes, qw.scales, cum_token_counts, y, trans_w=not transposed)
     rt, groups = _groups(cum_token_counts)
     y = _rows_buffer(h_RI.shape[0], rt, width, h_RI)
     if rt:
