@@ -1,16 +1,15 @@
-"""The Triton int8 grouped GEMMs (``kernels/triton/int8_gemm.py``) under the interpreter: the kernels
-against exact integer products and the reference's weight-gradient maths, and
-``expert_precision="int8"`` next to the Triton base (every expert GEMM in these kernels) against the
-plain-PyTorch reference of the quantized maths (``kernels/quantized/reference.py``), gradients
-included, at awkward shapes."""
+"""The Triton int8 grouped GEMMs (``kernels/triton/int8_gemm.py``): the kernels against exact integer
+products and the reference's weight-gradient maths, and ``expert_precision="int8"`` next to the Triton
+base (every expert GEMM in these kernels) against the plain-PyTorch reference of the quantized maths
+(``kernels/quantized/reference.py``), gradients included, at awkward shapes.
+
+On the suite's device (``--device``, tests/device_util.py): under the interpreter on CPU tensors by
+default (tests/conftest.py switches it on before triton is imported), compiled on ``--device cuda`` or
+``xpu``. The inputs are made on the CPU and moved; the references are computed on the CPU."""
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before the first 'import triton' of this process
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -29,6 +28,14 @@ def _close(got, want, what):
     scale = want.abs().max().item() if want.numel() else 1.0
     torch.testing.assert_close(got.detach().float(), want.float(), rtol=RTOL, atol=ATOL + RTOL * scale,
                                msg=lambda m: f"{what}: {m}")
+
+
+@pytest.fixture
+def dev(device):
+    """The suite's device, where the int8 kernels have configs (cuda, hip, xpu and the interpreter)."""
+    if not int8_gemm.available(device):
+        pytest.skip(f"the Triton int8 kernels have no configs for {device}")
+    return device
 
 
 @pytest.fixture
@@ -59,7 +66,7 @@ def launched(monkeypatch):
 
 @pytest.mark.parametrize("trans_w", [True, False])
 @pytest.mark.parametrize("gather", [True, False])
-def test_kernel_is_exact(trans_w, gather):
+def test_kernel_is_exact(trans_w, gather, dev):
     """Each expert row: the int8 codes multiplied exactly, converted to fp32, times the row scale,
     then the column scale; rows of no expert (past RT) untouched. Counts 19, 0, 1, 17 (an empty
     expert, a single row, tiles of 16 partly filled), K = 37 and N = 21 not multiples of the tile."""
@@ -74,8 +81,10 @@ def test_kernel_is_exact(trans_w, gather):
     qw = torch.randint(-127, 128, (4, N, K) if trans_w else (4, K, N), generator=g, dtype=torch.int8)
     sw = torch.rand(4, N, generator=g)
     for with_sw, dtype in ((True, torch.float32), (False, torch.float32), (True, torch.bfloat16)):
-        out = torch.full((R, N), 7.0, dtype=dtype)
-        int8_gemm.int8_grouped_mm(qa, sa, idx, qw, sw if with_sw else None, cum, out, trans_w)
+        out = torch.full((R, N), 7.0, dtype=dtype, device=dev)
+        on = [t.to(dev) if t is not None else None for t in (qa, sa, idx, qw, sw if with_sw else None, cum)]
+        int8_gemm.int8_grouped_mm(*on[:6], out, trans_w)
+        out = out.cpu()
         for e in range(4):
             s, t = int(cum[e]), int(cum[e + 1])
             src = idx[s:t].long() if gather else torch.arange(s, t)
@@ -109,7 +118,7 @@ def _wgrad_case(counts, M, N, seed):
 
 @pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_wgrad_kernel_equals_reference(counts, transposed, launched):
+def test_wgrad_kernel_equals_reference(counts, transposed, launched, dev):
     """The grouped int8 weight gradient, bit for bit the reference's ``[g]_col^T [x]_col`` per expert
     (columns quantized over the expert's rows, codes multiplied exactly, fp32 scaled by the gradient's
     scales, then the input's), in the stored ``[O, In]`` and the transposed ``[In, O]`` layout; zero for
@@ -118,15 +127,16 @@ def test_wgrad_kernel_equals_reference(counts, transposed, launched):
     M, N = 21, 37
     cum, grad, x, idx = _wgrad_case(counts, M, N, seed=len(counts))
     nr = len(counts)
-    qg, sg = qcore.quantize_cols_grouped(grad, torch.int8, cum)
-    qx, sx = qcore.quantize_cols_grouped(x, torch.int8, cum, idx=idx)
+    qg, sg = qcore.quantize_cols_grouped(grad.to(dev), torch.int8, cum.to(dev))
+    qx, sx = qcore.quantize_cols_grouped(x.to(dev), torch.int8, cum.to(dev), idx=idx.to(dev))
     assert sg.shape == (nr, M) and qx.shape == (len(idx), N)
-    out = torch.full((nr, N, M) if transposed else (nr, M, N), 7.0)
+    out = torch.full((nr, N, M) if transposed else (nr, M, N), 7.0, device=dev)
     if transposed:
-        int8_gemm.int8_grouped_wgrad(qx, sx, qg, sg, cum, out, left_scale_first=False)
+        int8_gemm.int8_grouped_wgrad(qx, sx, qg, sg, cum.to(dev), out, left_scale_first=False)
     else:
-        int8_gemm.int8_grouped_wgrad(qg, sg, qx, sx, cum, out, left_scale_first=True)
+        int8_gemm.int8_grouped_wgrad(qg, sg, qx, sx, cum.to(dev), out, left_scale_first=True)
     assert launched == ["_int8_grouped_wgrad_kernel"]
+    qg, sg, qx, sx, out = (t.cpu() for t in (qg, sg, qx, sx, out))
     for e in range(nr):
         s, t = int(cum[e]), int(cum[e + 1])
         got = out[e].t() if transposed else out[e]
@@ -162,18 +172,18 @@ def _case(T, H, I, E, K, seed=0, empty=False):
 
 @pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
                          ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
-def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds):
+def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds, dev):
     x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
-    leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="triton",
+    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
                               expert_precision="int8")
-    out.backward(dout)
+    out.backward(dout.to(dev))
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8")
-    _close(out, want[0], "output")
-    _close(leaves[0].grad, want[1], "input gradient")
-    _close(leaves[2].grad, want[2], "gate_up weight gradient")
-    _close(leaves[3].grad, want[3], "down weight gradient")
-    _close(leaves[1].grad, want[4], "router-weight gradient")
+    _close(out.cpu(), want[0], "output")
+    _close(leaves[0].grad.cpu(), want[1], "input gradient")
+    _close(leaves[2].grad.cpu(), want[2], "gate_up weight gradient")
+    _close(leaves[3].grad.cpu(), want[3], "down weight gradient")
+    _close(leaves[1].grad.cpu(), want[4], "router-weight gradient")
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_int8_grouped_mm_kernel") == 4, launched
     assert launched.count("_int8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients
@@ -184,7 +194,7 @@ def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_bounds):
+def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_bounds, dev):
     """``down_fwd`` / ``down_bwd`` of ``triton+int8`` against the torch-base launchers, bit for bit
     (the same quantized maths, per expert there, grouped here), stored and transposed layouts; the
     weight gradients bit for bit against the reference as well."""
@@ -197,8 +207,9 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
     dy = torch.randn(sum(counts) + 2, 13, generator=g)
     tri, ref = kernels("triton+int8"), kernels("torch+int8")
     rt = sum(counts)
-    y = tri.down_fwd(a, cum, stored, transposed=transposed)
-    da, dw = tri.down_bwd(dy, a, cum, stored, transposed=transposed)
+    on = [t.to(dev) for t in (a, cum, stored, dy)]
+    y = tri.down_fwd(on[0], on[1], on[2], transposed=transposed).cpu()
+    da, dw = (t.cpu() for t in tri.down_bwd(on[3], on[0], on[1], on[2], transposed=transposed))
     assert launched.count("_int8_grouped_mm_kernel") == 2, launched
     assert launched.count("_int8_grouped_wgrad_kernel") == 1, launched
     no_host_bounds()
@@ -216,16 +227,17 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
             assert torch.count_nonzero(dw[e]) == 0
 
 
-def test_triton_int8_bf16_equals_torch_base():
-    """bf16 activations: the Triton base's int8 layer agrees with the torch base's int8 layer."""
+def test_triton_int8_bf16_equals_torch_base(dev):
+    """bf16 activations: the Triton base's int8 layer (on the suite's device) agrees with the torch
+    base's int8 layer (on the CPU)."""
     x, weights, idx, w_gu, w_d, dout = _case(23, 24, 14, 5, 2, seed=2)
     res = {}
-    for backend in ("torch", "triton"):
-        leaves = [t.to(torch.bfloat16).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend=backend,
+    for backend, where in (("torch", torch.device("cpu")), ("triton", dev)):
+        leaves = [t.to(where, torch.bfloat16).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+        out = moe_experts_forward(leaves[0], leaves[1], idx.to(where), leaves[2], leaves[3], backend=backend,
                                   expert_precision="int8")
-        out.backward(dout.to(torch.bfloat16))
-        res[backend] = [out.detach(), *(t.grad for t in leaves)]
+        out.backward(dout.to(where, torch.bfloat16))
+        res[backend] = [out.detach().cpu(), *(t.grad.cpu() for t in leaves)]
     for name, a, b in zip(("out", "dx", "dweights", "dw_gate_up", "dw_down"), res["triton"], res["torch"]):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
         # The interpreter truncates float -> bf16 casts (GPUs round to nearest), so the bf16 rows
