@@ -11,7 +11,8 @@ transformers versions found there (no network), and writes everything into one f
    engines, transformers' ``grouped_mm`` and Liger-Kernel's fused MoE (with its one pinned config,
    ``LIGER_FUSED_MOE_AUTOTUNE=0``: its autotuner compiles over a hundred configs at every shape, minutes
    each; set the variable to 1 to let it tune), the ratio of ours to the fastest peer, peak memory and
-   each one's error against an fp32 reference; the summary's first table;
+   each one's error against an fp32 reference; the summary's first table. ``fastmoe/triton:fp8`` (the
+   Triton fp8 grouped GEMMs) runs beside the plain provider, its speed over bf16 printed under each table;
 3. ``tests``: the kernel and block tests on the device with compiled kernels (``pytest --device <dev>``;
    their fp32 and bf16 cases), JUnit XML and log;
 4. ``mula``: ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
@@ -116,8 +117,9 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
     liger_pinned = os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "0")
     steps: list[Step] = [Step(
         key="compare", name="the comparison: bf16 TFLOP/s against transformers and Liger at the practitioners' shapes",
-        argv=[*bench, "--shapes", "practitioners", "--device", device, "--dtype", "bf16", "--rounds", "3",
-         "--budget", str(int(0.012 * budget_s)), "--no-progress", "--out", str(out / "compare")],
+        argv=[*bench, "--shapes", "practitioners", "--device", device, "--dtype", "bf16", "--precision", "none",
+              "fp8", "--rounds", "3", "--budget", str(int(0.012 * budget_s)), "--no-progress", "--out",
+              str(out / "compare")],
         timeout_s=0.45 * budget_s, env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": liger_pinned},
     )]
     tests = [p for p in ("tests/kernels", "tests/test_block.py") if (repo / p).exists()]
