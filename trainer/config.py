@@ -440,11 +440,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if p.dp == 0:
             if world_size % (p.pp * p.ep * p.tp):
                 axes = f"PP x EP = {p.pp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
-                raise ConfigError(f"world size {world_size} is not divisible by {axes}")
+                raise ConfigError(f"world size {world_size} is not divisible by {axes}"
+                                  + _start_more(world_size, p.pp * p.ep * p.tp))
             p.dp = world_size // (p.pp * p.ep * p.tp)
         if p.pp * p.dp * p.ep * p.tp != world_size:
             axes = f"PP x DP x EP = {p.pp} x {p.dp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
-            raise ConfigError(f"world size {world_size} != {axes}")
+            raise ConfigError(f"world size {world_size} != {axes}" + _start_more(world_size, p.pp * p.dp * p.ep * p.tp))
     dp = p.dp or 1
     data_ranks = dp * p.ep
     if s.global_batch % (data_ranks * s.micro_batch):
@@ -462,6 +463,14 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
         cfg._validated_world = world_size  # type: ignore[attr-defined]
     return cfg
+
+
+def _start_more(world_size: int, needed: int) -> str:
+    """The way on when one process was started for a layout of ``needed`` ranks."""
+    if world_size != 1 or needed <= 1:
+        return ""
+    return (f"; this is one process: start {needed} with fastmoe-train --nproc-per-node {needed} ... (or torchrun "
+            f"--nproc-per-node {needed} -m fastmoe_trainer ...)")
 
 
 def validated_for(cfg: TrainConfig, world_size: int) -> bool:

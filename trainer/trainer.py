@@ -502,6 +502,7 @@ class Trainer:
         if res is None:
             return False
         meta = res.meta
+        self._check_data_set(meta, res.info.step, str(res.info.path))
         self._check_schedule(meta.get("config"), res.info.step, str(res.info.path))
         self.step = res.info.step
         self.loader.load_state_dict(meta["data"])
@@ -512,6 +513,20 @@ class Trainer:
             print(f"resumed from {res.info.path} at step {self.step} ({res.seconds:.2f}s"
                   f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
         return True
+
+    def _check_data_set(self, meta: dict[str, Any], step: int, path: str) -> None:
+        """A resume on another data set than the checkpoint's (other files, or the same path
+        preprocessed again) is refused in one line naming both fingerprints and the ways on."""
+        saved = (meta.get("data") or {}).get("fingerprint")
+        now = self.loader.dataset.fingerprint
+        if saved is None or saved == now:
+            return
+        old_path = meta.get("data_manifest") or "its data set"
+        raise ConfigError(
+            f"the checkpoint {path} (step {step}) was trained on {old_path} (fingerprint {str(saved)[:12]}), "
+            f"this run reads {self.manifest_path} (fingerprint {now[:12]}): the data set changed since; give "
+            f"--data the checkpoint's data set to resume, or train on the new one in another --out "
+            f"(--checkpoint.init_from {path} starts it from these weights)")
 
     #: The fields that make the learning-rate schedule, as (section, field, option).
     SCHEDULE_FIELDS = (("schedule", "steps", "--steps"), ("schedule", "warmup_steps", "--warmup"),
