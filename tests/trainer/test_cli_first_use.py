@@ -169,3 +169,31 @@ def test_a_layout_on_one_process_suggests_starting_more(tmp_path, capsys, argv, 
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"this is one process: start {n} with fastmoe-train --nproc-per-node {n}" in err
     assert f"torchrun --nproc-per-node {n} -m fastmoe_trainer" in err
+
+
+def test_export_errors_are_one_line_and_name_every_damaged_slot(tmp_path, capsys):
+    from trainer.export import main as export_main
+    from trainer.trainer import Trainer
+    from trainer_util import small_cfg
+
+    Trainer(small_cfg(str(tmp_path / "cache"), str(tmp_path / "run"), steps=2, checkpoint__interval=1,
+                      eval__enabled=False)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("slot-*")) == ["slot-A", "slot-B"]
+    capsys.readouterr()
+    # an --out that cannot be a directory
+    assert export_main(["--checkpoint", str(root), "--out", "/dev/null/x", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: cannot create --out /dev/null/x: Not a directory", err
+    # both slots damaged: the error names both, each with its reason
+    (root / "slot-A" / "MANIFEST.json").unlink()
+    data = sorted((root / "slot-B").glob("__*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert export_main(["--checkpoint", str(root), "--out", str(tmp_path / "hf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: no valid checkpoint under {root}: "), err
+    assert f"{root / 'slot-A' / 'MANIFEST.json'} is missing" in err
+    assert f"{data} fails its sha256 check" in err
+    assert not (tmp_path / "hf").exists()
