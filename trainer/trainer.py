@@ -386,10 +386,10 @@ class Trainer:
                 self.history.append(rec)
                 if self.writer is not None:
                     self.writer.write(rec)
-                if bar is not None:
-                    bar.update(1)
+                if bar is not None:  # this step's numbers first: update() draws (or prints) the line
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                    spikes=rec["grad_spikes"])
+                                    spikes=rec["grad_spikes"], refresh=False)
+                    bar.update(1)
                 self.save_checkpoints()
                 if stop is not None:
                     stopped = stop.agreed(lay.world_group, lay.distributed, self.device)
