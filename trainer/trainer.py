@@ -46,7 +46,7 @@ from .checkpoint import CheckpointManager, load_model, sync_master_from_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
-from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
+from .metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
 from .parallelism.apply import parallelize
@@ -133,6 +133,7 @@ class Trainer:
         self.tokens_per_step = s.global_batch * cfg.data.context
         self._autocast_dtype = self._resolve_autocast()
         self.peak_tflops, self.peak_source = (0.0, "")
+        self.mfu: MfuMeter | None = None  # rank 0's, from fit()
         self.writer: MetricsWriter | None = None
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}  # summary.json's contents once written (rank 0)
@@ -342,8 +343,8 @@ class Trainer:
             "tokens": self.step * self.tokens_per_step, "step_time_s": dt, "tokens_per_s": tok_s,
             "compile_s": compile_s,
         }
-        if self.peak_tflops > 0:
-            rec["mfu"] = self.flops_per_token * tok_s / (self.layout.world * self.peak_tflops * 1e12)
+        if self.mfu is not None:
+            rec["mfu"] = self.mfu(tok_s)  # never above 1 (trainer/metrics.py: MfuMeter)
         if m.is_moe:
             tpe = (parts.tokens_per_expert / m.num_layers).tolist()
             rec["tokens_per_expert"] = tpe
@@ -362,6 +363,7 @@ class Trainer:
             self.resume()
         if lay.is_main:
             self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
+            self.mfu = MfuMeter(self.peak_tflops, self.peak_source, self.flops_per_token, lay.world)
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
                                         start_step=self.step)
             self._write_run_info()
