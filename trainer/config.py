@@ -232,6 +232,11 @@ class LoggingConfig:
     """Show a tqdm progress bar on rank 0."""
     tensorboard: bool = True
     """Write TensorBoard scalars to ``OUT/tensorboard`` (tensorboardX, or the tensorboard package)."""
+    wandb: bool = False
+    """Log the same scalars to Weights & Biases (the optional wandb package; ``WANDB_MODE=offline`` keeps the run
+    in ``OUT/wandb`` to sync later; trainer/wandb_writer.py)."""
+    wandb_project: str = "fastmoe"
+    """The W&B project of ``--logging.wandb`` (the run is named after OUT)."""
     plot: bool = True
     """Write ``OUT/loss.png`` at the end."""
     peak_tflops: float = 0.0
@@ -459,6 +464,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         raise ConfigError("--parallel.dp_shard fsdp keeps an fp32 master of the sharded weights: it does not combine "
                           "with --optim.stochastic_rounding or --no-optim.master_weights")
     check_parallel(cfg)
+    if cfg.logging.wandb:
+        from .wandb_writer import check_available
+
+        check_available()  # an optional package: one line now, not a traceback at the first step
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
         cfg._validated_world = world_size  # type: ignore[attr-defined]

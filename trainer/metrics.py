@@ -180,18 +180,27 @@ class SpikeDetector:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``OUT/metrics.jsonl`` and its scalars to TensorBoard
-    event files under ``OUT/tensorboard`` (see :mod:`trainer.tb_writer`)."""
+    """Appends one JSON object per step to ``OUT/metrics.jsonl``, its scalars to TensorBoard event
+    files under ``OUT/tensorboard`` (see :mod:`trainer.tb_writer`) and, given ``wandb`` (the
+    keywords of :class:`trainer.wandb_writer.WandbScalars`: ``project``, ``config``, ``name``), to a
+    Weights & Biases run."""
 
     def __init__(self, out_dir: str, *, tensorboard: bool = True, append: bool = False,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, wandb: dict[str, Any] | None = None) -> None:
         from .tb_writer import TensorBoardScalars
 
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        logged_through = 0
         if append and os.path.isfile(self.path):
+            logged_through = last_step(self.path)  # what the earlier process logged (W&B keeps it)
             # a resume re-does the steps after its checkpoint: the earlier run's records of those go
             drop_records_after(self.path, start_step)
+        self._wandb = None
+        if wandb is not None:  # first: a run W&B cannot start stops here, before anything is written
+            from .wandb_writer import WandbScalars
+
+            self._wandb = WandbScalars(out_dir, logged_through=logged_through, **wandb)
         self._f = open(self.path, "a" if append else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -208,11 +217,20 @@ class MetricsWriter:
         self._f.flush()
         if self._tb is not None:
             self._tb.write(record)
+        if self._wandb is not None:
+            self._wandb.write(record)
+
+    @property
+    def wandb_run(self) -> Any:
+        """The W&B run being logged to (None without ``wandb``)."""
+        return self._wandb.run if self._wandb is not None else None
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def json_safe(value: Any) -> Any:
@@ -224,6 +242,20 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def last_step(path: str) -> int:
+    """The highest ``step`` of the metrics file ``path`` (0 when none; unparsable lines skipped)."""
+    best = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                best = max(best, int(rec.get("step", 0) or 0))
+    return best
 
 
 def drop_records_after(path: str, step: int) -> int:

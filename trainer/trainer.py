@@ -364,8 +364,9 @@ class Trainer:
         if lay.is_main:
             self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
             self.mfu = MfuMeter(self.peak_tflops, self.peak_source, self.flops_per_token, lay.world)
+            wandb = dict(project=cfg.logging.wandb_project, config=cfg.to_dict()) if cfg.logging.wandb else None
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
-                                        start_step=self.step)
+                                        start_step=self.step, wandb=wandb)
             self._write_run_info()
             from .startup import startup_summary
 
