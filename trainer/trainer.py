@@ -525,11 +525,16 @@ class Trainer:
         if saved is None or saved == now:
             return
         old_path = meta.get("data_manifest") or "its data set"
+        def manifest_file(p: str) -> str:
+            return os.path.abspath(os.path.join(p, "manifest.json") if os.path.isdir(p) else p)
+
+        same = manifest_file(str(old_path)) == manifest_file(self.manifest_path)
         raise ConfigError(
             f"the checkpoint {path} (step {step}) was trained on {old_path} (fingerprint {str(saved)[:12]}), "
-            f"this run reads {self.manifest_path} (fingerprint {now[:12]}): the data set changed since; give "
-            f"--data the checkpoint's data set to resume, or train on the new one in another --out "
-            f"(--checkpoint.init_from {path} starts it from these weights)")
+            f"this run reads {self.manifest_path} (fingerprint {now[:12]}): "
+            f"{'it was preprocessed again since' if same else 'another data set'}; give --data the checkpoint's "
+            f"data set to resume, or train on the new one in another --out (--checkpoint.init_from {path} starts "
+            f"it from these weights)")
 
     #: The fields that make the learning-rate schedule, as (section, field, option).
     SCHEDULE_FIELDS = (("schedule", "steps", "--steps"), ("schedule", "warmup_steps", "--warmup"),

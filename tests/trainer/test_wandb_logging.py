@@ -7,6 +7,7 @@ import glob
 import json
 import struct
 import sys
+import time
 import types
 
 import pytest
@@ -92,9 +93,26 @@ def test_without_the_package_it_is_one_line_before_any_work(tmp_path, capsys, mo
     assert not (tmp_path / "o").exists()
 
 
-def _wandb_history(run_dir) -> dict[int, dict]:
-    """{step: scalars} of an offline run, read from its ``.wandb`` file: W&B's LevelDB-style log
-    (a 7-byte header, then records of crc32 / length / type in 32 KiB blocks) of ``Record`` protos."""
+def _wandb_history(run_dir, timeout: float = 60.0) -> dict[int, dict]:
+    """{step: scalars} of an offline run, read from its ``.wandb`` file once its ``exit`` record is
+    there (W&B's service process writes the file on its own after ``finish()`` returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _wandb_records(run_dir)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            out[int(r.history.step.num)] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return out
+
+
+def _wandb_records(run_dir) -> list:
+    """The ``Record`` protos of an offline run's ``.wandb`` file: W&B's LevelDB-style log (a 7-byte
+    header, then records of crc32 / length / type in 32 KiB blocks)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(str(run_dir / "run-*.wandb"))
@@ -107,6 +125,8 @@ def _wandb_history(run_dir) -> dict[int, dict]:
         if kind == 0:  # the zero padding at a block's end
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == 1:
             chunks.append(chunk)
@@ -116,14 +136,12 @@ def _wandb_history(run_dir) -> dict[int, dict]:
             pending += chunk
         else:
             chunks.append(pending + chunk)
-    out = {}
+    records = []
     for c in chunks:
         r = pb.Record()
         r.ParseFromString(c)
-        if r.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            out[int(r.history.step.num)] = {k: v for k, v in items.items() if not k.startswith("_")}
-    return out
+        records.append(r)
+    return records
 
 
 def test_offline_run_holds_every_steps_scalars_and_a_resume_continues_it(tmp_path, data_cache, monkeypatch):  # noqa: F811
