@@ -13,7 +13,8 @@ constraints=${FASTMOE_CONSTRAINTS:-scripts/constraints.txt}
 want="$(cat pyproject.toml setup.py scripts/setup_venv.sh "$constraints" | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
-  .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" -e ".[test,trainer,bench]"
+  # wandb: the trainer's optional W&B logging, installed for its offline test (tests/trainer/test_wandb_logging.py)
+  .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" -e ".[test,trainer,bench,wandb]"
   # LoRA on the expert weights: the PEFT integration tests and the trainer's adapter export
   .venv/bin/pip install -q --disable-pip-version-check -c "$constraints" peft
   echo "$want" > "$stamp"

@@ -396,6 +396,11 @@ def test_registration_is_lazy_and_in_place_before_first_use() -> None:
         "import fastmoe_xpu\n"
         "assert 'transformers.integrations.moe' not in sys.modules, 'imported eagerly'\n"
         "from transformers import AutoModelForCausalLM\n"
+        # the precision keyword is the config's before the experts interface is imported
+        "from transformers import Qwen3MoeConfig\n"
+        "c, unused = Qwen3MoeConfig.from_dict({}, fastmoe_expert_precision='int8', return_unused_kwargs=True)\n"
+        "assert unused == {} and c.fastmoe_expert_precision == 'int8', unused\n"
+        "assert 'transformers.integrations.moe' not in sys.modules\n"
         "from fastmoe_xpu.integrations.families import tiny_config\n"
         "m = AutoModelForCausalLM.from_config(tiny_config('qwen3_moe'), experts_implementation='fastmoe')\n"
         "assert m.config._experts_implementation == 'fastmoe'\n"

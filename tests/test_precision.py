@@ -230,6 +230,49 @@ def test_transformers_experts_function(flags, monkeypatch):
         settings.read()
 
 
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_int8_experts_from_pretrained(tmp_path, family):
+    """``from_pretrained(..., experts_implementation="fastmoe", fastmoe_expert_precision="int8")`` sets the
+    precision on the config: the model computes exactly what its experts modules given int8 directly
+    compute, a save keeps the choice in config.json, and a value that is no precision is refused."""
+    pytest.importorskip("transformers.integrations.moe")
+    from transformers import AutoModelForCausalLM
+
+    from fastmoe_xpu.integrations.families import tiny_config
+
+    cfg = tiny_config(family)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="fastmoe",
+                                             fastmoe_expert_precision="int8").eval()
+    assert q.config.fastmoe_expert_precision == "int8" and q.config._experts_implementation == "fastmoe"
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="fastmoe").eval()
+    assert ref.config.fastmoe_expert_precision is None
+    experts = [m for m in ref.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
+    assert experts
+    ids = torch.randint(3, cfg.vocab_size, (2, 11))
+    with torch.no_grad():
+        full = ref(input_ids=ids).logits
+        for m in experts:
+            m.fastmoe_expert_precision = "int8"  # the per-module form, the reference
+        want = ref(input_ids=ids).logits
+        got = q(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert 0 < ((got - full).norm() / full.norm()).item() < 0.03  # int8 ran
+    q.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q").eval()
+    assert again.config.fastmoe_expert_precision == "int8" and again.config._experts_implementation == "fastmoe"
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, want)
+    # "none" clears it, for a saved int8 model loaded at full precision
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "q", fastmoe_expert_precision="none").eval()
+    assert plain.config.fastmoe_expert_precision is None
+    refused = "fastmoe_expert_precision must be one of \\(None, 'int8', 'fp8'\\), got 'int4'"
+    with pytest.raises(ValueError, match=refused):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="fastmoe",
+                                             fastmoe_expert_precision="int4")
+
+
 @pytest.mark.slow
 def test_fused_int8_passes_equal_eager(monkeypatch):
     """The inductor-fused quantize and epilogue give the eager passes' bits (awkward shapes, a zero

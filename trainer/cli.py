@@ -8,6 +8,7 @@ with status 2 before any work.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -112,11 +113,17 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
     if shown is None:
         shown = get_preset(DEFAULT_PRESET)
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default: {DEFAULT_PRESET})")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="read the run's configuration from a TOML, YAML or JSON file: the same nested fields as "
+                        "these options (docs/trainer.md); the preset first, then the file, then the options given")
+    p.add_argument("--print-config", nargs="?", const="json", default=None, choices=("json", "toml", "yaml"),
+                   metavar="FORMAT", help="print the config (preset, --config file and options combined) as json "
+                                          "(default), toml or yaml, in a form --config reads back, and exit")
     p.add_argument("--list-presets", action="store_true", help="list presets with parameter counts and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="print the layout, parameters and memory per rank for --world ranks and exit (no model built)")
-    p.add_argument("--world", type=int, default=None, help="world size for --dry-run (default: this launch's)")
+    p.add_argument("--world", type=int, default=None,
+                   help="world size for --dry-run and --print-config (default: this launch's)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="start N training processes on this machine (torchrun's launcher, run in this process: "
                         "the same as torchrun --standalone --nproc-per-node N -m fastmoe_trainer; Ctrl-C stops "
@@ -147,16 +154,26 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    """Parse ``argv`` into a config (preset, then overrides); raises ConfigError on bad values."""
+    """Parse ``argv`` into a config (preset, then the ``--config`` file, then the options given);
+    raises ConfigError on bad values."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--preset", default=DEFAULT_PRESET)
+    pre.add_argument("--preset", default=None)
+    pre.add_argument("--config", default=None)
+    early = pre.parse_known_args(argv)[0]
+    from_file: dict[str, Any] = {}
+    if early.config is not None:
+        from .config_file import read_config_file
+
+        from_file = read_config_file(early.config)
+    preset = early.preset or from_file.get("preset") or DEFAULT_PRESET
     try:
-        shown = get_preset(pre.parse_known_args(argv)[0].preset)
+        shown = _preset_and_file(preset, from_file, early.config)
     except (ConfigError, ValueError, KeyError):
-        shown = None  # the full parse below reports the unknown preset
+        shown = None  # the full parse below (or the preset's lookup after it) reports the error
     parser = build_parser(shown)
     args = parser.parse_args(argv)
-    cfg = get_preset(args.preset)
+    args.preset = preset
+    cfg = _preset_and_file(preset, from_file, early.config)
     if args.seed is not None:
         cfg.seed = _parse_value(args.seed, int, False, "seed")
     for section, cls in section_classes().items():
@@ -170,12 +187,22 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
             typ, optional = types_[f.name]
             value = raw if typ is bool else _parse_value(raw, typ, optional, key)
             setattr(sub, f.name, value)
-    if cfg.data.path is not None and getattr(args, "data.context") is None:
+    if cfg.data.path is not None and getattr(args, "data.context") is None and "data.context" not in from_file:
         # a data set of one's own: its manifest records the context it was cut to
         from .data.loader import load_manifest
 
         cfg.data.context = int(load_manifest(cfg.data.path)["context"])
     return cfg, args
+
+
+def _preset_and_file(preset: str, from_file: dict[str, Any], path: str | None) -> TrainConfig:
+    """The preset with the ``--config`` file's values on top (trainer/config_file.py)."""
+    cfg = get_preset(preset)
+    if from_file:
+        from .config_file import apply_config_values
+
+        apply_config_values(cfg, from_file, str(path))
+    return cfg
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -243,9 +270,13 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
 
             print(plan_from_config(cfg, args.world or env_world_size()))
             return 0
-        validate(cfg, env_world_size())  # the only check: the Trainer takes the validated config as it is
+        as_given = copy.deepcopy(cfg) if args.print_config else None  # before validate fills in the layout
+        # the only check: the Trainer takes the validated config as it is
+        validate(cfg, (args.world if args.print_config else None) or env_world_size())
         if args.print_config:
-            print(cfg.to_json())
+            from .config_file import dump_config
+
+            print(dump_config(as_given, args.print_config, get_preset(args.preset)), end="")
             return 0
         from .trainer import Trainer
 

@@ -232,6 +232,11 @@ class LoggingConfig:
     """Show a tqdm progress bar on rank 0."""
     tensorboard: bool = True
     """Write TensorBoard scalars to ``OUT/tensorboard`` (tensorboardX, or the tensorboard package)."""
+    wandb: bool = False
+    """Log the same scalars to Weights & Biases (the optional wandb package; ``WANDB_MODE=offline`` keeps the run
+    in ``OUT/wandb`` to sync later; trainer/wandb_writer.py)."""
+    wandb_project: str = "fastmoe"
+    """The W&B project of ``--logging.wandb`` (the run is named after OUT)."""
     plot: bool = True
     """Write ``OUT/loss.png`` at the end."""
     peak_tflops: float = 0.0
@@ -440,11 +445,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if p.dp == 0:
             if world_size % (p.pp * p.ep * p.tp):
                 axes = f"PP x EP = {p.pp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
-                raise ConfigError(f"world size {world_size} is not divisible by {axes}")
+                raise ConfigError(f"world size {world_size} is not divisible by {axes}"
+                                  + _start_more(world_size, p.pp * p.ep * p.tp))
             p.dp = world_size // (p.pp * p.ep * p.tp)
         if p.pp * p.dp * p.ep * p.tp != world_size:
             axes = f"PP x DP x EP = {p.pp} x {p.dp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
-            raise ConfigError(f"world size {world_size} != {axes}")
+            raise ConfigError(f"world size {world_size} != {axes}" + _start_more(world_size, p.pp * p.dp * p.ep * p.tp))
     dp = p.dp or 1
     data_ranks = dp * p.ep
     if s.global_batch % (data_ranks * s.micro_batch):
@@ -458,10 +464,22 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         raise ConfigError("--parallel.dp_shard fsdp keeps an fp32 master of the sharded weights: it does not combine "
                           "with --optim.stochastic_rounding or --no-optim.master_weights")
     check_parallel(cfg)
+    if cfg.logging.wandb:
+        from .wandb_writer import check_available
+
+        check_available()  # an optional package: one line now, not a traceback at the first step
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
         cfg._validated_world = world_size  # type: ignore[attr-defined]
     return cfg
+
+
+def _start_more(world_size: int, needed: int) -> str:
+    """The way on when one process was started for a layout of ``needed`` ranks."""
+    if world_size != 1 or needed <= 1:
+        return ""
+    return (f"; this is one process: start {needed} with fastmoe-train --nproc-per-node {needed} ... (or torchrun "
+            f"--nproc-per-node {needed} -m fastmoe_trainer ...)")
 
 
 def validated_for(cfg: TrainConfig, world_size: int) -> bool:

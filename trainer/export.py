@@ -91,7 +91,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             if reason:
                 reasons.append(reason)
     if not candidates:
-        why = f": {reasons[0]}" if reasons else " (no slot-* or model-step-* directory)"
+        # every damaged checkpoint and why, as the trainer's resume names them
+        why = f": {'; '.join(reasons)}" if reasons else " (no slot-* or model-step-* directory)"
         raise ExportError(f"no valid checkpoint under {p}{why}")
     return max(candidates)[2]
 
@@ -208,7 +209,10 @@ def _prepare_out(out: Path, overwrite: bool) -> Path:
         raise ExportError(f"output {out} exists and is not a directory")
     tmp = out.parent / f".{out.name}.exporting"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # a parent that is a file (/dev/null/x), no permission, a read-only disk
+        raise ExportError(f"cannot create --out {out}: {e.strerror or e}") from None
     return tmp
 
 
@@ -469,6 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         config=config, tokenizer=tok, progress=not args.no_progress)
     except (ExportError, CheckpointError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing the output failed (disk full, permissions): the path and the reason
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or ' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(json.dumps({"out": str(res.out), "checkpoint": str(res.checkpoint), "step": res.step,
                       "architecture": res.architecture, "weights_bytes": res.total_bytes,

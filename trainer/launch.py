@@ -694,6 +694,31 @@ def _has_out(args: Sequence[str]) -> str | None:
     return None
 
 
+#: The trainer's own package, under whichever name it is installed (``--entry``'s default).
+_TRAINER_ENTRY = __package__.split(".")[0]
+#: Set for the node launchers ``--local-nodes`` starts: their parent checked the trainer's arguments.
+_ARGS_CHECKED_ENV = "FASTMOE_LAUNCH_ARGS_CHECKED"
+
+
+def check_trainer_args(trainer_args: Sequence[str], world: int) -> int | None:
+    """Parse and validate the trainer's arguments for ``world`` ranks here, before any rendezvous, so
+    that a bad preset, option, value or layout ends the launch at once with the trainer's one line
+    (exit 2) instead of in every worker after the rendezvous. None when they pass; else the exit
+    status (0 after the trainer's ``--help``)."""
+    from .cli import config_from_args
+    from .config import validate
+
+    try:
+        cfg, _ = config_from_args(list(trainer_args))
+        validate(cfg, world)
+    except SystemExit as e:  # argparse printed its own line (an unknown option) or the help
+        return e.code if isinstance(e.code, int) else EXIT_CONFIG
+    except ValueError as e:  # ConfigError, or a data set that cannot be read
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="fastmoe-launch",
@@ -723,8 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=None, help="--local-nodes: give up after this many seconds")
     ap.add_argument("--out", default=None, help="run directory (default: the trainer's --out)")
     # the trainer's own package, under whichever name it is installed
-    ap.add_argument("--entry", default=__package__.split(".")[0],
-                    help="python module (or .py script) to run on every rank")
+    ap.add_argument("--entry", default=_TRAINER_ENTRY,
+                    help="python module (or .py script) to run on every rank (the trainer's arguments are checked "
+                         "before the rendezvous when it is the trainer)")
     ap.add_argument("--resume-arg", default="--checkpoint.resume",
                     help="arguments appended to the trainer's so every start resumes from the newest checkpoint")
     ap.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
@@ -762,6 +788,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    trainer_world = n_min * args.nproc_per_node
+    if args.entry == _TRAINER_ENTRY and os.environ.get(_ARGS_CHECKED_ENV) != "1":
+        code = check_trainer_args(rest, trainer_world)
+        if code is not None:
+            return code
     if args.local_nodes:
         if args.node_label or args.rdzv_endpoint:
             print("error: --local-nodes picks the node labels and the endpoint itself", file=sys.stderr)
@@ -774,7 +805,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_argv = ["--rdzv-conf", "is_host=0", *node_argv]
         if _has_out(rest) is None and args.out is None:
             node_argv = ["--out", out, *node_argv]
-        return run_local_nodes(args.local_nodes, node_argv, Path(out), timeout=args.timeout)
+        os.environ[_ARGS_CHECKED_ENV] = "1"  # the nodes' launchers inherit it: the arguments were checked here
+        try:
+            return run_local_nodes(args.local_nodes, node_argv, Path(out), timeout=args.timeout)
+        finally:
+            os.environ.pop(_ARGS_CHECKED_ENV, None)
     if _has_out(rest) is None:
         rest += ["--out", out]
     entry = [args.entry] if args.entry.endswith(".py") else ["-m", args.entry]

@@ -10,44 +10,143 @@ from typing import Any, Iterable
 
 import torch
 
-# Dense bf16 peak TFLOP/s of one device (one tile for Intel's Max 1550, which PyTorch sees as two devices).
+#: Dense (no sparsity) bf16 peak TFLOP/s of one device as its vendor states it, by a piece of the
+#: name torch reports; the first match wins, so the variants come before their family's name.
 KNOWN_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989.0),
-    ("H100", 989.0),
+    ("GH200", 989.4),       # Grace Hopper: an H100 SXM's tensor cores
+    ("H200 NVL", 835.0),
+    ("H200", 989.4),        # SXM
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),        # SXM ("NVIDIA H100 80GB HBM3")
     ("A100", 312.0),
-    ("Max 1550", 416.0),
-    ("MI300X", 1307.0),
-    ("MI250X", 191.5),
+    ("MI325X", 1307.4),
+    ("MI300X", 1307.4),
+    ("MI300A", 980.6),
+    ("MI250X", 191.5),      # one of its two dies, which torch sees as two devices
 )
+#: Intel Data Center GPU Max (Ponte Vecchio): bf16 on the XMX engines is 4096 FLOP per clock per
+#: Xe core (8 vector engines, torch's ``gpu_eu_count``), at the product's peak clock in GHz. In the
+#: default FLAT mode torch sees each of a Max 1550's two tiles as a device of 64 Xe cores (419.4).
+PVC_PEAK_GHZ: tuple[tuple[str, float, int], ...] = (
+    # (name piece, clock, Xe cores of one device when the properties do not say)
+    ("Max 1550", 1.6, 64),
+    ("Max 1450", 1.4, 64),
+    ("Max 1100", 1.55, 56),
+)
+PVC_FLOP_PER_CLOCK_PER_CORE = 4096
+#: Lowest fp32 TFLOP/s one CPU thread is taken to have (an SSE core at 2.5 GHz does 0.02): a
+#: measurement below it was disturbed, not the machine's peak.
+CPU_FLOOR_TFLOPS_PER_THREAD = 0.01
 
 
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512,
-                          seconds: float = 0.25) -> float:
-    """A short dense-matmul benchmark: the achievable ceiling on a device with no known peak."""
+def _best_call_seconds(fn: Any, sync: Any, rounds: int, seconds: float) -> float:
+    """The fastest of many calls of ``fn``, over ``rounds`` rounds of about ``seconds`` each: on a
+    shared machine the least disturbed call is the nearest to what the device can do."""
+    fn()
+    sync()  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        end = time.perf_counter() + seconds
+        while True:
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t1 = time.perf_counter()
+            best = min(best, t1 - t0)
+            if t1 >= end:
+                break
+    return best
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype | None = None, n: int | None = None,
+                          seconds: float = 0.05, rounds: int = 5) -> float:
+    """A dense-matmul benchmark, the ceiling on a device with no stated peak: the best of many
+    calls over several rounds. On the CPU, one thread's best (fp32, n = 256: in cache, a call of
+    well under a millisecond that a loaded machine rarely interrupts) times the threads torch uses,
+    never below :data:`CPU_FLOOR_TFLOPS_PER_THREAD` per thread; elsewhere bf16 at n = 4096."""
+    if device.type == "cpu":
+        dtype, n = dtype or torch.float32, n or 256
+        threads = torch.get_num_threads()
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        torch.set_num_threads(1)
+        try:
+            best = _best_call_seconds(lambda: a @ b, lambda: None, rounds, seconds)
+        finally:
+            torch.set_num_threads(threads)
+        return max(2 * n ** 3 / best / 1e12, CPU_FLOOR_TFLOPS_PER_THREAD) * threads
+    dtype, n = dtype or torch.bfloat16, n or 4096
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    iters, t0 = 0, time.perf_counter()
-    while True:
-        a @ b
-        iters += 1
-        if device.type != "cpu":
-            getattr(torch, device.type).synchronize()
-        dt = time.perf_counter() - t0
-        if dt >= seconds:
-            return 2 * n ** 3 * iters / dt / 1e12
+    sync = getattr(torch, device.type).synchronize
+    return 2 * n ** 3 / _best_call_seconds(lambda: a @ b, sync, rounds, seconds) / 1e12
+
+
+def stated_peak_tflops(name: str, properties: Any = None) -> float | None:
+    """The vendor's dense bf16 peak of a device called ``name`` (None when unknown); Intel's Max
+    GPUs from their Xe cores (``properties.gpu_eu_count / 8``: a tile or a whole card)."""
+    low = name.lower()
+    for key, tflops in KNOWN_PEAK_TFLOPS:
+        if key.lower() in low:
+            return tflops
+    for key, ghz, cores in PVC_PEAK_GHZ:
+        if key.lower() in low:
+            eus = getattr(properties, "gpu_eu_count", 0) or 0
+            if eus >= 8:
+                cores = eus // 8
+            return round(cores * PVC_FLOP_PER_CLOCK_PER_CORE * ghz / 1e3, 1)
+    return None
 
 
 def device_peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float, str]:
-    """(peak TFLOP/s of one device, where the number came from)."""
+    """(peak TFLOP/s of one device, where the number came from): ``override`` when > 0, the stated
+    peak of a known accelerator, else a measurement (:func:`measure_matmul_tflops`)."""
     if override > 0:
         return override, "configured"
     if device.type in ("cuda", "xpu"):
-        name = getattr(torch, device.type).get_device_name(device)
-        for key, tflops in KNOWN_PEAK_TFLOPS:
-            if key.lower() in name.lower():
-                return tflops, f"table ({name})"
-    return measure_matmul_tflops(device), "measured fp32 matmul"
+        mod = getattr(torch, device.type)
+        name = mod.get_device_name(device)
+        try:
+            props = mod.get_device_properties(device)
+        except Exception:  # noqa: BLE001 - the name alone still finds the table's entries
+            props = None
+        stated = stated_peak_tflops(name, props)
+        if stated is not None:
+            return stated, f"stated bf16 peak ({name})"
+        return measure_matmul_tflops(device), f"measured bf16 matmul ({name})"
+    return measure_matmul_tflops(device), (f"measured fp32 matmul ({torch.get_num_threads()} thread(s), "
+                                           "best call of one thread x threads)")
+
+
+class MfuMeter:
+    """Model FLOPs utilisation of each step: achieved FLOP/s per device over the peak, never above 1.
+
+    A step faster than the peak means the peak is wrong. A measured one was an underestimate (the
+    run has shown the device does more), so it is raised to the step's rate; a stated or configured
+    one is kept and the step counts as 1. Either way one line says so, once."""
+
+    def __init__(self, peak_tflops: float, source: str, flops_per_token: float, world: int,
+                 warn: Any = None) -> None:
+        self.peak_tflops, self.source = peak_tflops, source
+        self.flops_per_token, self.world = flops_per_token, world
+        self._warn = warn if warn is not None else (lambda msg: print(msg, flush=True))
+        self._warned = False
+
+    def __call__(self, tokens_per_s: float) -> float:
+        achieved = self.flops_per_token * tokens_per_s / self.world / 1e12  # TFLOP/s of one device
+        if achieved <= self.peak_tflops:
+            return achieved / self.peak_tflops
+        measured = self.source.startswith("measured")
+        if not self._warned:
+            self._warned = True
+            then = ("the peak is raised to it" if measured else
+                    "MFU counts as 1 (give the device's peak with --logging.peak_tflops)")
+            self._warn(f"mfu: a step ran at {achieved:.4g} TFLOP/s per device, above the peak of "
+                       f"{self.peak_tflops:.4g} ({self.source}); {then}")
+        if measured:
+            self.peak_tflops = achieved
+        return 1.0
 
 
 class SpikeDetector:
@@ -81,18 +180,27 @@ class SpikeDetector:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``OUT/metrics.jsonl`` and its scalars to TensorBoard
-    event files under ``OUT/tensorboard`` (see :mod:`trainer.tb_writer`)."""
+    """Appends one JSON object per step to ``OUT/metrics.jsonl``, its scalars to TensorBoard event
+    files under ``OUT/tensorboard`` (see :mod:`trainer.tb_writer`) and, given ``wandb`` (the
+    keywords of :class:`trainer.wandb_writer.WandbScalars`: ``project``, ``config``, ``name``), to a
+    Weights & Biases run."""
 
     def __init__(self, out_dir: str, *, tensorboard: bool = True, append: bool = False,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, wandb: dict[str, Any] | None = None) -> None:
         from .tb_writer import TensorBoardScalars
 
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        logged_through = 0
         if append and os.path.isfile(self.path):
+            logged_through = last_step(self.path)  # what the earlier process logged (W&B keeps it)
             # a resume re-does the steps after its checkpoint: the earlier run's records of those go
             drop_records_after(self.path, start_step)
+        self._wandb = None
+        if wandb is not None:  # first: a run W&B cannot start stops here, before anything is written
+            from .wandb_writer import WandbScalars
+
+            self._wandb = WandbScalars(out_dir, logged_through=logged_through, **wandb)
         self._f = open(self.path, "a" if append else "w", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -109,11 +217,20 @@ class MetricsWriter:
         self._f.flush()
         if self._tb is not None:
             self._tb.write(record)
+        if self._wandb is not None:
+            self._wandb.write(record)
+
+    @property
+    def wandb_run(self) -> Any:
+        """The W&B run being logged to (None without ``wandb``)."""
+        return self._wandb.run if self._wandb is not None else None
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def json_safe(value: Any) -> Any:
@@ -125,6 +242,20 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def last_step(path: str) -> int:
+    """The highest ``step`` of the metrics file ``path`` (0 when none; unparsable lines skipped)."""
+    best = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                best = max(best, int(rec.get("step", 0) or 0))
+    return best
 
 
 def drop_records_after(path: str, step: int) -> int:

@@ -31,8 +31,10 @@ class LineProgress:
         if self.n - self._last_printed >= self.every or (self.n >= self.total > self._last_printed):
             self._print()
 
-    def set_postfix(self, **kw: Any) -> None:
-        self.postfix = kw
+    def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True, **kw: Any) -> None:
+        """The fields the next line shows (tqdm's signature; a line is printed by ``update`` only,
+        so set them before the ``update`` of the step they describe)."""
+        self.postfix = {**(ordered_dict or {}), **kw}
 
     def _print(self) -> None:
         rate = (self.n - self._n0) / max(time.perf_counter() - self._t0, 1e-9)

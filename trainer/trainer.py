@@ -46,7 +46,7 @@ from .checkpoint import CheckpointManager, load_model, sync_master_from_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
-from .metrics import MetricsWriter, SpikeDetector, device_peak_tflops, plot_loss
+from .metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops, plot_loss
 from .model import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
 from .parallelism.apply import parallelize
@@ -133,6 +133,7 @@ class Trainer:
         self.tokens_per_step = s.global_batch * cfg.data.context
         self._autocast_dtype = self._resolve_autocast()
         self.peak_tflops, self.peak_source = (0.0, "")
+        self.mfu: MfuMeter | None = None  # rank 0's, from fit()
         self.writer: MetricsWriter | None = None
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}  # summary.json's contents once written (rank 0)
@@ -342,8 +343,8 @@ class Trainer:
             "tokens": self.step * self.tokens_per_step, "step_time_s": dt, "tokens_per_s": tok_s,
             "compile_s": compile_s,
         }
-        if self.peak_tflops > 0:
-            rec["mfu"] = self.flops_per_token * tok_s / (self.layout.world * self.peak_tflops * 1e12)
+        if self.mfu is not None:
+            rec["mfu"] = self.mfu(tok_s)  # never above 1 (trainer/metrics.py: MfuMeter)
         if m.is_moe:
             tpe = (parts.tokens_per_expert / m.num_layers).tolist()
             rec["tokens_per_expert"] = tpe
@@ -362,8 +363,10 @@ class Trainer:
             self.resume()
         if lay.is_main:
             self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
+            self.mfu = MfuMeter(self.peak_tflops, self.peak_source, self.flops_per_token, lay.world)
+            wandb = dict(project=cfg.logging.wandb_project, config=cfg.to_dict()) if cfg.logging.wandb else None
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
-                                        start_step=self.step)
+                                        start_step=self.step, wandb=wandb)
             self._write_run_info()
             from .startup import startup_summary
 
@@ -386,10 +389,10 @@ class Trainer:
                 self.history.append(rec)
                 if self.writer is not None:
                     self.writer.write(rec)
-                if bar is not None:
-                    bar.update(1)
+                if bar is not None:  # this step's numbers first: update() draws (or prints) the line
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                    spikes=rec["grad_spikes"])
+                                    spikes=rec["grad_spikes"], refresh=False)
+                    bar.update(1)
                 self.save_checkpoints()
                 if stop is not None:
                     stopped = stop.agreed(lay.world_group, lay.distributed, self.device)
@@ -502,6 +505,7 @@ class Trainer:
         if res is None:
             return False
         meta = res.meta
+        self._check_data_set(meta, res.info.step, str(res.info.path))
         self._check_schedule(meta.get("config"), res.info.step, str(res.info.path))
         self.step = res.info.step
         self.loader.load_state_dict(meta["data"])
@@ -512,6 +516,25 @@ class Trainer:
             print(f"resumed from {res.info.path} at step {self.step} ({res.seconds:.2f}s"
                   f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
         return True
+
+    def _check_data_set(self, meta: dict[str, Any], step: int, path: str) -> None:
+        """A resume on another data set than the checkpoint's (other files, or the same path
+        preprocessed again) is refused in one line naming both fingerprints and the ways on."""
+        saved = (meta.get("data") or {}).get("fingerprint")
+        now = self.loader.dataset.fingerprint
+        if saved is None or saved == now:
+            return
+        old_path = meta.get("data_manifest") or "its data set"
+        def manifest_file(p: str) -> str:
+            return os.path.abspath(os.path.join(p, "manifest.json") if os.path.isdir(p) else p)
+
+        same = manifest_file(str(old_path)) == manifest_file(self.manifest_path)
+        raise ConfigError(
+            f"the checkpoint {path} (step {step}) was trained on {old_path} (fingerprint {str(saved)[:12]}), "
+            f"this run reads {self.manifest_path} (fingerprint {now[:12]}): "
+            f"{'it was preprocessed again since' if same else 'another data set'}; give --data the checkpoint's "
+            f"data set to resume, or train on the new one in another --out (--checkpoint.init_from {path} starts "
+            f"it from these weights)")
 
     #: The fields that make the learning-rate schedule, as (section, field, option).
     SCHEDULE_FIELDS = (("schedule", "steps", "--steps"), ("schedule", "warmup_steps", "--warmup"),

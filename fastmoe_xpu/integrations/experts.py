@@ -263,6 +263,80 @@ def _linear(a: torch.Tensor, w: torch.Tensor, lora: LoraWeights | None, cum_toke
     return lora_grouped_linear(a, w, lora, cum_token_counts, kernels_name, transposed)
 
 
+#: The config attribute (and ``from_pretrained`` keyword) that picks the expert-GEMM precision.
+PRECISION_ATTRIBUTE = "fastmoe_expert_precision"
+#: The module that defines transformers' config base class; ``from_pretrained`` parses its keywords
+#: there, before the model's module (and the experts interface) is imported.
+CONFIG_MODULE = "transformers.configuration_utils"
+
+
+class _PrecisionField:
+    """``fastmoe_expert_precision`` on every transformers config: None (the weights' precision)
+    unless set. Being an attribute of the class is what makes ``from_pretrained(...,
+    fastmoe_expert_precision="int8")`` set it on the config (transformers hands a keyword to the
+    config when the config has that attribute, else to the model's ``__init__``, which refuses it).
+    A value is checked when set (``"none"`` clears it) and kept in the instance's ``__dict__``, so
+    ``save_pretrained`` writes it into ``config.json`` and a load reads it back; it is passed on to
+    the config's sub-configs (a multimodal model's text config holds the experts)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> str | None:
+        return None if obj is None else obj.__dict__.get(PRECISION_ATTRIBUTE)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        from ..kernels.registry import check_precision
+
+        if isinstance(value, str) and value.lower() in ("none", ""):
+            value = None
+        try:
+            check_precision(value)
+        except ValueError:
+            from ..kernels.registry import PRECISIONS
+
+            raise ValueError(f"{PRECISION_ATTRIBUTE} must be one of {(None, *PRECISIONS)}, got {value!r}") from None
+        if value is None:
+            obj.__dict__.pop(PRECISION_ATTRIBUTE, None)
+        else:
+            obj.__dict__[PRECISION_ATTRIBUTE] = value
+        try:
+            keys = list(getattr(obj, "sub_configs", None) or ())
+        except Exception:  # noqa: BLE001 - a config half-way through its __init__
+            keys = []
+        for key in keys:
+            sub = obj.__dict__.get(key)
+            if sub is not None and sub is not obj \
+                    and isinstance(_class_field(type(sub)), _PrecisionField):
+                setattr(sub, PRECISION_ATTRIBUTE, value)
+
+    def __delete__(self, obj: Any) -> None:
+        obj.__dict__.pop(PRECISION_ATTRIBUTE, None)
+
+
+def _class_field(cls: type) -> Any:
+    """The :data:`PRECISION_ATTRIBUTE` descriptor ``cls`` inherits, if any (without calling it)."""
+    for base in cls.__mro__:
+        if PRECISION_ATTRIBUTE in base.__dict__:
+            return base.__dict__[PRECISION_ATTRIBUTE]
+    return None
+
+
+def accept_precision_in_configs(module: Any = None) -> bool:
+    """Give transformers' config base class the :data:`PRECISION_ATTRIBUTE` field (once). Returns
+    False when transformers is not installed."""
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module(CONFIG_MODULE)
+        except ImportError:
+            return False
+    cls = getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
+    if cls is None:
+        return False
+    if not isinstance(cls.__dict__.get(PRECISION_ATTRIBUTE), _PrecisionField):
+        setattr(cls, PRECISION_ATTRIBUTE, _PrecisionField())
+    return True
+
+
 def register(interface: Any = None) -> bool:
     """Add :data:`NAME` to transformers' ``ALL_EXPERTS_FUNCTIONS`` (or ``interface``). Returns False,
     with nothing changed, when transformers is not installed; raises ImportError with the reason
@@ -282,6 +356,7 @@ def register(interface: Any = None) -> bool:
             ) from err
     interface.register(NAME, fastmoe_experts_forward)
     record_in_saved_configs()
+    accept_precision_in_configs()
     return True
 
 
@@ -321,7 +396,7 @@ INTERFACE_MODULE = "transformers.integrations.moe"
 
 
 class _RegisterAfterExec:
-    """The interface module's own loader, with :func:`register` run right after the module body."""
+    """A module's own loader, with the callbacks waiting for it run right after the module body."""
 
     def __init__(self, inner: Any, finder: "_RegisterOnImport") -> None:
         self._inner, self._finder = inner, finder
@@ -332,23 +407,27 @@ class _RegisterAfterExec:
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
         self._finder.remove()
-        _run_callbacks(module)
+        _run_callbacks(self._finder.fullname, module)
 
     def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, resources, ...
         return getattr(self._inner, name)
 
 
 class _RegisterOnImport:
-    """A ``sys.meta_path`` finder that registers :data:`NAME` right after :data:`INTERFACE_MODULE`
-    executes, then removes itself. The experts interface is filled in that module's body, and
-    transformers checks ``experts_implementation`` against it, so every path to a model that asks for
-    the name imports it first: registration is in place before any use, while ``import fastmoe_xpu``
-    no longer pays for importing transformers' MoE module."""
+    """A ``sys.meta_path`` finder that runs the callbacks waiting for the module ``fullname`` right
+    after it executes, then removes itself. For :data:`INTERFACE_MODULE` that registers
+    :data:`NAME`: the experts interface is filled in that module's body, and transformers checks
+    ``experts_implementation`` against it, so every path to a model that asks for the name imports it
+    first: registration is in place before any use, while ``import fastmoe_xpu`` no longer pays for
+    importing transformers' MoE module. For :data:`CONFIG_MODULE` it adds the precision field."""
+
+    def __init__(self, fullname: str = INTERFACE_MODULE) -> None:
+        self.fullname = fullname
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         import sys
 
-        if fullname != INTERFACE_MODULE:
+        if fullname != self.fullname:
             return None
         for finder in list(sys.meta_path):  # whichever finder would have found it
             if finder is self or not hasattr(finder, "find_spec"):
@@ -364,7 +443,7 @@ class _RegisterOnImport:
             self.remove()
             import importlib
 
-            _run_callbacks(importlib.import_module(fullname))
+            _run_callbacks(fullname, importlib.import_module(fullname))
             return None
         spec.loader = _RegisterAfterExec(spec.loader, self)
         return spec
@@ -376,25 +455,31 @@ class _RegisterOnImport:
             sys.meta_path.remove(self)
 
 
-_CALLBACKS: list[Any] = []
+_CALLBACKS: dict[str, list[Any]] = {}
 
 
-def _run_callbacks(module: Any) -> None:
-    while _CALLBACKS:
-        _CALLBACKS.pop(0)(module)
+def _run_callbacks(fullname: str, module: Any) -> None:
+    waiting = _CALLBACKS.get(fullname, [])
+    while waiting:
+        waiting.pop(0)(module)
+
+
+def when_imported(fullname: str, fn: Any) -> None:
+    """Call ``fn(module)`` now if the module ``fullname`` is imported, else right after it is."""
+    import sys
+
+    mod = sys.modules.get(fullname)
+    if mod is not None:
+        fn(mod)
+        return
+    _CALLBACKS.setdefault(fullname, []).append(fn)
+    if not any(isinstance(f, _RegisterOnImport) and f.fullname == fullname for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport(fullname))
 
 
 def when_interface_imported(fn: Any) -> None:
     """Call ``fn(transformers.integrations.moe)`` now if that module is imported, else right after it is."""
-    import sys
-
-    mod = sys.modules.get(INTERFACE_MODULE)
-    if mod is not None:
-        fn(mod)
-        return
-    _CALLBACKS.append(fn)
-    if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    when_imported(INTERFACE_MODULE, fn)
 
 
 def register_lazily() -> str:
@@ -415,6 +500,9 @@ def register_lazily() -> str:
         return "absent" if importlib.util.find_spec("transformers") is None else _eager()
     if major < 5:
         return _eager()  # raises the ImportError naming the version
+    # from_pretrained(..., fastmoe_expert_precision=...) is parsed by the config class, before the
+    # experts interface is imported
+    when_imported(CONFIG_MODULE, accept_precision_in_configs)
     when_interface_imported(lambda mod: register(mod.ALL_EXPERTS_FUNCTIONS))
     return "on import"
 

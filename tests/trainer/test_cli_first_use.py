@@ -98,3 +98,103 @@ def test_saved_model_keeps_experts_implementation(tmp_path):
     other.save_pretrained(tmp_path / "g")
     assert "experts_implementation" not in json.loads((tmp_path / "g" / "config.json").read_text())
     assert os.path.isfile(tmp_path / "g" / "config.json")
+
+
+def _preprocess(corpus: str, out: str, *extra: str) -> int:
+    return preprocess_main(["--input", corpus, "--context", "16", "--out", out, "--quiet", "--valid", "2", *extra])
+
+
+def test_preprocess_refuses_to_replace_a_data_set_unless_overwrite(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("first corpus text. " * 60)
+    (tmp_path / "b.txt").write_text("another corpus entirely! " * 60)
+    out = str(tmp_path / "data")
+    assert _preprocess(str(tmp_path / "a.txt"), out) == 0
+    first = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    capsys.readouterr()
+    assert _preprocess(str(tmp_path / "b.txt"), out) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"fastmoe-preprocess: error: --out {out} already holds "
+                                                         "a data set")
+    assert first["fingerprint"][:12] in err and "--overwrite" in err
+    # nothing was touched: the manifest and the validation split are the first run's
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text()) == first
+    assert (tmp_path / "data" / "valid.npy").is_file()
+    # shard files without a manifest (a data set half deleted by hand) are refused the same way
+    os.remove(tmp_path / "data" / "manifest.json")
+    assert _preprocess(str(tmp_path / "b.txt"), out) == 1
+    assert "already holds data set files (shard-00000-of-00001.npy, valid.npy)" in capsys.readouterr().err
+    assert _preprocess(str(tmp_path / "b.txt"), out, "--overwrite") == 0
+    assert json.loads((tmp_path / "data" / "manifest.json").read_text())["fingerprint"] != first["fingerprint"]
+    # an empty or new directory needs no flag
+    (tmp_path / "empty").mkdir()
+    assert _preprocess(str(tmp_path / "a.txt"), str(tmp_path / "empty")) == 0
+
+
+def test_resume_on_a_changed_data_set_names_both_fingerprints(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("first corpus text. " * 60)
+    data = str(tmp_path / "data")
+    assert _preprocess(str(tmp_path / "a.txt"), data) == 0
+    old = json.loads((tmp_path / "data" / "manifest.json").read_text())["fingerprint"]
+    argv = ["--data", data, "--out", str(tmp_path / "run"), "--steps", "2", "--global-batch", "2", "--micro-batch", "1",
+            "--checkpoint.interval", "1", "--no-logging.progress", "--no-logging.plot", "--no-logging.tensorboard",
+            "--no-eval.enabled", "--peak-tflops", "1"]
+    assert main(argv) == 0
+    assert _preprocess(str(tmp_path / "a.txt"), data, "--overwrite", "--seed", "5") == 0  # same path, new shuffle
+    new = json.loads((tmp_path / "data" / "manifest.json").read_text())["fingerprint"]
+    capsys.readouterr()
+    assert main([*argv, "--steps", "3"]) == 2  # the data set is named first, before the schedule's change
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: the checkpoint "), err
+    assert f"(fingerprint {old[:12]})" in err and f"(fingerprint {new[:12]})" in err
+    assert "it was preprocessed again since; give --data the checkpoint's data set to resume" in err
+    assert "--checkpoint.init_from" in err
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("corpus.txt", "plain words of a corpus\n" * 20, "is not a data set's manifest.json but an input file"),
+    ("one.jsonl", '{"text": "a single document"}\n', "is not a data set's manifest.json; if it is training text"),
+])
+def test_data_given_raw_text_says_to_preprocess(tmp_path, capsys, name, text, says):
+    (tmp_path / name).write_text(text)
+    rc = main(["--data", str(tmp_path / name), "--out", str(tmp_path / "o"), "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert says in err and f"fastmoe-preprocess --input {tmp_path / name} --context C --out DIR" in err
+    assert "Expecting value" not in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, n", [(["--ep", "2"], 2), (["--dp", "2", "--ep", "2"], 4), (["--pp", "2"], 2)])
+def test_a_layout_on_one_process_suggests_starting_more(tmp_path, capsys, argv, n):
+    rc = main([*argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"this is one process: start {n} with fastmoe-train --nproc-per-node {n}" in err
+    assert f"torchrun --nproc-per-node {n} -m fastmoe_trainer" in err
+
+
+def test_export_errors_are_one_line_and_name_every_damaged_slot(tmp_path, capsys):
+    from trainer.export import main as export_main
+    from trainer.trainer import Trainer
+    from trainer_util import small_cfg
+
+    Trainer(small_cfg(str(tmp_path / "cache"), str(tmp_path / "run"), steps=2, checkpoint__interval=1,
+                      eval__enabled=False)).fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("slot-*")) == ["slot-A", "slot-B"]
+    capsys.readouterr()
+    # an --out that cannot be a directory
+    assert export_main(["--checkpoint", str(root), "--out", "/dev/null/x", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: cannot create --out /dev/null/x: Not a directory", err
+    # both slots damaged: the error names both, each with its reason
+    (root / "slot-A" / "MANIFEST.json").unlink()
+    data = sorted((root / "slot-B").glob("__*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert export_main(["--checkpoint", str(root), "--out", str(tmp_path / "hf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: no valid checkpoint under {root}: "), err
+    assert f"{root / 'slot-A' / 'MANIFEST.json'} is missing" in err
+    assert f"{data} fails its sha256 check" in err
+    assert not (tmp_path / "hf").exists()

@@ -99,6 +99,26 @@ def test_launcher_cli_errors(tmp_path: Path, capsys) -> None:
         launch_main(["--nnodes", "1", "--"])  # no --out anywhere
 
 
+@pytest.mark.parametrize("trainer_args, says", [
+    (["--preset", "nope"], "error: unknown preset 'nope'"),
+    (["--ep", "3"], "error: num_experts=8 is not divisible by EP=3"),
+    (["--stepz", "3"], "error: unrecognized arguments: --stepz 3 (did you mean --steps?)"),
+    (["--dp", "3"], "error: world size 2 != PP x DP x EP = 1 x 3 x 1"),  # checked for --nnodes x --nproc-per-node
+])
+def test_bad_trainer_arguments_fail_before_the_rendezvous(tmp_path: Path, capsys, trainer_args, says) -> None:
+    from trainer.launch import check_trainer_args
+
+    out = tmp_path / "out"
+    # an endpoint nobody serves: reaching the rendezvous would wait there and fail otherwise
+    argv = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:9", "--rdzv-conf",
+            "read_timeout=60", "--out", str(out), "--", *trainer_args]
+    assert launch_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(says), err
+    assert read_events(out) == []  # no node started its agent
+    assert check_trainer_args(["--preset", "tiny-moe", "--ep", "2"], 2) is None  # a good layout passes
+
+
 # ============================================================================ hang blame (no processes)
 def test_culprit_least_progress_first() -> None:
     from trainer.watchdog import culprit

@@ -147,6 +147,19 @@ def test_progress_outside_a_terminal_is_a_few_lines():
     assert lines[-1].startswith("tiny-moe: step 1000/1000") and "loss=0.001" in lines[-1]
 
 
+def test_progress_lines_show_their_own_steps_loss(tmp_path, data_cache, capsys):  # noqa: F811
+    import re
+
+    t = Trainer(small_cfg(data_cache, str(tmp_path / "run"), steps=4, logging__progress=True, eval__enabled=False))
+    hist = t.fit()
+    err = capsys.readouterr().err  # not a terminal: one line per step here (4 steps < LINES)
+    shown = {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/4 .* loss=(\S+)", err)}
+    assert sorted(shown) == [1, 2, 3, 4], err
+    assert len({r["loss"] for r in hist}) == 4  # the losses differ, so a line one step late would show
+    for r in hist:
+        assert shown[r["step"]] == f"{r['loss']:.3f}", (r["step"], shown)
+
+
 def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
     """A signal during start-up (here: while the config is read) stops at once with the status."""
     import trainer.cli as cli

@@ -36,19 +36,39 @@ class MicroBatch(NamedTuple):
 
 def load_manifest(path: str) -> dict[str, Any]:
     """Accepts the manifest file or its directory; raises ValueError with one line when it cannot."""
+    given = path
     if os.path.isdir(path):
         path = os.path.join(path, MANIFEST_NAME)
     if not os.path.isfile(path):
-        raise ValueError(f"data manifest {path!r} does not exist; run fastmoe-preprocess first")
+        how = (_preprocess_hint(given, "DIR") if os.path.isdir(given)
+               else _preprocess_hint("TEXT...", given if not given.endswith(MANIFEST_NAME) else os.path.dirname(given)))
+        raise ValueError(f"data manifest {path!r} does not exist; run fastmoe-preprocess first: {how}")
     try:
         with open(path) as f:
             m = json.load(f)
-    except (OSError, ValueError) as e:
+    except UnicodeDecodeError:
+        raise ValueError(f"{path!r} is not a data set's {MANIFEST_NAME} (it is binary); make a data set of it first: "
+                         f"{_preprocess_hint(path, 'DIR')}") \
+            from None
+    except ValueError as e:
+        if os.path.basename(path) != MANIFEST_NAME:  # raw text (or JSONL) given where a data set belongs
+            raise ValueError(f"{path!r} is not a data set's {MANIFEST_NAME} but an input file; make a data set "
+                             f"of it first: {_preprocess_hint(path, 'DIR')}") from None
+        raise ValueError(f"data manifest {path!r} is unreadable: {' '.join(str(e).split())}") from None
+    except OSError as e:
         raise ValueError(f"data manifest {path!r} is unreadable: {' '.join(str(e).split())}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_VERSION:
+        if os.path.basename(path) != MANIFEST_NAME:
+            raise ValueError(f"{path!r} is not a data set's {MANIFEST_NAME}; if it is training text, make a data set "
+                             f"of it first: {_preprocess_hint(path, 'DIR')}")
         raise ValueError(f"data manifest {path!r} is not a {FORMAT_VERSION} manifest")
     m["_path"] = os.path.abspath(path)
     return m
+
+
+def _preprocess_hint(inputs: str, out: str) -> str:
+    """The command that makes a data set of ``inputs`` in ``out`` for ``--data``."""
+    return f"fastmoe-preprocess --input {inputs} --context C --out {out}, then --data {out}"
 
 
 class ShardedDataset:
@@ -224,7 +244,9 @@ class ShardedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state["next_instance"]`; refuses a state made on another data set."""
         if state.get("fingerprint") != self.dataset.fingerprint:
-            raise ValueError("loader state was saved on a different data set (manifest fingerprint differs)")
+            raise ValueError(f"loader state was saved on a different data set: fingerprint "
+                             f"{str(state.get('fingerprint'))[:12]}, this one ({self.dataset.manifest['_path']}) has "
+                             f"{self.dataset.fingerprint[:12]}")
         nxt = state.get("next_instance")
         if isinstance(nxt, bool) or not isinstance(nxt, int) or nxt < 0:
             raise ValueError(f"loader state has an invalid next_instance {nxt!r}")

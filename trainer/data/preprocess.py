@@ -1,25 +1,47 @@
 """Command line of the preprocessing step:
 
     fastmoe-preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
-        --context C --out DIR [--shards N] [--seed S]
+        --context C --out DIR [--shards N] [--seed S] [--overwrite]
 
 Tokenizes, shuffles and shards the inputs (see `trainer.data.build`); every bad input ends with
-one error line on stderr and a non-zero exit.
+one error line on stderr and a non-zero exit. A ``--out`` that already holds a data set is refused
+unless ``--overwrite`` (runs resuming on it would otherwise meet other data).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
 
-from .build import preprocess_files
+from .build import MANIFEST_NAME, VALID_NAME, preprocess_files
 
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would print the usage block first
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def existing_data_set(out: str) -> str | None:
+    """What makes ``out`` an existing data set, in a few words (None when it holds none): its
+    manifest (instances and fingerprint), else the shard or validation files a data set leaves."""
+    mpath = os.path.join(out, MANIFEST_NAME)
+    if os.path.isfile(mpath):
+        try:
+            with open(mpath) as f:
+                m = json.load(f)
+            return (f"a data set ({MANIFEST_NAME}: {int(m['num_instances'])} instances of {int(m['context'])}+1 "
+                    f"tokens, fingerprint {str(m['fingerprint'])[:12]})")
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"a data set ({MANIFEST_NAME}, unreadable)"
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "shard-*-of-*.npy")))
+    if os.path.isfile(os.path.join(out, VALID_NAME)):
+        files.append(VALID_NAME)
+    if files:
+        return f"data set files ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--valid", type=float, default=0,
                    help="held-out validation instances: a fraction in (0, 1) or a count (default 0: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a data set already in --out (its shards and valid.npy go; default: refuse)")
     a = p.parse_args(argv)
+    held = existing_data_set(a.out) if os.path.isdir(a.out) else None
+    if held is not None and not a.overwrite:
+        # a run that trained on it could no longer resume, and its validation split would be gone
+        print(f"{p.prog}: error: --out {a.out} already holds {held}; pass --overwrite to replace it, or choose "
+              f"another --out", file=sys.stderr)
+        return 1
     try:
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
