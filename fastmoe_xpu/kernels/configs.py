@@ -29,6 +29,7 @@ configs (also compiled for sm_100a by ``compile_check --target sm100``).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -213,8 +214,9 @@ _SM100: dict[str, list[KernelConfig]] = {
     # m128n256k64 needs 273 KiB of shared memory here (over the 227 KiB limit).
     "tma_grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n128k64", 4, 4)],
 }
-#: The ``sm100`` table: ``cuda``'s for every kernel, with :data:`_SM100` replacing the GEMMs' lists.
-CONFIGS["sm100"] = {**CONFIGS["cuda"], **_SM100}
+#: The ``sm100`` table: :data:`_SM100`'s lists, else ``cuda``'s (looked up when asked, so a kernel added
+#: to the ``cuda`` table later is in this one too).
+CONFIGS["sm100"] = collections.ChainMap(_SM100, CONFIGS["cuda"])  # type: ignore[assignment]
 
 
 def table_for(device: torch.device | str) -> str:
