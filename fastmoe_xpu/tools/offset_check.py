@@ -1,4 +1,4 @@
-"""Find 32-bit products of two run-time values in a Triton kernel's pointer offsets (its TTIR).
+"""Find int32 products of a row index and a stride in a Triton kernel's pointer offsets (its TTIR).
 
 A row index times a row stride computed in int32 wraps once the buffer passes 2^31 elements: a
 ``[R, 2I]`` bf16 buffer does at R = 1.12M rows (T=140,000 tokens, K=8, I=1024). Triton computes
@@ -9,13 +9,15 @@ A row index times a row stride computed in int32 wraps once the buffer passes 2^
 ``arith.muli`` that
 
 * yields ``i32`` (a scalar or a tensor of ``i32``),
-* has two operands that are both known only at run time (kernel arguments, program ids, loaded
-  values, loop variables, or anything computed from one): a product with a compile-time constant
-  (``pid * BLOCK_M``, ``BLOCK_K * N``) or of two compile-time values (``tl.arange`` ranges and
-  constants) is bounded by the tile sizes and passes,
+* multiplies a kernel argument (a dimension or stride such as ``H``, possibly cast, broadcast or
+  scaled by a compile-time value, as in ``2 * I``) by another value known only at run time (a
+  program id, a loaded index, a loop variable, another argument, or anything computed from one):
+  a product with a compile-time constant (``pid * BLOCK_M``, ``BLOCK_K * N``) is bounded by the
+  tiles, and products that involve no argument (tile counts multiplied together) are counts, and
+  both pass,
 * and feeds the offset operand of a ``tt.addptr``, directly or through any arithmetic, casts,
-  broadcasts or loop-carried initial values (a value loaded from memory starts a new chain: its
-  pointer is checked where it was formed).
+  broadcasts or loop-carried values (a value loaded from memory starts a new chain: its pointer is
+  checked where it was formed).
 
 Tile-index products such as ``program_id * block_size`` where ``block_size`` is a kernel argument
 count too: the check cannot tell an index from an offset, so such products are formed in int64 as
@@ -48,7 +50,7 @@ _REGION_OPS = ("scf.for", "scf.while", "scf.if")
 
 @dataclass(eq=False)
 class _Value:
-    op: str  # defining op, or "arg" (kernel argument, block argument, loop variable)
+    op: str  # defining op, "kernel_arg", "arg" (block argument, loop variable) or "iter_arg" (carried)
     operands: list["_Value"] = field(default_factory=list)
     type: str = ""
     loc: str | None = None
@@ -102,7 +104,6 @@ class _Parser:
         self.frames: list[_Frame] = [_Frame()]
         self.values: list[_Value] = []
         self.addptr_offsets: list[_Value] = []
-        self.pending: _Frame | None = None  # the frame the next "{" opens
         self.while_results: list[_Value] = []
 
     def lookup(self, name: str) -> _Value:
@@ -114,8 +115,8 @@ class _Parser:
     def uses(self, text: str) -> list[_Value]:
         return [self.lookup(m.group(1)) for m in _USE.finditer(text)]
 
-    def define(self, name: str, value: _Value, frame: _Frame | None = None) -> None:
-        (frame or self.frames[-1]).names[name] = value
+    def define(self, name: str, value: _Value) -> None:
+        self.frames[-1].names[name] = value
         self.values.append(value)
 
     def line(self, raw: str) -> None:
@@ -277,8 +278,10 @@ def _locations(loc: str | None, locs: dict[str, str], depth: int = 0) -> list[tu
 
 
 def int32_offset_products(ttir: str) -> list[str]:
-    """Every int32 product of two run-time values that reaches a pointer offset in ``ttir`` (one
-    kernel's TTIR), as ``"file.py:LINE: source text"`` (deduplicated, in order of appearance)."""
+    """Every int32 product of a kernel argument and another run-time value that reaches a pointer
+    offset in ``ttir`` (one kernel's TTIR), as ``"file.py:LINE: source text"`` (the line that formed
+    it; the calling line where that is inside Triton's own library), deduplicated, in order of
+    appearance."""
     parser = _Parser()
     locs: dict[str, str] = {}
     for raw in ttir.splitlines():
@@ -319,4 +322,10 @@ def int32_offset_products(ttir: str) -> list[str]:
 
 
 def _in_triton(path: str) -> bool:
-    return f"{os.sep}triton{os.sep}" in path
+    """Whether ``path`` is a file of the triton package (``tl.cdiv`` and the like)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    root = os.path.dirname(os.path.abspath(triton.__file__))
+    return os.path.abspath(path).startswith(root + os.sep)
