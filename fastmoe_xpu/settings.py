@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Mapping
 #: Kernel backends ``FASTMOE_BACKEND`` may force.
 KERNEL_BACKENDS = ("torch", "triton")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
-CONFIG_TABLES = ("cuda", "hip", "xpu", "interpreter")
+CONFIG_TABLES = ("cuda", "sm100", "hip", "xpu", "interpreter")
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -35,8 +35,9 @@ class Settings:
     ``backend="auto"``; unset: Triton on xpu/cuda, torch on the CPU."""
 
     triton_configs: str | None = None
-    """``FASTMOE_TRITON_CONFIGS`` (``cuda`` | ``hip`` | ``xpu`` | ``interpreter``): the Triton config
-    table (tiles, warps, stages) every launcher uses; unset: the one of the tensors' device."""
+    """``FASTMOE_TRITON_CONFIGS`` (``cuda`` | ``sm100`` | ``hip`` | ``xpu`` | ``interpreter``): the Triton
+    config table (tiles, warps, stages) every launcher uses; unset: the one of the tensors' device
+    (``sm100`` on NVIDIA GPUs of compute capability 10.x, B200/GB200; ``cuda`` on other NVIDIA GPUs)."""
 
     triton_block_ptr: bool | None = None
     """``FASTMOE_TRITON_BLOCK_PTR`` (``0`` | ``1``): load ``tl.dot`` operands through block pointers;

@@ -66,3 +66,30 @@ def test_one_decision_for_backend_table_and_block_pointers():
         assert not configs.uses_block_ptr("xpu")
     with pytest.raises(ValueError, match="backend must be one of"):
         resolve_backend("cuda", cpu)
+
+
+@pytest.mark.parametrize("capability,table", [((9, 0), "cuda"), ((10, 0), "sm100"), ((10, 3), "sm100"),
+                                              ((12, 0), "cuda"), ((8, 0), "cuda")])
+def test_blackwell_data_center_gpus_get_the_sm100_table(monkeypatch, capability, table):
+    """An NVIDIA GPU of compute capability 10.x (B200, GB200, B300) gets the ``sm100`` config table;
+    Hopper, Ampere and consumer Blackwell (12.x: no tcgen05, less shared memory) the ``cuda`` one;
+    ``FASTMOE_TRITON_CONFIGS`` still decides when set; fp32 dots take TF32 on both exactly where PyTorch
+    allows it. (The capability is faked: no GPU needed.)"""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    configs._cuda_table.cache_clear()
+    try:
+        with settings.override(triton_configs=None):
+            assert configs.table_for(torch.device("cuda", 0)) == table
+        with configs.use("cuda"):
+            assert configs.table_for(torch.device("cuda", 0)) == "cuda"
+    finally:
+        configs._cuda_table.cache_clear()
+    # fp32 operands take TF32 on either NVIDIA table exactly where PyTorch allows it for matmuls
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allowed, want in ((True, "tf32"), (False, "ieee")):
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+            assert configs.dot_precision(table, torch.float32) == want
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

@@ -1,6 +1,7 @@
 """Block sizes, warps and pipeline stages of every Triton kernel, per config table (one per kind of device), in one place.
 
-Backends: ``"cuda"`` (NVIDIA, tuned for sm_90), ``"hip"`` (AMD, gfx942), ``"xpu"`` (Intel Data Center
+Backends: ``"cuda"`` (NVIDIA, tuned for sm_90), ``"sm100"`` (NVIDIA Blackwell data-center GPUs,
+compute capability 10.x: B200, GB200; see below), ``"hip"`` (AMD, gfx942), ``"xpu"`` (Intel Data Center
 GPU Max, PVC) and ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU: small tiles so that tests
 exercise multi-tile paths quickly). The first config of each list is the one the launchers use;
 the others are alternatives that ``compile_check`` also compiles. On GPUs the grouped GEMMs
@@ -13,10 +14,24 @@ DPAS; a gathered operand cannot be described by a block pointer and uses pointer
 ``grf_mode="large"`` gives each hardware thread 256 registers (the 3.3-era spelling; newer Intel
 builds also accept ``"256"``); with it, 32 warps (sub-groups of 16 lanes) per work-group and
 256-row tiles are the backend's usual GEMM shape.
+
+Blackwell notes (``sm100``; chosen from the hardware's shape and the sm_100a compile gate, **not
+timed on a B200**: the lists are candidates that the autotuner times on the device, first the
+default). Triton lowers ``tl.dot`` there to tcgen05 MMAs whose fp32 accumulator lives in tensor
+memory (128 lanes x 512 columns of 32 bits per SM), not in registers: a 128 x 256 accumulator takes
+half of it, and registers hold it only in the epilogue. So the row GEMMs take 128-row tiles (the
+MMA's native M) and wider N tiles than on sm_90 where the epilogue fits the registers of 8 warps
+without spilling; shared memory (227 KiB per block, as on sm_90) bounds the stages. The gate/up
+forward keeps two accumulators (gate and up), so half the N tile. Kernels without a matrix product
+(counting, indices, the row-wise kernels, the combine) keep the ``cuda`` tiles: they are bound by
+memory bandwidth, not by the MMA. Kernels absent from the ``sm100`` table use the ``cuda`` table's
+configs (also compiled for sm_100a by ``compile_check --target sm100``).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -178,16 +193,49 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_table(index: int | None) -> str:
+    """``sm100`` for an NVIDIA GPU of compute capability 10.x (B200, GB200, B300), ``cuda`` for the
+    others (sm_120 consumer Blackwell has neither tcgen05 nor the data-center shared memory)."""
+    major, _ = torch.cuda.get_device_capability(index)
+    return "sm100" if major == 10 else "cuda"
+
+
+#: Blackwell (sm_100a) configs of the matrix-product kernels; see the module's notes (untimed).
+_SM100: dict[str, list[KernelConfig]] = {
+    # Two accumulators (gate and up): 2 x 128 x 128 fp32 is half the tensor memory.
+    "gate_up_fwd": [_mm("m128n128k64", 8, 3), _mm("m128n64k64", 8, 4), _mm("m128n128k64", 4, 3)],
+    # One 128 x 256 accumulator; 3 stages of a 128 x 64 and a 64 x 256 bf16 tile are 144 KiB.
+    "grouped_mm_fwd": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 8, 4), _mm("m64n128k64", 4, 4)],
+    "grouped_mm_bwd": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 8, 4), _mm("m128n128k64", 4, 4)],
+    # The gate and up tiles of the recomputed h sit in fp32 registers beside the loads.
+    "grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n256k64", 8, 3), _mm("m128n128k32", 4, 4)],
+    # int8 (tcgen05's i8 form): twice the K tile for the bytes of a bf16 stage.
+    "int8_grouped_mm": [_mm("m128n256k128", 8, 3), _mm("m128n128k128", 8, 4), _mm("m128n128k128", 4, 4)],
+    "int8_grouped_wgrad": [_mm("m128n256k128", 8, 3), _mm("m128n128k128", 8, 4), _mm("m128n128k128", 4, 4)],
+    # The persistent TMA kernels: one program per SM, so the tile is the whole parallelism.
+    "tma_gate_up_fwd": [_mm("m128n128k64", 8, 4), _mm("m128n64k64", 4, 4), _mm("m128n128k64", 4, 4)],
+    "tma_grouped_mm": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 4, 4)],
+    "tma_grouped_mm_bwd": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 8, 4), _mm("m128n128k64", 4, 4)],
+    # m128n256k64 needs 273 KiB of shared memory here (over the 227 KiB limit).
+    "tma_grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n128k64", 4, 4)],
+}
+#: The ``sm100`` table: :data:`_SM100`'s lists, else ``cuda``'s (looked up when asked, so a kernel added
+#: to the ``cuda`` table later is in this one too).
+CONFIGS["sm100"] = collections.ChainMap(_SM100, CONFIGS["cuda"])  # type: ignore[assignment]
+
+
 def table_for(device: torch.device | str) -> str:
     """The config table for Triton kernels on ``device``: ``FASTMOE_TRITON_CONFIGS`` (or :func:`use`)
-    if set, else the device's own (``xpu``, ``cuda``, ``hip`` on ROCm, ``interpreter`` on the CPU)."""
+    if set, else the device's own (``xpu``, ``sm100`` on compute capability 10.x, ``cuda`` on other
+    NVIDIA GPUs, ``hip`` on ROCm, ``interpreter`` on the CPU)."""
     table = settings.get().triton_configs
     if table is None:
         dev = torch.device(device)
         if dev.type == "xpu":
             table = "xpu"
         elif dev.type == "cuda":
-            table = "hip" if getattr(torch.version, "hip", None) else "cuda"
+            table = "hip" if getattr(torch.version, "hip", None) else _cuda_table(dev.index)
         else:
             table = "interpreter"
     if table not in TABLES:
@@ -239,7 +287,7 @@ def dot_precision(table: str, dtype: torch.dtype) -> str:
     for matmuls (so fp32 results match ``torch.mm``), and never on AMD, which lacks TF32 in Triton."""
     if dtype != torch.float32 or table == "hip":
         return "ieee"
-    if table == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if table in ("cuda", "sm100") and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     if table == "xpu" and torch.get_float32_matmul_precision() != "highest":
         return "tf32"

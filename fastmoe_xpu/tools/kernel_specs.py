@@ -1,6 +1,6 @@
 """What the compile gates compile: every Triton kernel variant x config, as a :class:`KernelSpec`.
 
-Shared by :mod:`fastmoe_xpu.tools.compile_check` (sm_90, gfx942) and
+Shared by :mod:`fastmoe_xpu.tools.compile_check` (sm_90, sm_100a, gfx942) and
 :mod:`fastmoe_xpu.tools.compile_xpu` (Intel PVC), which import this file and never each other. The
 problem it describes is an OLMoE-sized layer: H=2048, I=1024, K=8, token block 8, bf16 activations
 and weights. The specs mirror how the launchers in ``kernels/triton`` call the kernels.
@@ -33,6 +33,10 @@ class KernelSpec:
     def options(self) -> dict[str, Any]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **self.extra_options}
 
+
+#: The NVIDIA targets: ``cuda`` (sm_90) and ``sm100`` (sm_100a). Both compile the same kernel
+#: variants (``sm100``'s list is ``cuda``'s), each with its own config table.
+NVIDIA_TARGETS = ("cuda", "sm100")
 
 _jit_cache: dict[int, Any] = {}
 
@@ -235,13 +239,14 @@ def _tma_variants(act: str, p32: str, i32: str) -> list:
 
 
 def kernel_specs(target: str) -> list[KernelSpec]:
-    """Every (kernel variant, config) to compile for ``target`` in ``"cuda"``, ``"hip"``, ``"xpu"``;
-    the config lists come from ``configs.py`` for that backend (``xpu`` variants load ``tl.dot``
-    operands through block pointers, as the XPU launchers do)."""
-    if target not in ("cuda", "hip", "xpu"):
-        raise ValueError(f"target must be 'cuda', 'hip' or 'xpu', got {target!r}")
+    """Every (kernel variant, config) to compile for ``target`` in ``"cuda"``, ``"sm100"``, ``"hip"``,
+    ``"xpu"``; the config lists come from ``configs.py``'s table of that name (``xpu`` variants load
+    ``tl.dot`` operands through block pointers, as the XPU launchers do; ``sm100`` compiles
+    ``cuda``'s variants)."""
+    if target not in (*NVIDIA_TARGETS, "hip", "xpu"):
+        raise ValueError(f"target must be 'cuda', 'sm100', 'hip' or 'xpu', got {target!r}")
     specs = []
-    for name, key, kernel, signature, constexprs, aligned in _variants(target):
+    for name, key, kernel, signature, constexprs, aligned in _variants("cuda" if target in NVIDIA_TARGETS else target):
         for i, cfg in enumerate(configs(target, key)):
             cexpr = {**cfg.meta, **constexprs}
             sig = {k: v(cfg.meta) if callable(v) else v for k, v in signature.items()}

@@ -73,7 +73,7 @@ def test_no_timing_on_the_cpu_or_the_interpreter_table():
         assert cfg == configs.configs(table, "grouped_mm_bwd")[0]
 
 
-@pytest.mark.parametrize("target", ["cuda", "hip", "xpu"])
+@pytest.mark.parametrize("target", ["cuda", "sm100", "hip", "xpu"])
 def test_every_candidate_is_in_the_compile_gate(target):
     built = {(s.name.split("[")[0], s.config_name) for s in kernel_specs(target)}
     for kernel in GEMMS:

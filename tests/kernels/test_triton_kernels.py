@@ -339,6 +339,7 @@ def _run_block(block: FastSparseMoeBlock, x: torch.Tensor, g: torch.Tensor):
         pytest.param("interpreter", (2, 19, 33, 21, 7, 3), torch.float32, id="small-tiles-odd-H-I-prime-E"),
         pytest.param("interpreter", (1, 9, 16, 8, 4, 4), torch.float32, id="small-tiles-K-equals-E"),
         pytest.param("cuda", (2, 19, 33, 21, 7, 3), torch.float32, id="cuda-tiles-one-tile-per-expert"),
+        pytest.param("sm100", (1, 23, 40, 24, 5, 2), torch.bfloat16, id="sm100-tiles-bf16"),
         pytest.param("xpu", (1, 13, 24, 40, 5, 2), torch.float32, id="xpu-tiles-I-above-H"),
         pytest.param("interpreter", (1, 21, 32, 16, 6, 2), torch.bfloat16, id="small-tiles-bf16"),
         pytest.param("interpreter", (2, 0, 16, 8, 4, 2), torch.float32, id="T0-empty-batch"),

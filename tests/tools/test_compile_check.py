@@ -1,4 +1,5 @@
-"""The compile check: every Triton kernel compiles for sm_90 and gfx942, default configs without spills.
+"""The compile check: every Triton kernel compiles for sm_90, sm_100a and gfx942, default configs without
+spills, no int32 row-index x stride products in pointer offsets.
 
 Compiling needs compiled-mode kernels, which a process that imported triton under
 ``TRITON_INTERPRET=1`` (the suite's setting) does not have, so the compiles run in a subprocess
@@ -23,12 +24,13 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu.kernels import configs  # noqa: E402
 from fastmoe_xpu.kernels.triton import combine, counting, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm  # noqa: E402
-from fastmoe_xpu.tools import compile_check  # noqa: E402
+from fastmoe_xpu.tools import compile_check, offset_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = (counting, indices, grouped_gemm, combine)
 #: Kernels compiled for some targets only: the TMA grouped GEMMs and the fp8 ones are NVIDIA's (sm_90+, sm_89+).
 TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm, fp8_gemm), "hip": (int8_gemm,), "xpu": (int8_gemm,)}
+TARGET_MODULES["sm100"] = TARGET_MODULES["cuda"]  # Blackwell compiles the sm_90 kernel set
 
 
 def _all_kernels(target: str) -> dict[str, object]:
@@ -44,7 +46,7 @@ def _all_kernels(target: str) -> dict[str, object]:
     return found
 
 
-@pytest.mark.parametrize("target", ["cuda", "hip", "xpu"])
+@pytest.mark.parametrize("target", ["cuda", "sm100", "hip", "xpu"])
 def test_kernel_specs_cover_every_kernel_and_config(target):
     from triton.runtime.jit import JITFunction
 
@@ -97,7 +99,7 @@ def test_specs_reach_only_compiled_mode_callees():
     assert isinstance(combine._combine_fwd_kernel, InterpretedFunction)  # this process runs the interpreter
     assert isinstance(combine._combine_fwd_kernel.fn.__globals__["token_slots"], InterpretedFunction)
     reached = set()
-    for target in ("cuda", "hip", "xpu"):
+    for target in ("cuda", "sm100", "hip", "xpu"):
         for spec in compile_check.kernel_specs(target):
             callees = _callees(spec.fn)
             assert all(isinstance(c, JITFunction) for c in callees.values()), (spec.name, callees)
@@ -107,31 +109,90 @@ def test_specs_reach_only_compiled_mode_callees():
 
 @pytest.fixture(scope="module")
 def default_rows(tmp_path_factory):
-    """The rows of ``python -m fastmoe_xpu.tools.compile_check --defaults-only`` for sm_90 and gfx942
-    (one compile run shared by the tests that read it)."""
-    out = tmp_path_factory.mktemp("compile") / "rows.json"
+    """The rows of ``python -m fastmoe_xpu.tools.compile_check --defaults-only`` for sm_90, sm_100a and
+    gfx942 (one compile run per target, the three side by side on the machine's cores; shared by the
+    tests that read them)."""
+    out = tmp_path_factory.mktemp("compile")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run(
-        [sys.executable, "-m", "fastmoe_xpu.tools.compile_check", "--target", "all", "--defaults-only",
-         "--json", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
-    )
-    print(res.stdout)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return json.loads(out.read_text())
+    procs = {}
+    try:
+        for target in compile_check.TARGETS:
+            procs[target] = subprocess.Popen(
+                [sys.executable, "-m", "fastmoe_xpu.tools.compile_check", "--target", target, "--defaults-only",
+                 "--json", str(out / f"{target}.json")],
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+        rows = []
+        for target, proc in procs.items():
+            log, _ = proc.communicate(timeout=1200)
+            print(log)
+            assert proc.returncode == 0, f"compile_check --target {target}:\n" + log[-6000:]
+            rows += json.loads((out / f"{target}.json").read_text())
+        return rows
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_compile_check_defaults_compile_without_spills(default_rows):
-    """Every kernel variant's default config compiles for sm_90 and gfx942 without spills."""
+    """Every kernel variant's default config compiles for sm_90, sm_100a and gfx942 without spills,
+    and no kernel forms a row-index x stride product in int32 (``i32_offsets``)."""
     rows = default_rows
-    n_variants = sum(len({s.name for s in compile_check.kernel_specs(t)}) for t in ("cuda", "hip"))
+    n_variants = sum(len({s.name for s in compile_check.kernel_specs(t)}) for t in compile_check.TARGETS)
     assert len(rows) == n_variants
     for row in rows:
         assert row["ok"], row
         assert row["registers"] and row["registers"] > 0, row
         assert row["spills"] == 0, row
         assert row["shared_ok"], row
-    assert {r["target"] for r in rows} == {"cuda", "hip"}
+        assert row["i32_offsets"] == [], row
+    assert {r["target"] for r in rows} == {"cuda", "sm100", "hip"}
+
+
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_blackwell_kernels_use_tcgen05(default_rows):
+    """On sm_100a every kernel that multiplies matrices on sm_90 (wgmma) does so with tcgen05, the
+    fifth-generation tensor core's MMA (``tcgen05.mma`` in the PTX; UTCHMMA on bf16 and UTCIMMA on
+    int8 in the SASS where ``cuobjdump`` ships with Triton); the TMA kernels load through TMA there
+    too; the kernels without a matrix product have none. Triton before 3.9 (3.6 was seen) lowers
+    int8 dots on sm_100a to mma.sync (IMMA) instead: still the integer MMA, never a float one."""
+    by = {(r["kernel"], r["target"]): r for r in default_rows}
+    sm100 = [r for r in default_rows if r["target"] == "sm100"]
+    assert {r["kernel"] for r in sm100} == {r["kernel"] for r in default_rows if r["target"] == "cuda"}
+    gemms = {r["kernel"] for r in sm100 if by[(r["kernel"], "cuda")]["mma"] != "-"}
+    assert {"gate_up_fwd", "grouped_mm_fwd[W^T]", "grouped_mm_bwd_silu", "int8_grouped_mm[W]"} <= gemms
+    assert all(by[(k, "cuda")]["mma"] in ("wgmma", "mma.sync") for k in gemms)
+    int8_tcgen05 = _triton_version() >= (3, 9)
+    for row in sm100:
+        if row["kernel"] not in gemms:
+            assert row["mma"] == "-", row
+        elif row["kernel"].startswith("int8_") and not int8_tcgen05:
+            assert row["mma"] in ("tcgen05", "mma.sync"), row
+        else:
+            assert row["mma"] == "tcgen05", row
+    if compile_check._cuobjdump() is None:
+        return
+    for row in sm100:
+        utc = {m for m in row["sass"] if m.startswith("UTC")}
+        if row["kernel"].startswith("int8_"):
+            assert utc == {"UTCIMMA"} if row["mma"] == "tcgen05" else (not utc and "IMMA" in row["sass"]), row
+        elif row["kernel"].startswith("fp8_"):
+            assert utc == {"UTCQMMA"}, row  # fp8 operands: tcgen05's narrow-float form
+        elif row["kernel"] in gemms:
+            assert utc and "UTCIMMA" not in utc and "UTCQMMA" not in utc, row
+        else:
+            assert not utc, row
+        assert not {"HGMMA", "IGMMA"} & set(row["sass"]), row  # no Hopper wgmma on Blackwell
+        if row["kernel"].startswith("tma_"):
+            assert "UTMALDG" in row["sass"], row
 
 
 def test_tma_kernels_use_tma_and_wgmma_on_sm90(default_rows):
@@ -155,7 +216,7 @@ def test_int8_grouped_gemm_uses_integer_mma(default_rows):
     transposed layout) compile without spills to the integer tensor-core MMA: wgmma's int8 form
     (IGMMA) or mma.sync's (IMMA) in the sm_90 SASS, ``v_mfma_i32_*`` in the gfx942 amdgcn; no float
     MMA in either."""
-    rows = [r for r in default_rows if r["kernel"].startswith("int8_")]
+    rows = [r for r in default_rows if r["kernel"].startswith("int8_") and r["target"] in ("cuda", "hip")]
     assert {(r["kernel"], r["target"]) for r in rows} == {
         (s.name, t) for t in ("cuda", "hip") for s in compile_check.kernel_specs(t) if s.name.startswith("int8_")}
     assert len(rows) == 10
@@ -175,9 +236,9 @@ def test_fp8_grouped_gemm_uses_fp8_mma(default_rows):
     spills to wgmma's fp8 form (QGMMA), with no 16-bit float MMA; the weight gradient's operands,
     stored by column with each expert's rows aligned, are copied to shared memory asynchronously
     (LDGSTS), and so are the forward's gathered rows."""
-    rows = {r["kernel"]: r for r in default_rows if r["kernel"].startswith("fp8_")}
+    rows = {r["kernel"]: r for r in default_rows if r["kernel"].startswith("fp8_") and r["target"] == "cuda"}
     assert set(rows) == {s.name for s in compile_check.kernel_specs("cuda") if s.name.startswith("fp8_")}
-    assert len(rows) == 7 and all(r["target"] == "cuda" for r in rows.values())
+    assert len(rows) == 7
     for row in rows.values():
         assert row["ok"] and row["spills"] == 0, row
         if compile_check._cuobjdump() is not None:
@@ -185,3 +246,71 @@ def test_fp8_grouped_gemm_uses_fp8_mma(default_rows):
     if compile_check._cuobjdump() is not None:
         for name in ("fp8_grouped_wgrad[W]", "fp8_grouped_wgrad[W^T]", "fp8_grouped_mm[W^T+gather]"):
             assert "LDGSTS" in rows[name]["sass"], rows[name]
+
+
+def test_offset_check_finds_planted_int32_products():
+    """The offset check fails when a row-index x stride product is formed in int32: each real kernel
+    with one ``.to(tl.int64)`` taken out (the down GEMM's first row, the gate/up forward's gathered
+    token rows, the token count's block start) is flagged at the line of the product, and the same
+    kernels loaded the same way but unchanged are not (tests/tools/plant_int32_offsets.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("plant_int32_offsets.py"))], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    assert found["grouped_mm_fwd: control"] == [] and found["gate_up_fwd: control"] == []
+    planted = found["grouped_mm_fwd: row0 int32"]
+    assert any("a_ptrs = a_ptr + rows[:, None] * K" in f for f in planted), planted
+    assert any("out_ptr + rows[:, None] * N" in f for f in planted), planted
+    assert [f.split(": ", 1)[1] for f in found["gate_up_fwd: tok int32"]] == [
+        "a_ptrs = x_ptr + tok[:, None] * H + offs_k[None, :]"]
+    assert any("tok = b * block_size + offs_t" in f for f in found["count_tokens: tok int32"])
+
+
+#: A hand-written TTIR: a loaded row index times the argument ``%H`` in int32, carried into a loop
+#: as a pointer offset; a tile start (program id times a constant) and an int64 product beside it.
+_TTIR = """module {
+  tt.func public @k(%x_ptr: !tt.ptr<bf16> loc("x_ptr"(#loc)), %idx_ptr: !tt.ptr<i32> loc("idx_ptr"(#loc)), %H: i32 loc("H"(#loc))) attributes {noinline = false} {
+    %c0_i32 = arith.constant 0 : i32 loc(#loc1)
+    %c16_i32 = arith.constant 16 : i32 loc(#loc1)
+    %pid = tt.get_program_id x : i32 loc(#loc2)
+    %start = arith.muli %pid, %c16_i32 : i32 loc(#loc2)
+    %r = tt.make_range {end = 16 : i32, start = 0 : i32} : tensor<16xi32> loc(#loc2)
+    %s = tt.splat %start : i32 -> tensor<16xi32> loc(#loc2)
+    %rows = arith.addi %s, %r : tensor<16xi32> loc(#loc2)
+    %ip = tt.splat %idx_ptr : !tt.ptr<i32> -> tensor<16x!tt.ptr<i32>> loc(#loc3)
+    %ip2 = tt.addptr %ip, %rows : tensor<16x!tt.ptr<i32>>, tensor<16xi32> loc(#loc3)
+    %tok = tt.load %ip2 : tensor<16x!tt.ptr<i32>> loc(#loc3)
+    %h = tt.splat %H : i32 -> tensor<16xi32> loc(#loc4)
+    %off = arith.muli %tok, %h : tensor<16xi32> loc(#loc4)
+    %tok64 = arith.extsi %tok : tensor<16xi32> to tensor<16xi64> loc(#loc5)
+    %h64 = arith.extsi %h : tensor<16xi32> to tensor<16xi64> loc(#loc5)
+    %off64 = arith.muli %tok64, %h64 : tensor<16xi64> loc(#loc5)
+    %xp = tt.splat %x_ptr : !tt.ptr<bf16> -> tensor<16x!tt.ptr<bf16>> loc(#loc5)
+    %safe = tt.addptr %xp, %off64 : tensor<16x!tt.ptr<bf16>>, tensor<16xi64> loc(#loc5)
+    %acc = scf.for %k = %c0_i32 to %H step %c16_i32 iter_args(%o = %off) -> (tensor<16xi32>)  : i32 {
+      %p = tt.addptr %xp, %o : tensor<16x!tt.ptr<bf16>>, tensor<16xi32> loc(#loc6)
+      %next = arith.addi %o, %r : tensor<16xi32> loc(#loc6)
+      scf.yield %next : tensor<16xi32> loc(#loc6)
+    } loc(#loc6)
+    tt.return loc(#loc6)
+  } loc(#loc)
+} loc(#loc)
+#loc = loc("/nowhere/k.py":1:0)
+#loc1 = loc("/nowhere/k.py":2:0)
+#loc2 = loc("/nowhere/k.py":3:0)
+#loc3 = loc("/nowhere/k.py":4:0)
+#loc4 = loc("off"("/nowhere/k.py":5:0))
+#loc5 = loc("/nowhere/k.py":6:0)
+#loc6 = loc(callsite("/nowhere/k.py":7:0 at "/nowhere/k.py":8:0))
+"""
+
+
+def test_offset_check_reads_ttir():
+    """Only the int32 product of the loaded row index and ``%H`` is found (it reaches a pointer
+    through a loop's carried value), named by its location; the tile start (a product with a
+    constant) and the int64 product are not; the product removed, nothing is."""
+    assert offset_check.int32_offset_products(_TTIR) == ["k.py:5"]
+    clean = _TTIR.replace("%off = arith.muli %tok, %h : tensor<16xi32>", "%off = arith.addi %tok, %h : tensor<16xi32>")
+    assert offset_check.int32_offset_products(clean) == []

@@ -51,7 +51,7 @@ def _count_tokens_fwd_kernel(
     b = tl.program_id(0)
     offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    tok = b * block_size + offs_t
+    tok = b.to(tl.int64) * block_size + offs_t  # int64 offsets: no product can wrap
     t_mask = (offs_t < block_size) & (tok < T)
     mask = t_mask[:, None] & (offs_k[None, :] < K)
     expert = tl.load(topk_idx_ptr + tok[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=-1)
@@ -66,7 +66,7 @@ def _count_tokens_fwd_kernel(
         hit = (ln[:, :, None] == offs_e[None, None, :]).to(tl.int32)
         hist = tl.sum(tl.sum(hit, axis=1), axis=0)
         e_mask = offs_e < num_local
-        tl.store(partial_ptr + offs_e * TH + b, hist, mask=e_mask)
+        tl.store(partial_ptr + offs_e.to(tl.int64) * TH + b, hist, mask=e_mask)
         tl.atomic_add(expert_totals_ptr + offs_e, hist, mask=e_mask & (hist > 0), sem="relaxed")
 
 
@@ -107,7 +107,7 @@ def _cumsum_counts_fwd_kernel(
         tl.store(cum_token_ptr + pid, base)
         if pid == 0:
             tl.store(partial_cum_ptr, zero)
-        row = pid * TH
+        row = pid.to(tl.int64) * TH
         carry = base
         for c0 in range(0, TH, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
@@ -118,8 +118,8 @@ def _cumsum_counts_fwd_kernel(
         if pid == num_local - 1:
             tl.store(cum_token_ptr + num_local, carry)
     else:
-        tok0 = (pid - num_local) * tokens_per_chunk
-        blk0 = tok0 // block_size
+        tok0 = (pid - num_local).to(tl.int64) * tokens_per_chunk
+        blk0 = (tok0 // block_size).to(tl.int32)
         base = zero
         for b0 in range(0, blk0, BLOCK):
             offs_b = b0 + tl.arange(0, BLOCK)

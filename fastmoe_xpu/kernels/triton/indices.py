@@ -51,9 +51,9 @@ def _build_indices_fwd_kernel(
     j = tl.arange(0, BLOCK_J)
     jt = j // BLOCK_K
     jk = j % BLOCK_K
-    tok = b * block_size + jt
+    tok = b.to(tl.int64) * block_size + jt  # int64 offsets: no product can wrap
     valid = (jt < block_size) & (tok < T) & (jk < K)
-    expert = tl.load(topk_idx_ptr + tok.to(tl.int64) * K + jk, mask=valid, other=-1)
+    expert = tl.load(topk_idx_ptr + tok * K + jk, mask=valid, other=-1)
     ln = expert.to(tl.int32) - expert_start
     local = valid & (ln >= 0) & (ln < num_local)
     ln = tl.where(local, ln, -1)
@@ -61,9 +61,9 @@ def _build_indices_fwd_kernel(
     earlier = (j[None, :] < j[:, None]) & local[None, :]
     rank_in_expert = tl.sum((earlier & (ln[None, :] == ln[:, None])).to(tl.int32), axis=1)
     rank_in_token = tl.sum((earlier & (jt[None, :] == jt[:, None])).to(tl.int32), axis=1)
-    row = tl.load(partial_cum_ptr + ln * TH + b, mask=local, other=0) + rank_in_expert
+    row = tl.load(partial_cum_ptr + ln.to(tl.int64) * TH + b, mask=local, other=0) + rank_in_expert
     slot = tl.load(cum_expert_ptr + tok, mask=local, other=0) + rank_in_token
-    tl.store(input_idx_ptr + row, tok, mask=local)
+    tl.store(input_idx_ptr + row, tok.to(tl.int32), mask=local)
     tl.store(output_idx_ptr + slot, row, mask=local)
     tl.store(selected_ptr + slot, jk, mask=local)
 
