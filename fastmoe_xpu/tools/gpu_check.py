@@ -18,13 +18,16 @@ transformers versions found there (no network), and writes everything into one f
 4. ``mula``: ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, with the benchmark's GEMM-only bound;
-5. ``memcheck`` and ``racecheck``: ``compute-sanitizer`` over a small forward+backward (racecheck over a
+5. ``rows``: ``python -m fastmoe_xpu.tools.large_rows``: a bf16 layer at T=140,000, K=8, E=16, H=512,
+   I=1024, whose gate/up buffer holds 2.3e9 elements, on each Triton engine: outputs and gradients finite
+   and equal to the torch backend on sampled tokens (an int32 offset that wraps shows here);
+6. ``memcheck`` and ``racecheck``: ``compute-sanitizer`` over a small forward+backward (racecheck over a
    tinier one: it instruments every shared-memory access) (CUDA, where the tool is installed; otherwise
    the step says why it did not run; where the tool refuses the device, e.g. ``Device not supported``,
    the step is reported as not run with the tool's own words and does not fail the check);
-6. ``liger-tuned``: the Qwen3-30B-A3B shape again with Liger's autotuner on (its published shape), when the
+7. ``liger-tuned``: the Qwen3-30B-A3B shape again with Liger's autotuner on (its published shape), when the
    budget has time left for it;
-7. ``summary.md``: one row per step (ran / failed / not run, and why), the comparison, then the Mula table.
+8. ``summary.md``: one row per step (ran / failed / not run, and why), the comparison, then the Mula table.
 
 A step that fails does not stop the others; ``--steps`` runs a subset (the others are reported as not
 selected). What the machine's Python lacks and the kit carries (pure-Python wheels in ``kit_wheels/``, prepared
@@ -57,7 +60,7 @@ PRESETS = ("mula-7b-a1b", "mula-7b-a1b-small", "mula-20b-a2b", "mula-220b-a10b")
 BASELINES = ("hf_v4", "hf_v5_grouped_mm", "hf_v5_eager")
 ENGINES = ("triton", "triton_tma", "grouped_mm", "loop")
 #: The steps in the order they run (``--steps`` names a subset).
-STEP_KEYS = ("compare", "tests", "mula", "memcheck", "racecheck", "liger-tuned")
+STEP_KEYS = ("compare", "tests", "mula", "rows", "memcheck", "racecheck", "liger-tuned")
 DEFAULT_BUDGET_S = 540.0
 NO_DEVICE_EXIT = 2
 #: compute-sanitizer's words when it cannot instrument the GPU it finds (seen on an H200).
@@ -136,6 +139,11 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
         argv=[*bench, "--device", device, "--dtype", "bf16", "--mode", "fwdbwd", "--preset", *PRESETS,
          "--providers", *providers, "--rounds", "3", "--budget", str(int(0.03 * budget_s)), "--no-progress",
          "--out", str(out / "bench")],
+        timeout_s=0.15 * budget_s, env=cache,
+    ))
+    steps.append(Step(
+        key="rows", name="a bf16 layer whose row buffers pass 2^31 elements (T=140,000, K=8), against the torch backend",
+        argv=[python, "-m", "fastmoe_xpu.tools.large_rows", "--device", device, "--json", str(out / "large_rows.json")],
         timeout_s=0.15 * budget_s, env=cache,
     ))
     sanitizer = shutil.which("compute-sanitizer")
