@@ -103,7 +103,8 @@ def rows_of(res: dict) -> list[dict]:
                     "fwdbwd_ms": 1e3 * pr["fwdbwd"]["median_s"] if "fwdbwd" in pr else None,
                     "correct": pr.get("correct", {}).get("ok"), "note": pr.get("note", ""),
                     "peak_mb": pr["peak_bytes"] / 2**20 if "peak_bytes" in pr else None,
-                    "max_error": max(pr["correct"]["max_rel_error"].values()) if pr.get("correct") else None})
+                    "max_error": max(pr["correct"]["max_rel_error"].values()) if pr.get("correct") else None,
+                    "budget_note": pr.get("budget_note", "")})
     return out
 
 
@@ -167,10 +168,12 @@ def format_table(res: dict) -> str:
             continue
         ok = {None: "-", True: "yes", False: "NO"}[r["correct"]]
         name = r["provider"] + (f" (auto -> {_engine(r.get('note', ''))})" if _engine(r.get("note", "")) else "")
+        name += " *" if r.get("budget_note") else ""
         lines.append("| " + " | ".join((name, _num(r["fwd_ms"], ".2f"), _num(r["fwd_tflops"], ".3f"),
                                         _num(r["fwd_vs_mm"], ".2f"), _num(r["fwdbwd_ms"], ".2f"),
                                         _num(r["fwdbwd_tflops"], ".3f"), _num(r["fwdbwd_vs_mm"], ".2f"),
                                         _num(r["peak_mb"], ".0f"), _num(r["max_error"], ".1e"), ok)) + " |")
+    lines += [f"* {r['provider']}: {r['budget_note']}" for r in rows_of(res) if r.get("budget_note")]
     for name, q in precision_speedups(res).items():
         lines.append(f"{name} over {name.split(':', 1)[0]} (same run): forward {_num(q['fwd'], '.2f')}x, "
                      f"F+B {_num(q['fwdbwd'], '.2f')}x")

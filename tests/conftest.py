@@ -192,3 +192,31 @@ def device() -> Any:
     if TEST_DEVICE == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         pytest.skip("--device xpu: torch sees no XPU device")
     return torch.device(TEST_DEVICE)
+
+
+@pytest.fixture
+def launched(monkeypatch) -> list[str]:
+    """Names of the Triton kernels the code under test starts through ``kernels/triton/launch.launch``,
+    in order. The trial launches of the config autotuner (on a GPU, the first launch at a new shape
+    times every config of the kernel's list) are not counted: they are not the code's launches."""
+    from fastmoe_xpu.kernels.triton import autotune, launch
+
+    names: list[str] = []
+    real_launch, real_select = launch.launch, autotune.select
+    trials = [0]
+
+    def spy(kernel, *args, **kwargs):
+        if not trials[0]:
+            names.append(getattr(kernel, "fn", kernel).__name__)
+        return real_launch(kernel, *args, **kwargs)
+
+    def select(*args, **kwargs):
+        trials[0] += 1
+        try:
+            return real_select(*args, **kwargs)
+        finally:
+            trials[0] -= 1
+
+    monkeypatch.setattr(launch, "launch", spy)
+    monkeypatch.setattr(autotune, "select", select)
+    return names

@@ -14,11 +14,16 @@ TMA), forward and backward, and checks that
   (the highest rows of every row buffer, past 2^31 elements of ``gate_up``), the first tokens of
   the first expert, the batch's first and last tokens and random ones.
 
-The weight gradients (sums over every row) are compared with the torch backend over the whole batch
-as a relative norm (``--no-weight-grads`` skips that second full-size layer). Tolerances are the
-test suite's: in bf16 ``|a - b| <= 1e-2 + 1e-2 * max|b|`` on values of order one (the weights are
-scaled by ``1/sqrt(fan_in)``) and a weight-gradient norm within 1e-2; a wrapped offset reads or
-writes another row and misses that by orders of magnitude (or faults).
+The weight gradients (sums over every row) are compared over the whole batch, as a relative norm,
+with the torch backend run in fp32 on fp32 copies of the inputs: the Triton engine's error must be
+within 1e-2 or within 1.25x the error of the torch backend run in the check's own dtype, whichever is
+larger (``--no-weight-grads`` skips those two full-size layers). In bf16 a weight gradient that sums
+70,000 rows per expert is only as close to another bf16 computation as its inputs' roundings allow
+(about 1% between the two backends on an H200, since each rounds its SiLU*up rows differently), so a
+bf16 reference is no judge; the fp32 one is. Tolerances on the sampled rows are the test suite's: in
+bf16 ``|a - b| <= 1e-2 + 1e-2 * max|b|`` on values of order one (the weights are scaled by
+``1/sqrt(fan_in)``). A wrapped offset reads or writes another row and misses these by orders of
+magnitude (or faults).
 
 Exit status 0 when every engine passes, 1 when one fails, 2 when the device is missing. Other shapes
 (``--tokens`` etc.) serve small runs, e.g. on the CPU under ``TRITON_INTERPRET=1`` with ``--dtype
@@ -51,8 +56,10 @@ class EngineResult:
     #: max |triton - torch| over the sampled rows, and the bound it is held to, per tensor
     errors: dict[str, float] = field(default_factory=dict)
     bounds: dict[str, float] = field(default_factory=dict)
-    #: ||dW_triton - dW_torch|| / ||dW_torch|| per expert weight (whole batch)
+    #: ||dW_triton - dW_fp32|| / ||dW_fp32|| per expert weight (whole batch), and its bound (1e-2 or
+    #: 1.25x the torch backend's own error in the check's dtype)
     weight_grad_rel: dict[str, float] = field(default_factory=dict)
+    weight_grad_bounds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -106,11 +113,28 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize()
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def weight_grad_reference(inputs: dict[str, torch.Tensor]) -> dict:
+    """The weight gradients of the torch backend over the whole batch in fp32 (``fp32``), and that
+    backend's own relative error against them in the inputs' dtype (``native_rel``)."""
+    wide = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs.items()}
+    full = _layer(wide, "torch", "native")
+    fp32 = {k: full[k] for k in ("dw_gate_up", "dw_down")}
+    del full, wide
+    native = _layer(inputs, "torch", "native")
+    rel = {k: _rel(native[k], fp32[k]) for k in fp32}
+    del native
+    return {"fp32": fp32, "native_rel": rel}
+
+
 def check_engine(inputs: dict[str, torch.Tensor], engine: str, tokens: torch.Tensor, weight_grads: bool,
-                 reference: dict[str, torch.Tensor] | None) -> EngineResult:
+                 reference: dict | None) -> EngineResult:
     """Run the Triton backend with ``engine`` over the whole batch; compare the sampled rows with
-    the torch backend on those rows and, given ``reference`` (the torch backend over the batch),
-    the weight gradients."""
+    the torch backend on those rows and, given ``reference`` (:func:`weight_grad_reference`), the
+    weight gradients."""
     res = EngineResult(engine, ok=False)
     device = inputs["x"].device
     rtol, atol = TOLERANCES[inputs["x"].dtype]
@@ -134,10 +158,10 @@ def check_engine(inputs: dict[str, torch.Tensor], engine: str, tokens: torch.Ten
         ok = ok and err <= bound
     if weight_grads and reference is not None:
         for name in ("dw_gate_up", "dw_down"):
-            a, b = got[name].float(), reference[name].float()
-            rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            res.weight_grad_rel[name] = rel
-            ok = ok and rel <= rtol
+            rel = _rel(got[name], reference["fp32"][name])
+            bound = max(rtol, 1.25 * reference["native_rel"][name])
+            res.weight_grad_rel[name], res.weight_grad_bounds[name] = rel, bound
+            ok = ok and rel <= bound
     del got
     res.ok = ok
     return res
@@ -167,11 +191,12 @@ def run(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, *
     reference = None
     if weight_grads:
         t0 = time.perf_counter()
-        full = _layer(inputs, "torch", "native")
-        reference = {k: full[k] for k in ("dw_gate_up", "dw_down")}
-        del full
+        reference = weight_grad_reference(inputs)
         _sync(dev)
-        progress(f"  torch backend over the batch (weight-gradient reference): {time.perf_counter() - t0:.1f} s")
+        report["torch_weight_grad_rel"] = reference["native_rel"]
+        progress(f"  torch backend over the batch in fp32 (weight-gradient reference) and in {dtype}: "
+                 f"{time.perf_counter() - t0:.1f} s; {dtype} torch backend against fp32: " + ", ".join(
+                     f"{k} rel {v:.2e}" for k, v in reference["native_rel"].items()))
     ok = True
     for engine in engines:
         res = check_engine(inputs, engine, sampled, weight_grads, reference)
@@ -179,7 +204,7 @@ def run(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int, *
         report["engines"].append(asdict(res))
         detail = res.error or (f"finite={res.finite} " + " ".join(
             f"{k}: {res.errors[k]:.3g} (<= {res.bounds[k]:.3g})" for k in res.errors) + "".join(
-            f" {k}: rel {v:.2e}" for k, v in res.weight_grad_rel.items()))
+            f" {k}: rel {v:.2e} (<= {res.weight_grad_bounds[k]:.2e})" for k, v in res.weight_grad_rel.items()))
         progress(f"  triton@{engine}: {'ok' if res.ok else 'FAILED'} in {res.seconds:.1f} s; {detail}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -83,8 +83,36 @@ def test_budget_limits_rounds_and_says_so():
     for name in ("hf_v4", "fastmoe/torch"):
         p = res["providers"][name]
         assert p["budget_limited"] and "budget" in p["budget_note"]
-        assert p["rounds"] == 1  # the cold call is kept as the one sample
+        assert p["rounds"] == 1 and "a warm call took" in p["budget_note"]  # a warm call is the one sample
     assert res["bound"]["fwdbwd"]["n"] == 3  # the limits always run every round
+
+
+def test_a_slow_first_call_does_not_cut_the_rounds():
+    """A provider whose first call compiles (here: sleeps) is judged by a warm call: all rounds run and
+    none of its samples holds the first call's time."""
+    import time
+
+    case = make_case(PRESETS["tiny"])
+    first = {"done": False}
+
+    def build(name, c):
+        prov = build_provider(name, c)
+        inner = prov.forward
+
+        def forward(*args):
+            if not first["done"]:
+                first["done"] = True
+                time.sleep(0.6)
+            return inner(*args)
+
+        prov.forward = forward
+        return prov
+
+    res = run_case(case, ["fastmoe/torch"], rounds=3, budget_s=1.0, ceiling_n=32, progress=False, build=build,
+                   reference="fastmoe/torch", min_sample_s=0.0)
+    p = res["providers"]["fastmoe/torch"]
+    assert first["done"] and not p.get("budget_limited") and p["rounds"] == 3
+    assert max(p["fwd"]["samples_s"]) < 0.3
 
 
 @pytest.mark.parametrize("min_sample_s", [0.0, 0.05])

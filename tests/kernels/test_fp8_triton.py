@@ -66,19 +66,6 @@ def no_host_bounds(monkeypatch):
     return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    names: list[str] = []
-    real = launch.launch
-
-    def spy(kernel, *args, **kwargs):
-        names.append(getattr(kernel, "fn", kernel).__name__)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(launch, "launch", spy)
-    return names
-
-
 def _codes(shape, dtype, g, spread=40.0):
     """Random fp8 codes over much of the format's range (both signs, some zeros)."""
     return (torch.randn(shape, generator=g) * spread).to(dtype)

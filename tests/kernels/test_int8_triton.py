@@ -51,19 +51,6 @@ def no_host_bounds(monkeypatch):
     return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    names: list[str] = []
-    real = launch.launch
-
-    def spy(kernel, *args, **kwargs):
-        names.append(getattr(kernel, "fn", kernel).__name__)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(launch, "launch", spy)
-    return names
-
-
 @pytest.mark.parametrize("trans_w", [True, False])
 @pytest.mark.parametrize("gather", [True, False])
 def test_kernel_is_exact(trans_w, gather, dev):

@@ -25,6 +25,8 @@ def test_small_triton_layer_matches_the_torch_backend_under_the_interpreter():
     assert set(res["errors"]) == {"out", "dx", "dweights"}
     assert all(res["errors"][k] <= res["bounds"][k] for k in res["errors"])
     assert set(res["weight_grad_rel"]) == {"dw_gate_up", "dw_down"}
+    assert all(res["weight_grad_rel"][k] <= res["weight_grad_bounds"][k] for k in res["weight_grad_rel"])
+    assert set(report["torch_weight_grad_rel"]) == {"dw_gate_up", "dw_down"}
 
 
 def test_the_default_shape_passes_two_to_the_31():
@@ -51,7 +53,8 @@ def test_a_wrong_row_or_a_nan_fails_the_check(monkeypatch):
     runs: the planted engine is the torch backend."""
     inputs = large_rows.make_inputs(40, 2, 4, 8, 4, torch.float32, torch.device("cpu"))
     tokens = large_rows.sample_tokens(inputs["idx"], 4, 16)
-    reference = large_rows._layer(inputs, "torch", "native")
+    reference = large_rows.weight_grad_reference(inputs)
+    assert all(v < 1e-6 for v in reference["native_rel"].values())  # fp32 inputs: the same computation
     layer = large_rows._layer
     plant = {}
 
@@ -67,6 +70,10 @@ def test_a_wrong_row_or_a_nan_fails_the_check(monkeypatch):
     plant.update(name="out", at=row * 8, by=1.0)
     res = large_rows.check_engine(inputs, "planted", tokens, True, reference)
     assert not res.ok and res.finite and res.errors["out"] > res.bounds["out"]
+    # a weight gradient off the fp32 reference by more than 1e-2 (and than the torch backend's own error)
+    plant.update(name="dw_down", at=3, by=1.0)
+    res = large_rows.check_engine(inputs, "planted", tokens, True, reference)
+    assert not res.ok and res.finite and res.weight_grad_rel["dw_down"] > res.weight_grad_bounds["dw_down"] == 1e-5
     plant.update(name="dw_down", at=3, by=float("nan"))
     res = large_rows.check_engine(inputs, "planted", tokens, True, reference)
     assert not res.ok and not res.finite
