@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    ap.add_argument("--engines", nargs="?", const="list", choices=["list", "clear"], default=None,
+                    help="list the auto engine choices cached on disk with their timings and how they were taken "
+                         "(list, the default), or remove them (clear); nothing is benchmarked")
     fam = ap.add_argument_group("families", "one experts layer of a transformers MoE family at its published "
                                 "shape: the family's eager and grouped_mm against fastmoe (bench/families.py)")
     fam.add_argument("--family", default=None, metavar="NAME", help="qwen3_moe, gpt_oss or mixtral")
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.engines:
+        from .engines_cache import run_engines
+
+        return run_engines(args.engines)
     _check_device(args.device)
     if args.family:
         from .families import run_family
