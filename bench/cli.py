@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-sample-ms", type=float, default=1e3 * MIN_SAMPLE_S,
                     help="calls shorter than this are timed several in a row, their mean one sample "
                          f"(default {1e3 * MIN_SAMPLE_S:g}; 0: one call per sample)")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: this process's share of the cores, less cores other "
+                         "work keeps busy at start; printed)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton, "
                          "or fastmoe/<backend>@<engine> for one grouped-GEMM engine (triton, grouped_mm, loop) "
@@ -132,6 +134,9 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_engines(args.engines)
     _check_device(args.device)
+    from fastmoe_xpu.threads import configure
+
+    print(f"fastmoe-bench: {configure(args.threads).summary}", file=sys.stderr, flush=True)
     if args.family:
         from .families import run_family
 
