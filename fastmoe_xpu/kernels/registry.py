@@ -160,6 +160,9 @@ class Implementation:
     max_layer_macs: int = 0
     """For an ``experts`` implementation: the largest layer it runs, in multiply-accumulates of the
     forward (:func:`layer_macs`), up to which it was measured to beat the staged chain."""
+    adapters: bool = False
+    """For an ``experts`` implementation: whether it also runs LoRA adapters on the frozen weights
+    (``lora_experts_forward`` / ``lora_experts_backward``)."""
 
     def launchers(self) -> tuple[str, ...]:
         return tuple(name for stage in self.stages for name in STAGES[stage])
@@ -195,7 +198,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_quantized_reason("fp8"), timed=lambda device: False, precision="fp8"),
         # Measured on the CPU against the staged chain and transformers (docs/small_shapes.md).
         Implementation("padded", ("experts",), ("cpu",), _FLOATS, ".torch.padded", bases=("torch",),
-                       max_layer_macs=4 * 2**20),
+                       max_layer_macs=4 * 2**20, adapters=True),
     )
 }
 
@@ -432,13 +435,14 @@ def layer_macs(tokens: int, top_k: int, hidden: int, intermediate: int, local_ex
 
 
 def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtype: torch.dtype,
-                shape: tuple[int, int, int, int, int]) -> str | None:
+                shape: tuple[int, int, int, int, int], lora: bool = False) -> str | None:
     """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
     the staged chain: the first one for ``backend`` (resolved: ``"torch"`` or ``"triton"``) available
     on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer, and only while
-    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``.
+    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``;
+    ``lora``: the layer has adapters (only an implementation that runs them qualifies).
     Asked on every layer call: answered from :data:`_LAYER_ANSWERS` after the first."""
-    key = (backend, gemm_engine, device, dtype, shape, settings.get())
+    key = (backend, gemm_engine, device, dtype, shape, lora, settings.get())
     try:
         return _LAYER_ANSWERS[key]
     except KeyError:
@@ -448,7 +452,8 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
         macs = layer_macs(*shape)
         for name in LAYERS:
             impl = IMPLEMENTATIONS[name]
-            if backend in impl.bases and macs <= impl.max_layer_macs and impl.reason_unavailable(device, dtype) is None:
+            if (backend in impl.bases and macs <= impl.max_layer_macs and (impl.adapters or not lora)
+                    and impl.reason_unavailable(device, dtype) is None):
                 answer = name
                 break
     if len(_LAYER_ANSWERS) >= 4096:  # one entry per token count seen: bounded for long generations
