@@ -538,12 +538,13 @@ class Watch:
 
     The fused op's forward and backward report their wall time (:meth:`saw`); on a forward call
     that is due, :meth:`check` re-times the candidates when the choice came from an untrusted timing
-    or when the layer runs :data:`SLOW` times slower than its timed speed, so that a wrong choice
-    (a cache written from a bad timing) is found out in use. A trusted re-timing replaces the choice
-    and is stored; an untrusted one replaces an untrusted choice, and a trusted one only where its
-    winner's every sample beat the chosen engine's every sample, and is not stored. On a GPU the
-    times are not watched (a call returns before the device has run it); untrusted choices are
-    re-timed all the same."""
+    (once the process has gone a stretch without waiting for a CPU) or when the layer runs
+    :data:`SLOW` times slower than its timed speed, so that a wrong choice (a cache written from a
+    bad timing) is found out in use. A trusted re-timing replaces the choice and is stored; an
+    untrusted one replaces an untrusted choice, and a trusted one only where its winner beat the
+    chosen engine in every round (interleaved: under the same load), and is not stored. Each
+    re-timing doubles the calls before the next may run. On a GPU the times are not watched (a call
+    returns before the device has run it); untrusted choices are re-timed all the same."""
 
     __slots__ = ("device", "name", "key", "options", "engine", "trusted", "use_disk", "watch_speed", "expected",
                  "expected_forward", "timed_rows", "calls", "next_check", "retime_at", "gap", "fwd", "bwd",
@@ -600,11 +601,16 @@ class Watch:
         """The due check of a forward call (see the class docstring)."""
         self.next_check = self.calls + CHECK_EVERY
         quiet = self._quiet_since_last_check()
-        if measure is None or self.calls < self.retime_at or not quiet:
-            return  # a timing now would be starved: wait for a quiet stretch, at no cost
-        if not self.trusted:
-            self.retime(measure, rows, "re-timed: the last timing was not trusted")
+        if measure is None or self.calls < self.retime_at:
             return
+        if not self.trusted:
+            # Nothing says this choice is wrong, only that its timing was not to be trusted: wait for
+            # a quiet stretch, where a timing can be (a timing now would be starved, for nothing).
+            if quiet:
+                self.retime(measure, rows, "re-timed: the last timing was not trusted")
+            return
+        # A layer far slower than its timed speed: the choice may be wrong, or the machine busy. A
+        # timing tells (interleaved samples under the same load), busy or not; the next waits longer.
         slow = self.slowdown() if self.watch_speed else None
         if slow is not None and slow >= SLOW:
             self.retime(measure, rows, f"re-timed in use: {self.engine} ran {slow:.2f}x its timed speed")
@@ -646,9 +652,10 @@ class Watch:
 
 
 def _dominates(fast: list[Any], slow: list[Any]) -> bool:
-    """Whether every sample of ``fast`` took less time than every sample of ``slow`` (interleaved,
-    so under the same load)."""
-    return bool(fast) and bool(slow) and max(s.seconds for s in fast) < min(s.seconds for s in slow)
+    """Whether ``fast`` took less time than ``slow`` in every round of an interleaved timing (the two
+    samples of a round are taken next to each other, so under about the same load, whatever the load
+    did between rounds)."""
+    return bool(fast) and len(fast) == len(slow) and all(a.seconds < b.seconds for a, b in zip(fast, slow))
 
 
 def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -> "str | Watch":  # noqa: ANN001
