@@ -10,8 +10,8 @@ calls :func:`configure` once at start-up and prints :attr:`ThreadChoice.summary`
   1), at most ``OMP_NUM_THREADS`` where that is set, and less where other work already holds cores:
   the cores the rest of the machine kept busy over a short look at start-up (``/proc/stat``, less
   this process's own CPU time) are taken out before sharing. Two threads on two cores that two other
-  processes keep busy spend their time at the barriers between threads, waiting for each other: a
-  step took 1.8x the one-thread step that way.
+  processes keep busy spend their time at the barriers between threads, waiting for each other
+  (docs/bench.md, "Threads on a loaded machine").
 
 Other work can start or stop during a run. :class:`Adapter` (the trainer calls it after every step)
 looks again every few seconds and moves a default figure to the new share when two looks in a row
