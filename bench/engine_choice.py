@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     from fastmoe_xpu.threads import configure, usable_cores
 
     print(f"# {configure(args.threads).summary}")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else "?"
     print(f"# layer H={H} I={I} E={E} K={K} T={T}, fp32 forward+backward, torch backend; "
-          f"min over {args.rounds} interleaved rounds; load average {os.getloadavg() if hasattr(os, 'getloadavg') else '?'}")
+          f"min over {args.rounds} interleaved rounds; load average {load}")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "gemm_engines.json"
@@ -186,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
             results["in_use_check" if check else "no_in_use_check"] = r
             label = "in-use check on (as shipped)" if check else "in-use check off (never re-timed in use)"
             print(f"\n## wrong stored choice, {label}")
-            print("layer per engine, named (ms): " + ", ".join(f"{e} {s * 1e3:.1f}" for e, s in r["per_engine_s"].items())
+            named = ", ".join(f"{e} {s * 1e3:.1f}" for e, s in r["per_engine_s"].items())
+            print(f"layer per engine, named (ms): {named}"
                   + "; stages 4-5 as auto times them (ms): "
                   + ", ".join(f"{e} {s * 1e3:.1f}" for e, s in r["stage4_s"].items())
                   + f"; stored: {r['slowest']} with {r['fastest']}'s time")
             switched = next((t["call"] for t in r["trace"] if t["engine"] != r["slowest"]), None)
-            print("calls (ms, engine): " + " ".join(f"{t['layer_s'] * 1e3:.0f}{'' if t['engine'] == r['slowest'] else '*'}"
-                                                    for t in r["trace"])
+            marks = (f"{t['layer_s'] * 1e3:.0f}{'' if t['engine'] == r['slowest'] else '*'}" for t in r["trace"])
+            print("calls (ms, engine): " + " ".join(marks)
                   + ("  (* after the switch)" if switched else ""))
             for calls_seen, what in r["history"]:
                 print(f"  after {calls_seen} calls: {what}")

@@ -647,7 +647,8 @@ class Watch:
         self.retimes += 1
         self.gap = min(2 * self.gap, RETIME_MAX)
         self.retime_at = self.calls + self.gap
-        outcome = "trusted, stored" if t.trusted and self.use_disk else "trusted" if t.trusted else f"not trusted ({t.why})"
+        outcome = (("trusted, stored" if self.use_disk else "trusted") if t.trusted
+                   else f"not trusted ({t.why})")
         self.history.append((self.calls, f"{reason}; {was} -> {self.engine}, {outcome}"))
 
 
@@ -718,7 +719,8 @@ def _decide(dev: torch.device, name: str, key: ShapeKey, options: list[str], mea
         watch.retime_at = RETIME_FIRST
     if use_disk and t.trusted:
         timing.store(name, key, t.best, t.seconds, forward=t.forward, rows=rows, timed=t.record("first use"))
-    watch.history.append((0, f"timed at first use: {t.best}, " + ("trusted" if t.trusted else f"not trusted ({t.why})")))
+    verdict = "trusted" if t.trusted else f"not trusted ({t.why})"
+    watch.history.append((0, f"timed at first use: {t.best}, {verdict}"))
     return watch
 
 
