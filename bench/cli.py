@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-sample-ms", type=float, default=1e3 * MIN_SAMPLE_S,
                     help="calls shorter than this are timed several in a row, their mean one sample "
                          f"(default {1e3 * MIN_SAMPLE_S:g}; 0: one call per sample)")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: this process's share of the cores, less cores other "
+                         "work keeps busy at start; printed)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton, "
                          "or fastmoe/<backend>@<engine> for one grouped-GEMM engine (triton, grouped_mm, loop) "
@@ -68,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    ap.add_argument("--engines", nargs="?", const="list", choices=["list", "clear"], default=None,
+                    help="list the auto engine choices cached on disk with their timings and how they were taken "
+                         "(list, the default), or remove them (clear); nothing is benchmarked")
     fam = ap.add_argument_group("families", "one experts layer of a transformers MoE family at its published "
                                 "shape: the family's eager and grouped_mm against fastmoe (bench/families.py)")
     fam.add_argument("--family", default=None, metavar="NAME", help="qwen3_moe, gpt_oss or mixtral")
@@ -126,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.engines:
+        from .engines_cache import run_engines
+
+        return run_engines(args.engines)
     _check_device(args.device)
+    from fastmoe_xpu.threads import configure
+
+    print(f"fastmoe-bench: {configure(args.threads).summary}", file=sys.stderr, flush=True)
     if args.family:
         from .families import run_family
 

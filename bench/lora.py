@@ -38,16 +38,64 @@ import torch
 import torch.nn as nn
 
 from .families import FAMILY_SHAPES, experts_module, family_preset
+from .presets import Preset
 
 BASELINE, OURS = "grouped_mm", "fastmoe"
 
 
-def build(family: str, scale: int, tokens: int, rank: int, seed: int = 0) -> tuple[nn.Module, nn.Module, tuple]:
-    """``(peft wrapper, experts module, (x, top_k_index, top_k_weights))`` at the family's bench shape."""
+#: The tiny layers: a first model's experts (transformers' tiny test configs at H=96), 66 tokens, where
+#: launches and per-call overhead, not arithmetic, set the time.
+TINY = {"mixtral": (96, 48, 6, 2), "qwen3_moe": (96, 24, 10, 2)}
+TINY_TOKENS = 66
+#: Tokens of a decode step at the families' scaled bench shapes.
+DECODE_TOKENS = 8
+SHAPE_SETS = ("bench", "tiny", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraCase:
+    """One layer of the benchmark: a family's experts module at ``H, I, E, K`` for ``T`` tokens."""
+
+    family: str
+    shape_set: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    tokens: int
+
+    def preset(self) -> Preset:
+        return Preset(f"{self.family} ({self.shape_set})", self.hidden, self.intermediate, self.experts, self.top_k,
+                      self.tokens, 1, f"{self.family} experts, {self.shape_set}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.preset().as_dict() | {"shape_set": self.shape_set}
+
+
+def cases(shape_sets: list[str], families: list[str], scale: int, tokens: int) -> list[LoraCase]:
+    """The layers of ``shape_sets``: ``bench`` (each family's bench shape, H and I / ``scale``,
+    ``tokens``), ``tiny`` (:data:`TINY`, the families that have one) and ``decode`` (the bench shape
+    at :data:`DECODE_TOKENS` tokens)."""
+    out = []
+    for shape_set in shape_sets:
+        for family in families:
+            if shape_set == "tiny":
+                if family in TINY:
+                    out.append(LoraCase(family, "tiny", *TINY[family], TINY_TOKENS))
+                continue
+            t = tokens if shape_set == "bench" else DECODE_TOKENS
+            pr, _ = family_preset(family, scale=scale, tokens=t)
+            out.append(LoraCase(family, f"{shape_set} /{scale}" if scale != 1 else shape_set, pr.hidden,
+                                pr.intermediate, pr.experts, pr.top_k, t))
+    return out
+
+
+def build(case: LoraCase, rank: int, seed: int = 0) -> tuple[nn.Module, nn.Module, tuple]:
+    """``(peft wrapper, experts module, (x, top_k_index, top_k_weights))`` at ``case``'s shape."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    preset, _ = family_preset(family, scale=scale, tokens=tokens)
-    experts = experts_module(family, preset, torch.float32, torch.device("cpu"), seed)
+    preset = case.preset()
+    experts = experts_module(case.family, preset, torch.float32, torch.device("cpu"), seed)
     holder = nn.Module()
     holder.mlp = nn.Module()
     holder.mlp.experts = experts
@@ -143,11 +191,10 @@ def peak_bytes(fn: Callable[[], None]) -> int:
     return peak
 
 
-def run(family: str, scale: int, tokens: int, rank: int, rounds: int, low_rank: list[str],
-        handed: bool = False) -> dict[str, Any]:
+def run(case: LoraCase, rank: int, rounds: int, low_rank: list[str], handed: bool = False) -> dict[str, Any]:
     from fastmoe_xpu import release_buffers
 
-    wrapper, experts, inputs = build(family, scale, tokens, rank)
+    wrapper, experts, inputs = build(case, rank)
     who = contestants(low_rank, handed)
     steps = {name: step_fn(wrapper, experts, impl, lr, inputs) for name, (impl, lr) in who.items()}
     grads: dict[str, list[torch.Tensor]] = {}
@@ -171,7 +218,7 @@ def run(family: str, scale: int, tokens: int, rank: int, rounds: int, low_rank: 
         peak[name] = peak_bytes(fn)
     err = {name: max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
                      for a, b in zip(g, grads[BASELINE])) for name, g in grads.items() if name != BASELINE}
-    return {"family": family, "shape": family_preset(family, scale=scale, tokens=tokens)[0].as_dict(), "rank": rank,
+    return {"family": case.family, "shape": case.as_dict(), "rank": rank,
             "threads": torch.get_num_threads(), "rounds": rounds, "cpu_s": cpu, "wall_s": wall, "peak_bytes": peak,
             "adapter_grad_rel_err": err}
 
@@ -183,23 +230,28 @@ def format_row(r: dict[str, Any]) -> list[str]:
         if name == BASELINE:
             continue
         rows.append(
-            f"| {r['family']} | {sh['hidden']} | {sh['intermediate']} | {sh['experts']} | {sh['top_k']} | {name} | "
-            f"{cpu[BASELINE] * 1e3:.1f} | {cpu[name] * 1e3:.1f} | {cpu[BASELINE] / cpu[name]:.2f}x | "
-            f"{wall[BASELINE] * 1e3:.1f} | {wall[name] * 1e3:.1f} | "
+            f"| {r['family']} | {sh['shape_set']} | {sh['hidden']} | {sh['intermediate']} | {sh['experts']} | "
+            f"{sh['top_k']} | {sh['tokens']} | {name} | "
+            f"{cpu[BASELINE] * 1e3:.2f} | {cpu[name] * 1e3:.2f} | {cpu[BASELINE] / cpu[name]:.2f}x | "
+            f"{wall[BASELINE] * 1e3:.2f} | {wall[name] * 1e3:.2f} | {wall[BASELINE] / wall[name]:.2f}x | "
             f"{peak[BASELINE] / 2**20:.1f} | {peak[name] / 2**20:.1f} | {peak[BASELINE] / max(peak[name], 1):.2f}x | "
             f"{r['adapter_grad_rel_err'][name]:.1e} |")
     return rows
 
 
-HEADER = ("| family | H | I | E | K | ours | grouped_mm CPU ms | ours CPU ms | speed-up | grouped_mm wall ms "
-          "| ours wall ms | grouped_mm peak MiB | ours peak MiB | memory ratio | adapter grad rel err |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| family | shapes | H | I | E | K | T | ours | grouped_mm CPU ms | ours CPU ms | speed-up | grouped_mm wall ms "
+          "| ours wall ms | wall speed-up | grouped_mm peak MiB | ours peak MiB | memory ratio | adapter grad rel err |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", action="append", choices=sorted(FAMILY_SHAPES),
                     help="family (repeat; default: all bench families)")
+    ap.add_argument("--shapes", nargs="+", choices=SHAPE_SETS, default=["bench"],
+                    help="bench: each family's bench shape (H and I / --scale, --tokens); tiny: tiny models' experts "
+                         f"(mixtral H=96 E=6, qwen3_moe H=96 E=10, T={TINY_TOKENS}); decode: the bench shape at "
+                         f"T={DECODE_TOKENS} (default: bench)")
     ap.add_argument("--scale", type=int, default=4, help="divide H and I by this (CPU-sized layers)")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
@@ -215,13 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --rounds must be >= 1")
     torch.set_num_threads(args.threads)
     results = []
-    print(f"# LoRA step (forward + backward, adapters only train), r={args.rank}, T={args.tokens}, "
-          f"H and I / {args.scale}, fp32, {torch.get_num_threads()} threads; min over {args.rounds} interleaved "
+    print(f"# LoRA step (forward + backward, adapters only train), r={args.rank}, shapes {' '.join(args.shapes)}, "
+          f"fp32, {torch.get_num_threads()} threads; min over {args.rounds} interleaved "
           "rounds of the calling thread's CPU time and of the wall clock; peak = allocator bytes above the "
           "step's start (torch.profiler profile_memory)")
     print(HEADER)
-    for family in args.family or list(FAMILY_SHAPES):
-        r = run(family, args.scale, args.tokens, args.rank, args.rounds, args.low_rank, args.handed_in)
+    for case in cases(args.shapes, args.family or list(FAMILY_SHAPES), args.scale, args.tokens):
+        r = run(case, args.rank, args.rounds, args.low_rank, args.handed_in)
         print("\n".join(format_row(r)), flush=True)
         results.append(r)
     if args.json:

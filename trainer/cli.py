@@ -128,6 +128,9 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
                    help="start N training processes on this machine (torchrun's launcher, run in this process: "
                         "the same as torchrun --standalone --nproc-per-node N -m fastmoe_trainer; Ctrl-C stops "
                         "them all after their step with one line)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads per process (default: this process's share of the cores, "
+                        "cores // processes on this machine, less cores other work keeps busy; printed at start)")
     reverse = {v: k for k, v in ALIASES.items()}
     top_docs = field_docs(TrainConfig)
     for name in ("seed",):
@@ -257,8 +260,11 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
     try:
         cfg, args = config_from_args(argv)
         if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+            from fastmoe_xpu.threads import check_threads
+
             from .local_launch import launch
 
+            check_threads(args.threads)
             validate(dataclasses.replace(cfg), args.nproc_per_node)  # fail here, not in N processes at once
             stop.uninstall()  # the launcher's handlers pass signals on to the workers
             return launch(args.nproc_per_node, _without_nproc(sys.argv[1:] if argv is None else list(argv)))
@@ -278,6 +284,9 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
 
             print(dump_config(as_given, args.print_config, get_preset(args.preset)), end="")
             return 0
+        from fastmoe_xpu.threads import configure
+
+        configure(args.threads)  # this process's share of the cores (fastmoe_xpu/threads.py)
         from .trainer import Trainer
 
         trainer = Trainer(cfg)

@@ -473,7 +473,12 @@ def run_node(opts: NodeOptions) -> int:
     os.environ[CHECKPOINT_TIMEOUT_ENV] = str(opts.checkpoint_timeout)
     os.environ[STARTUP_TIMEOUT_ENV] = str(opts.startup_timeout)
     os.environ[PARENT_ENV] = "1"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The ranks of this machine share its cores (fastmoe_xpu/threads.py; run_local_nodes counts
+    # every node it starts here).
+    from fastmoe_xpu import threads
+
+    os.environ.setdefault(threads.LOCAL_PROCESSES_ENV, str(opts.nproc))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(os.environ[threads.LOCAL_PROCESSES_ENV]))))
     # The agent's shared TCPStore for the workers is created once by the first round's rank 0 and
     # its address cached by every agent; after that node dies the survivors' workers would look for
     # it there. Without sharing, every round's rank-0 worker hosts a fresh store (docs/fault.md).
@@ -618,14 +623,19 @@ def serve_store(endpoint: str, *, ready: Path | None = None) -> int:
 
 
 # ============================================================================ K nodes on this machine
-def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float | None = None) -> int:
+def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float | None = None,
+                    ranks: int | None = None) -> int:
     """Start a store process and ``k`` node launchers (labels node0..node{k-1}, each in its own
-    session so that a node can be killed as a whole); 0 when some node finished the job."""
+    session so that a node can be killed as a whole); 0 when some node finished the job.
+    ``ranks``: the training processes that run on this machine at once (default ``k``)."""
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
     ready = out / f".store-{os.getpid()}"
+    from fastmoe_xpu import threads
+
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault(threads.LOCAL_PROCESSES_ENV, str(ranks or k))
+    env.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(env[threads.LOCAL_PROCESSES_ENV]))))
     mod = __package__ + ".launch"  # the package may be installed under another name
     store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)], env=env)
     deadline = time.time() + 60
@@ -807,7 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_argv = ["--out", out, *node_argv]
         os.environ[_ARGS_CHECKED_ENV] = "1"  # the nodes' launchers inherit it: the arguments were checked here
         try:
-            return run_local_nodes(args.local_nodes, node_argv, Path(out), timeout=args.timeout)
+            return run_local_nodes(args.local_nodes, node_argv, Path(out), timeout=args.timeout,
+                                   ranks=min(args.local_nodes, n_max) * args.nproc_per_node)
         finally:
             os.environ.pop(_ARGS_CHECKED_ENV, None)
     if _has_out(rest) is None:

@@ -53,7 +53,11 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several processes
+    # The N processes share this machine's cores (fastmoe_xpu/threads.py): each takes its share.
+    from fastmoe_xpu import threads
+
+    os.environ.setdefault(threads.LOCAL_PROCESSES_ENV, str(nproc))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(os.environ[threads.LOCAL_PROCESSES_ENV]))))
     package = __package__ or "trainer"
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", package, *argv])
     try:

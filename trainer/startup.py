@@ -52,6 +52,11 @@ def summary_lines(trainer: Any) -> list[str]:
     extras = [f"compile {'on (' + m.compile_backend + ')' if m.compile else 'off'}",
               f"activation checkpointing {p.ac or 'off'}"]
     lines.append(", ".join(extras))
+    from fastmoe_xpu.threads import current
+
+    threads = current()
+    if threads is not None:
+        lines.append(threads.summary)
     lines.append(f"data: {trainer.manifest_path}, context {d.context}")
     lines.append(f"steps: {s.steps} of {s.global_batch} x {d.context} tokens (micro-batch {s.micro_batch})"
                  + (f", resuming at step {trainer.step}" if trainer.step else ""))

@@ -377,6 +377,9 @@ class Trainer:
 
             bar = progress_bar(total=total, initial=self.step, desc=cfg.preset, unit="step")
         stop, stopped = self.stop, None
+        from fastmoe_xpu.threads import Adapter
+
+        threads = Adapter()  # a default thread figure follows other work on the machine (fastmoe_xpu/threads.py)
         if stop is not None:
             stop.deferred = True  # a signal from here on lets the step finish
         try:
@@ -394,6 +397,9 @@ class Trainer:
                                     spikes=rec["grad_spikes"], refresh=False)
                     bar.update(1)
                 self.save_checkpoints()
+                moved = threads.step()
+                if moved is not None and lay.is_main:
+                    (bar.write if hasattr(bar, "write") else print)(moved)
                 if stop is not None:
                     stopped = stop.agreed(lay.world_group, lay.distributed, self.device)
                     if stopped is not None:

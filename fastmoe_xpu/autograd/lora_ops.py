@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.contract import KernelBackend
-from ..kernels.registry import kernels, low_rank_kernels
-from .ops import _ROWS_SCHEMA, _below_autograd, _define, _differentiable, _pad_rows, resolve_kernels
+from ..kernels.registry import kernels, low_rank_kernels, module_of
+from .ops import _ROWS_SCHEMA, _below_autograd, _define, _differentiable, _pad_rows, call, resolve_kernels
 
-__all__ = ["LORA_OP_NAMES", "ExpertsLora", "LoraWeights", "lora_grouped_linear", "lora_mlp_combine"]
+__all__ = ["LORA_OP_NAMES", "ExpertsLora", "LoraWeights", "lora_experts", "lora_grouped_linear", "lora_mlp_combine"]
 
 #: Every op this module registers, as ``torch.ops.fastmoe.<name>``.
 LORA_OP_NAMES = ("lora_mlp_combine", "lora_mlp_combine_backward", "lora_grouped_linear",
-                 "lora_grouped_linear_backward")
+                 "lora_grouped_linear_backward", "lora_experts", "lora_experts_backward")
 
 
 class LoraWeights(NamedTuple):
@@ -297,26 +297,129 @@ class _LoraMlpCombine(torch.autograd.Function):
 _differentiable(lora_mlp_combine_op, _LoraMlpCombine, 8)
 
 
-def lora_mlp_combine(
-    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
-    rows: tuple[torch.Tensor, ...], lora: ExpertsLora, kernels_name: str, group_name: str = "",
-) -> torch.Tensor:
-    """``out [T, H]``: stages 4-5 of the SiLU layout with ``lora``'s adapters, base weights frozen."""
+def _check_frozen(w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor) -> None:
     for w, what in ((w_gate_up_N2IH, "gate_up_proj"), (w_down_NHI, "down_proj")):
         if w.requires_grad:
             raise ValueError(f"error: {what} requires grad but LoRA trains the adapters only: freeze the base "
                              "weights (requires_grad_(False)) or train without adapters")
+
+
+def _checked(lora: ExpertsLora, w_gate_up_N2IH: torch.Tensor,
+             w_down_NHI: torch.Tensor) -> tuple[LoraWeights | None, LoraWeights | None]:
     NR = w_gate_up_N2IH.shape[0]
     g, d = lora.gate_up, lora.down
     if g is not None:
         check_lora(g, w_gate_up_N2IH.shape[1], w_gate_up_N2IH.shape[2], NR, w_gate_up_N2IH, "gate_up_proj")
     if d is not None:
         check_lora(d, w_down_NHI.shape[1], w_down_NHI.shape[2], NR, w_down_NHI, "down_proj")
+    return g, d
+
+
+def lora_mlp_combine(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    rows: tuple[torch.Tensor, ...], lora: ExpertsLora, kernels_name: str, group_name: str = "",
+) -> torch.Tensor:
+    """``out [T, H]``: stages 4-5 of the SiLU layout with ``lora``'s adapters, base weights frozen."""
+    _check_frozen(w_gate_up_N2IH, w_down_NHI)
+    g, d = _checked(lora, w_gate_up_N2IH, w_down_NHI)
     out_TH, *_ = lora_mlp_combine_op(
         x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
         None if g is None else g.a.contiguous(), None if g is None else g.b.contiguous(),
         None if d is None else d.a.contiguous(), None if d is None else d.b.contiguous(), *rows,
         1.0 if g is None else float(g.scaling), 1.0 if d is None else float(d.scaling), kernels_name, group_name)
+    return out_TH
+
+
+# ---------------------------------------------------------------- stages 2-5 in one piece, small layers
+def _lora_experts(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], a2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+    topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, s1: float, s2: float, implementation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out [T, H], gate_up [T*K, 2I], plan [T*K+1])``: stages 2-5 with adapters by an ``experts``
+    implementation of the registry that runs them (``padded``)."""
+    return module_of(implementation).lora_experts_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK,
+                                                          expert_start, num_local, a1, b1, s1, a2, b2, s2)
+
+
+def _lora_experts_fake(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, a1, b1, a2, b2, topk_idx_TK,  # noqa: ANN001, ANN202
+                       *_rest):
+    S = topk_idx_TK.numel()
+    return (x_TH.new_empty((x_TH.shape[0], w_down_NHI.shape[1])), x_TH.new_empty((S, w_gate_up_N2IH.shape[1])),
+            topk_idx_TK.new_empty((S + 1,), dtype=torch.int64))
+
+
+def _lora_experts_backward_body(
+    dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], a2: Optional[torch.Tensor],
+    b2: Optional[torch.Tensor], gate_up_S2I: torch.Tensor, plan: torch.Tensor, expert_start: int, num_local: int,
+    s1: float, s2: float, implementation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [T, H], dweights [T, K], dA1, dB1, dA2, dB2)``; absent adapters give empty tensors."""
+    return module_of(implementation).lora_experts_backward(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
+                                                           gate_up_S2I, plan, expert_start, num_local, a1, b1, s1,
+                                                           a2, b2, s2)
+
+
+def _lora_experts_backward_fake(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, a1, b1, a2, b2,  # noqa: ANN001, ANN202
+                                *_rest):
+    like = lambda t: x_TH.new_empty(0) if t is None else torch.empty_like(t)  # noqa: E731
+    return torch.empty_like(x_TH), torch.empty_like(weights_TK), like(a1), like(b1), like(a2), like(b2)
+
+
+lora_experts_op = _define(
+    f"lora_experts(Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, Tensor weights_TK, {_ADAPTERS_SCHEMA}, "
+    "Tensor topk_idx_TK, int expert_start, int num_local, float s1, float s2, str implementation)"
+    " -> (Tensor, Tensor, Tensor)", _lora_experts, _lora_experts_fake)
+lora_experts_backward = _define(
+    f"lora_experts_backward(Tensor dout_TH, Tensor x_TH, Tensor w_gate_up_N2IH, Tensor w_down_NHI, "
+    f"Tensor weights_TK, {_ADAPTERS_SCHEMA}, Tensor gate_up_S2I, Tensor plan, int expert_start, int num_local, "
+    "float s1, float s2, str implementation) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _lora_experts_backward_body, _lora_experts_backward_fake)
+
+
+class _LoraExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2, b2, topk_idx_TK, *rest):  # noqa: ANN001, ANN205
+        out_TH, gate_up_S2I, plan = _below_autograd(lora_experts_op, x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2,
+                                                    b2, topk_idx_TK, *rest)
+        ctx.mark_non_differentiable(gate_up_S2I, plan)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2, b2, gate_up_S2I, plan)
+        ctx.rest = rest
+        return out_TH, gate_up_S2I, plan
+
+    @staticmethod
+    def backward(ctx, dout_TH, _d_gate_up, _d_plan):  # noqa: ANN001, ANN205
+        saved = ctx.saved_tensors
+        dx, dweights, dA1, dB1, dA2, dB2 = _below_autograd(lora_experts_backward, dout_TH.contiguous(), *saved,
+                                                            *ctx.rest)
+        if saved[4] is None:
+            dA1 = dB1 = None
+        if saved[6] is None:
+            dA2 = dB2 = None
+        return (dx, None, None, dweights, dA1, dB1, dA2, dB2, None, *(None,) * len(ctx.rest))
+
+
+_differentiable(lora_experts_op, _LoraExperts, 8)
+
+
+def lora_experts(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor, lora: ExpertsLora, expert_start: int, num_local: int, implementation: str,
+) -> torch.Tensor:
+    """``out [T, H]``: stages 2-5 of the SiLU layout with ``lora``'s adapters in one piece, by the
+    registry's ``experts`` implementation ``implementation`` (small layers, eager), base weights frozen."""
+    _check_frozen(w_gate_up_N2IH, w_down_NHI)
+    g, d = _checked(lora, w_gate_up_N2IH, w_down_NHI)
+    # The adapters as they come (PEFT's are views of its weights): the batched GEMMs read any strides,
+    # and a copy here would be one more op and one more backward node per adapter.
+    out_TH, _, _ = call(
+        lora_experts_op, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
+        None if g is None else g.a, None if g is None else g.b,
+        None if d is None else d.a, None if d is None else d.b, topk_idx_TK,
+        expert_start, num_local, 1.0 if g is None else float(g.scaling), 1.0 if d is None else float(d.scaling),
+        implementation)
     return out_TH
 
 

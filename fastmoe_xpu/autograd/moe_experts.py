@@ -18,7 +18,7 @@ from ..kernels.contract import TOKEN_BLOCK_SIZE
 from ..kernels.registry import (
     check_choice, check_precision, precision_engine, resolve_backend, whole_layer,
 )
-from .lora_ops import ExpertsLora, lora_mlp_combine
+from .lora_ops import ExpertsLora, lora_experts, lora_mlp_combine
 from .ops import ExpertRows, call, combine, experts, mlp_combine, route
 
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
@@ -95,13 +95,17 @@ def moe_experts_forward(
         gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
-    if expert_rows is None and not lora and expert_precision is None and not torch.compiler.is_compiling():
+    if expert_rows is None and expert_precision is None and not torch.compiler.is_compiling():
         # An eager layer small enough that launches outweigh arithmetic runs in one piece (registry:
-        # ``experts``). A traced graph keeps the staged chain: it serves any T without a guard on the
-        # size (an exported program's dynamic dimensions allow none), and a compiled graph has no
-        # launch overhead to save.
+        # ``experts``), with its LoRA adapters where it has them. A traced graph keeps the staged
+        # chain: it serves any T without a guard on the size (an exported program's dynamic
+        # dimensions allow none), and a compiled graph has no launch overhead to save.
         layer = whole_layer(base, gemm_engine, x_TH.device, x_TH.dtype,
-                            (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local))
+                            (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local),
+                            lora=bool(lora))
+        if layer is not None and lora:
+            return lora_experts(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, lora, expert_start,
+                                num_local, layer)
         if layer is not None:
             return call(experts, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, num_local,
                         layer)[0]

@@ -43,16 +43,17 @@ buffer (R >= RT, the routed rows on this rank).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
 
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE, KernelBackend
-from ..kernels.registry import choose_engine, kernel_set_name, kernels, module_of
+from ..kernels.registry import engine_choice, kernel_set_name, kernels, module_of
 
 __all__ = [
     "BODIES", "OP_NAMES", "call", "combine", "experts", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
-    "resolve_kernels", "route", "route_rows",
+    "resolve_kernels", "resolve_watched", "route", "route_rows",
 ]
 
 #: Every op this module registers, as ``torch.ops.fastmoe.<name>``.
@@ -167,17 +168,26 @@ def resolve_kernels(
     ``gemm_engine`` request (an engine name, ``native`` or ``auto``) that the registry checks and,
     for ``auto``, decides by timing the candidates on these tensors, agreed across the
     expert-parallel group ``group_name`` (its rank 0 decides)."""
+    return resolve_watched(name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name)[0]
+
+
+def resolve_watched(
+    name: str, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, rows: tuple[torch.Tensor, ...], group_name: str = "", forward: bool = False,
+) -> tuple[KernelBackend, Any]:
+    """:func:`resolve_kernels`, and the registry's :class:`~fastmoe_xpu.kernels.registry.Watch` of an
+    ``auto`` choice (None otherwise), to which the caller reports the call's time. ``forward``: a
+    forward call, where a due check may re-time the candidates on these tensors."""
     base, _, request = name.partition("+")
     if not request:
-        return kernels(base)
-    engine = choose_engine(
+        return kernels(base), None
+    engine, watch = engine_choice(
         request, backend=base, device=x_TH.device, dtype=x_TH.dtype,
         shape=(w_gate_up_N2IH.shape[2], w_down_NHI.shape[2], w_gate_up_N2IH.shape[0], weights_TK.numel()),
-        measure=lambda e: engine_seconds(kernel_set_name(base, e), x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
-                                         rows),
-        group=_group(group_name),
+        measure=engine_measure(base, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows),
+        group=_group(group_name), check=forward,
     )
-    return kernels(kernel_set_name(base, engine))
+    return kernels(kernel_set_name(base, engine)), watch
 
 
 # ---------------------------------------------------------------- stages 2-3
@@ -267,24 +277,45 @@ def mlp_combine_backward_math(
     return dx_TH, dw_gate_up, dw_down, dweights_TK
 
 
-def engine_seconds(
+def engine_measure(
+    base: str, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+) -> Callable[[str], Any]:
+    """``measure(engine)``: one :class:`~fastmoe_xpu.kernels.timing.Sample` of the fused op's forward
+    and backward bodies with stage 4 on ``engine`` next to ``base``, on these tensors (what ``auto``
+    times; its first call per engine is the warm-up, :func:`~fastmoe_xpu.kernels.timing.sampler`)."""
+    samplers: dict[str, Callable[[], Any]] = {}
+
+    def measure(engine: str) -> Any:
+        take = samplers.get(engine)
+        if take is None:
+            take = samplers[engine] = engine_sampler(kernel_set_name(base, engine), x_TH, w_gate_up_N2IH, w_down_NHI,
+                                                     weights_TK, rows)
+        with torch.no_grad():
+            return take()
+
+    return measure
+
+
+def engine_sampler(
     name: str, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
-    rows: tuple[torch.Tensor, ...], repeats: int = 2,
-) -> float:
-    """Seconds of the fused op's forward and backward bodies with kernel set ``name`` on these
-    tensors (best of ``repeats`` after a warm-up that compiles or autotunes): what ``auto`` times."""
-    from ..kernels.timing import best_seconds
+    rows: tuple[torch.Tensor, ...],
+) -> Callable[[], Any]:
+    """Samples of the fused op's forward and backward bodies with kernel set ``name`` on these tensors
+    (:func:`~fastmoe_xpu.kernels.timing.sampler`: the first call warms up)."""
+    from ..kernels.timing import sampler
 
     launchers = kernels(name)
     args = (x_TH.detach(), w_gate_up_N2IH.detach(), w_down_NHI.detach(), weights_TK.detach(), *rows)
 
-    def run() -> None:
-        out, gate_up = mlp_combine_forward(launchers, *args)
-        mlp_combine_backward_math(launchers, torch.ones_like(out), args[0], args[1], args[2], args[3], gate_up,
-                                  *rows)
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        return mlp_combine_forward(launchers, *args)
 
-    with torch.no_grad():
-        return best_seconds(run, x_TH.device, repeats)
+    def backward(res: tuple[torch.Tensor, torch.Tensor]) -> None:
+        out, gate_up = res
+        mlp_combine_backward_math(launchers, torch.ones_like(out), args[0], args[1], args[2], args[3], gate_up, *rows)
+
+    return sampler(forward, backward, x_TH.device)
 
 
 def _mlp_combine(
@@ -295,8 +326,14 @@ def _mlp_combine(
     """Stages 4-5: ``(out [T, H], gate_up [R, 2I])``. ``group_name``: the expert-parallel group whose
     ranks agree on a timed choice (``""``: none)."""
     rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
-    launchers = resolve_kernels(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name)
-    return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
+    launchers, watch = resolve_watched(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name,
+                                       forward=True)
+    if watch is None:
+        return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
+    t0 = time.perf_counter()
+    out = mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
+    watch.saw(True, time.perf_counter() - t0, weights_TK.numel())
+    return out
 
 
 def _mlp_combine_fake(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, input_indices, output_indices,  # noqa: ANN001, ANN202
@@ -313,9 +350,15 @@ def _mlp_combine_backward_body(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx [T, H], dw_gate_up [NR, 2I, H], dw_down [NR, H, I], dweights [T, K])``."""
     rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
-    launchers = resolve_kernels(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name)
-    return mlp_combine_backward_math(launchers, dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,
-                                     *rows)
+    launchers, watch = resolve_watched(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name)
+    if watch is None:
+        return mlp_combine_backward_math(launchers, dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,
+                                         *rows)
+    t0 = time.perf_counter()
+    out = mlp_combine_backward_math(launchers, dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,
+                                    *rows)
+    watch.saw(False, time.perf_counter() - t0, weights_TK.numel())
+    return out
 
 
 def _mlp_combine_backward_fake(dout_TH, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, gate_up_R2I,  # noqa: ANN001, ANN202

@@ -131,11 +131,13 @@ def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
     index out of range). On the CPU: ValueError at once (reading a host tensor costs no sync). On an
     accelerator: ``torch._assert_async``, a device-side check that never waits for the device (a
     host read here would be a sync per layer); a bad id then fails at the next synchronisation."""
-    bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
     if top_k_index.device.type == "cpu":
-        if bool(bad):
-            raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
+        if top_k_index.numel():
+            lo, hi = torch.aminmax(top_k_index)  # one call: a small layer's whole step is a few dozen
+            if int(lo) < 0 or int(hi) >= num_experts:
+                raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
         return
+    bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
     torch._assert_async(~bad, f"fastmoe experts: top_k_index holds ids outside [0, {num_experts}) and "
                               "_is_expert_parallel is False")
 

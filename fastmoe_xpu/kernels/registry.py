@@ -44,9 +44,11 @@ string, never a module.
 
 :func:`select` is the one choice: the base from the block's ``backend`` (``FASTMOE_BACKEND``), the
 stage-4 implementation from ``gemm_engine`` (``FASTMOE_GEMM_ENGINE``): a name, ``"native"`` or
-``"auto"`` (the default: the fastest available one, timed once per device, dtype and shape bucket on
-the real shapes, remembered in-process and on disk, :mod:`.timing`; under expert parallelism group
-rank 0 decides and every rank adopts its choice, since different engines round differently). Where
+``"auto"`` (the default: the fastest available one, timed in interleaved rounds per device, dtype and
+shape bucket on the real shapes, remembered in-process, and on disk only when the timing was
+trusted, :mod:`.timing`; a choice in use is watched and timed again when it came from an untrusted
+timing or runs far slower than timed, :class:`Watch`; under expert parallelism group rank 0 decides
+and every rank adopts its choice, since different engines round differently). Where
 timing means nothing (Triton kernels on CPU tensors run in the interpreter) ``auto`` is ``native``.
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping, NamedTuple
@@ -157,6 +160,9 @@ class Implementation:
     max_layer_macs: int = 0
     """For an ``experts`` implementation: the largest layer it runs, in multiply-accumulates of the
     forward (:func:`layer_macs`), up to which it was measured to beat the staged chain."""
+    adapters: bool = False
+    """For an ``experts`` implementation: whether it also runs LoRA adapters on the frozen weights
+    (``lora_experts_forward`` / ``lora_experts_backward``)."""
 
     def launchers(self) -> tuple[str, ...]:
         return tuple(name for stage in self.stages for name in STAGES[stage])
@@ -196,7 +202,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_quantized_reason("fp8"), timed=lambda device: False, precision="fp8"),
         # Measured on the CPU against the staged chain and transformers (docs/small_shapes.md).
         Implementation("padded", ("experts",), ("cpu",), _FLOATS, ".torch.padded", bases=("torch",),
-                       max_layer_macs=4 * 2**20),
+                       max_layer_macs=4 * 2**20, adapters=True),
     )
 }
 
@@ -374,6 +380,7 @@ _LAYER_ANSWERS: dict[tuple, str | None] = {}
 def forget_choices() -> None:
     """Drop the in-process choices (the disk cache stays); tests and benchmarks start afresh with it."""
     _CHOSEN.clear()
+    _WATCHES.clear()
     _ANSWERS.clear()
     _LAYER_ANSWERS.clear()
 
@@ -432,13 +439,14 @@ def layer_macs(tokens: int, top_k: int, hidden: int, intermediate: int, local_ex
 
 
 def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtype: torch.dtype,
-                shape: tuple[int, int, int, int, int]) -> str | None:
+                shape: tuple[int, int, int, int, int], lora: bool = False) -> str | None:
     """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
     the staged chain: the first one for ``backend`` (resolved: ``"torch"`` or ``"triton"``) available
     on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer, and only while
-    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``.
+    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``;
+    ``lora``: the layer has adapters (only an implementation that runs them qualifies).
     Asked on every layer call: answered from :data:`_LAYER_ANSWERS` after the first."""
-    key = (backend, gemm_engine, device, dtype, shape, settings.get())
+    key = (backend, gemm_engine, device, dtype, shape, lora, settings.get())
     try:
         return _LAYER_ANSWERS[key]
     except KeyError:
@@ -448,7 +456,8 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
         macs = layer_macs(*shape)
         for name in LAYERS:
             impl = IMPLEMENTATIONS[name]
-            if backend in impl.bases and macs <= impl.max_layer_macs and impl.reason_unavailable(device, dtype) is None:
+            if (backend in impl.bases and macs <= impl.max_layer_macs and (impl.adapters or not lora)
+                    and impl.reason_unavailable(device, dtype) is None):
                 answer = name
                 break
     if len(_LAYER_ANSWERS) >= 4096:  # one entry per token count seen: bounded for long generations
@@ -464,7 +473,7 @@ def choose_engine(
     device: torch.device | str,
     dtype: torch.dtype,
     shape: tuple[int, int, int, int],
-    measure: Callable[[str], float] | None = None,
+    measure: Callable[[str], Any] | None = None,
     group: Any = None,
     use_disk: bool = True,
 ) -> str:
@@ -472,20 +481,189 @@ def choose_engine(
 
     ``shape``: ``(H, I, NR, routed rows T*K)``. ``gemm_engine`` other than ``auto`` is checked and
     returned (ValueError when it cannot run here). ``auto``: the in-process choice for this device
-    and shape bucket, else the disk cache's, else the fastest candidate by ``measure(engine)`` (the
-    seconds of one forward+backward on the real shapes; injectable for tests). ``group``: the
-    expert-parallel process group; its rank 0 decides and every rank adopts that choice.
+    and shape bucket, else the disk cache's, else the fastest candidate by interleaved samples of
+    ``measure(engine)`` (one sample of a forward+backward on the real shapes: a
+    :class:`.timing.Sample` or seconds; injectable for tests), written to disk only when the timing
+    is trusted (:func:`.timing.time_interleaved`). ``group``: the expert-parallel process group; its
+    rank 0 decides and every rank adopts that choice.
     """
+    return engine_choice(gemm_engine, backend=backend, device=device, dtype=dtype, shape=shape, measure=measure,
+                         group=group, use_disk=use_disk)[0]
+
+
+def engine_choice(
+    gemm_engine: str,
+    *,
+    backend: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    measure: Callable[[str], Any] | None = None,
+    group: Any = None,
+    use_disk: bool = True,
+    check: bool = False,
+) -> tuple[str, "Watch | None"]:
+    """:func:`choose_engine`, and the :class:`Watch` of an ``auto`` choice that is checked in use (None
+    for a fixed one). ``check``: this is a forward call, where a due check of the choice may re-time
+    the candidates (with ``measure``) and change it."""
     answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
     answer = _ANSWERS.get(answer_key)
-    if answer is not None:
-        return answer
-    answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure, group,
-                                            use_disk)
-    return answer
+    if answer is None:
+        answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure,
+                                                group, use_disk)
+    if answer.__class__ is str:
+        return answer, None
+    if check and answer.calls >= answer.next_check:
+        answer.check(measure, shape[3])
+    return answer.engine, answer
 
 
-def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -> str:  # noqa: ANN001
+#: In-use checks of an ``auto`` choice (:class:`Watch`): every CHECK_EVERY forward calls of a shape
+#: key, the fastest of its last WINDOW calls (scaled to the rows it was timed at) is compared with
+#: the timed forward (+backward) time; SLOW times that or more re-times the candidates. A choice
+#: from an untrusted timing is re-timed after RETIME_FIRST calls. After every re-timing the next
+#: waits twice as long, at most RETIME_MAX calls.
+CHECK_EVERY, WINDOW, SLOW, RETIME_FIRST, RETIME_MAX = 4, 6, 1.25, 16, 4096
+
+
+def _rows_scale(rows: int, timed_rows: int | None) -> float:
+    """How much longer a call of ``rows`` routed rows may take than one of ``timed_rows``: in
+    proportion above them; below them at least half the timed call (a layer's time is not
+    proportional to its rows: its launches and weight reads are fixed)."""
+    if not timed_rows or rows <= 0:
+        return 1.0
+    r = rows / timed_rows
+    return r if r >= 1 else 0.5 + 0.5 * r
+
+
+class Watch:
+    """An ``auto`` choice in use (one per shape key and process, without expert parallelism): the
+    engine, whether its timing was trusted, the times it was timed at, and the layer's recent times.
+
+    The fused op's forward and backward report their wall time (:meth:`saw`); on a forward call
+    that is due, :meth:`check` re-times the candidates when the choice came from an untrusted timing
+    (once the process has gone a stretch without waiting for a CPU) or when the layer runs
+    :data:`SLOW` times slower than its timed speed, so that a wrong choice (a cache written from a
+    bad timing) is found out in use. A trusted re-timing replaces the choice and is stored; an
+    untrusted one replaces an untrusted choice, and a trusted one only where its winner beat the
+    chosen engine in every round (interleaved: under the same load), and is not stored. Each
+    re-timing doubles the calls before the next may run. On a GPU the times are not watched (a call
+    returns before the device has run it); untrusted choices are re-timed all the same."""
+
+    __slots__ = ("device", "name", "key", "options", "engine", "trusted", "use_disk", "watch_speed", "expected",
+                 "expected_forward", "timed_rows", "calls", "next_check", "retime_at", "gap", "fwd", "bwd",
+                 "retimes", "history", "last_probe")
+
+    def __init__(self, device: torch.device, name: str, key: ShapeKey, options: list[str], use_disk: bool) -> None:
+        self.device, self.name, self.key, self.options, self.use_disk = device, name, key, options, use_disk
+        self.watch_speed = device.type == "cpu"
+        self.calls, self.gap, self.retimes = 0, RETIME_FIRST, 0
+        self.next_check = CHECK_EVERY
+        #: No re-timing before this many forward calls: a slow trusted choice is timed again at once,
+        #: an untrusted one after RETIME_FIRST calls (set where it is made).
+        self.retime_at = 0
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+        self.last_probe: tuple[float, int | None] | None = None
+        self._quiet_since_last_check()  # the first check looks back to here
+        #: (forward calls so far, what happened) for each re-timing: logs, the benchmark, tests.
+        self.history: list[tuple[int, str]] = []
+
+    def adopt(self, engine: str, trusted: bool, seconds: float | None, forward: float | None,
+              rows: int | None) -> None:
+        self.engine, self.trusted = engine, trusted
+        self.expected = seconds if seconds and seconds > 0 else None
+        self.expected_forward = forward if forward and self.expected and 0 < forward < self.expected else None
+        self.timed_rows = rows
+        self.fwd.clear()
+        self.bwd.clear()
+        _CHOSEN[(self.name, self.key)] = engine
+
+    def saw(self, forward: bool, seconds: float, rows: int) -> None:
+        """One call of the fused op's forward (``forward``) or backward body took ``seconds`` wall time
+        on ``rows`` routed rows."""
+        if forward:
+            self.calls += 1
+        if not self.watch_speed or self.expected is None:
+            return
+        times = self.fwd if forward else self.bwd
+        times.append(seconds / _rows_scale(rows, self.timed_rows))
+        if len(times) > WINDOW:
+            del times[0]
+
+    def slowdown(self) -> float | None:
+        """The layer's recent time over its timed time (None: not enough calls seen to tell)."""
+        if self.expected is None or len(self.fwd) < 3:
+            return None
+        if len(self.bwd) >= 3:
+            return (min(self.fwd) + min(self.bwd)) / self.expected
+        if self.expected_forward is not None:
+            return min(self.fwd) / self.expected_forward
+        return None
+
+    def check(self, measure: Callable[[str], Any] | None, rows: int) -> None:
+        """The due check of a forward call (see the class docstring)."""
+        self.next_check = self.calls + CHECK_EVERY
+        quiet = self._quiet_since_last_check()
+        if measure is None or self.calls < self.retime_at:
+            return
+        if not self.trusted:
+            # Nothing says this choice is wrong, only that its timing was not to be trusted: wait for
+            # a quiet stretch, where a timing can be (a timing now would be starved, for nothing).
+            if quiet:
+                self.retime(measure, rows, "re-timed: the last timing was not trusted")
+            return
+        # A layer far slower than its timed speed: the choice may be wrong, or the machine busy. A
+        # timing tells (interleaved samples under the same load), busy or not; the next waits longer.
+        slow = self.slowdown() if self.watch_speed else None
+        if slow is not None and slow >= SLOW:
+            self.retime(measure, rows, f"re-timed in use: {self.engine} ran {slow:.2f}x its timed speed")
+
+    def _quiet_since_last_check(self) -> bool:
+        """Whether this process went without waiting for a CPU since the last check (beyond the share a
+        trusted sample may wait, :data:`.timing.STARVED_WAIT`); True where that is not known."""
+        from . import timing
+
+        if self.device.type != "cpu":
+            return True
+        now, wait = time.perf_counter(), timing.run_queue_wait_ns()
+        last, self.last_probe = self.last_probe, (now, wait)
+        if wait is None or last is None or last[1] is None:
+            return True
+        return (wait - last[1]) * 1e-9 <= timing.STARVED_WAIT * (now - last[0])
+
+    def retime(self, measure: Callable[[str], Any], rows: int, reason: str) -> None:
+        from . import timing
+
+        was, before = self.engine, self.trusted
+        t = timing.time_interleaved(self.options, measure, check=timing.starvation_check(self.device))
+        if t.trusted:
+            self.adopt(t.best, True, t.seconds[t.best], t.forward[t.best], rows)
+            if self.use_disk:
+                timing.store(self.name, self.key, t.best, t.seconds, forward=t.forward, rows=rows,
+                             timed=t.record(reason))
+        elif not before or _dominates(t.samples[t.best], t.samples[was]):
+            self.adopt(t.best, False, t.seconds[t.best], t.forward[t.best], rows)
+        else:
+            self.fwd.clear()
+            self.bwd.clear()
+        self._quiet_since_last_check()  # the next check looks back to the end of this timing
+        self.retimes += 1
+        self.gap = min(2 * self.gap, RETIME_MAX)
+        self.retime_at = self.calls + self.gap
+        outcome = (("trusted, stored" if self.use_disk else "trusted") if t.trusted
+                   else f"not trusted ({t.why})")
+        self.history.append((self.calls, f"{reason}; {was} -> {self.engine}, {outcome}"))
+
+
+def _dominates(fast: list[Any], slow: list[Any]) -> bool:
+    """Whether ``fast`` took less time than ``slow`` in every round of an interleaved timing (the two
+    samples of a round are taken next to each other, so under about the same load, whatever the load
+    did between rounds)."""
+    return bool(fast) and len(fast) == len(slow) and all(a.seconds < b.seconds for a, b in zip(fast, slow))
+
+
+def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -> "str | Watch":  # noqa: ANN001
     from ..dist.agree import broadcast_from_rank0
     from ..dist.groups import group_rank, group_size
     from .timing import device_name
@@ -503,35 +681,51 @@ def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -
     H, I, NR, rows = shape
     key = ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR), 0 if ep else rows_bucket(rows))
     name = device_name(dev)
-    memo = _CHOSEN.get((name, key))
-    if memo is not None:
-        return memo
     if ep:
-        choice = _decide(name, key, options, measure, use_disk) if group_rank(group) == 0 else None
+        memo = _CHOSEN.get((name, key))
+        if memo is not None:
+            return memo
+        # Ranks must change engines together: under expert parallelism rank 0's choice holds for the
+        # process (stored only when its timing was trusted), and is not re-timed in use.
+        choice = _decide(dev, name, key, options, measure, use_disk, rows).engine if group_rank(group) == 0 else None
         choice = broadcast_from_rank0(choice, group)
         if choice not in ENGINES:
             raise RuntimeError(f"expert-parallel rank 0 chose gemm engine {choice!r}, not one of {ENGINES}")
-    else:
-        choice = _decide(name, key, options, measure, use_disk)
-    _CHOSEN[(name, key)] = choice
-    return choice
+        _CHOSEN[(name, key)] = choice
+        return choice
+    watch = _WATCHES.get((name, key))
+    if watch is None:
+        watch = _WATCHES[(name, key)] = _decide(dev, name, key, options, measure, use_disk, rows)
+    return watch
 
 
-def _decide(name: str, key: ShapeKey, options: list[str], measure: Callable[[str], float] | None,
-            use_disk: bool) -> str:
+#: The watched choices without expert parallelism: (device name, ShapeKey) -> Watch.
+_WATCHES: dict[tuple[str, ShapeKey], Watch] = {}
+
+
+def _decide(dev: torch.device, name: str, key: ShapeKey, options: list[str], measure: Callable[[str], Any] | None,
+            use_disk: bool, rows: int) -> Watch:
     from . import timing
 
+    watch = Watch(dev, name, key, options, use_disk)
     if use_disk:
-        cached = timing.lookup(name, key, options)
-        if cached in options:
-            return cached
+        entry = timing.lookup_entry(name, key, options)
+        if entry is not None and entry["engine"] in options:
+            engine = entry["engine"]
+            seconds, forward = entry.get("seconds") or {}, entry.get("forward") or {}
+            watch.adopt(engine, True, seconds.get(engine), forward.get(engine), entry.get("rows"))
+            return watch
     if measure is None:
         raise RuntimeError("choose_engine: gemm_engine='auto' needs a measure to time the candidates")
-    seconds = {e: float(measure(e)) for e in options}
-    best = min(options, key=lambda e: (seconds[e], ENGINES.index(e)))
-    if use_disk:
-        timing.store(name, key, best, seconds)
-    return best
+    t = timing.time_interleaved(options, measure, check=timing.starvation_check(dev))
+    watch.adopt(t.best, t.trusted, t.seconds[t.best], t.forward[t.best], rows)
+    if not t.trusted:
+        watch.retime_at = RETIME_FIRST
+    if use_disk and t.trusted:
+        timing.store(name, key, t.best, t.seconds, forward=t.forward, rows=rows, timed=t.record("first use"))
+    verdict = "trusted" if t.trusted else f"not trusted ({t.why})"
+    watch.history.append((0, f"timed at first use: {t.best}, {verdict}"))
+    return watch
 
 
 def select(

@@ -56,6 +56,78 @@ def test_lora_experts_match_reference(shape, which) -> None:
     _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
 
 
+@pytest.fixture
+def padded_spy(monkeypatch):
+    """``gemm_engine="auto"`` not pinned by the suite's setting (so that a layer under the budget runs
+    as one op, kernels/torch/padded.py), and a list of the padded LoRA kernels' calls."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.kernels.torch import padded
+
+    calls = []
+    for name in ("lora_experts_forward", "lora_experts_backward"):
+        real = getattr(padded, name)
+        monkeypatch.setattr(padded, name, lambda *a, __real=real, __name=name: calls.append(__name) or __real(*a))
+    registry.forget_choices()
+    with settings.override(gemm_engine=None):
+        yield calls
+    registry.forget_choices()
+
+
+@pytest.mark.parametrize("which", ["both", "gate_up", "down"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_small_layer_with_adapters_runs_in_one_op(shape, which, padded_spy) -> None:
+    """A layer under the padded budget with gemm_engine='auto' runs its adapters inside the padded
+    experts op (stages 2-5 in one piece), with the reference's numbers, gradients included."""
+    x, weights, idx, w_gu, w_d, lg, ld = _case(*shape)
+    lg = lg if which in ("both", "gate_up") else None
+    ld = ld if which in ("both", "down") else None
+    lora = ExpertsLora(None if lg is None else LoraWeights(*lg), None if ld is None else LoraWeights(*ld))
+    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto", lora=lora)
+    assert padded_spy == ["lora_experts_forward"]
+    _check_against_reference(out, x, weights, idx, w_gu, w_d, lg, ld)
+    assert padded_spy == ["lora_experts_forward", "lora_experts_backward"]
+
+
+def test_small_layer_with_adapters_on_an_expert_parallel_slice(padded_spy) -> None:
+    """This rank's experts 2..4 of 7: choices of other ranks' experts go to the padded op's dump row and
+    contribute nothing, to the output or to any gradient; adapters given as strided views (PEFT's are)."""
+    T, H, I, E, K, r = 13, 20, 11, 7, 3, 4
+    x, weights, idx, w_gu, w_d, lg, ld = _case(T, H, I, E, K, r, seed=3)
+    start, NR = 2, 3
+    w_gu, w_d = w_gu[start:start + NR].clone(), w_d[start:start + NR].clone()
+    A1 = torch.randn(NR, H, r).mT.requires_grad_()  # [NR, r, H], not contiguous
+    B1 = torch.randn(NR, 2 * I, r).requires_grad_()
+    A2, B2 = torch.randn(NR, r, I).requires_grad_(), torch.randn(r, NR, H).permute(1, 2, 0).requires_grad_()
+    lg, ld = (A1, B1, 0.5), (A2, B2, 1.5)
+    lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
+    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", expert_start=start, gemm_engine="auto",
+                              lora=lora)
+    assert padded_spy == ["lora_experts_forward"]
+    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld, expert_start=start)
+    assert_close(out, ref, msg="forward")
+    inputs = [x, weights, A1, B1, A2, B2]
+    dout = torch.randn_like(out)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
+        assert_close(a, b, msg=f"gradient {i}")
+
+
+def test_small_layer_with_adapters_in_bf16(padded_spy) -> None:
+    x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0], dtype=torch.bfloat16)
+    lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
+    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto", lora=lora)
+    assert padded_spy == ["lora_experts_forward"]
+    f32 = lambda t: t.detach().float().requires_grad_()  # noqa: E731
+    ref_in = [f32(x), f32(weights), f32(lg[0]), f32(lg[1]), f32(ld[0]), f32(ld[1])]
+    ref = reference_lora_experts_forward(ref_in[0], ref_in[1], idx, w_gu.float(), w_d.float(),
+                                         (ref_in[2], ref_in[3], lg[2]), (ref_in[4], ref_in[5], ld[2]))
+    assert_close(out, ref, torch.bfloat16, "forward")
+    dout = torch.randn(out.shape)
+    got = torch.autograd.grad(out, [x, weights, *lg[:2], *ld[:2]], dout.bfloat16())
+    want = torch.autograd.grad(ref, ref_in, dout)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, torch.bfloat16, f"gradient {i}")
+
+
 def test_lora_bf16_forward_and_gradients() -> None:
     x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0], dtype=torch.bfloat16)
     lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))
@@ -225,6 +297,11 @@ def test_opcheck_lora_ops(which) -> None:
         "lora_grouped_linear_backward": (torch.randn_like(y), d(a), d(t), w_gu, la.detach(), lb.detach(), rows[3], s1,
                                          "torch", False),
     }
+    out2, gate_up_s, plan = torch.ops.fastmoe.lora_experts(x, w_gu, w_d, weights, A1, B1, A2, B2, idx, 0, E, s1, s2,
+                                                           "padded")
+    cases["lora_experts"] = (x, w_gu, w_d, weights, A1, B1, A2, B2, idx, 0, E, s1, s2, "padded")
+    cases["lora_experts_backward"] = (torch.randn(T, H), d(x), w_gu, w_d, d(weights), d(A1), d(B1), d(A2), d(B2),
+                                      gate_up_s, plan, 0, E, s1, s2, "padded")
     assert set(cases) == set(lora_ops.LORA_OP_NAMES)
     for name, args in cases.items():
         if which == "down" and "grouped_linear" in name:

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from trainer.cli import build_parser, config_from_args, main
 from trainer.data.build import preprocess_files
@@ -53,6 +54,27 @@ def test_context_comes_from_the_data_set(data_c24, tmp_path, capsys):
     assert rc == 2 and err.startswith("error: data set") and "has context 24, --data.context asks for 32" in err
     with pytest.raises(ValueError, match="run fastmoe-preprocess first"):
         config_from_args(["--data", str(tmp_path / "missing")])
+
+
+def test_threads_option_sets_and_prints_the_figure(data_c24, tmp_path, capsys, monkeypatch):
+    """--threads N fixes torch's intra-op threads; the start-up summary says the figure and why."""
+    from fastmoe_xpu import threads
+
+    assert "--threads N" in build_parser().format_help()
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_CURRENT", None)
+    try:
+        rc = main(["--data", data_c24, "--out", str(tmp_path / "o"), "--steps", "1", "--global-batch", "2",
+                   "--micro-batch", "1", "--no-logging.progress", "--no-eval.enabled", "--no-logging.tensorboard",
+                   "--threads", "1"])
+        out = capsys.readouterr().out
+        assert rc == 0 and torch.get_num_threads() == 1
+        assert "  threads: 1 (--threads; " in out
+        rc = main(["--data", data_c24, "--out", str(tmp_path / "p"), "--steps", "1", "--threads", "0"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err == "error: --threads must be >= 1, got 0"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_preprocess_errors_name_the_path_and_the_reason(tmp_path, capsys):

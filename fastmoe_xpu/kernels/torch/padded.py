@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Layout", "experts_backward", "experts_forward", "layout"]
+__all__ = ["Layout", "experts_backward", "experts_forward", "layout", "lora_experts_backward", "lora_experts_forward"]
 
 
 class Layout(NamedTuple):
@@ -219,3 +219,124 @@ def experts_backward(
     dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
     dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
     return dx_TH, dw_gate_up, dw_down, dweights_TK
+
+
+# ---------------------------------------------------------------- LoRA adapters on the frozen weights
+# An adapter on the stacked weight ``W [NR, out, in]`` is ``A [NR, r, in]``, ``B [NR, out, r]`` and a
+# scale ``s``: expert e computes ``a @ W_e^T + (s a @ A_e^T) @ B_e^T`` (fastmoe_xpu/autograd/lora_ops.py
+# runs the same on the staged chain). On the padded blocks each product is one batched GEMM (the
+# scale in its ``alpha``, an up-projection accumulated into the base GEMM's result with ``baddbmm_``),
+# so a small layer with adapters costs about a dozen more ATen calls than without, where the staged
+# chain adds grouped GEMMs. The base weights are frozen: no base-weight gradient is formed. The
+# backward recomputes ``t1 = s x A1^T`` and ``t2 = s h A2^T`` from what it has anyway (the padded
+# input, ``h``): nothing beyond the base path's saved set is kept.
+
+#: The ignored ``input`` of ``baddbmm(..., beta=0, alpha=s)``: a scaled batched GEMM in one call.
+_NONE = torch.zeros(())
+
+
+def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * a @ b`` per batch, one call."""
+    if scaling == 1.0:
+        return torch.bmm(a, b)
+    return torch.baddbmm(_NONE.to(a.device, a.dtype) if a.device.type != "cpu" or a.dtype != _NONE.dtype else _NONE,
+                         a, b, beta=0, alpha=scaling)
+
+
+def lora_experts_forward(
+    x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
+    topk_idx_TK: torch.Tensor, expert_start: int, num_local: int, a1: torch.Tensor | None, b1: torch.Tensor | None,
+    s1: float, a2: torch.Tensor | None, b2: torch.Tensor | None, s2: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`experts_forward` with adapters ``(a1, b1, s1)`` on ``w_gate_up`` and ``(a2, b2, s2)`` on
+    ``w_down`` (either pair may be None): ``(out [T, H], gate_up [T*K, 2I], plan [T*K + 1])``, the
+    pre-activation with the gate/up adapter's part included."""
+    _check(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+    T, H = x_TH.shape
+    NR, I2, _ = w_gate_up_N2IH.shape
+    K = topk_idx_TK.shape[1]
+    lay = layout(topk_idx_TK, expert_start, num_local)
+    if lay.cap == 0:
+        return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan
+    xp = _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap)  # [NR, cap, H]
+    gate_up = torch.bmm(xp, w_gate_up_N2IH.mT)  # [NR, cap, 2I]
+    if a1 is not None:
+        gate_up.baddbmm_(_scaled_bmm(xp, a1.mT, s1), b1.mT)
+    g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
+    gate, up = g.chunk(2, -1)
+    h = torch.nn.functional.silu(gate).mul_(up)
+    h = h if h.dtype == x_TH.dtype else h.to(x_TH.dtype)
+    y_PH = _batched(h, w_down_NHI.mT, lay)
+    if a2 is not None:
+        y_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
+    y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
+    w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
+    out_TH = y_TKH.mul_(w.unsqueeze(-1)).sum(1)
+    rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
+    saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
+    return out_TH, saved, lay.plan
+
+
+def lora_experts_backward(
+    dout_TH: torch.Tensor, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+    weights_TK: torch.Tensor, gate_up_S2I: torch.Tensor, plan: torch.Tensor, expert_start: int, num_local: int,
+    a1: torch.Tensor | None, b1: torch.Tensor | None, s1: float, a2: torch.Tensor | None, b2: torch.Tensor | None,
+    s2: float,
+) -> tuple[torch.Tensor, ...]:
+    """``(dx [T, H], dweights [T, K], dA1, dB1, dA2, dB2)`` of :func:`lora_experts_forward` (an absent
+    adapter's gradients: empty tensors); the frozen base weights get none."""
+    T, H = x_TH.shape
+    NR, I2, _ = w_gate_up_N2IH.shape
+    K = weights_TK.shape[1]
+    dtype, f32 = x_TH.dtype, torch.float32
+    lay = Layout.of_plan(plan, num_local)
+    empty = [x_TH.new_zeros(0) for _ in range(4)]
+    if lay.cap == 0:
+        grads = [torch.zeros_like(t) if t is not None else e for t, e in zip((a1, b1, a2, b2), empty)]
+        return (torch.zeros_like(x_TH), torch.zeros_like(weights_TK), *grads)
+    dA1, dB1, dA2, dB2 = empty
+    gu = _blocks(_pad(gate_up_S2I[: T * K], lay), NR, lay.cap)
+    gu = gu if gu.dtype == f32 else gu.float()
+    gate, up = gu.chunk(2, -1)
+    silu = torch.nn.functional.silu(gate)
+    h = silu * up  # [NR, cap, I] fp32
+    dout_blocks = _blocks(_pad_tokens(dout_TH if dout_TH.dtype == dtype else dout_TH.to(dtype), K, lay), NR, lay.cap)
+    w_blocks = _blocks(_pad(weights_TK.reshape(T * K, 1).to(f32), lay), NR, lay.cap)
+    # Unweighted dout @ W_down[e] (and @ B2[e]): their dots with h (and t2) are the router-weight gradient.
+    g = torch.bmm(dout_blocks, w_down_NHI)
+    g = g if g.dtype == f32 else g.float()
+    dw_rows = torch.linalg.vecdot(g, h)
+    g.mul_(w_blocks)  # dh of the base GEMM
+    if a2 is not None:
+        h_in = h if h.dtype == dtype else h.to(dtype)
+        t2 = _scaled_bmm(h_in, a2.mT, s2)  # [NR, cap, r2]
+        u = torch.bmm(dout_blocks, b2)  # [NR, cap, r2]
+        dw_rows += torch.linalg.vecdot(u, t2) if u.dtype == f32 else torch.linalg.vecdot(u.float(), t2.float())
+        dB2 = torch.bmm(dout_blocks.mT, t2.mul_(w_blocks) if t2.dtype == f32 else (t2.float() * w_blocks).to(dtype))
+        uw = u.mul_(w_blocks) if u.dtype == f32 else (u.float() * w_blocks).to(dtype)  # [NR, cap, r2]
+        dA2 = _scaled_bmm(uw.mT, h_in, s2)  # [NR, r2, I]
+        if g.dtype == uw.dtype:
+            g.baddbmm_(uw, a2, alpha=s2)
+        else:
+            g += _scaled_bmm(uw, a2, s2).float()
+    dw_rows = dw_rows.view(-1)
+    if lay.dump:
+        dw_rows = torch.cat((dw_rows, dw_rows.new_zeros(1)))
+    dweights_TK = dw_rows.index_select(0, lay.rows).view(T, K)
+    if dweights_TK.dtype != weights_TK.dtype:
+        dweights_TK = dweights_TK.to(weights_TK.dtype)
+    d_gu = torch.empty(NR, lay.cap, I2, dtype=f32, device=x_TH.device)
+    d_gate, d_up = d_gu.chunk(2, -1)
+    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+    torch.mul(g, silu, out=d_up)
+    if dtype != f32:
+        d_gu = d_gu.to(dtype)
+    dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
+    if a1 is not None:
+        xp = _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap)
+        dB1 = torch.bmm(d_gu.mT, _scaled_bmm(xp, a1.mT, s1))  # [NR, 2I, r1]
+        v = _scaled_bmm(d_gu, b1, s1)  # [NR, cap, r1]
+        dA1 = torch.bmm(v.mT, xp)  # [NR, r1, H]
+        dx_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(v, a1)
+    dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
+    return dx_TH, dweights_TK, dA1, dB1, dA2, dB2
