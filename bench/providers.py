@@ -244,6 +244,22 @@ def _whole_layer_only(case: Case, who: str) -> None:
                               f"rank's slice ({p.local_experts} of {p.experts} experts, EP={p.ep})")
 
 
+def _modules(names: tuple[str, ...], what: str, install: str) -> list:
+    """The modules ``names``, or :class:`ProviderSkipped` naming ``what`` could not be imported and
+    how to install it."""
+    try:
+        return [importlib.import_module(n) for n in names]
+    except Exception as exc:
+        raise ProviderSkipped(f"{what} not importable ({type(exc).__name__}: {exc}); {install}") from None
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:  # imported from a path, not installed
+        return "unknown version"
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -260,20 +276,13 @@ def _liger(case: Case) -> Provider:
             raise ProviderSkipped("Liger's fused MoE is Triton kernels: on the CPU they run only under "
                                   "TRITON_INTERPRET=1, set before Python starts (a correctness check, not a benchmark)")
         os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # read when liger_kernel is imported
-    try:
-        fused = importlib.import_module("liger_kernel.ops.fused_moe")
-        kernels = importlib.import_module("liger_kernel.ops.fused_moe_kernels")
-    except Exception as exc:
-        raise ProviderSkipped(f"liger_kernel not importable ({exc}): pip install liger-kernel "
-                              "(the bench extra has it)") from None
+    fused, kernels = _modules(("liger_kernel.ops.fused_moe", "liger_kernel.ops.fused_moe_kernels"), "liger_kernel",
+                              "pip install liger-kernel (the bench extra has it)")
     pinned = bool(getattr(kernels, "_AUTOTUNE_DISABLED", False))
     if on_cpu and not pinned:
         raise ProviderSkipped("liger_kernel was imported with its autotuner on, which times configs on a GPU: "
                               "set LIGER_FUSED_MOE_AUTOTUNE=0 before it is imported")
-    try:
-        version = importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:  # imported from a path, not installed
-        version = "unknown version"
+    version = _version("liger-kernel")
     fn = fused.LigerFusedMoEFunction
     w_gu, w_d = case.w_gate_up_N2IH, case.w_down_NHI
 
@@ -298,12 +307,8 @@ def _sonicmoe(case: Case) -> Provider:
     _whole_layer_only(case, "SonicMoE's layer")
     if case.device.type != "cuda":
         raise ProviderSkipped(f"SonicMoE runs on NVIDIA Hopper and Blackwell GPUs only, not on {case.device.type}")
-    try:
-        functional = importlib.import_module("sonicmoe.functional")
-        enums = importlib.import_module("sonicmoe.enums")
-    except Exception as exc:
-        raise ProviderSkipped(f"sonicmoe not importable ({type(exc).__name__}: {exc}); it needs pip install "
-                              "sonic-moe with its CUTLASS DSL packages and a torch it supports") from None
+    functional, enums = _modules(("sonicmoe.functional", "sonicmoe.enums"), "sonicmoe",
+                                 "it needs pip install sonic-moe with its CUTLASS DSL packages and a torch it supports")
     NR, I2, H = case.w_gate_up_N2IH.shape
     I = I2 // 2
     T, K = case.topk_idx_TK.shape
@@ -327,10 +332,7 @@ def _sonicmoe(case: Case) -> Provider:
         g1 = g1.permute(2, 0, 1).reshape(NR, I, 2, H)
         return torch.cat([g1[:, :, 0], g1[:, :, 1]], dim=1), g2.permute(2, 0, 1)
 
-    try:
-        version = importlib.metadata.version("sonic-moe")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown version"
+    version = _version("sonic-moe")
     return Provider("sonicmoe", forward, [w1, w2], merged_grads,
                     f"SonicMoE {version} moe_general_routing_inputs on the case's routing")
 
