@@ -452,11 +452,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"global batch {s.global_batch} is not divisible by DP x EP x micro batch = "
             f"{dp} x {p.ep} x {s.micro_batch} (every DP x EP rank reads its own micro-batches)"
         )
-    if p.dp_shard == "fsdp" and not m.is_hf:
-        raise ConfigError("--parallel.dp_shard fsdp is implemented for --model.arch hf (any transformers MoE family)")
-    if p.dp_shard == "fsdp" and (o.stochastic_rounding or not o.master_weights):
-        raise ConfigError("--parallel.dp_shard fsdp keeps an fp32 master of the sharded weights: it does not combine "
-                          "with --optim.stochastic_rounding or --no-optim.master_weights")
+    if p.dp_shard == "fsdp":
+        check_fsdp(cfg)
     check_parallel(cfg)
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
@@ -468,6 +465,27 @@ def validated_for(cfg: TrainConfig, world_size: int) -> bool:
     """Whether :func:`validate` passed ``cfg`` for ``world_size`` (edits after it are not noticed:
     validate last)."""
     return getattr(cfg, "_validated_world", None) == world_size
+
+
+def check_fsdp(cfg: TrainConfig) -> None:
+    """What ``--parallel.dp_shard fsdp`` does not combine with, refused in one line naming both
+    options (before any process group forms)."""
+    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    refused = [
+        (p.tp > 1, f"--parallel.tp {p.tp}", "FSDP2 shards the weights TP would split; use --ep or DP instead"),
+        (cfg.lora.rank > 0, "--lora.rank", "LoRA freezes the weights FSDP2 would shard; train LoRA on DP"),
+        (p.pp > 1, f"--pp {p.pp}", "not implemented yet"),
+        (m.compile, "--model.compile", "not implemented yet"),
+        (bool(m.init_from), "--model.init_from", "not implemented yet"),
+        (p.pp_meta_init, "--parallel.pp_meta_init", "FSDP2 shards weights built on the device"),
+        (o.stochastic_rounding, "--optim.stochastic_rounding", "it keeps an fp32 master of the sharded weights"),
+        (not o.master_weights, "--no-optim.master_weights", "it keeps an fp32 master of the sharded weights"),
+        (o.moments_dtype != "fp32", f"--optim.moments_dtype {o.moments_dtype}",
+         "the sharded weights' Adam moments are fp32"),
+    ]
+    for bad, option, why in refused:
+        if bad:
+            raise ConfigError(f"--parallel.dp_shard fsdp does not combine with {option} ({why})")
 
 
 def check_parallel(cfg: TrainConfig) -> None:

@@ -101,6 +101,9 @@ class Trainer:
 
         self.model = self.build_model()
         self.model.train()
+        from .optim.fsdp import is_fsdp
+
+        self.fsdp = is_fsdp(self.model)  # --parallel.dp_shard fsdp on more than one rank
         self.hf = None  # arch="hf": the family's loss, expert loads and router bias (trainer/hf_family.py)
         if m.is_hf:
             from .hf_family import HfMoeRun
@@ -277,9 +280,13 @@ class Trainer:
             input_ids = mb[0].to(self.device, non_blocking=True)
             labels = mb[1].to(self.device, non_blocking=True)
             with self._autocast():
-                out = self.model.model(input_ids=input_ids, output_router_logits=want_router, use_cache=False) \
-                    if want_router else self.model.model(input_ids=input_ids, use_cache=False)
-                logits = self.model.lm_head(out.last_hidden_state)
+                kw = {"output_router_logits": True} if want_router else {}
+                if self.fsdp:  # the root's forward gathers the embedding, final norm and head
+                    out = self.model(input_ids=input_ids, use_cache=False, **kw)
+                    logits = out.logits
+                else:
+                    out = self.model.model(input_ids=input_ids, use_cache=False, **kw)
+                    logits = self.model.lm_head(out.last_hidden_state)
             router_logits = getattr(out, "router_logits", None) if want_router else None
             loss, parts = self.micro_batch_loss(logits, labels, router_logits, global_targets)
             loss.backward()

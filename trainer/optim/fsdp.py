@@ -37,6 +37,24 @@ def apply_fsdp(model: nn.Module, group: Any, *, is_expert: Callable[[str], bool]
     return len(layers) + 1
 
 
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` (it must then be called as a whole: FSDP2
+    gathers a module's own weights in that module's forward hook)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered weights of every FSDP2 module in ``module`` (a forward without backward,
+    as in evaluation, leaves the root's gathered); a no-op without FSDP."""
+    for m in module.modules():
+        if is_fsdp(m):
+            m.reshard()
+
+
 class _FsdpShard:
     """The FSDP-sharded weights of this rank as one optimizer bucket: fp32 master and Adam moments
     of the local shards, gradients already reduce-scattered by FSDP."""
@@ -54,6 +72,15 @@ class _FsdpShard:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_t = torch.zeros((), dtype=torch.float32)
+        # the flat layout :meth:`ZeroAdamW.state_dict` records (this rank's shards, concatenated)
+        mesh = self.params[0].device_mesh
+        self.numel = self.shard_numel = self.master.numel()
+        self.group_size, self.group_rank = mesh.size(), mesh.get_rank()
+
+    def layout(self) -> dict[str, Any]:
+        return {"numel": self.numel, "shard_numel": self.shard_numel, "group_size": self.group_size,
+                "group_rank": self.group_rank,
+                "params": [(n, tuple(p.shape), tuple(p.to_local().shape)) for n, p in zip(self.names, self.params)]}
 
     @property
     def flat_grad(self) -> torch.Tensor:
@@ -87,6 +114,37 @@ class _FsdpShard:
     def state_nbytes(self) -> int:
         return 3 * self.master.numel() * self.master.element_size()
 
+    # checkpoints (trainer/checkpoint.py): every state of a weight as a DTensor laid out as the
+    # weight itself, so DCP writes each rank's shard and any layout reads the whole or its own part
+    def _as_dtensors(self, flat: torch.Tensor) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for n, p, piece in zip(self.names, self.params, flat.split(self.sizes)):
+            out[n] = DTensor.from_local(piece.view(p.to_local().shape), p.device_mesh, p.placements,
+                                        run_check=False, shape=p.shape, stride=p.stride())
+        return out
+
+    def checkpoint_states(self) -> dict[str, dict[str, Any]]:
+        """``{state: {weight name: DTensor}}`` of the fp32 master and the two moments."""
+        return {"master": self._as_dtensors(self.master), "exp_avg": self._as_dtensors(self.exp_avg),
+                "exp_avg_sq": self._as_dtensors(self.exp_avg_sq)}
+
+    def empty_states(self) -> dict[str, dict[str, Any]]:
+        """Buffers shaped as :meth:`checkpoint_states` for a checkpoint to be read into."""
+        return {k: self._as_dtensors(torch.empty_like(self.master)) for k in ("master", "exp_avg", "exp_avg_sq")}
+
+    @torch.no_grad()
+    def load_states(self, states: dict[str, dict[str, Any]]) -> None:
+        """Copy states read into :meth:`empty_states`' buffers into this shard (weights not published)."""
+        for key, dst in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            dst.copy_(torch.cat([states[key][n].to_local().reshape(-1) for n in self.names]))
+
+    @torch.no_grad()
+    def sync_from_params(self) -> None:
+        """Re-seed the fp32 master from the weights (after weights were loaded into the model)."""
+        self.master.copy_(torch.cat([p.to_local().detach().reshape(-1).float() for p in self.params]))
+
 
 class FsdpAdamW(ZeroAdamW):
     """AdamW over the FSDP shards of the non-expert weights and the expert bucket (states split over
@@ -99,6 +157,3 @@ class FsdpAdamW(ZeroAdamW):
         super().__init__([BucketSpec("expert", expert, dp_group, None, True)], norm_group=norm_group, **kwargs)
         if dense:
             self.buckets.insert(0, _FsdpShard(dense))
-
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("checkpoints of --parallel.dp_shard fsdp runs are not implemented")
