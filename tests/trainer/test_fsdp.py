@@ -201,3 +201,70 @@ def test_fsdp_resumes_on_another_layout_and_back(data_cache, tmp_path) -> None: 
     for label, runs in got.items():
         for losses in runs:
             assert losses == pytest.approx(ref[2:], rel=RTOL), label
+
+
+# ----------------------------------------------------------------------------- export and samples
+#: Plain transformers in an isolated interpreter (-I; the project's modules refused): the validation
+#: loss of each exported directory on the given rows, as the trainer computes it (summed CE / tokens).
+_PLAIN_VAL = r"""
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fastmoe_xpu", "trainer", "fastmoe_trainer"):
+            raise ImportError("the export must load without " + name)
+sys.meta_path.insert(0, Block())
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+jobs = json.loads(sys.argv[1])
+rows = torch.from_numpy(np.load(jobs["rows"]))
+out = {}
+for d in jobs["dirs"]:
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=rows[:, :-1]).logits
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1),
+                                           reduction="sum")
+    out[d] = float(ce.double()) / rows[:, 1:].numel()
+print(json.dumps(out))
+"""
+
+
+def _export_worker(data_cache: str, out: str) -> dict:
+    t = Trainer(fsdp_cfg(data_cache, out, steps=2, parallel__ep=2, eval__enabled=True, eval__instances=24,
+                         eval__micro_batch=4, eval__export_hf=f"{out}/hf", eval__samples=True,
+                         eval__sample_tokens=4))
+    hist = t.fit()
+    return {"val": hist[-1]["val_loss"], "manifest": t.manifest_path, "samples": t.artefacts.get("samples")}
+
+
+def test_fsdp_export_and_samples_reload_without_the_package(data_cache, tmp_path) -> None:  # noqa: F811
+    """``--eval.export_hf`` under FSDP2 (DP 1 x EP 2) and ``python -m trainer.export`` on its model-only
+    checkpoint: both directories load with transformers alone and give the trainer's validation loss;
+    the generated samples are written."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from trainer.data.loader import load_manifest
+    from trainer.evaluate import load_validation
+    from trainer.export import main as export_main
+
+    out = tmp_path / "run"
+    r = run_workers(_export_worker, 2, data_cache, str(out))[0]
+    samples = json.loads(open(r["samples"]).read())
+    assert len(samples) == 8 and all(s["text"] for s in samples)
+    assert export_main(["--checkpoint", str(out / "checkpoints"), "--out", str(tmp_path / "cli"),
+                        "--no-progress"]) == 0
+    rows = load_validation(load_manifest(r["manifest"]))[:24]
+    np.save(tmp_path / "rows.npy", rows)
+    dirs = [str(out / "hf"), str(tmp_path / "cli")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-I", "-c", _PLAIN_VAL, json.dumps({"dirs": dirs, "rows": str(tmp_path / "rows.npy")})],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for d in dirs:
+        assert got[d] == pytest.approx(r["val"], rel=1e-5), d
