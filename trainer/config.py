@@ -474,7 +474,6 @@ def check_fsdp(cfg: TrainConfig) -> None:
     refused = [
         (p.tp > 1, f"--parallel.tp {p.tp}", "FSDP2 shards the weights TP would split; use --ep or DP instead"),
         (cfg.lora.rank > 0, "--lora.rank", "LoRA freezes the weights FSDP2 would shard; train LoRA on DP"),
-        (p.pp > 1, f"--pp {p.pp}", "not implemented yet"),
         (m.compile, "--model.compile", "not implemented yet"),
         (bool(m.init_from), "--model.init_from", "not implemented yet"),
         (p.pp_meta_init, "--parallel.pp_meta_init", "FSDP2 shards weights built on the device"),

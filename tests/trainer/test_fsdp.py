@@ -268,3 +268,42 @@ def test_fsdp_export_and_samples_reload_without_the_package(data_cache, tmp_path
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for d in dirs:
         assert got[d] == pytest.approx(r["val"], rel=1e-5), d
+
+
+# ----------------------------------------------------------------------------- pipeline and compile
+def _pp_worker(data_cache: str, root: str) -> dict:
+    over = dict(parallel__pp=2, eval__enabled=True, eval__instances=16, eval__micro_batch=4)
+    a = Trainer(fsdp_cfg(data_cache, f"{root}/pp", checkpoint__interval=2, **over))
+    from torch.distributed.tensor import DTensor
+
+    sharded = [isinstance(p, DTensor) for n, p in a.model.named_parameters() if ".experts." not in n]
+    first = a.fit(steps=2)
+    b = Trainer(fsdp_cfg(data_cache, f"{root}/pp", checkpoint__interval=2, **over))
+    rest = b.fit()
+    hist = first + rest
+    return {"losses": _losses(hist), "grad_norms": [r["grad_norm"] for r in hist], "val": rest[-1]["val_loss"],
+            "sharded": all(sharded) and len(sharded) > 0, "stage": b.pipeline.modules[0].stage,
+            "resumed_at": rest[0]["step"]}
+
+
+def test_fsdp_with_pipeline_equals_one_process(data_cache, tmp_path) -> None:  # noqa: F811
+    """PP 2 x DP 2 (world 4), each stage fully_shard'ed over its two DP ranks, 1F1B: losses, gradient
+    norms and the validation loss equal one process (1e-5); stopped at step 2 and resumed on the same
+    layout, and the pipeline's checkpoint resumes in one process."""
+    ref = Trainer(validate(fsdp_cfg(data_cache, str(tmp_path / "one"), fsdp=False, eval__enabled=True,
+                                    eval__instances=16, eval__micro_batch=4), 1))
+    hist = ref.fit()
+    results = run_workers(_pp_worker, 4, data_cache, str(tmp_path))
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
+    for r in results:
+        assert r["sharded"] and r["resumed_at"] == 3
+        assert r["losses"] == pytest.approx(_losses(hist), rel=RTOL)
+        assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL)
+        assert r["val"] == pytest.approx(hist[-1]["val_loss"], rel=RTOL)
+    # the pipeline's checkpoint of step 4 (both stages' shards) continues in one process
+    one = Trainer(validate(fsdp_cfg(data_cache, str(tmp_path / "again"), fsdp=False, eval__enabled=True,
+                                    eval__instances=16, eval__micro_batch=4,
+                                    checkpoint__dir=str(tmp_path / "pp" / "checkpoints")), 1))
+    one.resume()
+    assert one.step == 4
+    assert one.evaluate()["val_loss"] == pytest.approx(hist[-1]["val_loss"], rel=RTOL)
