@@ -474,8 +474,6 @@ def check_fsdp(cfg: TrainConfig) -> None:
     refused = [
         (p.tp > 1, f"--parallel.tp {p.tp}", "FSDP2 shards the weights TP would split; use --ep or DP instead"),
         (cfg.lora.rank > 0, "--lora.rank", "LoRA freezes the weights FSDP2 would shard; train LoRA on DP"),
-        (m.compile, "--model.compile", "not implemented yet"),
-        (bool(m.init_from), "--model.init_from", "not implemented yet"),
         (p.pp_meta_init, "--parallel.pp_meta_init", "FSDP2 shards weights built on the device"),
         (o.stochastic_rounding, "--optim.stochastic_rounding", "it keeps an fp32 master of the sharded weights"),
         (not o.master_weights, "--no-optim.master_weights", "it keeps an fp32 master of the sharded weights"),
@@ -496,6 +494,9 @@ def check_parallel(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if p.pp > 1:
+        if m.compile:
+            raise ConfigError(f"--model.compile does not combine with --pp {p.pp} (pipeline stages run eagerly); "
+                              "drop one of them")
         if m.num_layers < p.pp:
             raise ConfigError(f"{m.num_layers} layers cannot fill PP={p.pp} pipeline stages (one layer each at least)")
         dp = p.dp or 1

@@ -149,13 +149,13 @@ class Trainer:
         TP), identical weights on every replica."""
         cfg, lay = self.cfg, self.layout
         p = cfg.parallel
-        if cfg.model.compile and p.pp > 1:
-            raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
+        # FSDP2 shards the weights as they are: they are made final (--init-from, --broadcast) first
+        early = p.dp_shard == "fsdp" and lay.dpep_group is not None
 
         def prepare(module: nn.Module) -> None:
-            # TP -> EP -> activation checkpointing -> compile (traced at the first call, after the
-            # weights below are final)
-            parallelize(module, lay, cfg)
+            # TP -> EP -> activation checkpointing -> FSDP2 -> compile (traced at the first call,
+            # after the weights below are final)
+            parallelize(module, lay, cfg, before_shard=self._synchronise_weights if early else None)
 
         if p.pp > 1:
             self.pipeline = parallelize_pipeline(cfg, lay, self.device,
@@ -165,7 +165,8 @@ class Trainer:
         else:
             model = self._full_model()
             prepare(model)
-        self._synchronise_weights(model)
+        if not early:
+            self._synchronise_weights(model)
         return model
 
     def _full_model(self, *, meta: bool = False) -> nn.Module:

@@ -307,3 +307,78 @@ def test_fsdp_with_pipeline_equals_one_process(data_cache, tmp_path) -> None:  #
     one.resume()
     assert one.step == 4
     assert one.evaluate()["val_loss"] == pytest.approx(hist[-1]["val_loss"], rel=RTOL)
+
+
+def _olmoe_cfg(data_cache: str, out: str, **over):
+    cfg = small_cfg(data_cache, out, "tiny-moe", steps=3, optim__lr=1e-3, **over)
+    cfg.eval.enabled = cfg.eval.moe_health = False
+    return cfg
+
+
+def _compile_worker(data_cache: str, out: str) -> dict:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    t = Trainer(_olmoe_cfg(data_cache, out, parallel__dp_shard="fsdp", model__compile=True,
+                           model__compile_backend="aot_eager"))
+    hist = t.fit()
+    return {"losses": _losses(hist), "grad_norms": [r["grad_norm"] for r in hist],
+            "compile_s": [r["compile_s"] for r in hist], "fsdp": t.fsdp}
+
+
+def test_fsdp_with_compile_equals_one_process(data_cache, tmp_path) -> None:  # noqa: F811
+    """``--model.compile`` (aot_eager) on the OLMoE model (FastSparseMoeBlock) under FSDP2 at DP 2: each
+    decoder layer's forward is compiled, FSDP2's gathers run around it; losses and gradient norms
+    equal the eager one-process run (1e-5), compiled on the first step only."""
+    ref = Trainer(validate(_olmoe_cfg(data_cache, str(tmp_path / "one")), 1)).fit()
+    for r in run_workers(_compile_worker, 2, data_cache, str(tmp_path / "fsdp")):
+        assert r["fsdp"]
+        assert r["losses"] == pytest.approx(_losses(ref), rel=RTOL)
+        assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in ref], rel=RTOL)
+        assert r["compile_s"][0] > 0 and r["compile_s"][1:] == [0.0, 0.0]
+
+
+def _init_from_worker(data_cache: str, out: str, path: str) -> list[float]:
+    return _losses(Trainer(fsdp_cfg(data_cache, out, steps=2, parallel__ep=2, model__init_from=path)).fit())
+
+
+def test_fsdp_starts_from_init_from_weights(data_cache, tmp_path) -> None:  # noqa: F811
+    """``--model.init_from`` under FSDP2 x EP 2: rank 0 reads the file and every rank receives its part
+    before the weights are sharded; the run equals one process started from the same file."""
+    other = Trainer(validate(fsdp_cfg(data_cache, str(tmp_path / "seed5"), fsdp=False, steps=1), 1))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    path = str(tmp_path / "init.pt")
+    torch.save(other.model.state_dict(), path)
+    ref = _losses(Trainer(validate(fsdp_cfg(data_cache, str(tmp_path / "one"), fsdp=False, steps=2,
+                                            model__init_from=path), 1)).fit())
+    plain = _losses(Trainer(validate(fsdp_cfg(data_cache, str(tmp_path / "plain"), fsdp=False, steps=2), 1)).fit())
+    assert ref[0] != pytest.approx(plain[0], rel=1e-4)  # the file's weights are not the seed's
+    for r in run_workers(_init_from_worker, 2, data_cache, str(tmp_path / "fsdp"), path):
+        assert r == pytest.approx(ref, rel=RTOL)
+
+
+def _olmoe_worker(data_cache: str, out: str) -> dict:
+    t = Trainer(_olmoe_cfg(data_cache, out, parallel__dp_shard="fsdp", parallel__ep=2))
+    hist = t.fit()
+    from torch.distributed.tensor import DTensor
+
+    kinds = {n: isinstance(p, DTensor) for n, p in t.model.named_parameters()}
+    return {"losses": _losses(hist), "grad_norms": [r["grad_norm"] for r in hist],
+            "loads": [r["tokens_per_expert"] for r in hist], "kinds": kinds}
+
+
+def test_fsdp_olmoe_block_with_expert_parallelism_equals_one_process(data_cache, tmp_path) -> None:  # noqa: F811
+    """The OLMoE model (FastSparseMoeBlock, tiny-moe) under FSDP2 x EP 2 (allgather): the block's
+    expert weights stay expert-parallel plain tensors, every other weight is an FSDP2 DTensor; losses,
+    gradient norms and expert loads equal one process."""
+    ref = Trainer(validate(_olmoe_cfg(data_cache, str(tmp_path / "one")), 1)).fit()
+    for r in run_workers(_olmoe_worker, 2, data_cache, str(tmp_path / "fsdp")):
+        assert r["losses"] == pytest.approx(_losses(ref), rel=RTOL)
+        assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in ref], rel=RTOL)
+        assert r["loads"] == [h["tokens_per_expert"] for h in ref]  # counts: exact
+        experts = {n for n in r["kinds"] if ".experts." in n}
+        assert experts and not any(r["kinds"][n] for n in experts)
+        assert all(v for n, v in r["kinds"].items() if n not in experts)

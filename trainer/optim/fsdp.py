@@ -17,20 +17,23 @@ import torch.nn as nn
 from .zero import BucketSpec, ZeroAdamW, split_params
 
 
-def apply_fsdp(model: nn.Module, group: Any, *, is_expert: Callable[[str], bool], device_type: str) -> int:
+def apply_fsdp(model: nn.Module, group: Any, *, is_expert: Callable[[str], bool], device_type: str,
+               reduce_dtype: str = "fp32") -> int:
     """``fully_shard`` the decoder layers and ``model`` over ``group`` (DP x EP ranks), the expert
-    tensors excluded; returns the number of modules sharded."""
+    tensors excluded, gradients reduce-scattered in ``reduce_dtype`` (``--optim.grad_reduce_dtype``);
+    returns the number of modules sharded."""
     from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..parallelism.ac import decoder_layers
 
     mesh = TorchMesh.from_group(group, device_type)
     ignored = {p for n, p in model.named_parameters() if is_expert(n)}
+    mp = MixedPrecisionPolicy(reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce_dtype])
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
+        fully_shard(layer, mesh=mesh, ignored_params=ignored, mp_policy=mp)
+    fully_shard(model, mesh=mesh, ignored_params=ignored, mp_policy=mp)
     for mod in [*layers, model]:  # every FSDP module keeps its own reduction settings
         mod.set_gradient_divide_factor(1.0)  # sums, as the trainer's other reductions
         mod.set_force_sum_reduction_for_comms(True)
