@@ -191,6 +191,10 @@ class ParallelConfig:
     dp_shard: str = "none"
     """``"fsdp"``: FSDP2 ``fully_shard`` on the non-expert weights over the DP x EP ranks, experts stay expert-parallel
     (``--model.arch hf``; trainer/optim/fsdp.py); ``"none"``: the optimizer shards states only (``--optim.name``)."""
+    fsdp_shard: int = 0
+    """With ``dp_shard="fsdp"``: ranks that shard the non-expert weights among them. 0 (or DP x EP): all the
+    DP x EP ranks of a stage (FSDP); a divisor N of DP x EP: HSDP, ``fully_shard`` over a 2-D mesh that shards
+    within groups of N consecutive ranks (put them in one node) and replicates across the DP x EP / N groups."""
     broadcast: str = "none"
     """Initial weights: ``"none"`` (every rank draws them from the seed), or rank 0's sent by ``"broadcast"`` or ``"all_reduce"`` (also how --model.init_from travels)."""
     backend: str = "auto"
@@ -454,6 +458,13 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         )
     if p.dp_shard == "fsdp":
         check_fsdp(cfg)
+    if p.fsdp_shard:
+        shards = dp * p.ep
+        if p.dp_shard != "fsdp":
+            raise ConfigError(f"--parallel.fsdp_shard {p.fsdp_shard} needs --parallel.dp_shard fsdp")
+        if p.fsdp_shard < 0 or shards % p.fsdp_shard:
+            raise ConfigError(f"--parallel.fsdp_shard {p.fsdp_shard} must divide DP x EP = {dp} x {p.ep} (the ranks "
+                              "of a stage); 0 shards over all of them")
     check_parallel(cfg)
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check

@@ -382,3 +382,36 @@ def test_fsdp_olmoe_block_with_expert_parallelism_equals_one_process(data_cache,
         experts = {n for n in r["kinds"] if ".experts." in n}
         assert experts and not any(r["kinds"][n] for n in experts)
         assert all(v for n, v in r["kinds"].items() if n not in experts)
+
+
+# ----------------------------------------------------------------------------- HSDP
+def _hsdp_worker(data_cache: str, root: str) -> dict:
+    t = Trainer(fsdp_cfg(data_cache, f"{root}/hsdp", parallel__fsdp_shard=2, checkpoint__interval=2))
+    mesh = next(p for n, p in t.model.named_parameters() if ".experts." not in n).device_mesh
+    hist = t.fit(steps=2)
+    return {"losses": _losses(hist), "grad_norms": [r["grad_norm"] for r in hist],
+            "mesh": (mesh.mesh_dim_names, tuple(mesh.mesh.shape)), "state_bytes": t.optimizer.state_bytes()}
+
+
+def test_hsdp_shards_within_pairs_and_equals_one_process(data_cache, tmp_path) -> None:  # noqa: F811
+    """``--parallel.fsdp_shard 2`` at DP 4 (world 4): a 2-D mesh, weights sharded within pairs of ranks
+    and replicated across the two pairs; losses and gradient norms (counted once per replica) equal
+    one process, and its checkpoint resumes in one process."""
+    ref = Trainer(validate(fsdp_cfg(data_cache, str(tmp_path / "one"), fsdp=False), 1)).fit()
+    results = run_workers(_hsdp_worker, 4, data_cache, str(tmp_path))
+    for r in results:
+        assert r["mesh"] == (("replicate", "shard"), (2, 2))
+        assert r["losses"] == pytest.approx(_losses(ref)[:2], rel=RTOL)
+        assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in ref][:2], rel=RTOL)
+    rest = _resume_from(data_cache, str(tmp_path / "again"), str(tmp_path / "hsdp" / "checkpoints"), EPSO)
+    assert rest == pytest.approx(_losses(ref)[2:], rel=RTOL)
+
+
+def test_hsdp_shard_size_is_checked() -> None:
+    cfg, _ = config_from_args(["--preset", "tiny-qwen3-moe", "--global-batch", "32", "--parallel.dp_shard", "fsdp",
+                               "--parallel.fsdp_shard", "3"])
+    with pytest.raises(ConfigError, match="--parallel.fsdp_shard 3 must divide DP x EP = 4 x 1"):
+        validate(cfg, 4)
+    cfg, _ = config_from_args(["--preset", "tiny-qwen3-moe", "--global-batch", "32", "--parallel.fsdp_shard", "2"])
+    with pytest.raises(ConfigError, match="--parallel.fsdp_shard 2 needs --parallel.dp_shard fsdp"):
+        validate(cfg, 4)

@@ -17,17 +17,42 @@ import torch.nn as nn
 from .zero import BucketSpec, ZeroAdamW, split_params
 
 
-def apply_fsdp(model: nn.Module, group: Any, *, is_expert: Callable[[str], bool], device_type: str,
-               reduce_dtype: str = "fp32") -> int:
-    """``fully_shard`` the decoder layers and ``model`` over ``group`` (DP x EP ranks), the expert
-    tensors excluded, gradients reduce-scattered in ``reduce_dtype`` (``--optim.grad_reduce_dtype``);
-    returns the number of modules sharded."""
+def fsdp_mesh(layout: Any, shard: int = 0) -> Any:
+    """The device mesh FSDP2 shards over: the stage's DP x EP ranks (``layout.dpep_group``), or with
+    ``0 < shard < DP x EP`` the 2-D HSDP mesh ``[DP x EP / shard, shard]`` (replicate, shard), its
+    shard groups ``shard`` consecutive ranks. Collective over the world: every rank creates every
+    stage's groups, in the same order."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    device_type = layout.device.type
+    size = layout.dp * layout.ep
+    if shard in (0, size):
+        return TorchMesh.from_group(layout.dpep_group, device_type)
+    replicas = size // shard
+    mine: dict[str, Any] = {}
+    for kind in ("shard", "replicate"):
+        for stage in range(layout.pp):
+            base = stage * size
+            blocks = ([[base + b * shard + j for j in range(shard)] for b in range(replicas)] if kind == "shard" else
+                      [[base + b * shard + j for b in range(replicas)] for j in range(shard)])
+            for ranks in blocks:
+                group = dist.new_group(ranks)
+                if layout.rank in ranks:
+                    mine[kind] = group
+    stage_ranks = torch.arange(layout.pp_rank * size, (layout.pp_rank + 1) * size).view(replicas, shard)
+    return TorchMesh.from_group([mine["replicate"], mine["shard"]], device_type, mesh=stage_ranks,
+                                mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, *, is_expert: Callable[[str], bool], reduce_dtype: str = "fp32") -> int:
+    """``fully_shard`` the decoder layers and ``model`` over ``mesh`` (:func:`fsdp_mesh`: the DP x EP
+    ranks, or HSDP's 2-D mesh), the expert tensors excluded, gradients reduce-scattered in
+    ``reduce_dtype`` (``--optim.grad_reduce_dtype``); returns the number of modules sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..parallelism.ac import decoder_layers
 
-    mesh = TorchMesh.from_group(group, device_type)
     ignored = {p for n, p in model.named_parameters() if is_expert(n)}
     mp = MixedPrecisionPolicy(reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce_dtype])
     layers = decoder_layers(model)
@@ -67,7 +92,10 @@ class _FsdpShard:
     def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        self.spec = BucketSpec("fsdp", params, None, None, True)
+        mesh = self.params[0].device_mesh
+        # HSDP: the replicas of a shard hold equal gradients; the first of them counts in the global norm
+        owner = mesh.ndim == 1 or mesh.get_local_rank(0) == 0
+        self.spec = BucketSpec("fsdp", params, None, None, owner)
         local = [p.to_local() for p in self.params]
         self.device = local[0].device
         self.sizes = [t.numel() for t in local]
@@ -76,7 +104,6 @@ class _FsdpShard:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_t = torch.zeros((), dtype=torch.float32)
         # the flat layout :meth:`ZeroAdamW.state_dict` records (this rank's shards, concatenated)
-        mesh = self.params[0].device_mesh
         self.numel = self.shard_numel = self.master.numel()
         self.group_size, self.group_rank = mesh.size(), mesh.get_rank()
 

@@ -49,7 +49,9 @@ def parallelize(model: nn.Module, layout: Any, cfg: Any, before_shard: Any = Non
 
         from ..optim.fsdp import apply_fsdp
 
-        apply_fsdp(model, layout.dpep_group, is_expert=is_expert_weight, device_type=layout.device.type,
+        from ..optim.fsdp import fsdp_mesh
+
+        apply_fsdp(model, fsdp_mesh(layout, getattr(p, "fsdp_shard", 0)), is_expert=is_expert_weight,
                    reduce_dtype=getattr(cfg.optim, "grad_reduce_dtype", "fp32"))
     if m.compile:
         from fastmoe_xpu.compiling import compile_decoder
