@@ -19,7 +19,10 @@ occupy the disk, and a crash (or a full disk) while writing A leaves slot B, the
 checkpoint, untouched. :func:`latest_valid` returns the newest slot whose manifest verifies:
 missing, truncated or bit-flipped files disqualify a slot.
 
-Key scheme (plain tensors keyed by name, no DTensor, so any layout can read any checkpoint):
+Key scheme (whole tensors keyed by name, so any layout can read any checkpoint; under
+``--parallel.dp_shard fsdp`` a sharded weight and its states are saved as DTensors under the same
+keys: every rank writes its own shard, DCP's index records the pieces, and a reader asks for the
+whole tensor or its own part of it):
 
 ``model/<param>``
     a non-expert weight, whole, in the parameter dtype (or bf16 for model-only snapshots);
@@ -41,7 +44,8 @@ number of shards (``PP*EP``; EP=1 runs have a single shard), each shard is furth
 ``DP // (PP*EP)`` size-balanced chunks written by DP ranks ``(m + j*PP*EP) % DP`` (chunk 0 by the
 shard writer), so every node writes a share. Optimizer states are unique per shard and written by
 their owners; replicas of a state (EP replicas under ShardedAdamW, every rank under the
-replicated AdamW) take turns weight by weight.
+replicated AdamW) take turns weight by weight. FSDP2 shards (weights and their states) are written
+by every rank that holds one, replicas of an HSDP shard once (DCP keeps one copy of identical pieces).
 """
 from __future__ import annotations
 

@@ -189,8 +189,9 @@ class ParallelConfig:
     ac: str = ""
     """Selective activation checkpointing: any of ``norm``, ``attn``, ``moe`` (comma-separated), ``all`` or empty."""
     dp_shard: str = "none"
-    """``"fsdp"``: FSDP2 ``fully_shard`` on the non-expert weights over the DP x EP ranks, experts stay expert-parallel
-    (``--model.arch hf``; trainer/optim/fsdp.py); ``"none"``: the optimizer shards states only (``--optim.name``)."""
+    """``"fsdp"``: FSDP2 ``fully_shard`` on the non-expert weights over the DP x EP ranks of a stage, experts stay
+    expert-parallel (any arch; trainer/optim/fsdp.py, docs/parallel.md); ``"none"``: the optimizer shards states only
+    (``--optim.name``)."""
     fsdp_shard: int = 0
     """With ``dp_shard="fsdp"``: ranks that shard the non-expert weights among them. 0 (or DP x EP): all the
     DP x EP ranks of a stage (FSDP); a divisor N of DP x EP: HSDP, ``fully_shard`` over a 2-D mesh that shards

@@ -6,6 +6,9 @@ data-parallel world of DP x EP ranks, while the experts stay expert-parallel.
 reduce-scatters their gradients (summed, not averaged: the trainer's loss is already normalised over
 the global batch). :class:`FsdpAdamW` steps those DTensor shards with the same AdamW and the same
 global clipping as the sharded optimizers, beside the expert bucket (states split over DP, as EPSO).
+:func:`fsdp_mesh` gives HSDP's 2-D mesh for ``--parallel.fsdp_shard N``. Checkpoints
+(trainer/checkpoint.py) write the shards and their optimizer states as DTensors under the plain keys
+every layout reads (:meth:`_FsdpShard.checkpoint_states`).
 """
 from __future__ import annotations
 
