@@ -627,13 +627,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ accounting
     def local_param_counts(self) -> tuple[int, int]:
-        """(non-expert, expert) parameters this rank holds."""
+        """(non-expert, expert) parameters this rank holds (whole weights, FSDP2's included)."""
         dense = sum(p.numel() for n, p in self.model.named_parameters() if not is_expert_weight(n))
         expert = sum(p.numel() for n, p in self.model.named_parameters() if is_expert_weight(n))
         return dense, expert
 
     def state_bytes_formula(self) -> int:
         dense, expert = self.local_param_counts()
+        if self.fsdp:  # the states of this rank's FSDP2 shards, and of its expert shard over DP
+            local = sum(p.to_local().numel() for n, p in self.model.named_parameters() if not is_expert_weight(n))
+            return 12 * (local + math.ceil(expert / self.layout.dp))
         return state_bytes_formula(self.cfg.optim.name, dense, expert, self.layout.dp, self.layout.ep,
                                    state_bytes_per_param(**{k: v for k, v in self.master_options().items()
                                                             if k != "rounding_seed"}))

@@ -110,7 +110,8 @@ def _resume_worker(data_cache: str, root: str, ep: int) -> dict:
     d = Trainer(fsdp_cfg(data_cache, f"{root}/stop", parallel__ep=ep))
     after_stop = d.fit()
     return {"whole": _losses(whole), "periodic": _losses(first) + _losses(rest), "resumed_at": rest[0]["step"],
-            "stopped": stopped, "stop": _losses(c.history) + _losses(after_stop), "stop_resumed_at": after_stop[0]["step"]}
+            "stopped": stopped, "stop": _losses(c.history) + _losses(after_stop),
+            "stop_resumed_at": after_stop[0]["step"]}
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -262,7 +263,8 @@ def test_fsdp_export_and_samples_reload_without_the_package(data_cache, tmp_path
     np.save(tmp_path / "rows.npy", rows)
     dirs = [str(out / "hf"), str(tmp_path / "cli")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-I", "-c", _PLAIN_VAL, json.dumps({"dirs": dirs, "rows": str(tmp_path / "rows.npy")})],
+    job = json.dumps({"dirs": dirs, "rows": str(tmp_path / "rows.npy")})
+    proc = subprocess.run([sys.executable, "-I", "-c", _PLAIN_VAL, job],
                           capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -323,7 +325,8 @@ def _compile_worker(data_cache: str, out: str) -> dict:
                            model__compile_backend="aot_eager"))
     hist = t.fit()
     return {"losses": _losses(hist), "grad_norms": [r["grad_norm"] for r in hist],
-            "compile_s": [r["compile_s"] for r in hist], "fsdp": t.fsdp}
+            "compile_s": [r["compile_s"] for r in hist], "fsdp": t.fsdp,
+            "state_bytes": (t.optimizer.state_bytes(), t.state_bytes_formula())}
 
 
 def test_fsdp_with_compile_equals_one_process(data_cache, tmp_path) -> None:  # noqa: F811
@@ -336,6 +339,7 @@ def test_fsdp_with_compile_equals_one_process(data_cache, tmp_path) -> None:  # 
         assert r["losses"] == pytest.approx(_losses(ref), rel=RTOL)
         assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in ref], rel=RTOL)
         assert r["compile_s"][0] > 0 and r["compile_s"][1:] == [0.0, 0.0]
+        assert r["state_bytes"][0] == r["state_bytes"][1]  # run.json's formula for FSDP2's shards
 
 
 def _init_from_worker(data_cache: str, out: str, path: str) -> list[float]:

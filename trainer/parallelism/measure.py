@@ -147,7 +147,8 @@ class StepProbe:
         kind = "tokens" if group.group_name == self.ep_name and not self.in_optimizer else "params"
         self.sent[kind] += n
         self.ops[func._opname] = self.ops.get(func._opname, 0) + 1
-        if self.t.fsdp and func._opname in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+        gather = func._opname in ("_allgather_base_", "allgather_into_tensor_coalesced_")
+        if self.t.fsdp and kind == "params" and gather:
             # an all-gather's output lives until its weights are copied out (a prefetch: while the
             # layer before it runs): counted as gathered while it is alive
             for out in (args[0] if isinstance(args[0], (list, tuple)) else [args[0]]):
