@@ -19,7 +19,10 @@ occupy the disk, and a crash (or a full disk) while writing A leaves slot B, the
 checkpoint, untouched. :func:`latest_valid` returns the newest slot whose manifest verifies:
 missing, truncated or bit-flipped files disqualify a slot.
 
-Key scheme (plain tensors keyed by name, no DTensor, so any layout can read any checkpoint):
+Key scheme (whole tensors keyed by name, so any layout can read any checkpoint; under
+``--parallel.dp_shard fsdp`` a sharded weight and its states are saved as DTensors under the same
+keys: every rank writes its own shard, DCP's index records the pieces, and a reader asks for the
+whole tensor or its own part of it):
 
 ``model/<param>``
     a non-expert weight, whole, in the parameter dtype (or bf16 for model-only snapshots);
@@ -41,7 +44,8 @@ number of shards (``PP*EP``; EP=1 runs have a single shard), each shard is furth
 ``DP // (PP*EP)`` size-balanced chunks written by DP ranks ``(m + j*PP*EP) % DP`` (chunk 0 by the
 shard writer), so every node writes a share. Optimizer states are unique per shard and written by
 their owners; replicas of a state (EP replicas under ShardedAdamW, every rank under the
-replicated AdamW) take turns weight by weight.
+replicated AdamW) take turns weight by weight. FSDP2 shards (weights and their states) are written
+by every rank that holds one, replicas of an HSDP shard once (DCP keeps one copy of identical pieces).
 """
 from __future__ import annotations
 
@@ -483,6 +487,10 @@ def _optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str
     shard boundaries on the rank holding their first element (collective over every shard group)."""
     out: dict[str, torch.Tensor] = {}
     for b in optimizer.buckets:
+        if hasattr(b, "checkpoint_states"):  # FSDP2 shards: DTensors, every rank writes its own piece
+            for state, by_name in b.checkpoint_states().items():
+                out.update({f"optim/{state}/{n}": t for n, t in by_name.items()})
+            continue
         states = (b.master_view(), b.exp_avg, b.exp_avg_sq)
         group = b.spec.shard_group
         G, g, S = group_size(group), group_rank(group), b.shard_numel
@@ -542,6 +550,10 @@ def _optimizer_reads(model: nn.Module, optimizer: Any, is_expert: Callable[[str]
     want: dict[str, torch.Tensor] = {}
     copies = []
     for b in optimizer.buckets:
+        if hasattr(b, "empty_states"):  # FSDP2 shards: read as DTensors, copied by restore_full
+            for state, by_name in b.empty_states().items():
+                want.update({f"optim/{state}/{n}": t for n, t in by_name.items()})
+            continue
         g, S = group_rank(b.spec.shard_group), b.shard_numel
         lo_me, hi_me = g * S, min(b.numel, (g + 1) * S)
         for os_ in _bucket_segments(model, b, is_expert, tp_rank):
@@ -565,6 +577,9 @@ def sync_master_from_model(optimizer: Any) -> None:
     """Re-seed the optimizer's fp32 master shards from the model's current weights (after loading
     weights into a model whose optimizer already exists, e.g. ``--init-from``)."""
     for b in optimizer.buckets:
+        if hasattr(b, "sync_from_params"):  # FSDP2 shards
+            b.sync_from_params()
+            continue
         if b.master is None:  # the weights are the parameters' own shard already
             continue
         lo = b.group_rank * b.shard_numel
@@ -755,11 +770,30 @@ def _write_manifest(tmp: Path, files: dict[str, Any]) -> int:
 def _model_tensors(model: nn.Module, coords: Coords, dtype: torch.dtype | None,
                    is_expert: Callable[[str], bool], tp_rank: int | None = None) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
+    sharded = _dtensor_params(model)
     out = {}
-    for s in model_writes(model_segments(model, is_expert, tp_rank), coords):
+    for s in model_writes([s for s in model_segments(model, is_expert, tp_rank) if s.param not in sharded], coords):
         t = _segment_tensor(params, s).detach()
         out[f"model/{s.key}"] = (t.to(dtype) if dtype is not None and t.dtype != dtype else t).contiguous()
+    for name in sharded:  # FSDP2: every rank writes its own shard of the weight
+        t = params[name].detach()
+        out[f"model/{name}"] = t.to(dtype) if dtype is not None and t.dtype != dtype else t
     return out
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_params(model: nn.Module) -> list[str]:
+    """Names of the trainable weights held as DTensors (sharded by FSDP2 under
+    ``--parallel.dp_shard fsdp``): checkpointed whole under their plain key, each rank writing and
+    reading its own shard through DCP."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and _is_dtensor(p)]
 
 
 def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Module, optimizer: Any,
@@ -846,8 +880,8 @@ def load_model(path: str | os.PathLike, model: nn.Module, *, layout: Any = None,
     info = read_info(path)
     params = dict(model.named_parameters())
     segments = model_segments(model, is_expert, tp_rank_of(layout))
-    want = {f"model/{s.key}": torch.empty(s.shape, dtype=params[s.param].dtype, device=params[s.param].device)
-            for s in segments}
+    want = {f"model/{s.key}": torch.empty_like(params[s.param]) if _is_dtensor(params[s.param]) else
+            torch.empty(s.shape, dtype=params[s.param].dtype, device=params[s.param].device) for s in segments}
     _check_keys(path, want)
     _dcp_load(want, path)
     for s in segments:
@@ -870,6 +904,9 @@ def restore_full(info: CheckpointInfo, model: nn.Module, optimizer: Any, layout:
     for b, at, seg_at, n, key in copies:
         for state, dst in zip(OPTIM_STATES, (b.master_view(), b.exp_avg, b.exp_avg_sq)):
             dst[at:at + n].copy_(want[f"optim/{state}/{key}"].reshape(-1)[seg_at:seg_at + n])
+    for b in optimizer.buckets:
+        if hasattr(b, "load_states"):
+            b.load_states({st: {n: want[f"optim/{st}/{n}"] for n in b.names} for st in OPTIM_STATES})
     steps = info.meta.get("optimizer", {}).get("steps", {})
     for b in optimizer.buckets:
         b.step_t.fill_(float(steps.get(b.name, max(steps.values(), default=0))))

@@ -189,8 +189,13 @@ class ParallelConfig:
     ac: str = ""
     """Selective activation checkpointing: any of ``norm``, ``attn``, ``moe`` (comma-separated), ``all`` or empty."""
     dp_shard: str = "none"
-    """``"fsdp"``: FSDP2 ``fully_shard`` on the non-expert weights over the DP x EP ranks, experts stay expert-parallel
-    (``--model.arch hf``; trainer/optim/fsdp.py); ``"none"``: the optimizer shards states only (``--optim.name``)."""
+    """``"fsdp"``: FSDP2 ``fully_shard`` on the non-expert weights over the DP x EP ranks of a stage, experts stay
+    expert-parallel (any arch; trainer/optim/fsdp.py, docs/parallel.md); ``"none"``: the optimizer shards states only
+    (``--optim.name``)."""
+    fsdp_shard: int = 0
+    """With ``dp_shard="fsdp"``: ranks that shard the non-expert weights among them. 0 (or DP x EP): all the
+    DP x EP ranks of a stage (FSDP); a divisor N of DP x EP: HSDP, ``fully_shard`` over a 2-D mesh that shards
+    within groups of N consecutive ranks (put them in one node) and replicates across the DP x EP / N groups."""
     broadcast: str = "none"
     """Initial weights: ``"none"`` (every rank draws them from the seed), or rank 0's sent by ``"broadcast"`` or ``"all_reduce"`` (also how --model.init_from travels)."""
     backend: str = "auto"
@@ -458,11 +463,15 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             f"global batch {s.global_batch} is not divisible by DP x EP x micro batch = "
             f"{dp} x {p.ep} x {s.micro_batch} (every DP x EP rank reads its own micro-batches)"
         )
-    if p.dp_shard == "fsdp" and not m.is_hf:
-        raise ConfigError("--parallel.dp_shard fsdp is implemented for --model.arch hf (any transformers MoE family)")
-    if p.dp_shard == "fsdp" and (o.stochastic_rounding or not o.master_weights):
-        raise ConfigError("--parallel.dp_shard fsdp keeps an fp32 master of the sharded weights: it does not combine "
-                          "with --optim.stochastic_rounding or --no-optim.master_weights")
+    if p.dp_shard == "fsdp":
+        check_fsdp(cfg)
+    if p.fsdp_shard:
+        shards = dp * p.ep
+        if p.dp_shard != "fsdp":
+            raise ConfigError(f"--parallel.fsdp_shard {p.fsdp_shard} needs --parallel.dp_shard fsdp")
+        if p.fsdp_shard < 0 or shards % p.fsdp_shard:
+            raise ConfigError(f"--parallel.fsdp_shard {p.fsdp_shard} must divide DP x EP = {dp} x {p.ep} (the ranks "
+                              "of a stage); 0 shards over all of them")
     check_parallel(cfg)
     if cfg.logging.wandb:
         from .wandb_writer import check_available
@@ -488,6 +497,24 @@ def validated_for(cfg: TrainConfig, world_size: int) -> bool:
     return getattr(cfg, "_validated_world", None) == world_size
 
 
+def check_fsdp(cfg: TrainConfig) -> None:
+    """What ``--parallel.dp_shard fsdp`` does not combine with, refused in one line naming both
+    options (before any process group forms)."""
+    m, p, o = cfg.model, cfg.parallel, cfg.optim
+    refused = [
+        (p.tp > 1, f"--parallel.tp {p.tp}", "FSDP2 shards the weights TP would split; use --ep or DP instead"),
+        (cfg.lora.rank > 0, "--lora.rank", "LoRA freezes the weights FSDP2 would shard; train LoRA on DP"),
+        (p.pp_meta_init, "--parallel.pp_meta_init", "FSDP2 shards weights built on the device"),
+        (o.stochastic_rounding, "--optim.stochastic_rounding", "it keeps an fp32 master of the sharded weights"),
+        (not o.master_weights, "--no-optim.master_weights", "it keeps an fp32 master of the sharded weights"),
+        (o.moments_dtype != "fp32", f"--optim.moments_dtype {o.moments_dtype}",
+         "the sharded weights' Adam moments are fp32"),
+    ]
+    for bad, option, why in refused:
+        if bad:
+            raise ConfigError(f"--parallel.dp_shard fsdp does not combine with {option} ({why})")
+
+
 def check_parallel(cfg: TrainConfig) -> None:
     """The pipeline, tensor-parallel and activation-checkpointing checks of :func:`validate`; raise
     :class:`ConfigError` naming the offending values."""
@@ -497,6 +524,9 @@ def check_parallel(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if p.pp > 1:
+        if m.compile:
+            raise ConfigError(f"--model.compile does not combine with --pp {p.pp} (pipeline stages run eagerly); "
+                              "drop one of them")
         if m.num_layers < p.pp:
             raise ConfigError(f"{m.num_layers} layers cannot fill PP={p.pp} pipeline stages (one layer each at least)")
         dp = p.dp or 1

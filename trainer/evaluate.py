@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .data.build import VALID_NAME, sha256_file
 from .layout import all_reduce_sum, pp_group
 from .loss import IGNORE_INDEX
+from .optim.fsdp import is_fsdp, reshard
 
 
 def load_validation(manifest: dict[str, Any], verify: bool = True) -> np.ndarray | None:
@@ -97,10 +98,14 @@ def evaluate(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
             produced = _pipeline_forward(trainer, batches)
         else:
             produced = []
+            whole = is_fsdp(trainer.model)  # FSDP2 gathers the root's weights in the root's forward only
             for x, y, sel in batches:
                 with trainer._autocast():
-                    out = trainer.model.model(input_ids=x.to(device), use_cache=False)
-                    logits = trainer.model.lm_head(out.last_hidden_state)
+                    if whole:
+                        logits = trainer.model(input_ids=x.to(device), use_cache=False).logits
+                    else:
+                        out = trainer.model.model(input_ids=x.to(device), use_cache=False)
+                        logits = trainer.model.lm_head(out.last_hidden_state)
                 produced.append((logits, y.to(device), sel))
         for logits, y, sel in produced:
             ce, tok = _instance_ce(logits, y)
@@ -112,6 +117,7 @@ def evaluate(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
     finally:
         for m, t in zip(_modules(trainer), was_training):
             m.train(t)
+            reshard(m)  # FSDP2: a forward without backward leaves the root's weights gathered
     group = lay.world_group if trainer.pipeline is not None else lay.dpep_group
     both = torch.stack([ce_N, tok_N])
     all_reduce_sum(both, group)

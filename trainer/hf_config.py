@@ -148,15 +148,6 @@ def check_hf(cfg: Any) -> None:
     if p.pp > 1 and p.pp_meta_init:
         raise ConfigError("--parallel.pp_meta_init initialises stages as OLMoE does; a family's stages are built "
                           "from the seed instead (drop --parallel.pp_meta_init)")
-    if p.dp_shard == "fsdp":
-        unsupported = [name for name, on in (("--pp", p.pp > 1), ("--model.compile", m.compile),
-                                             ("--checkpoint.interval", cfg.checkpoint.interval > 0),
-                                             ("--checkpoint.model_interval", cfg.checkpoint.model_interval > 0),
-                                             ("--eval.export_hf", bool(cfg.eval.export_hf)),
-                                             ("--model.init_from", bool(m.init_from))) if on]
-        if unsupported:
-            raise ConfigError(f"--parallel.dp_shard fsdp does not combine with {', '.join(unsupported)} yet "
-                              "(the FSDP shards are not checkpointed, pipelined or compiled)")
     if p.ep > 1 and m.moe_impl != "fastmoe":
         raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     if m.forced_uniform_routing:

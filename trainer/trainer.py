@@ -101,6 +101,9 @@ class Trainer:
 
         self.model = self.build_model()
         self.model.train()
+        from .optim.fsdp import is_fsdp
+
+        self.fsdp = is_fsdp(self.model)  # --parallel.dp_shard fsdp on more than one rank
         self.hf = None  # arch="hf": the family's loss, expert loads and router bias (trainer/hf_family.py)
         if m.is_hf:
             from .hf_family import HfMoeRun
@@ -147,13 +150,13 @@ class Trainer:
         TP), identical weights on every replica."""
         cfg, lay = self.cfg, self.layout
         p = cfg.parallel
-        if cfg.model.compile and p.pp > 1:
-            raise ConfigError("--compile is not supported with pipeline parallelism (--pp > 1)")
+        # FSDP2 shards the weights as they are: they are made final (--init-from, --broadcast) first
+        early = p.dp_shard == "fsdp" and lay.dpep_group is not None
 
         def prepare(module: nn.Module) -> None:
-            # TP -> EP -> activation checkpointing -> compile (traced at the first call, after the
-            # weights below are final)
-            parallelize(module, lay, cfg)
+            # TP -> EP -> activation checkpointing -> FSDP2 -> compile (traced at the first call,
+            # after the weights below are final)
+            parallelize(module, lay, cfg, before_shard=self._synchronise_weights if early else None)
 
         if p.pp > 1:
             self.pipeline = parallelize_pipeline(cfg, lay, self.device,
@@ -163,7 +166,8 @@ class Trainer:
         else:
             model = self._full_model()
             prepare(model)
-        self._synchronise_weights(model)
+        if not early:
+            self._synchronise_weights(model)
         return model
 
     def _full_model(self, *, meta: bool = False) -> nn.Module:
@@ -278,9 +282,13 @@ class Trainer:
             input_ids = mb[0].to(self.device, non_blocking=True)
             labels = mb[1].to(self.device, non_blocking=True)
             with self._autocast():
-                out = self.model.model(input_ids=input_ids, output_router_logits=want_router, use_cache=False) \
-                    if want_router else self.model.model(input_ids=input_ids, use_cache=False)
-                logits = self.model.lm_head(out.last_hidden_state)
+                kw = {"output_router_logits": True} if want_router else {}
+                if self.fsdp:  # the root's forward gathers the embedding, final norm and head
+                    out = self.model(input_ids=input_ids, use_cache=False, **kw)
+                    logits = out.logits
+                else:
+                    out = self.model.model(input_ids=input_ids, use_cache=False, **kw)
+                    logits = self.model.lm_head(out.last_hidden_state)
             router_logits = getattr(out, "router_logits", None) if want_router else None
             loss, parts = self.micro_batch_loss(logits, labels, router_logits, global_targets)
             loss.backward()
@@ -648,13 +656,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ accounting
     def local_param_counts(self) -> tuple[int, int]:
-        """(non-expert, expert) parameters this rank holds."""
+        """(non-expert, expert) parameters this rank holds (whole weights, FSDP2's included)."""
         dense = sum(p.numel() for n, p in self.model.named_parameters() if not is_expert_weight(n))
         expert = sum(p.numel() for n, p in self.model.named_parameters() if is_expert_weight(n))
         return dense, expert
 
     def state_bytes_formula(self) -> int:
         dense, expert = self.local_param_counts()
+        if self.fsdp:  # the states of this rank's FSDP2 shards, and of its expert shard over DP
+            local = sum(p.to_local().numel() for n, p in self.model.named_parameters() if not is_expert_weight(n))
+            return 12 * (local + math.ceil(expert / self.layout.dp))
         return state_bytes_formula(self.cfg.optim.name, dense, expert, self.layout.dp, self.layout.ep,
                                    state_bytes_per_param(**{k: v for k, v in self.master_options().items()
                                                             if k != "rounding_seed"}))

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from parallel_util import tiny_model
+from parallel_util import run_workers, tiny_model
 from trainer.parallelism.ac import apply_activation_checkpointing, remove_activation_checkpointing, saved_bytes
 from trainer.parallelism.plan import (
     ModelShape,
@@ -166,8 +166,6 @@ def _ep_formula_worker() -> list[tuple[tuple[str, ...], int, int]]:
 def test_activation_formula_under_expert_parallelism():
     """EP=2 with forced uniform routing (so each rank computes exactly T*K rows): the gathered
     tokens, routing weights and prefix sums over EP*T tokens are where the formula says."""
-    from parallel_util import run_workers
-
     for rank_rows in run_workers(_ep_formula_worker, 2):
         for combo, measured, want in rank_rows:
             assert measured == want, f"--ac {combo}: measured {measured}, formula {want}"
@@ -175,8 +173,10 @@ def test_activation_formula_under_expert_parallelism():
 
 def test_fsdp_row_shards_the_non_expert_weights() -> None:
     """--parallel.dp_shard fsdp in the dry run: non-expert weights, gradients and states / (DP x EP),
-    experts as EPSO, plus one gathered layer; below EPSO, which keeps whole non-expert weights."""
-    from trainer.parallelism.plan import OPT_STATE_BYTES, layer_params, make_plan
+    experts as EPSO, plus the weights gathered at once (the root's embedding and head, kept from its
+    forward to its backward, and two layers); below EPSO, which keeps whole non-expert weights.
+    Traffic: each micro-batch gathers every layer twice and the root once, and reduce-scatters."""
+    from trainer.parallelism.plan import OPT_STATE_BYTES, embedding_params, head_params, layer_params, make_plan
 
     p = make_plan("mula-20b-a2b", world=48, ep=12)
     st = p.stages[0]
@@ -185,7 +185,55 @@ def test_fsdp_row_shards_the_non_expert_weights() -> None:
     wb = p.weight_bytes
     assert w == g == wb * (-(-ne // 48) + ex)
     assert o == OPT_STATE_BYTES * (-(-ne // 48) + -(-ex // p.dp))
-    assert tr == 2 * wb * layer_params(p.shape).non_expert
+    layer = layer_params(p.shape).non_expert
+    assert st.has_embedding and st.has_head
+    assert tr == wb * (embedding_params(p.shape) + head_params(p.shape) + 2 * layer)
+    assert p.traffic_bytes(st, "fsdp") == round(p.micro_batches * 47 / 48 * wb * (2 * ne + len(st.layers) * layer)
+                                                + (p.dp - 1) / p.dp * 2 * wb * ex)
+    assert p.traffic_bytes(st, "epso") == round(47 / 48 * 2 * wb * ne + (p.dp - 1) / p.dp * 2 * wb * ex)
     ew, eg, eo, etr = p.state_bytes(st, "epso")
     assert (ew, eg, eo, etr) == (wb * (ne + ex), wb * (ne + ex), p.optimizer_bytes(st, "epso"), 0)
     assert w + g + o + tr < ew + eg + eo
+
+
+def test_sent_bytes_follow_the_ring_conventions() -> None:
+    """The measurement's byte count per c10d op: all-reduce 2 (W-1)/W S, all-gather and reduce-scatter
+    (W-1)/W of the whole buffer, all-to-all what leaves the rank, send its bytes, receive nothing."""
+    from trainer.parallelism.measure import _sent_bytes
+
+    t = torch.zeros(8)  # 32 bytes
+    assert _sent_bytes("allreduce_", [[t]], 4, 0) == 48
+    assert _sent_bytes("_allgather_base_", [torch.zeros(32), t], 4, 1) == 96
+    assert _sent_bytes("_reduce_scatter_base_", [t, torch.zeros(32)], 4, 1) == 96
+    assert _sent_bytes("alltoall_base_", [t, torch.zeros(4, 2), None, [1, 3], [1, 3]], 2, 1) == 8
+    assert _sent_bytes("send", [[t]], 2, 0) == 32 and _sent_bytes("recv_", [[t]], 2, 1) == 0
+
+
+def _measure_worker(data_cache: str, layout: str) -> dict:
+    from trainer.parallelism.measure import measure_rank
+
+    return measure_rank("tiny-moe", 2, 1, layout, MEASURE_SIZES, data_cache)
+
+
+MEASURE_SIZES = {"context": 16, "micro_batch": 2, "global_batch": 8}
+
+
+def test_measured_step_is_what_the_planner_says(tmp_path) -> None:
+    """One step of tiny-moe at world 2 (DP 2), measured per rank (trainer/parallelism/measure.py):
+    ZeRO-1 and FSDP2 weights, gradients and optimizer states equal the planner's to 1% (padding),
+    saved activations and FSDP2's gathered weights to 10%, the weight and gradient bytes sent per step
+    to 1%; the FSDP2 row's total within 10%, and FSDP2 holds fewer weight bytes."""
+    from trainer.parallelism.measure import COLUMNS, planned
+
+    rows = {}
+    for layout in ("ZeRO-1", "FSDP2"):
+        want = planned("tiny-moe", 2, 1, MEASURE_SIZES, layout)
+        for r in run_workers(_measure_worker, 2, str(tmp_path / "data"), layout):
+            for c in ("weights", "grads", "optim", "sent"):
+                assert r[c] == pytest.approx(want[c], rel=0.01), (layout, c)
+            assert r["act"] == pytest.approx(want["act"], rel=0.1), layout
+            assert r["gathered"] == pytest.approx(want["gathered"], rel=0.1) if layout == "FSDP2" else r["gathered"] == 0
+            assert sum(r[c] for c in COLUMNS) == pytest.approx(sum(want[c] for c in COLUMNS), rel=0.1)
+            rows[layout] = r
+    assert rows["FSDP2"]["weights"] < rows["ZeRO-1"]["weights"]
+    assert rows["FSDP2"]["ops"].get("_allgather_base_", 0) > rows["ZeRO-1"]["ops"].get("_allgather_base_", 0)

@@ -163,7 +163,7 @@ def test_bad_hf_config(tmp_path, case, match) -> None:
     (["--ep", "3"], "not divisible by EP=3"),
     (["--tp", "2"], "TP is implemented for the dense model"),
     (["--pp", "2", "--parallel.pp_meta_init"], "pp_meta_init"),
-    (["--parallel.dp_shard", "fsdp", "--checkpoint.interval", "5"], "does not combine with --checkpoint.interval"),
+    (["--parallel.dp_shard", "fsdp", "--optim.moments_dtype", "bf16"], "fsdp does not combine with --optim.moments_dtype"),
     (["--model.hf_family", "no_such_family"], "hf_family"),
     (["--model.router_bias_update_rate", "-1"], "router_bias_update_rate"),
     (["--model.hf_config", "x.json"], "exactly one of"),
@@ -175,10 +175,11 @@ def test_bad_hf_inputs(flags, match) -> None:
         validate(cfg, int(flags[1]) if flags[0] in ("--ep", "--pp", "--tp") else 1)
 
 
-def test_fsdp_needs_arch_hf() -> None:
-    cfg, _ = config_from_args(["--preset", "tiny-moe", "--parallel.dp_shard", "fsdp"])
-    with pytest.raises(ConfigError, match="dp_shard fsdp is implemented for --model.arch hf"):
-        validate(cfg, 1)
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense", "tiny-qwen3-moe"])
+def test_fsdp_takes_every_arch_with_checkpoints_and_export(preset) -> None:
+    cfg, _ = config_from_args(["--preset", preset, "--parallel.dp_shard", "fsdp", "--checkpoint.interval", "5",
+                               "--checkpoint.model_interval", "5", "--eval.export_hf", "x"])
+    validate(cfg, 2)
 
 
 def test_family_needs_arch_hf() -> None:

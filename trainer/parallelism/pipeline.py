@@ -183,7 +183,9 @@ class StageModel(nn.Module):
 
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
         position_embeddings = base.rotary_emb(hidden, position_ids)
-        self._captured = [] if (self.is_moe or self.carries_router_logits) else None
+        # the family's router logits feed its aux loss only: evaluation (eval mode) sends the hidden states alone
+        carry = self.carries_router_logits and self.training
+        self._captured = [] if (self.is_moe or carry) else None
         try:
             for i, layer in base.layers.items():
                 m = masks[layer_types[int(i)]] if layer_types and layer_types[int(i)] in masks else mask
@@ -194,7 +196,7 @@ class StageModel(nn.Module):
             self._captured = None
         if self.is_moe:
             rest = self._router_totals(captured or [], *rest)
-        elif self.carries_router_logits:
+        elif carry:
             if not captured:
                 raise ValueError(f"pipeline stage {self.stage} has no router: every stage of a family with an "
                                  "aux loss needs at least one MoE layer")

@@ -354,8 +354,9 @@ class Plan:
         """(weights, gradients, optimizer states, transient) bytes one rank of stage ``st`` holds under
         ``kind``: an optimizer name (weights and gradients whole, states sharded as it shards them) or
         ``"fsdp"`` (FSDP2 on the non-expert weights over DP x EP: their weights, gradients and states
-        sharded there, experts as EPSO; transient: one layer's non-expert weights gathered for its
-        forward or backward, with the next one prefetched)."""
+        sharded there, experts as EPSO; transient: the weights gathered at once, the stage's own
+        (embedding, final norm and head, which the root module keeps gathered from its forward to its
+        backward) and two layers' non-expert weights (the one running and the next, prefetched))."""
         ne, ex = self.rank_params(st)
         wb = self.weight_bytes
         if kind != "fsdp":
@@ -363,8 +364,39 @@ class Plan:
         shards = self.dp * self.ep
         ne_local = math.ceil(ne / shards)
         optim = self.opt_bytes_per_param * (ne_local + math.ceil(ex / self.dp))
-        gathered = 2 * wb * layer_params(self.shape).non_expert
+        layer = layer_params(self.shape).non_expert
+        gathered = wb * (ne - len(st.layers) * layer + min(2, len(st.layers)) * layer)
         return wb * (ne_local + ex), wb * (ne_local + ex), optim, gathered
+
+    def traffic_bytes(self, st: StageParams, kind: str, grad_bytes: int | None = None) -> int:
+        """Bytes one rank of stage ``st`` sends per step for its weights and gradients under ``kind``
+        (ring algorithms: an all-reduce of S bytes over W ranks sends 2 (W-1)/W S, an all-gather or a
+        reduce-scatter (W-1)/W S of the whole buffer); the EP token exchange and the scalar all-reduces
+        are not counted. ``grad_bytes``: bytes per reduced gradient element (default the weights').
+
+        ZeRO-1 (``"sharded"``): non-expert gradients all-reduced over EP, then reduce-scattered and the
+        weights all-gathered over DP; EPSO: both over DP x EP; experts over DP in all three. FSDP2
+        (``"fsdp"``), every micro-batch: a layer's weights gathered for its forward and again for its
+        backward, the stage's own (embedding, norm, head) once, every gradient reduce-scattered."""
+        ne, ex = self.rank_params(st)
+        wb, gb = self.weight_bytes, grad_bytes or self.weight_bytes
+        dp, ep, s = self.dp, self.ep, self.dp * self.ep
+
+        def frac(w: int) -> float:
+            return (w - 1) / w
+
+        experts = frac(dp) * (gb + wb) * ex
+        if kind == "adamw":
+            return round(2 * frac(s) * gb * ne + 2 * frac(dp) * gb * ex)
+        if kind == "sharded":
+            return round(2 * frac(ep) * gb * ne + frac(dp) * (gb + wb) * ne + experts)
+        if kind == "epso":
+            return round(frac(s) * (gb + wb) * ne + experts)
+        if kind != "fsdp":
+            raise ValueError(f"kind must be adamw, sharded, epso or fsdp, got {kind!r}")
+        layers = len(st.layers) * layer_params(self.shape).non_expert
+        per_micro = frac(s) * (wb * (2 * layers + (ne - layers)) + gb * ne)
+        return round(self.micro_batches * per_micro + experts)
 
     def activation_bytes(self, st: StageParams, ac: Iterable[str] | None = None) -> int:
         return stage_activation_bytes(self.shape, self.micro_batch, self.context, len(st.layers),
@@ -487,12 +519,14 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    {kind:8s} {_g(p.optimizer_bytes(p.stages[0], kind))} / {_g(p.optimizer_bytes(p.stages[-1], kind))}")
     kinds = [k for k in ("sharded", "epso", "fsdp") if s.is_moe or k != "epso"]
     lines += ["", "  weights + gradients + optimizer states per rank, stage 0, GiB (--parallel.dp_shard fsdp: FSDP2 on"
-                  " the non-expert weights over DP x EP, experts EP; + one gathered layer)"]
+                  " the non-expert weights over DP x EP, experts EP; + the weights gathered at once), and the"
+                  " weight and gradient bytes it sends per step"]
     for kind in kinds:
         w, g, o, tr = p.state_bytes(p.stages[0], kind)
         name = {"sharded": "ZeRO-1", "epso": "EPSO", "fsdp": "FSDP2"}[kind]
         lines.append(f"    {name:8s} {_g(w)} + {_g(g)} + {_g(o)} = {_g(w + g + o)}"
-                     + (f"  (+{_g(tr).strip()} gathered)" if tr else ""))
+                     + (f"  (+{_g(tr).strip()} gathered)" if tr else "")
+                     + f"; sends {_g(p.traffic_bytes(p.stages[0], kind)).strip()} per step")
     lines += ["", "Bytes per parameter (weights + gradients + optimizer state; bf16 weights and gradients)",
               f"  {'fp32 master (mixed precision)':<38} 2 + 2 + 12 = 16",
               f"  {'bf16 + stochastic rounding, fp32 m, v':<38} 2 + 2 +  8 = 12",
