@@ -331,23 +331,29 @@ def _make_agent_class():
             super()._stop_workers(worker_group, *args, **kw)
             self._last_stop_s = round(time.time() - t0, 3)
 
-        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30, *args: Any,
-                      **kw: Any) -> None:
-            """torch's shutdown (SIGTERM to each worker's process group, SIGKILL after ``timeout``),
-            with a short grace on every path (torch uses its ``shutdown_timeout`` only when the agent
-            exits, 30 s on a restart) and SIGCONT first, so that a stopped worker gets the SIGTERM."""
+        def _start_workers(self, worker_group: Any) -> Any:
+            ids = super()._start_workers(worker_group)
             pcontext = getattr(self, "_pcontext", None)
-            if pcontext is not None:
-                try:
-                    pids = list(pcontext.pids().values())
-                except Exception:  # noqa: BLE001 - not started, or already closed
-                    pids = []
-                for pid in pids:
-                    try:
-                        os.killpg(pid, signal.SIGCONT)
-                    except OSError:
-                        pass
-            super()._shutdown(death_sig, min(timeout, self.opts.kill_grace), *args, **kw)
+            if pcontext is not None and hasattr(pcontext, "close"):
+                pcontext.close = _GracedClose(pcontext, self.opts.kill_grace)
+            return ids
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kw: Any) -> None:
+            """torch's shutdown, which closes the workers' processes, with ``--kill-grace`` on every
+            path (torch waits its ``shutdown_timeout`` only when the agent exits, 30 s on a restart).
+
+            The signature differs across torch releases (2.11: ``(death_sig)``; 2.13: ``(death_sig,
+            timeout)``, and ``run`` passes ``timeout=`` there): whatever torch passes is accepted, and
+            only ``death_sig`` is passed on; the grace is applied by the process context's ``close``,
+            wrapped when the workers start (:class:`_GracedClose`). Without that wrapper (a torch
+            whose agent keeps no ``_pcontext``) the grace goes as ``timeout`` where the base takes one."""
+            base = super()._shutdown
+            pcontext = getattr(self, "_pcontext", None)
+            if pcontext is None or isinstance(getattr(pcontext, "close", None), _GracedClose) \
+                    or not _accepts(base, "timeout"):
+                base(death_sig)
+            else:
+                base(death_sig, self.opts.kill_grace)
 
         def _store_gone(self) -> BaseException | None:
             """The error of one read of the rendezvous state, or None when the store answers."""
@@ -401,6 +407,28 @@ def _make_agent_class():
             super()._restart_workers(worker_group)
 
     return NodeAgent
+
+
+class _GracedClose:
+    """A worker process context's ``close`` with SIGCONT first (a stopped worker then receives the
+    signal) and at most ``grace`` s between the signal and SIGKILL, however torch calls it (its
+    agent's shutdown on a restart, a leave or the end, and its own poll when a worker failed)."""
+
+    def __init__(self, pcontext: Any, grace: float) -> None:
+        self.pcontext, self.grace = pcontext, grace
+        self.inner = pcontext.close
+
+    def __call__(self, death_sig: Any = None, timeout: float = 30, *args: Any, **kw: Any) -> None:
+        try:
+            pids = list(self.pcontext.pids().values())
+        except Exception:  # noqa: BLE001 - not started, or already closed
+            pids = []
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        self.inner(death_sig, min(timeout, self.grace), *args, **kw)
 
 
 def agent_kwargs(agent_base: Any, kill_grace: float) -> dict[str, Any]:
