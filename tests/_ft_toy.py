@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import random
 import sys
@@ -32,6 +33,7 @@ from fastmoe_xpu.dist.sharding import is_expert_weight  # noqa: E402
 from trainer import checkpoint as ck  # noqa: E402
 from trainer import fault  # noqa: E402
 from trainer.optim import OPTIMIZERS  # noqa: E402
+from trainer.stop import StopRequest, Stopped, signal_name  # noqa: E402
 
 H, E, D_IN, D_OUT, GLOBAL_BATCH = 8, 4, 6, 3, 8
 
@@ -239,6 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to kill mid-run)")
     ap.add_argument("--dump", default=None, help="directory for per-rank state dumps at the end")
     args = ap.parse_args(argv)
+    stop = StopRequest().install()  # SIGTERM / SIGINT (or the launcher's SIGUSR1 / SIGUSR2): trainer/stop.py
+    try:
+        return _run(args, stop)
+    except Stopped as e:  # before the first step or after the last: at once
+        print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        stop.uninstall()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # the groups' threads end here, not in interpreter shutdown (trainer/cli.py)
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     out = Path(args.out)
     lay = make_layout(args.ep)
     seed = 0
@@ -252,11 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     hb.beat(0, "startup")
     start = 0
     if args.resume == "auto":
-        res = mgr.restore(model, opt)
+        try:
+            res = mgr.restore(model, opt)
+        except ck.CheckpointError as e:  # every slot damaged: the trainer's exit 76, on every rank
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            return fault.EXIT_CHECKPOINT_FAILURE
         if res is not None:
             start = res.info.step
             if lay.rank == 0:
                 print(f"resumed from {res.info.path} at step {start} in {res.seconds:.3f}s", flush=True)
+    stop.deferred = True  # a signal from here on lets the step finish
     try:
         for step in range(start, args.steps):
             fault.maybe_hang(step, lay.rank)
@@ -267,11 +288,20 @@ def main(argv: list[str] | None = None) -> int:
             hb.beat(step + 1, "done", completed=True)
             if lay.rank == 0:
                 print(f"step {step + 1} loss {loss:.6f}", flush=True)
+            saved = None
             if mgr.due(step + 1):
                 hb.beat(step + 1, "checkpoint")
-                mgr.save(step + 1, model, opt, meta={"next_step": step + 1})
+                saved = mgr.save(step + 1, model, opt, meta={"next_step": step + 1}).path
             if mgr.model_due(step + 1):
                 mgr.save_model(step + 1, model)
+            sig = stop.agreed(None, dist.is_initialized())
+            if sig is not None:  # every rank stops after this step, with one checkpoint of it
+                if saved is None:
+                    hb.beat(step + 1, "checkpoint")
+                    saved = mgr.save(step + 1, model, opt, meta={"next_step": step + 1}).path
+                print(f"stopped at step {step + 1} ({signal_name(sig)}); checkpoint at {saved}; run the same "
+                      "command to resume", file=sys.stderr, flush=True)
+                return 128 + sig
     except fault.SoftFailure as e:
         print(f"soft failure: {e}", file=sys.stderr, flush=True)
         if args.dump:  # the state at the failure: must equal the state before the bad step
@@ -284,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         torch.save(dump_state(model, opt), Path(args.dump) / f"rank-{lay.rank:05d}.pt")
+    stop.deferred = False
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 

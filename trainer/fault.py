@@ -29,6 +29,9 @@ Test hooks, off unless the environment variable is set (the launcher passes them
     machine, so a relaunch on a spare no longer hits them; a bare ``step=5`` hits every rank).
 ``TRAINER_INJECT_HANG="step=5,host=h1"``
     sleep forever at that step on the matching ranks, without a heartbeat.
+
+Either may be ``@FILE``: the spec is read from that file at each step once it exists (a fault
+armed while the job runs).
 """
 from __future__ import annotations
 
@@ -176,7 +179,14 @@ class Injection:
 
     @classmethod
     def from_env(cls, name: str) -> "Injection | None":
+        """The spec in ``$name``, or, when it is ``@FILE``, the spec in that file once it exists (a
+        fault armed while the job runs: the fault soak writes it)."""
         spec = os.environ.get(name, "").strip()
+        if spec.startswith("@"):
+            try:
+                spec = Path(spec[1:]).read_text().strip()
+            except OSError:
+                return None
         return cls.parse(spec) if spec else None
 
     def hits(self, step: int, rank: int) -> bool:

@@ -158,7 +158,7 @@ def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, he
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-        store.terminate()
+        store.kill()  # the store ignores SIGTERM (a scheduler's stop notice)
         store.wait(timeout=30)
     ev = [e for e in read_events(run) if e["time"] > t0]
     if fault_kind == "hang":

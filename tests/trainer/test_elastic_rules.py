@@ -31,8 +31,9 @@ def test_fatal_exit_codes_are_not_retried(tmp_path: Path) -> None:
     code, ev = _run(tmp_path, f"import sys; sys.exit({fault.EXIT_CHECKPOINT_FAILURE})", "--max-restarts", "3")
     assert code == fault.EXIT_CHECKPOINT_FAILURE
     kinds = [e["event"] for e in ev]
-    assert kinds == ["node_start", "round", "failure", "give_up"], kinds
-    assert "not retried" in ev[-1]["reason"]
+    assert kinds == ["node_start", "round", "failure", "give_up", "job_end"], kinds
+    assert "not retried" in ev[-2]["reason"]
+    assert ev[-1]["code"] == fault.EXIT_CHECKPOINT_FAILURE and ev[-1]["line"].startswith("error: the job stopped (exit 76")
 
 
 def test_restart_limit(tmp_path: Path) -> None:
@@ -40,7 +41,8 @@ def test_restart_limit(tmp_path: Path) -> None:
     assert code == 1
     kinds = [e["event"] for e in ev]
     assert kinds.count("round") == 2 and kinds.count("failure") == 2 and kinds.count("restart") == 1, kinds
-    assert "restart limit 1 reached" in ev[-1]["reason"]
+    assert kinds[-2:] == ["give_up", "job_end"] and "restart limit 1 reached" in ev[-2]["reason"]
+    assert ev[-1]["code"] == 1 and "restart limit 1 reached" in ev[-1]["line"] and "exit 3" in ev[-1]["line"], ev[-1]
 
 
 def test_a_worker_whose_agent_dies_exits(tmp_path: Path) -> None:
@@ -286,3 +288,45 @@ def test_agent_kwargs_follow_the_signature() -> None:
     import inspect
     assert ("shutdown_timeout" in agent_kwargs(LocalElasticAgent, 2.0)) == \
         ("shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters)
+
+
+def test_a_second_signal_to_a_launcher_aborts_at_once(tmp_path: Path) -> None:
+    """A worker that does not stop after the first SIGTERM (this one ignores the launcher's SIGUSR1):
+    the second SIGTERM to its node launcher kills it and exits 143 at once, with one line."""
+    import signal
+    import time
+
+    script = tmp_path / "worker.py"
+    pidfile = tmp_path / "worker.pid"
+    script.write_text("import os, signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+                      f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.launch", "--local-nodes", "1", "--nnodes", "1", "--monitor-interval", "0.2",
+           "--entry", str(script), "--timeout", "120", "--out", str(out), "--"]
+    p = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.time() + 90
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.time() < end and p.poll() is None, "the worker never started"
+            time.sleep(0.1)
+        worker = int(pidfile.read_text())
+        (node,) = [e["pid"] for e in read_events(out) if e["event"] == "node_start"]
+        os.kill(node, signal.SIGTERM)
+        time.sleep(1.5)
+        assert p.poll() is None  # waiting for its worker to stop after its step
+        t0 = time.time()
+        os.kill(node, signal.SIGTERM)
+        stdout, _ = p.communicate(timeout=30)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert took < 5, took
+    assert "aborted at once (SIGTERM again); the newest complete checkpoint stays valid" in stdout, stdout[-3000:]
+    try:  # gone, or a zombie whose parent (the launcher) died before reaping it
+        with open(f"/proc/{worker}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z", "the worker outlived its launcher's abort"
+    except FileNotFoundError:
+        pass
+    assert [e["event"] for e in read_events(out)][-1] == "aborted"

@@ -42,6 +42,15 @@ def test_injection_spec(monkeypatch, spec: str, step: int, rank: int, host: str,
     assert fault.Injection.parse(spec).hits(step, rank) is hits
 
 
+def test_injection_armed_from_a_file(tmp_path, monkeypatch) -> None:
+    spec = tmp_path / "nan.spec"
+    monkeypatch.setenv(fault.NAN_ENV, f"@{spec}")
+    assert fault.Injection.from_env(fault.NAN_ENV) is None  # not armed yet
+    spec.write_text("step=7,rank=1\n")
+    inj = fault.Injection.from_env(fault.NAN_ENV)
+    assert inj is not None and inj.hits(7, 1) and not inj.hits(7, 0)
+
+
 @pytest.mark.parametrize("spec", ["rank=1", "step=x", "step=1,colour=red", "step"])
 def test_injection_spec_errors(spec: str) -> None:
     with pytest.raises(ValueError):

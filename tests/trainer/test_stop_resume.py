@@ -99,6 +99,26 @@ def test_a_second_signal_aborts_at_once():
     assert "Traceback" not in proc.stderr
 
 
+def test_the_launchers_passed_on_stop_is_never_a_second_signal():
+    """Under the node launcher a worker gets the scheduler's SIGTERM and the launcher's SIGUSR1 (its
+    SIGTERM passed on), in either order: one stop, for SIGTERM, no abort; a second SIGTERM from
+    outside still aborts."""
+    code = ("import os, signal, time\n"
+            "from trainer.stop import StopRequest\n"
+            "s = StopRequest().install(); s.deferred = True\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+            "assert s.signum == signal.SIGTERM\n"
+            "print('one stop', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+            "print('not aborted')\n")
+    env = {**os.environ, "TRAINER_NODE_LAUNCHER": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 143 and proc.stdout.splitlines() == ["one stop"], (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().startswith("aborted at once (SIGTERM again)"), proc.stderr
+
+
 def test_resume_on_another_schedule_is_refused_unless_asked(tmp_path, data_cache, capsys):  # noqa: F811
     out = str(tmp_path / "run")
     t = Trainer(small_cfg(data_cache, out, steps=6, checkpoint__interval=2))
@@ -147,6 +167,31 @@ def test_progress_outside_a_terminal_is_a_few_lines():
     assert lines[-1].startswith("tiny-moe: step 1000/1000") and "loss=0.001" in lines[-1]
 
 
+def test_progress_outside_a_terminal_at_least_every_10_seconds(monkeypatch, capsys):
+    """Slow steps (here 4 s each on a fake clock) still give a line at least every 10 s; under the
+    node launcher the lines go to stdout, which the launcher holding rank 0 shows."""
+    import io
+
+    import trainer.progress as progress
+    from trainer.stop import LAUNCHER_ENV
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    buf = io.StringIO()
+    bar = LineProgress(total=1000, initial=0, desc="big", file=buf)  # a line every 50 steps by count
+    for _ in range(10):
+        clock[0] += 4.0
+        bar.update(1)
+    lines = buf.getvalue().splitlines()
+    assert [ln.split()[2] for ln in lines] == ["3/1000", "6/1000", "9/1000"], lines  # 12 s, 24 s, 36 s
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    bar = progress.progress_bar(total=2, desc="tiny-moe")
+    bar.update(2)
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out.startswith("tiny-moe: step 2/2") and err == ""
+
+
 def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
     """A signal during start-up (here: while the config is read) stops at once with the status."""
     import trainer.cli as cli
@@ -170,5 +215,7 @@ def test_sigterm_is_left_to_an_agent_that_restarts_workers(monkeypatch):
     assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # plain torchrun
     assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # fastmoe-launch --max-restarts 3
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # torchrun --max-restarts 3
     assert handled_signals() == (signal.SIGINT,)
+    monkeypatch.setenv("TRAINER_NODE_LAUNCHER", "1")  # fastmoe-launch: it restarts with SIGKILL
+    assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
