@@ -219,3 +219,39 @@ def test_sigterm_is_left_to_an_agent_that_restarts_workers(monkeypatch):
     assert handled_signals() == (signal.SIGINT,)
     monkeypatch.setenv("TRAINER_NODE_LAUNCHER", "1")  # fastmoe-launch: it restarts with SIGKILL
     assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+
+
+def test_release_process_groups_ends_gloo_threads_held_in_a_cycle(tmp_path):
+    """The trainer's objects hold its process groups in reference cycles: destroyed but not freed,
+    their gloo threads would run into interpreter shutdown (where one that needs the interpreter
+    aborts the process: ``terminate called without an active exception``). After
+    ``release_process_groups`` none is left."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.cli import release_process_groups
+
+    def gloo_threads() -> int:
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{t}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:
+                pass
+        return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+    before = gloo_threads()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.me, h.group = h, dist.new_group([0])  # a cycle, as in the trainer
+    del h
+    assert gloo_threads() > before
+    release_process_groups()
+    assert not dist.is_initialized() and gloo_threads() == before
