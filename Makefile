@@ -13,7 +13,7 @@ PY := .venv/bin/python
 COMPAT_TESTS := tests/kernels tests/test_block.py tests/test_experts_families.py tests/test_experts_interface.py \
 	tests/test_experts_stored_weights.py tests/test_compile_block.py tests/test_compile_families.py \
 	tests/test_compile_olmoe.py tests/tools/test_compile_check.py \
-	tests/trainer/test_elastic_rules.py tests/trainer/test_elastic_drills.py tests/trainer/test_fault_trainer.py
+	tests/trainer/ft/test_elastic_rules.py tests/trainer/ft/test_elastic_drills.py tests/trainer/ft/test_fault_trainer.py
 
 .PHONY: venv xpu-venv compat-venv run demo test test-compat bench compile-check gpu-check
 

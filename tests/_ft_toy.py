@@ -1,13 +1,13 @@
 """A tiny stand-in trainer for the checkpoint, fault and launcher tests.
 
-It uses the real pieces (``trainer.optim`` optimizers, ``trainer.checkpoint``, ``trainer.fault``)
+It uses the real pieces (``trainer.optim`` optimizers, ``trainer.checkpoint``, ``trainer.ft.fault``)
 around a model small enough to start in a second: an input layer, a block of "experts" named like
 OLMoE's merged expert weights (so EP sharding, expert keys and EPSO buckets are exercised) and an
 output layer. Data and noise are deterministic functions of (seed, step) and of the RNG states the
 checkpoint restores, so an interrupted run must end with an uninterrupted run's exact weights.
 
 Run as ``python tests/_ft_toy.py --out DIR [--steps N] [--interval K] [--resume auto] ...`` under
-``trainer.launch --entry tests/_ft_toy.py`` or any torchrun-like environment (RANK, WORLD_SIZE, ...).
+``trainer.ft.launch --entry tests/_ft_toy.py`` or any torchrun-like environment (RANK, WORLD_SIZE, ...).
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastmoe_xpu.dist.sharding import is_expert_weight  # noqa: E402
 from trainer import checkpoint as ck  # noqa: E402
-from trainer import fault  # noqa: E402
+from trainer.ft import fault  # noqa: E402
 from trainer.optim import OPTIMIZERS  # noqa: E402
-from trainer.stop import StopRequest, Stopped, signal_name  # noqa: E402
+from trainer.ft.stop import StopRequest, Stopped, signal_name  # noqa: E402
 
 H, E, D_IN, D_OUT, GLOBAL_BATCH = 8, 4, 6, 3, 8
 
@@ -235,13 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-interval", type=int, default=0)
     ap.add_argument("--resume", default="none", choices=["auto", "none"])
     ap.add_argument("--checkpoint.resume", dest="resume", action="store_const", const="auto",
-                    help="the trainer's spelling of --resume auto (what trainer.launch appends)")
+                    help="the trainer's spelling of --resume auto (what trainer.ft.launch appends)")
     ap.add_argument("--optim", default="sharded", choices=sorted(OPTIMIZERS))
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to kill mid-run)")
     ap.add_argument("--dump", default=None, help="directory for per-rank state dumps at the end")
     args = ap.parse_args(argv)
-    stop = StopRequest().install()  # SIGTERM / SIGINT (or the launcher's SIGUSR1 / SIGUSR2): trainer/stop.py
+    stop = StopRequest().install()  # SIGTERM / SIGINT (or the launcher's SIGUSR1 / SIGUSR2): trainer/ft/stop.py
     try:
         return _run(args, stop)
     except Stopped as e:  # before the first step or after the last: at once

@@ -211,16 +211,16 @@ def list_presets() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .stop import StopRequest, Stopped
+    from .ft.stop import StopRequest, Stopped
 
-    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step, checkpoint, one line (trainer/stop.py)
+    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step, checkpoint, one line (trainer/ft/stop.py)
     orderly = False
     try:
         code = _main(argv, stop)
         orderly = True
         return code
     except Stopped as e:
-        from .stop import under_launcher
+        from .ft.stop import under_launcher
 
         orderly = True
         # under the node launcher every rank says it (its stderr goes to the node's log, where the
@@ -260,7 +260,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
     try:
         cfg, args = config_from_args(argv)
         if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
-            from .local_launch import launch
+            from .ft.local_launch import launch
 
             validate(dataclasses.replace(cfg), args.nproc_per_node)  # fail here, not in N processes at once
             stop.uninstall()  # the launcher's handlers pass signals on to the workers
@@ -285,7 +285,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from .checkpoint import CheckpointError
-    from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
+    from .ft.fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
     trainer.stop = stop
     try:

@@ -85,7 +85,7 @@ def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_says_so(tmp_path, da
 
 def test_a_second_signal_aborts_at_once():
     code = ("import os, signal, time\n"
-            "from trainer.stop import StopRequest\n"
+            "from trainer.ft.stop import StopRequest\n"
             "s = StopRequest().install(); s.deferred = True\n"
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.1)\n"
             "assert s.signum == signal.SIGINT\n"
@@ -104,7 +104,7 @@ def test_the_launchers_passed_on_stop_is_never_a_second_signal():
     SIGTERM passed on), in either order: one stop, for SIGTERM, no abort; a second SIGTERM from
     outside still aborts."""
     code = ("import os, signal, time\n"
-            "from trainer.stop import StopRequest\n"
+            "from trainer.ft.stop import StopRequest\n"
             "s = StopRequest().install(); s.deferred = True\n"
             "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"
@@ -173,7 +173,7 @@ def test_progress_outside_a_terminal_at_least_every_10_seconds(monkeypatch, caps
     import io
 
     import trainer.progress as progress
-    from trainer.stop import LAUNCHER_ENV
+    from trainer.ft.stop import LAUNCHER_ENV
 
     clock = [0.0]
     monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
@@ -209,7 +209,7 @@ def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_sigterm_is_left_to_an_agent_that_restarts_workers(monkeypatch):
-    from trainer.stop import handled_signals
+    from trainer.ft.stop import handled_signals
 
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import _ft_toy as toy
-from trainer import fault
+from trainer.ft import fault
 
 
 # ============================================================================ detection (one process)
@@ -115,10 +115,10 @@ def test_nan_on_one_rank_stops_every_rank_before_the_update(tmp_path: Path) -> N
 
 
 def test_soak_summary_counts_redone_steps_and_wall_lost() -> None:
-    """The fault soak's figures from its records (trainer/ft_soak.py): steps redone = the step
+    """The fault soak's figures from its records (trainer/ft/soak.py): steps redone = the step
     reached at the fault - the step resumed from; wall lost = fault -> back at that step, and what
     of it is not the redone steps; goodput = (wall under faults - wall lost) / wall under faults."""
-    from trainer.ft_soak import summarize
+    from trainer.ft.soak import summarize
 
     ref = {"wall_s": 100.0, "timeline": [(20.0, 0), (30.0, 50), (40.0, 100)]}  # 0.2 s a step
     soak = {"wall_s": 125.0, "faults": [

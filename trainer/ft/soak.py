@@ -1,7 +1,7 @@
 """Fault soak: one multi-node job on this machine under a schedule of faults, with figures and a
 timeline.
 
-    python -m fastmoe_trainer.ft_soak --out out/ft_soak [--minutes 8] [--steps N] [--interval 10]
+    python -m fastmoe_trainer.ft.soak --out out/ft_soak [--minutes 8] [--steps N] [--interval 10]
                                       [--faults rank,node,hang,nan,slot,stop] [--heartbeat-timeout 5]
 
 The job is started the way an operator starts it: a ``--serve-store`` process and node launchers
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint as ck
+from .. import checkpoint as ck
 from . import fault
 
 FAULT_KINDS = ("rank", "node", "hang", "nan", "slot", "stop")
@@ -371,7 +371,7 @@ def markdown(summary: dict[str, Any], ref: dict[str, Any], soak: dict[str, Any],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft_soak", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft.soak", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/ft_soak")
     ap.add_argument("--minutes", type=float, default=6.0, help="about how long the uninterrupted run takes")
     ap.add_argument("--steps", type=int, default=None, help="steps of the job (instead of --minutes)")

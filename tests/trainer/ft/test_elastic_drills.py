@@ -1,4 +1,4 @@
-"""Fault drills under ``python -m trainer.launch --local-nodes 3 --nnodes 2`` (torch's elastic agent,
+"""Fault drills under ``python -m trainer.ft.launch --local-nodes 3 --nnodes 2`` (torch's elastic agent,
 c10d rendezvous, gloo, one rank per node, the stand-in trainer of _ft_toy.py): two nodes train, one
 waits as a spare. A killed node, a killed rank, a NaN, a hang and a stopped rank each end with the
 spare in the job (or the right node gone) and the exact state of an uninterrupted run, within one
@@ -21,13 +21,13 @@ import pytest
 import torch
 
 import _ft_toy as toy
-from trainer import fault
+from trainer.ft import fault
 from trainer.checkpoint import latest_valid
-from trainer.launch import descendants, free_port, read_events
+from trainer.ft.launch import descendants, free_port, read_events
 
 pytestmark = pytest.mark.drill
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STEPS, INTERVAL = 8, 2
 LIMIT = 240.0  # seconds any drill may take before it counts as hung
 RECOVERY_BOUND = 30.0  # seconds from a fault (or a hang's detection) to the first new step
@@ -47,7 +47,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def _launch(out: Path, *trainer: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
             nodes: int = 3) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--local-nodes", str(nodes), "--nnodes", "2",
+    cmd = [sys.executable, "-m", "trainer.ft.launch", "--local-nodes", str(nodes), "--nnodes", "2",
            "--max-restarts", "2", "--monitor-interval", "0.2", "--entry", str(REPO / "tests" / "_ft_toy.py"),
            "--timeout", str(LIMIT), "--out", str(out), *launcher, "--", "--steps", str(STEPS), "--interval",
            str(INTERVAL), "--dump", str(out / "dump"), *trainer]
@@ -147,7 +147,7 @@ def test_rank_kill_one_round_and_a_late_spare_restarts_nobody(tmp_path: Path, re
     couple of seconds, 6 to 68 rounds), the first new step within the bound, the exact end state."""
     out = tmp_path / "run"
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--serve-store", f"127.0.0.1:{port}"],
+    store = subprocess.Popen([sys.executable, "-m", "trainer.ft.launch", "--serve-store", f"127.0.0.1:{port}"],
                              env=_env(), cwd=REPO, stdout=subprocess.DEVNULL)
     args = ("--steps", str(STEPS), "--step-sleep", "0.5", "--dump", str(out / "dump"))
     try:
@@ -270,7 +270,7 @@ def test_hang_on_one_node_the_watchdog_fires_and_the_run_recovers(tmp_path: Path
 
 def _node(out: Path, label: str, endpoint: str, *extra: str, nnodes: str = "2",
           trainer: tuple[str, ...] = ("--steps", "40", "--step-sleep", "0.2")) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--node-label", label, "--rdzv-endpoint", endpoint, "--nnodes",
+    cmd = [sys.executable, "-m", "trainer.ft.launch", "--node-label", label, "--rdzv-endpoint", endpoint, "--nnodes",
            nnodes, "--max-restarts", "1", "--monitor-interval", "0.2", "--entry",
            str(REPO / "tests" / "_ft_toy.py"), "--out", str(out), *extra, "--", "--interval", str(INTERVAL),
            *trainer]
@@ -326,7 +326,7 @@ def test_unreachable_endpoint_is_a_clear_error_in_bounded_time(tmp_path: Path) -
 def test_mismatched_nnodes_is_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--serve-store", f"127.0.0.1:{port}"],
+    store = subprocess.Popen([sys.executable, "-m", "trainer.ft.launch", "--serve-store", f"127.0.0.1:{port}"],
                              env=_env(), cwd=REPO)
     try:
         time.sleep(2.0)

@@ -3,12 +3,12 @@
 Run the same command once on every node, spares included (``mpiexec -ppn 1``,
 ``srun --ntasks-per-node 1``, or by hand)::
 
-    python -m trainer.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29400 --rdzv-id JOB \\
+    python -m trainer.ft.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29400 --rdzv-id JOB \\
         --max-restarts 3 [--node-label NAME] [--heartbeat-timeout 300] --out OUT -- <trainer args>
 
 or, on one machine, K node launchers sharing one rendezvous on 127.0.0.1::
 
-    python -m trainer.launch --local-nodes 3 --nnodes 2 --nproc-per-node 1 --out OUT -- <trainer args>
+    python -m trainer.ft.launch --local-nodes 3 --nnodes 2 --nproc-per-node 1 --out OUT -- <trainer args>
 
 Each node runs torch's ``LocalElasticAgent`` with the ``c10d`` rendezvous; it starts only its own
 ranks. The first ``--nnodes`` nodes to arrive train; later ones wait in the rendezvous (its
@@ -21,7 +21,7 @@ What this module adds to the agent:
   closing it), so a spare replaces it;
 * fatal codes (2: bad configuration or ``--out``; 76: checkpoint write failure or no valid
   checkpoint) stop the job on every node instead of restarting;
-* the watchdog's settings for the workers (``trainer.watchdog``), the node label
+* the watchdog's settings for the workers (``trainer.ft.watchdog``), the node label
   (``TRAINER_HOST``), and ``OUT/launcher.jsonl``, appended by whichever node observes an event;
 * a check that every node was started with the same ``--nnodes``/``--nproc-per-node``;
 * ``--serve-store``: the rendezvous store in a process of its own, so that losing a training node
@@ -219,7 +219,7 @@ class JobState:
     in ``OUT/launcher.jsonl`` for people.
 
     A signal to any node launcher stops the whole job: the launcher passes it on to its workers
-    (SIGUSR1 for SIGTERM, SIGUSR2 for SIGINT, :mod:`trainer.stop`), which agree on the step to stop
+    (SIGUSR1 for SIGTERM, SIGUSR2 for SIGINT, :mod:`trainer.ft.stop`), which agree on the step to stop
     after, checkpoint it and exit 143 (130); the other launchers read the request here within a
     second and pass it on too (it matters when the signalled node has no workers: a spare, a
     round being formed). A second signal to a launcher kills its workers and exits at once."""
@@ -787,7 +787,7 @@ def run_node(opts: NodeOptions) -> int:
     os.environ[CHECKPOINT_TIMEOUT_ENV] = str(opts.checkpoint_timeout)
     os.environ[STARTUP_TIMEOUT_ENV] = str(opts.startup_timeout)
     os.environ[PARENT_ENV] = "1"
-    os.environ[LAUNCHER_ENV] = "1"  # the workers take SIGUSR1/SIGUSR2 for a stop passed on (trainer/stop.py)
+    os.environ[LAUNCHER_ENV] = "1"  # the workers take SIGUSR1/SIGUSR2 for a stop passed on (trainer/ft/stop.py)
     # SIGTERM and SIGINT are this launcher's (JobState); torch's process context would install its
     # own handlers for them whenever workers start (they are put back after it, too)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
