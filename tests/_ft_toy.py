@@ -1,18 +1,19 @@
 """A tiny stand-in trainer for the checkpoint, fault and launcher tests.
 
-It uses the real pieces (``trainer.optim`` optimizers, ``trainer.checkpoint``, ``trainer.fault``)
+It uses the real pieces (``trainer.optim`` optimizers, ``trainer.checkpoint``, ``trainer.ft.fault``)
 around a model small enough to start in a second: an input layer, a block of "experts" named like
 OLMoE's merged expert weights (so EP sharding, expert keys and EPSO buckets are exercised) and an
 output layer. Data and noise are deterministic functions of (seed, step) and of the RNG states the
 checkpoint restores, so an interrupted run must end with an uninterrupted run's exact weights.
 
 Run as ``python tests/_ft_toy.py --out DIR [--steps N] [--interval K] [--resume auto] ...`` under
-``trainer.launch --entry tests/_ft_toy.py`` or any torchrun-like environment (RANK, WORLD_SIZE, ...).
+``trainer.ft.launch --entry tests/_ft_toy.py`` or any torchrun-like environment (RANK, WORLD_SIZE, ...).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import random
 import sys
@@ -30,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastmoe_xpu.dist.sharding import is_expert_weight  # noqa: E402
 from trainer import checkpoint as ck  # noqa: E402
-from trainer import fault  # noqa: E402
+from trainer.ft import fault  # noqa: E402
 from trainer.optim import OPTIMIZERS  # noqa: E402
+from trainer.ft.stop import StopRequest, Stopped, signal_name  # noqa: E402
 
 H, E, D_IN, D_OUT, GLOBAL_BATCH = 8, 4, 6, 3, 8
 
@@ -233,12 +235,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-interval", type=int, default=0)
     ap.add_argument("--resume", default="none", choices=["auto", "none"])
     ap.add_argument("--checkpoint.resume", dest="resume", action="store_const", const="auto",
-                    help="the trainer's spelling of --resume auto (what trainer.launch appends)")
+                    help="the trainer's spelling of --resume auto (what trainer.ft.launch appends)")
     ap.add_argument("--optim", default="sharded", choices=sorted(OPTIMIZERS))
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to kill mid-run)")
     ap.add_argument("--dump", default=None, help="directory for per-rank state dumps at the end")
     args = ap.parse_args(argv)
+    stop = StopRequest().install()  # SIGTERM / SIGINT (or the launcher's SIGUSR1 / SIGUSR2): trainer/ft/stop.py
+    try:
+        return _run(args, stop)
+    except Stopped as e:  # before the first step or after the last: at once
+        print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        stop.uninstall()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # the groups' threads end here, not in interpreter shutdown (trainer/cli.py)
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     out = Path(args.out)
     lay = make_layout(args.ep)
     seed = 0
@@ -252,11 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     hb.beat(0, "startup")
     start = 0
     if args.resume == "auto":
-        res = mgr.restore(model, opt)
+        try:
+            res = mgr.restore(model, opt)
+        except ck.CheckpointError as e:  # every slot damaged: the trainer's exit 76, on every rank
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            return fault.EXIT_CHECKPOINT_FAILURE
         if res is not None:
             start = res.info.step
             if lay.rank == 0:
                 print(f"resumed from {res.info.path} at step {start} in {res.seconds:.3f}s", flush=True)
+    stop.deferred = True  # a signal from here on lets the step finish
     try:
         for step in range(start, args.steps):
             fault.maybe_hang(step, lay.rank)
@@ -267,11 +288,20 @@ def main(argv: list[str] | None = None) -> int:
             hb.beat(step + 1, "done", completed=True)
             if lay.rank == 0:
                 print(f"step {step + 1} loss {loss:.6f}", flush=True)
+            saved = None
             if mgr.due(step + 1):
                 hb.beat(step + 1, "checkpoint")
-                mgr.save(step + 1, model, opt, meta={"next_step": step + 1})
+                saved = mgr.save(step + 1, model, opt, meta={"next_step": step + 1}).path
             if mgr.model_due(step + 1):
                 mgr.save_model(step + 1, model)
+            sig = stop.agreed(None, dist.is_initialized())
+            if sig is not None:  # every rank stops after this step, with one checkpoint of it
+                if saved is None:
+                    hb.beat(step + 1, "checkpoint")
+                    saved = mgr.save(step + 1, model, opt, meta={"next_step": step + 1}).path
+                print(f"stopped at step {step + 1} ({signal_name(sig)}); checkpoint at {saved}; run the same "
+                      "command to resume", file=sys.stderr, flush=True)
+                return 128 + sig
     except fault.SoftFailure as e:
         print(f"soft failure: {e}", file=sys.stderr, flush=True)
         if args.dump:  # the state at the failure: must equal the state before the bad step
@@ -284,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         torch.save(dump_state(model, opt), Path(args.dump) / f"rank-{lay.rank:05d}.pt")
+    stop.deferred = False
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 

@@ -8,7 +8,7 @@ wherever its file moves and cover new tests without anyone remembering to add th
   of the suite they call, followed transitively) calls one of the process launchers:
   ``run_distributed`` (``fastmoe_xpu.dist.testing``), ``run_workers`` (tests/parallel_util.py),
   ``spawn`` (tests/_ft_toy.py), the per-node launcher's ``run_node`` / ``run_local_nodes`` of the
-  trainer's ``launch`` module, or starts ``python -m trainer.launch`` in a subprocess;
+  trainer's ``launch`` module, or starts ``python -m trainer.ft.launch`` in a subprocess;
 - ``interpreter`` when its module holds the Triton launchers (a module under
   ``fastmoe_xpu.kernels.triton``) or its name says it runs them (``triton`` in the function name),
   except for the compile gates, which compile kernels for real targets instead;
@@ -57,7 +57,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 _LAUNCHERS = {("testing", "run_distributed"), ("parallel_util", "run_workers"), ("_ft_toy", "spawn"),
               ("launch", "run_node"), ("launch", "run_local_nodes")}
 # the node launcher started as a subprocess: a multi-process training run under fault tolerance
-_LAUNCHER_MODULE = "trainer.launch"
+_LAUNCHER_MODULE = "trainer.ft.launch"
 _TRITON_PACKAGE = "fastmoe_xpu.kernels.triton"
 _SUBPROCESS_STARTS = {"run", "Popen", "call", "check_call", "check_output"}
 _COMPILE_GATES = ("compile_check", "compile_xpu")

@@ -71,7 +71,7 @@ def test_wheel_holds_the_library(wheel):
                  "fastmoe_xpu/autograd/__init__.py", "fastmoe_xpu/integrations/__init__.py",
                  # library code imports it: fastmoe_xpu.dist.comm_bytes and fastmoe_bench.table3
                  "fastmoe_xpu/dist/testing.py",
-                 "fastmoe_trainer/cli.py", "fastmoe_trainer/launch.py", "fastmoe_trainer/data/preprocess.py",
+                 "fastmoe_trainer/cli.py", "fastmoe_trainer/ft/launch.py", "fastmoe_trainer/data/preprocess.py",
                  "fastmoe_bench/cli.py", "fastmoe_bench/table3.py"):
         assert path in names, f"{path} is missing from the wheel"
     library = {p for p in _checkout_modules() if not _is_tooling(p)}

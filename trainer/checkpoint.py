@@ -995,7 +995,7 @@ class CheckpointManager:
                     + "; ".join(f"{p.name}: {why}" for p, why in rejected)
                     + ". Fix or remove them, or pass --allow-fresh-start to start again from step 0")
             if rejected and (not dist_on() or dist.get_rank() == 0):
-                from .fault import FAILURES_FILE, append_jsonl
+                from .ft.fault import FAILURES_FILE, append_jsonl
 
                 for p, why in rejected:
                     then = f"resuming from {info.path.name} (step {info.step})" if info is not None else \

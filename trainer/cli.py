@@ -241,17 +241,47 @@ def list_presets() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .stop import StopRequest, Stopped
+    from .ft.stop import StopRequest, Stopped
 
-    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step, checkpoint, one line (trainer/stop.py)
+    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step, checkpoint, one line (trainer/ft/stop.py)
+    orderly = False
     try:
-        return _main(argv, stop)
+        code = _main(argv, stop)
+        orderly = True
+        return code
     except Stopped as e:
-        if os.environ.get("RANK", "0") == "0":
+        from .ft.stop import under_launcher
+
+        orderly = True
+        # under the node launcher every rank says it (its stderr goes to the node's log, where the
+        # launcher reads the step and the checkpoint); elsewhere rank 0 alone
+        if os.environ.get("RANK", "0") == "0" or under_launcher():
             print(str(e), file=sys.stderr, flush=True)
         return e.exit_code
     finally:
         stop.uninstall()
+        if orderly:
+            release_process_groups()
+
+
+def release_process_groups() -> None:
+    """Destroy the process groups and free them now, while the interpreter is whole.
+
+    The trainer's objects hold its process groups in reference cycles, so they would otherwise be
+    freed during interpreter shutdown, with gloo's worker threads still running; a thread that then
+    needs the interpreter ends the process with ``terminate called without an active exception``
+    (SIGABRT: a finished rank "failed" with -6, and its peers were killed). Called on every orderly
+    end (finished, stopped by a signal, or an error every rank agreed on: exit 2, 75, 76), never
+    after an unexpected exception, where a peer may still wait in a collective."""
+    import gc
+
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # the groups' last references are in cycles: their threads are joined here
 
 
 def _main(argv: Sequence[str] | None, stop: Any) -> int:
@@ -262,7 +292,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
         if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
             from fastmoe_xpu.threads import check_threads
 
-            from .local_launch import launch
+            from .ft.local_launch import launch
 
             check_threads(args.threads)
             validate(dataclasses.replace(cfg), args.nproc_per_node)  # fail here, not in N processes at once
@@ -295,7 +325,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from .checkpoint import CheckpointError
-    from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
+    from .ft.fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
     trainer.stop = stop
     try:
@@ -313,8 +343,4 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
     if trainer.layout.is_main and sm:
         print(json.dumps({"steps": sm["steps"], "loss_first": round(sm["loss_first"], 4),
                           "loss_last": round(sm["loss_last"], 4), "out": cfg.logging.out}))
-    if trainer.layout.distributed:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    return 0
+    return 0  # main() destroys the process groups

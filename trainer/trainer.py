@@ -41,7 +41,7 @@ import torch.nn as nn
 from fastmoe_xpu.compiling import compile_seconds
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
-from . import fault
+from .ft import fault
 from .checkpoint import CheckpointManager, load_model, sync_master_from_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
@@ -140,7 +140,7 @@ class Trainer:
         self.writer: MetricsWriter | None = None
         self.history: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}  # summary.json's contents once written (rank 0)
-        self.stop: Any = None  # a trainer.stop.StopRequest (the CLI's): signals end the run after a step
+        self.stop: Any = None  # a trainer.ft.stop.StopRequest (the CLI's): signals end the run after a step
         self._last_full: tuple[int, str] | None = None  # (step, path) of the newest full checkpoint written
         self._init_extras()
 
@@ -423,7 +423,7 @@ class Trainer:
             path = self.stop_checkpoint()
             if lay.is_main:
                 self._write_summary()
-            from .stop import Stopped, signal_name
+            from .ft.stop import Stopped, signal_name
 
             raise Stopped(stopped, f"stopped at step {self.step} ({signal_name(stopped)}); checkpoint at {path}; "
                                    f"run the same command to resume")

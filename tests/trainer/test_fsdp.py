@@ -77,7 +77,7 @@ def test_fsdp_end_of_run_evaluation_equals_epso(data_cache, tmp_path) -> None:  
 # ----------------------------------------------------------------------------- stop and resume
 def _stop_after(t: Trainer, step: int) -> None:
     """A stop request (as SIGTERM's) raised on the last rank once step ``step`` is done."""
-    from trainer.stop import StopRequest
+    from trainer.ft.stop import StopRequest
 
     t.stop = StopRequest()
     inner = t.train_step
@@ -91,7 +91,7 @@ def _stop_after(t: Trainer, step: int) -> None:
 
 
 def _resume_worker(data_cache: str, root: str, ep: int) -> dict:
-    from trainer.stop import Stopped
+    from trainer.ft.stop import Stopped
 
     whole = Trainer(fsdp_cfg(data_cache, f"{root}/whole", parallel__ep=ep)).fit()
     # periodic checkpoints every 2 steps, stopped at 2 and resumed

@@ -85,7 +85,7 @@ def test_ctrl_c_under_the_launcher_saves_one_checkpoint_and_says_so(tmp_path, da
 
 def test_a_second_signal_aborts_at_once():
     code = ("import os, signal, time\n"
-            "from trainer.stop import StopRequest\n"
+            "from trainer.ft.stop import StopRequest\n"
             "s = StopRequest().install(); s.deferred = True\n"
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.1)\n"
             "assert s.signum == signal.SIGINT\n"
@@ -97,6 +97,26 @@ def test_a_second_signal_aborts_at_once():
     assert time.monotonic() - t0 < 5
     assert proc.stderr.strip().startswith("aborted at once (SIGINT again)"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_launchers_passed_on_stop_is_never_a_second_signal():
+    """Under the node launcher a worker gets the scheduler's SIGTERM and the launcher's SIGUSR1 (its
+    SIGTERM passed on), in either order: one stop, for SIGTERM, no abort; a second SIGTERM from
+    outside still aborts."""
+    code = ("import os, signal, time\n"
+            "from trainer.ft.stop import StopRequest\n"
+            "s = StopRequest().install(); s.deferred = True\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.1)\n"
+            "assert s.signum == signal.SIGTERM\n"
+            "print('one stop', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+            "print('not aborted')\n")
+    env = {**os.environ, "TRAINER_NODE_LAUNCHER": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 143 and proc.stdout.splitlines() == ["one stop"], (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().startswith("aborted at once (SIGTERM again)"), proc.stderr
 
 
 def test_resume_on_another_schedule_is_refused_unless_asked(tmp_path, data_cache, capsys):  # noqa: F811
@@ -160,6 +180,31 @@ def test_progress_lines_show_their_own_steps_loss(tmp_path, data_cache, capsys):
         assert shown[r["step"]] == f"{r['loss']:.3f}", (r["step"], shown)
 
 
+def test_progress_outside_a_terminal_at_least_every_10_seconds(monkeypatch, capsys):
+    """Slow steps (here 4 s each on a fake clock) still give a line at least every 10 s; under the
+    node launcher the lines go to stdout, which the launcher holding rank 0 shows."""
+    import io
+
+    import trainer.progress as progress
+    from trainer.ft.stop import LAUNCHER_ENV
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    buf = io.StringIO()
+    bar = LineProgress(total=1000, initial=0, desc="big", file=buf)  # a line every 50 steps by count
+    for _ in range(10):
+        clock[0] += 4.0
+        bar.update(1)
+    lines = buf.getvalue().splitlines()
+    assert [ln.split()[2] for ln in lines] == ["3/1000", "6/1000", "9/1000"], lines  # 12 s, 24 s, 36 s
+    monkeypatch.setenv(LAUNCHER_ENV, "1")
+    bar = progress.progress_bar(total=2, desc="tiny-moe")
+    bar.update(2)
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out.startswith("tiny-moe: step 2/2") and err == ""
+
+
 def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
     """A signal during start-up (here: while the config is read) stops at once with the status."""
     import trainer.cli as cli
@@ -177,11 +222,49 @@ def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_sigterm_is_left_to_an_agent_that_restarts_workers(monkeypatch):
-    from trainer.stop import handled_signals
+    from trainer.ft.stop import handled_signals
 
     monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
     assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # plain torchrun
     assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM}
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # fastmoe-launch --max-restarts 3
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # torchrun --max-restarts 3
     assert handled_signals() == (signal.SIGINT,)
+    monkeypatch.setenv("TRAINER_NODE_LAUNCHER", "1")  # fastmoe-launch: it restarts with SIGKILL
+    assert set(handled_signals()) == {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}
+
+
+def test_release_process_groups_ends_gloo_threads_held_in_a_cycle(tmp_path):
+    """The trainer's objects hold its process groups in reference cycles: destroyed but not freed,
+    their gloo threads would run into interpreter shutdown (where one that needs the interpreter
+    aborts the process: ``terminate called without an active exception``). After
+    ``release_process_groups`` none is left."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.cli import release_process_groups
+
+    def gloo_threads() -> int:
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{t}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:
+                pass
+        return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+    before = gloo_threads()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.me, h.group = h, dist.new_group([0])  # a cycle, as in the trainer
+    del h
+    assert gloo_threads() > before
+    release_process_groups()
+    assert not dist.is_initialized() and gloo_threads() == before

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import _ft_toy as toy
-from trainer import fault
+from trainer.ft import fault
 
 
 # ============================================================================ detection (one process)
@@ -40,6 +40,15 @@ def test_local_nonfinite(loss, grads, expected) -> None:
 def test_injection_spec(monkeypatch, spec: str, step: int, rank: int, host: str, hits: bool) -> None:
     monkeypatch.setenv(fault.HOST_ENV, host)
     assert fault.Injection.parse(spec).hits(step, rank) is hits
+
+
+def test_injection_armed_from_a_file(tmp_path, monkeypatch) -> None:
+    spec = tmp_path / "nan.spec"
+    monkeypatch.setenv(fault.NAN_ENV, f"@{spec}")
+    assert fault.Injection.from_env(fault.NAN_ENV) is None  # not armed yet
+    spec.write_text("step=7,rank=1\n")
+    inj = fault.Injection.from_env(fault.NAN_ENV)
+    assert inj is not None and inj.hits(7, 1) and not inj.hits(7, 0)
 
 
 @pytest.mark.parametrize("spec", ["rank=1", "step=x", "step=1,colour=red", "step"])
@@ -103,3 +112,23 @@ def test_nan_on_one_rank_stops_every_rank_before_the_update(tmp_path: Path) -> N
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_soak_summary_counts_redone_steps_and_wall_lost() -> None:
+    """The fault soak's figures from its records (trainer/ft/soak.py): steps redone = the step
+    reached at the fault - the step resumed from; wall lost = fault -> back at that step, and what
+    of it is not the redone steps; goodput = (wall under faults - wall lost) / wall under faults."""
+    from trainer.ft.soak import summarize
+
+    ref = {"wall_s": 100.0, "timeline": [(20.0, 0), (30.0, 50), (40.0, 100)]}  # 0.2 s a step
+    soak = {"wall_s": 125.0, "faults": [
+        {"kind": "rank", "t": 1000.0, "t_rel": 30.0, "step": 47, "first_new_t": 1012.0, "back_t": 1013.5,
+         "resumed_from": 40},
+        {"kind": "hang", "t": 2000.0, "t_rel": 60.0, "step": 80, "first_new_t": None, "back_t": None}]}
+    s = summarize(ref, soak)
+    assert s["step_s"] == pytest.approx(0.2) and s["reference_over_soak"] == pytest.approx(0.8)
+    assert s["goodput"] == pytest.approx((125.0 - 13.5) / 125.0)  # the hang was never recovered: no figure
+    rank, hang = s["rows"]
+    assert (rank["redone"], rank["first_new_step_s"], rank["lost_s"]) == (7, 12.0, 13.5)
+    assert rank["lost_beyond_redone_s"] == pytest.approx(13.5 - 7 * 0.2, abs=0.05) and rank["survived"]
+    assert not hang["survived"] and hang["lost_s"] is None and s["survived"] == 1 and s["faults"] == 2

@@ -3,12 +3,12 @@
 Run the same command once on every node, spares included (``mpiexec -ppn 1``,
 ``srun --ntasks-per-node 1``, or by hand)::
 
-    python -m trainer.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29400 --rdzv-id JOB \\
+    python -m trainer.ft.launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29400 --rdzv-id JOB \\
         --max-restarts 3 [--node-label NAME] [--heartbeat-timeout 300] --out OUT -- <trainer args>
 
 or, on one machine, K node launchers sharing one rendezvous on 127.0.0.1::
 
-    python -m trainer.launch --local-nodes 3 --nnodes 2 --nproc-per-node 1 --out OUT -- <trainer args>
+    python -m trainer.ft.launch --local-nodes 3 --nnodes 2 --nproc-per-node 1 --out OUT -- <trainer args>
 
 Each node runs torch's ``LocalElasticAgent`` with the ``c10d`` rendezvous; it starts only its own
 ranks. The first ``--nnodes`` nodes to arrive train; later ones wait in the rendezvous (its
@@ -21,7 +21,7 @@ What this module adds to the agent:
   closing it), so a spare replaces it;
 * fatal codes (2: bad configuration or ``--out``; 76: checkpoint write failure or no valid
   checkpoint) stop the job on every node instead of restarting;
-* the watchdog's settings for the workers (``trainer.watchdog``), the node label
+* the watchdog's settings for the workers (``trainer.ft.watchdog``), the node label
   (``TRAINER_HOST``), and ``OUT/launcher.jsonl``, appended by whichever node observes an event;
 * a check that every node was started with the same ``--nnodes``/``--nproc-per-node``;
 * ``--serve-store``: the rendezvous store in a process of its own, so that losing a training node
@@ -43,6 +43,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,6 +64,7 @@ if _QUIET_CPP:
 
 from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, check_out_dir
 from .records import append_jsonl, read_failures
+from .stop import FORWARD_AS, LAUNCHER_ENV, STOP_SIGNALS, signal_name
 from .watchdog import (
     CHECKPOINT_TIMEOUT_ENV, EXIT_HANG, PARENT_ENV, STARTUP_TIMEOUT_ENV, TIMEOUT_ENV,
 )
@@ -73,8 +75,15 @@ FATAL_EXIT_CODES = {EXIT_CONFIG: "bad configuration, input or output directory",
                     EXIT_CHECKPOINT_FAILURE: "checkpoint write failure or no valid checkpoint"}
 #: Worker exit codes whose node may be to blame (confirmed by a failures.jsonl record naming it).
 BLAME_EXIT_CODES = {EXIT_SOFT_FAILURE: "NaN/Inf", EXIT_HANG: "hang (watchdog)"}
+#: Worker exit codes of a run stopped by a signal (the trainer's 128 + SIGINT / SIGTERM): the job
+#: stops on every node, each launcher says at which step and exits with the same code.
+STOP_EXIT_CODES = {128 + int(s): s.name for s in STOP_SIGNALS}
 #: Node launcher exit codes besides the workers' own.
 EXIT_GAVE_UP = 1
+#: Seconds between two "waiting for nodes" lines.
+WAIT_REPORT_S = 10.0
+#: The trainer's line when a signal stopped it (every rank prints it under the launcher).
+_STOPPED_LINE = re.compile(r"stopped at step (\d+) \((SIG\w+)\); checkpoint at (.+?); ")
 EVENTS_FILE = "launcher.jsonl"
 DEFAULT_PORT = 29400
 #: Rendezvous settings that make a dead node count as dead within seconds (torch: 5 s x 3) and
@@ -93,6 +102,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def say(text: str, *, err: bool = False) -> None:
+    """One line in one write: node launchers started together share the console, and a line split
+    into its text and its newline interleaves with another process's."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -139,7 +156,7 @@ class Events:
 
     def log(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, "node": self.node, **fields}
-        print(f"[launch {self.node}] {json.dumps(record, sort_keys=True)}", flush=True)
+        say(f"[launch {self.node}] {json.dumps(record, sort_keys=True)}")
         append_jsonl(self.path, record)
         return record
 
@@ -175,15 +192,152 @@ class NodeOptions:
 class QuorumLost(RuntimeError):
     """A round after the job started found fewer than ``--nnodes`` nodes for ``--quorum-timeout`` s."""
 
-    def __init__(self, have: int, need: int, waited: float, flag: str) -> None:
-        super().__init__(f"the job has {have} of the {need} nodes it needs (waited {waited:.0f}s, {flag}); "
-                         "stopping. Restart it with more nodes (or a smaller --nnodes): it resumes from the "
-                         "newest valid checkpoint")
+    def __init__(self, have: int, need: int, waited: float, flag: str, why: str = "") -> None:
+        super().__init__(f"the job has {have} of the {need} nodes it needs (waited {waited:.0f}s, {flag})"
+                         f"{': ' + why if why else ''}; stopping. Restart it with more nodes (or a smaller "
+                         "--nnodes): it resumes from the newest valid checkpoint")
         self.have, self.need = have, need
 
 
 class StoreLost(RuntimeError):
     """The rendezvous store stopped answering."""
+
+
+class JobEnded(RuntimeError):
+    """Another node ended the job as a whole (a stop by signal, a fatal exit code, the restart
+    limit): this node ends with that node's line and code instead of forming a new round."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__(record.get("line", ""))
+        self.record = record
+
+
+class JobState:
+    """What a node launcher shares with the others through the rendezvous store, beside torch's
+    rendezvous: a stop requested by a signal (``<run_id>/stop``), and the job's end
+    (``<run_id>/end``: the exit code and the line every node prints last). Both are also events
+    in ``OUT/launcher.jsonl`` for people.
+
+    A signal to any node launcher stops the whole job: the launcher passes it on to its workers
+    (SIGUSR1 for SIGTERM, SIGUSR2 for SIGINT, :mod:`trainer.ft.stop`), which agree on the step to stop
+    after, checkpoint it and exit 143 (130); the other launchers read the request here within a
+    second and pass it on too (it matters when the signalled node has no workers: a spare, a
+    round being formed). A second signal to a launcher kills its workers and exits at once."""
+
+    def __init__(self, store: Any, opts: "NodeOptions", events: "Events") -> None:
+        self.store, self.events, self.label = store, events, opts.label
+        self.prefix = f"trainer.launch/{opts.run_id}/"
+        self.started = time.time()
+        #: the job's stop signal, once this node knows of one (its own, or another node's)
+        self.signum: int | None = None
+        self.received = 0  # signals to this launcher
+        self.published = False
+        self.agent: Any = None
+        self._next_poll = 0.0
+
+    # ------------------------------------------------------------------ signals to this launcher
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        # no buffered output here: the main thread may be inside a print (poll() logs the event)
+        self.received += 1
+        if self.received > 1:
+            self.abort(signum)
+        if self.signum is None:
+            self.signum = signum
+            self.forward()
+
+    def abort(self, signum: int) -> None:
+        for pid in self.worker_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        line = f"aborted at once ({signal_name(signum)} again); the newest complete checkpoint stays valid"
+        try:
+            append_jsonl(self.events.path, {"time": time.time(), "event": "aborted", "node": self.label,
+                                            "signal": signal_name(signum)})
+        finally:
+            os.write(2, f"\n{line}\n".encode())
+            os._exit(128 + signum)
+
+    def worker_pids(self) -> list[int]:
+        pcontext = getattr(self.agent, "_pcontext", None)
+        try:
+            return list(pcontext.pids().values()) if pcontext is not None else []
+        except Exception:  # noqa: BLE001 - closed
+            return []
+
+    def forward(self) -> None:
+        """Pass the stop on to this node's running workers (the worker itself, not its group)."""
+        if self.signum is None:
+            return
+        for pid in self.worker_pids():
+            try:
+                os.kill(pid, FORWARD_AS[signal.Signals(self.signum)])
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ the store
+    def _get(self, name: str) -> dict[str, Any] | None:
+        key = self.prefix + name
+        if not self.store.check([key]):
+            return None
+        rec = json.loads(self.store.get(key).decode())
+        # a record of an earlier job on a store that outlived it (clocks agree within seconds)
+        return rec if float(rec.get("time", 0)) >= self.started - 60 else None
+
+    def _set(self, name: str, rec: dict[str, Any]) -> None:
+        self.store.set(self.prefix + name, json.dumps(rec))
+
+    def poll(self, force: bool = False, check_end: bool = True) -> None:
+        """Publish this node's stop request, take up another node's, and (``check_end``) raise
+        :class:`JobEnded` when another node ended the job (at most one look a second unless
+        ``force``)."""
+        now = time.monotonic()
+        if not force and now < self._next_poll:
+            return
+        self._next_poll = now + 1.0
+        try:
+            end = self._get("end")
+            if self.signum is not None and not self.published:
+                self.published = True
+                self.events.log("stop_requested", signal=signal_name(self.signum), by=self.label)
+                self._set("stop", {"signal": self.signum, "time": time.time(), "node": self.label})
+            elif self.signum is None:
+                rec = self._get("stop")
+                if rec is not None:
+                    self.signum = int(rec["signal"])
+                    self.published = True
+                    self.events.log("stop_requested", signal=signal_name(self.signum), by=rec.get("node"))
+                    self.forward()
+        except Exception:  # noqa: BLE001 - the store's loss is reported by the rendezvous
+            return
+        if end is not None and check_end:
+            raise JobEnded(end)
+
+    def job_end(self) -> dict[str, Any] | None:
+        """The job's end as another node recorded it, if any."""
+        try:
+            rec = self._get("end")
+        except Exception:  # noqa: BLE001
+            rec = None
+        if rec is None:  # the store may be gone with its host: the shared events file says it too
+            ends = [e for e in read_events(self.events.path.parent) if e["event"] == "job_end"
+                    and float(e.get("time", 0)) >= self.started - 60]
+            rec = ends[-1] if ends else None
+        return rec
+
+    def end_job(self, code: int, line: str, **fields: Any) -> None:
+        """Record that this node ends the job: the others print ``line`` and exit ``code``."""
+        rec = {"code": code, "line": line, "time": time.time(), "node": self.label, **fields}
+        try:
+            self._set("end", rec)
+        except Exception:  # noqa: BLE001
+            pass
+        self.events.log("job_end", **{k: v for k, v in rec.items() if k not in ("time", "node")})
 
 
 class RoundGuard:
@@ -210,6 +364,11 @@ class RoundGuard:
         self.quorum_expired: tuple[int, float] | None = None
         #: monotonic time since which this node waits in a round short of nodes (None: it does not)
         self.short_since: float | None = None
+        #: the job's shared state (stop requests, the job's end), looked at while this node waits
+        self.job: JobState | None = None
+        #: for the lines a waiting node prints: its label, and the first round's join timeout
+        self.label, self.join_timeout = "", 600.0
+        self.said_spare = False
         self.installed = False
         try:
             from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
@@ -255,17 +414,27 @@ class _JoinOp:
         self.base, self.guard = base, guard
         self.started = time.monotonic()
         self.quorum_deadline: float | None = None
+        self.next_report = self.started + WAIT_REPORT_S
+        self.polled = False
 
     def __call__(self, ctx: Any, deadline: float) -> Any:
         st, g, action = ctx.state, self.guard, self.guard._dr._Action
+        if g.job is not None:  # another node stopped or ended the job: no new round (raises JobEnded)
+            g.job.poll(force=not self.polled)
+            self.polled = True
         full = len(st.participants) >= g.n_nodes
         if st.complete and not st.closed and full and ctx.node in st.wait_list:
             return action.REMOVE_FROM_WAIT_LIST  # and next, torch's op puts it on the redundancy list
         spare = ctx.node in st.redundancy_list
         now = time.monotonic()
+        waiting = not st.closed and not (st.complete and ctx.node in st.participants)
         if spare:
             self.quorum_deadline = None  # a spare waits as long as the job runs
-        elif st.round > 0 and not st.closed and not (st.complete and ctx.node in st.participants):
+            if not g.said_spare:
+                g.said_spare = True
+                say(f"[launch {g.label}] spare: the job has its {g.n_nodes} node(s); waiting to take the place "
+                    "of one that leaves")
+        elif st.round > 0 and waiting:
             if self.quorum_deadline is None:
                 self.quorum_deadline = now + g.quorum_timeout
             g.short_since = self.quorum_deadline - g.quorum_timeout
@@ -274,6 +443,12 @@ class _JoinOp:
             deadline = min(deadline, self.quorum_deadline)
         if not spare and now <= deadline:
             g.have = len(set(st.participants) | set(st.wait_list) | {ctx.node})
+        if not spare and waiting and now >= self.next_report:
+            self.next_report = now + WAIT_REPORT_S
+            limit = f"--quorum-timeout {g.quorum_timeout:.0f} s" if st.round > 0 else \
+                f"the join timeout {g.join_timeout:.0f} s"
+            say(f"[launch {g.label}] waiting for nodes: {g.have} of {g.n_nodes} joined "
+                f"({now - self.started:.0f} s of {limit})")
         return self.base(ctx, deadline)
 
 
@@ -285,15 +460,21 @@ def _make_agent_class():
     class NodeAgent(LocalElasticAgent):
         """The elastic agent plus blame, fatal codes and events (see the module docstring)."""
 
-        def __init__(self, *args: Any, opts: NodeOptions, events: Events, guard: RoundGuard, **kw: Any) -> None:
+        def __init__(self, *args: Any, opts: NodeOptions, events: Events, guard: RoundGuard, job: JobState,
+                     **kw: Any) -> None:
             super().__init__(*args, **kw)
             self.opts, self.events = opts, events
             self.started = time.time()
             self.outcome = "running"
             self.exit_code = 0
+            #: the line this node prints last when it ends the job or leaves it
+            self.last_line = ""
             self._round_started = 0.0
             self._last_stop_s = 0.0
+            self._role = ""
             self.guard = guard
+            self.job = job
+            job.agent = self
 
         def _last_errors(self, result: Any) -> dict[str, str]:
             """Each failed rank's last error line from its stderr log (workers' stderr goes to
@@ -322,32 +503,55 @@ def _make_agent_class():
             super()._rendezvous(worker_group)
             self.guard.short_since = None  # a full round formed
             self._round_started = time.time()
+            ranks = [w.global_rank for w in worker_group.workers] if worker_group.workers else []
             self.events.log("round", group_rank=worker_group.group_rank, nodes=worker_group.group_world_size,
-                            ranks=[w.global_rank for w in worker_group.workers] if worker_group.workers else None,
-                            waited_s=round(self._round_started - t0, 3), stop_s=self._last_stop_s)
+                            ranks=ranks or None, waited_s=round(self._round_started - t0, 3),
+                            stop_s=self._last_stop_s)
+            world = worker_group.group_world_size * self.opts.nproc
+            role = (f"training node: ranks {_span(ranks)} of {world}; "
+                    + ("the training progress follows" if 0 in ranks else "the node with rank 0 shows the progress"))
+            if role != self._role:  # once, and again when it changes (a spare that joined)
+                self._role = role
+                say(f"[launch {self.opts.label}] {role}")
 
         def _stop_workers(self, worker_group: Any, *args: Any, **kw: Any) -> None:
             t0 = time.time()
             super()._stop_workers(worker_group, *args, **kw)
             self._last_stop_s = round(time.time() - t0, 3)
 
-        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30, *args: Any,
-                      **kw: Any) -> None:
-            """torch's shutdown (SIGTERM to each worker's process group, SIGKILL after ``timeout``),
-            with a short grace on every path (torch uses its ``shutdown_timeout`` only when the agent
-            exits, 30 s on a restart) and SIGCONT first, so that a stopped worker gets the SIGTERM."""
+        def _start_workers(self, worker_group: Any) -> Any:
+            ids = super()._start_workers(worker_group)
+            self.job.install()  # torch's process context installs its own handlers when it starts
             pcontext = getattr(self, "_pcontext", None)
-            if pcontext is not None:
-                try:
-                    pids = list(pcontext.pids().values())
-                except Exception:  # noqa: BLE001 - not started, or already closed
-                    pids = []
-                for pid in pids:
-                    try:
-                        os.killpg(pid, signal.SIGCONT)
-                    except OSError:
-                        pass
-            super()._shutdown(death_sig, min(timeout, self.opts.kill_grace), *args, **kw)
+            if pcontext is not None and hasattr(pcontext, "close"):
+                pcontext.close = _GracedClose(pcontext, self.opts.kill_grace, self._stopping)
+            self.job.forward()  # a stop that came while the round formed: the new workers stop at once
+            return ids
+
+        def _stopping(self) -> bool:
+            """Whether the job is stopping by signal: then workers end on their own after their
+            checkpoint (``--kill-grace`` s, then SIGKILL); otherwise a close kills them at once."""
+            if self.job.signum is not None:
+                return True
+            handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+            return any(getattr(h.proc, "returncode", None) in STOP_EXIT_CODES for h in handlers.values())
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args: Any, **kw: Any) -> None:
+            """torch's shutdown, which closes the workers' processes, with ``--kill-grace`` on every
+            path (torch waits its ``shutdown_timeout`` only when the agent exits, 30 s on a restart).
+
+            The signature differs across torch releases (2.11: ``(death_sig)``; 2.13: ``(death_sig,
+            timeout)``, and ``run`` passes ``timeout=`` there): whatever torch passes is accepted, and
+            only ``death_sig`` is passed on; the grace is applied by the process context's ``close``,
+            wrapped when the workers start (:class:`_GracedClose`). Without that wrapper (a torch
+            whose agent keeps no ``_pcontext``) the grace goes as ``timeout`` where the base takes one."""
+            base = super()._shutdown
+            pcontext = getattr(self, "_pcontext", None)
+            if pcontext is None or isinstance(getattr(pcontext, "close", None), _GracedClose) \
+                    or not _accepts(base, "timeout"):
+                base(death_sig)
+            else:
+                base(death_sig, self.opts.kill_grace)
 
         def _store_gone(self) -> BaseException | None:
             """The error of one read of the rendezvous state, or None when the store answers."""
@@ -358,41 +562,99 @@ def _make_agent_class():
             return None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
-            blamed = self._blame_records()
-            if blamed:  # named by a rank of another node (a watchdog) while ours still runs
+            self.job.poll(check_end=False)  # a stop asked of another node reaches this one's workers
+            # named by a watchdog of another node while ours still runs (stuck or stopped). A
+            # non-finite record waits for this node's workers to exit: the ranks write theirs
+            # before a barrier, so by then every node's record is there (every node's: the job stops)
+            blamed = [r for r in self._blame_records() if r.get("kind") == "hang"]
+            if blamed:
                 return self._leave(blamed, {})
             result = super()._monitor_workers(worker_group)
             if result.state != WorkerState.FAILED:
+                return result
+            codes = {rank: f.exitcode for rank, f in result.failures.items()}
+            errors = self._last_errors(result)
+            stops = [c for c in codes.values() if c in STOP_EXIT_CODES]
+            if stops or self.job.signum is not None:  # stopped by a signal here or on another node
+                self._remaining_restarts = 0
+                name = STOP_EXIT_CODES[stops[0]] if stops else signal_name(self.job.signum)
+                self.outcome, self.exit_code = "stopped", 128 + int(signal.Signals[name])
+                self.last_line = self._stopped_line(result, name)
+                self.events.log("workers_stopped", exit_codes={str(r): c for r, c in codes.items()},
+                                line=self.last_line)
                 return result
             # a peer's death is also how a worker sees the store's host die: ask the store first,
             # so that its loss is one line and not a restart
             gone = self._store_gone()
             if gone is not None:
                 raise StoreLost(_cause(gone)) from gone
-            codes = {rank: f.exitcode for rank, f in result.failures.items()}
             fatal = sorted({c for c in codes.values() if c in FATAL_EXIT_CODES})
             blamed = self._blame_records()
             self.events.log("failure", exit_codes={str(r): c for r, c in codes.items()},
-                            remaining_restarts=self._remaining_restarts, errors=self._last_errors(result))
+                            remaining_restarts=self._remaining_restarts, errors=errors)
             if fatal:
                 self._remaining_restarts = 0
                 self.outcome, self.exit_code = "fatal", fatal[0]
+                rank = next(r for r, c in sorted(codes.items()) if c == fatal[0])
+                said = errors.get(str(rank), "").removeprefix("error: ")
+                self.last_line = (f"error: the job stopped (exit {fatal[0]}: {FATAL_EXIT_CODES[fatal[0]]}; not "
+                                  f"retried): rank {rank} on {self.opts.label}: {said or 'no message'}")
                 self.events.log("give_up", reason=f"exit {fatal[0]}: {FATAL_EXIT_CODES[fatal[0]]} (not retried)")
                 return result
             if blamed:
+                everywhere = self._nonfinite_everywhere(blamed, worker_group.group_world_size)
+                if everywhere:  # not a node's fault: a spare would meet it too
+                    self._remaining_restarts = 0
+                    self.outcome, self.exit_code, self.last_line = "fatal", EXIT_SOFT_FAILURE, everywhere
+                    self.events.log("give_up", reason="non-finite values on every node")
+                    return result
                 return self._leave(blamed, codes)
             if self._remaining_restarts > 0:
                 self.events.log("restart", remaining_restarts=self._remaining_restarts - 1)
             else:
                 self.outcome, self.exit_code = "gave_up", EXIT_GAVE_UP
+                last = "; ".join(f"rank {r}: exit {codes[int(r)]}" + (f" ({e})" if e else "")
+                                 for r, e in sorted(errors.items(), key=lambda kv: int(kv[0])))
+                self.last_line = (f"error: the job stopped: restart limit {self.opts.max_restarts} reached on "
+                                  f"{self.opts.label}; last failure: {last}")
                 self.events.log("give_up", reason=f"restart limit {self.opts.max_restarts} reached")
             return result
+
+        def _nonfinite_everywhere(self, blamed: list[dict[str, Any]], nodes: int) -> str:
+            """The job's last line when the non-finite values of this failure were on every node
+            of the round (every rank records its own before any exits), else ``""``."""
+            last = blamed[-1]
+            if last.get("kind") != "nonfinite":
+                return ""
+            recs = [r for r in read_failures(self.opts.out) if r.get("kind") == "nonfinite"
+                    and r.get("step") == last.get("step") and float(r.get("time", 0)) >= self._round_started]
+            if len({r.get("host") for r in recs}) < nodes:
+                return ""
+            what = " and ".join(sorted({str(r.get("what", "values")) for r in recs}))
+            return (f"error: the job stopped (exit {EXIT_SOFT_FAILURE}): non-finite {what} at step {last.get('step')} "
+                    f"on every node (ranks {_span(sorted({int(r['rank']) for r in recs}))}), stopped before the update: "
+                    "not a node's fault, a spare would meet it too. Lower the learning rate or check the data, "
+                    "then start the job again: it resumes from the newest valid checkpoint")
+
+        def _stopped_line(self, result: Any, name: str) -> str:
+            """``stopped at step N (SIG); checkpoint at PATH; ...`` from this node's workers' logs
+            (every rank prints the trainer's line there), or what is known without it."""
+            stderrs = getattr(getattr(self, "_pcontext", None), "stderrs", None) or {}
+            for path in stderrs.values():
+                m = _STOPPED_LINE.search(_tail(path))
+                if m:
+                    return (f"stopped at step {m.group(1)} ({m.group(2)}); checkpoint at {m.group(3)}; "
+                            "start the same job again to resume")
+            return (f"stopped ({name}) before a training step ended; the newest checkpoint stays; start the same "
+                    "job again to resume")
 
         def _leave(self, records: list[dict[str, Any]], codes: dict[int, int]) -> Any:
             self._remaining_restarts = 0
             kinds = sorted({r["kind"] for r in records})
             self.outcome = "left"
             self.exit_code = EXIT_SOFT_FAILURE if "nonfinite" in kinds else EXIT_HANG
+            self.last_line = (f"left the job (exit {self.exit_code}): {_describe_failure(records[-1])}; a spare "
+                              "takes this node's place if one waits")
             self.events.log("leave", reason=kinds, records=records[-3:])
             return RunResult(state=WorkerState.FAILED, failures={})
 
@@ -401,6 +663,58 @@ def _make_agent_class():
             super()._restart_workers(worker_group)
 
     return NodeAgent
+
+
+class _GracedClose:
+    """A worker process context's ``close``, however torch calls it (its agent's shutdown on a
+    restart, a leave or the end, and its own poll once a worker has exited with an error).
+
+    SIGTERM is not used: a worker takes it for a stop request (a scheduler sends it to every
+    process of the job), finishes its step and checkpoints. So a close kills the workers with
+    SIGKILL at once; while the job stops by signal (``stopping()``), the workers, which end on
+    their own after the stop checkpoint, get ``grace`` s first."""
+
+    def __init__(self, pcontext: Any, grace: float, stopping: Any = lambda: False) -> None:
+        self.pcontext, self.grace, self.stopping = pcontext, grace, stopping
+        self.inner = pcontext.close
+
+    def __call__(self, death_sig: Any = None, timeout: float = 30, *args: Any, **kw: Any) -> None:
+        if self.stopping():
+            # SIGCONT is the one signal that asks nothing of a worker: torch's close sends it, waits
+            # up to the grace for the workers to end, then kills what is left with SIGKILL
+            self.inner(signal.SIGCONT, min(timeout, self.grace), *args, **kw)
+        else:
+            self.inner(signal.SIGKILL, min(timeout, self.grace), *args, **kw)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    """``[3, 4, 5]`` -> ``"3-5"``; ``[2]`` -> ``"2"``; anything else comma-separated."""
+    ranks = sorted(ranks)
+    if not ranks:
+        return "none"
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _tail(path: str | os.PathLike, size: int = 65536) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _describe_failure(rec: dict[str, Any]) -> str:
+    """A ``failures.jsonl`` record in a few words: what, where, which step."""
+    where = f"rank {rec.get('rank')} on {rec.get('host')}"
+    if rec.get("kind") == "nonfinite":
+        return f"non-finite {rec.get('what', 'values')} at step {rec.get('step')} on {where}"
+    if rec.get("kind") == "hang":
+        return f"no progress at step {rec.get('stall_step')} on {where} ({rec.get('why', 'watchdog')})"
+    return f"{rec.get('kind')} on {where}"
 
 
 def agent_kwargs(agent_base: Any, kill_grace: float) -> dict[str, Any]:
@@ -424,7 +738,7 @@ def _accepts(fn: Any, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def _error_line(path: str | os.PathLike, limit: int = 300) -> str:
+def _error_line(path: str | os.PathLike, limit: int = 2000) -> str:
     """The line of a worker's stderr that says what went wrong: the last ``error:``, watchdog or
     exception line (not indented, not a stack frame), else the last line."""
     try:
@@ -473,6 +787,14 @@ def run_node(opts: NodeOptions) -> int:
     os.environ[CHECKPOINT_TIMEOUT_ENV] = str(opts.checkpoint_timeout)
     os.environ[STARTUP_TIMEOUT_ENV] = str(opts.startup_timeout)
     os.environ[PARENT_ENV] = "1"
+    os.environ[LAUNCHER_ENV] = "1"  # the workers take SIGUSR1/SIGUSR2 for a stop passed on (trainer/ft/stop.py)
+    # SIGTERM and SIGINT are this launcher's (JobState); torch's process context would install its
+    # own handlers for them whenever workers start (they are put back after it, too)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    # torch's "Sending process N closing signal ..." per worker on every close: the events say it
+    import logging
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.ERROR)
     # The ranks of this machine share its cores (fastmoe_xpu/threads.py; run_local_nodes counts
     # every node it starts here).
     from fastmoe_xpu import threads
@@ -500,14 +822,14 @@ def run_node(opts: NodeOptions) -> int:
             msg = (f"node {opts.label} was started with {mine} but the job {opts.run_id!r} runs with {theirs}; "
                    "start every node with the same --nnodes and --nproc-per-node")
             events.log("error", reason=msg)
-            print(f"error: {msg}", file=sys.stderr, flush=True)
+            say(f"error: {msg}", err=True)
             return EXIT_CONFIG
     except Exception as e:  # noqa: BLE001 - torch raises several kinds; all end here in one line
         msg = (f"cannot reach the rendezvous store at {opts.endpoint} within {read_timeout:.0f}s "
                f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); is --serve-store (or the first node) "
                "running there, and is the port open?")
         events.log("error", reason=msg)
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+        say(f"error: {msg}", err=True)
         return EXIT_GAVE_UP
     guard = RoundGuard(handler, n_nodes=opts.n_max, quorum_timeout=opts.quorum_timeout)
     spec = WorkerSpec(role="trainer", local_world_size=opts.nproc, entrypoint=opts.command[0],
@@ -517,24 +839,32 @@ def run_node(opts: NodeOptions) -> int:
     # line per rank in the "failure" event (a peer's death makes every other rank print a stack)
     logs = DefaultLogsSpecs(log_dir=str(opts.out / "logs" / opts.label), redirects=Std.ALL, tee=Std.OUT)
     agent_cls = _make_agent_class()
-    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events, guard=guard,
+    guard.label, guard.join_timeout = opts.label, float(opts.rdzv_conf.get("join_timeout", 600))
+    job = guard.job = JobState(store, opts, events)
+    agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events, guard=guard, job=job,
                       **agent_kwargs(agent_cls.__mro__[1], opts.kill_grace))
+    job.install()
     try:
         result = agent.run()
+    except JobEnded as e:  # another node ended the job while this one waited for a round
+        return _ended_by_other(events, e.record)
     except (RendezvousClosedError, RendezvousGracefulExitError):
+        end = job.job_end()
+        if end is not None:  # closed by a node that ended the job: its line and code
+            return _ended_by_other(events, end)
         if guard.short_since is not None:  # another node of this short round gave up first
             waited = time.monotonic() - guard.short_since
-            return _fail(events, str(QuorumLost(guard.have, opts.n_max, waited, "the rendezvous was closed")),
-                         None)
+            return _fail(events, str(QuorumLost(guard.have, opts.n_max, waited, "the rendezvous was closed",
+                                                _departures(opts.out, agent.started))), None)
         result = None
     except RendezvousTimeoutError as e:
         if guard.quorum_expired is not None:
             have, waited = guard.quorum_expired
-            e = QuorumLost(have, opts.n_max, waited, "--quorum-timeout")
+            e = QuorumLost(have, opts.n_max, waited, "--quorum-timeout", _departures(opts.out, agent.started))
         else:
             e = QuorumLost(guard.have or 1, opts.n_max, float(opts.rdzv_conf.get("join_timeout", 600)),
                            "join_timeout")
-        return _fail(events, str(e), handler)
+        return _fail(events, str(e), handler, job)
     except Exception as e:  # noqa: BLE001 - a lost store surfaces as several kinds of error
         if isinstance(e, StoreLost) or _store_error(e):
             msg = (f"lost the rendezvous store at {opts.endpoint} ({_cause(e)}); its host died or cannot be "
@@ -544,26 +874,66 @@ def run_node(opts: NodeOptions) -> int:
             msg = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
         return _fail(events, msg, None)
     if result is None:  # a spare never needed, or the job closed while this node waited
+        if job.signum is not None:  # a stop with nobody training (no worker said at which step)
+            line = (f"stopped ({signal_name(job.signum)}) while this node waited for a round; the newest "
+                    "checkpoint stays; start the same job again to resume")
+            return _end(events, 128 + job.signum, line, job, handler)
         events.log("released")
         return 0
     if agent.outcome == "left":
         _leave_rendezvous(handler)
         events.log("left", exit_code=agent.exit_code, stop_s=agent._last_stop_s)
+        say(agent.last_line, err=True)
         return agent.exit_code
-    _close(handler)
     if result.is_failed():
-        return agent.exit_code or EXIT_GAVE_UP
+        return _end(events, agent.exit_code or EXIT_GAVE_UP, agent.last_line or "error: the job stopped", job,
+                    handler)
+    _close(handler)
     events.log("finished", seconds=round(time.time() - agent.started, 3))
     return 0
 
 
-def _fail(events: Events, msg: str, handler: Any) -> int:
+def _end(events: Events, code: int, line: str, job: JobState, handler: Any) -> int:
+    """This node ends the job: the record first (a node that finds the rendezvous closed reads it),
+    then the rendezvous closed (spares and stragglers stop waiting), then the line, last."""
+    job.end_job(code, line)
+    _close(handler)
+    say(line, err=True)
+    return code
+
+
+def _ended_by_other(events: Events, record: dict[str, Any]) -> int:
+    """Another node ended the job: the same line (from that node) and exit code here."""
+    code, line = int(record.get("code", EXIT_GAVE_UP)), str(record.get("line", "the job ended"))
+    events.log("job_ended", code=code, by=record.get("node"))
+    say(line, err=True)
+    return code
+
+
+def _departures(out: Path, since: float) -> str:
+    """Why nodes left the job since ``since`` (the blame records), for the line of a job that
+    ends short of nodes."""
+    recs = [r for r in read_failures(out) if r.get("kind") in ("nonfinite", "hang")
+            and float(r.get("time", 0)) >= since]
+    seen, parts = set(), []
+    for r in recs:  # one per node: the first record that named it
+        if r.get("host") not in seen:
+            seen.add(r.get("host"))
+            parts.append(f"{r.get('host')} left after {_describe_failure(r)}")
+    if not parts:
+        return "a node is gone and no spare was left to take its place"
+    return "; ".join(parts) + "; no spare was left to take their place"
+
+
+def _fail(events: Events, msg: str, handler: Any, job: JobState | None = None) -> int:
     """One ``error:`` line (and event); close the rendezvous when ``handler`` is given, so that
-    spares and stragglers stop waiting too."""
+    spares and stragglers stop waiting too (with ``job``, they print this line and exit 1 too)."""
     events.log("error", reason=msg)
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    if job is not None:
+        job.end_job(EXIT_GAVE_UP, f"error: {msg}")
     if handler is not None:
         _close(handler)
+    say(f"error: {msg}", err=True)
     return EXIT_GAVE_UP
 
 
@@ -591,7 +961,7 @@ def _leave_rendezvous(handler: Any) -> None:
         handler._stop_heartbeats()
         handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + 10)
     except Exception as e:  # noqa: BLE001
-        print(f"[launch] could not leave the rendezvous cleanly ({e}); keep-alive expiry will", flush=True)
+        say(f"[launch] could not leave the rendezvous cleanly ({e}); keep-alive expiry will")
 
 
 def _close(handler: Any) -> None:
@@ -609,13 +979,14 @@ def serve_store(endpoint: str, *, ready: Path | None = None) -> int:
     host, port = parse_endpoint(endpoint)
     store = TCPStore("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port, is_master=True,
                      wait_for_workers=False, multi_tenant=True, use_libuv=True)
-    print(f"[launch store] serving the rendezvous store on {host}:{store.port}", flush=True)
+    say(f"[launch store] serving the rendezvous store on {host}:{store.port}")
     if ready is not None:
         ready.write_text(str(store.port))
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    # SIGTERM is a scheduler's stop notice to every process of the job: the node launchers use the
+    # store while they stop after their step, so it keeps serving; SIGINT or SIGKILL ends it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        while not stop:
+        while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -637,33 +1008,67 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
     env.setdefault(threads.LOCAL_PROCESSES_ENV, str(ranks or k))
     env.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(env[threads.LOCAL_PROCESSES_ENV]))))
     mod = __package__ + ".launch"  # the package may be installed under another name
-    store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)], env=env)
+    # in a session of its own, like the nodes: the terminal's Ctrl-C must not end the store under them
+    store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)], env=env,
+                             start_new_session=True)
     deadline = time.time() + 60
     while not ready.exists():
         if store.poll() is not None or time.time() > deadline:
-            print("error: the local rendezvous store did not start", file=sys.stderr)
+            say("error: the local rendezvous store did not start", err=True)
             store.kill()
             return EXIT_GAVE_UP
         time.sleep(0.05)
     ready.unlink()
-    nodes = [subprocess.Popen([sys.executable, "-m", mod, "--node-label", f"node{i}", "--rdzv-endpoint", endpoint,
-                               *node_argv], env=env, start_new_session=True) for i in range(k)]
+    started = time.time()
+    nodes: list[subprocess.Popen] = []
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # Ctrl-C reaches this process only (the nodes run in sessions of their own): pass it on to
+        # every node launcher, which stops the job after its step; a second one kills them all
+        received.append(signum)
+        if len(received) > 1:
+            for p in nodes:
+                _kill_tree(p.pid)
+            store.kill()
+            os.write(2, f"\naborted at once ({signal_name(signum)} again); the newest complete checkpoint stays "
+                        "valid\n".encode())
+            os._exit(128 + signum)
+        for p in nodes:
+            try:
+                os.kill(p.pid, signum)
+            except OSError:
+                pass
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
+        for i in range(k):
+            nodes.append(subprocess.Popen([sys.executable, "-m", mod, "--node-label", f"node{i}", "--rdzv-endpoint",
+                                           endpoint, *node_argv], env=env, start_new_session=True))
         end = None if timeout is None else time.time() + timeout
         for p in nodes:
             p.wait(timeout=None if end is None else max(1.0, end - time.time()))
-    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         for p in nodes:
             _kill_tree(p.pid)
-        return 130
+        say(f"error: --timeout {timeout:.0f} s reached; the node launchers were killed", err=True)
+        return EXIT_GAVE_UP
     finally:
-        store.terminate()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        store.kill()  # it ignores SIGTERM
         store.wait(timeout=30)
     codes = [p.returncode for p in nodes]
-    finished = any(e["event"] == "finished" for e in read_events(out))
-    print(f"[launch] nodes exited with {codes}; {'finished' if finished else 'not finished'}", flush=True)
+    ev = [e for e in read_events(out) if float(e.get("time", 0)) >= started]
+    finished = any(e["event"] == "finished" for e in ev)
+    ends = [e for e in ev if e["event"] == "job_end"]
+    # the job's end in the last line: the line of the node that ended it (each node printed it too)
+    verdict = "finished" if finished else ends[-1]["line"] if ends else "not finished"
+    say(f"[launch] nodes exited with {codes}; {verdict}")
     if finished:
         return 0
+    if ends:
+        return int(ends[-1]["code"])
     # a launcher's own verdict (fatal first) before a node killed by a signal
     return (next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c and c > 0), None)
             or EXIT_GAVE_UP)
@@ -796,7 +1201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", err=True)
         return EXIT_CONFIG
     trainer_world = n_min * args.nproc_per_node
     if args.entry == _TRAINER_ENTRY and os.environ.get(_ARGS_CHECKED_ENV) != "1":
@@ -805,7 +1210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
     if args.local_nodes:
         if args.node_label or args.rdzv_endpoint:
-            print("error: --local-nodes picks the node labels and the endpoint itself", file=sys.stderr)
+            say("error: --local-nodes picks the node labels and the endpoint itself", err=True)
             return EXIT_CONFIG
         node_argv = _strip(argv, {"--local-nodes": 1, "--timeout": 1})
         if "--rdzv-conf" in node_argv:  # the store runs apart: no node may host it

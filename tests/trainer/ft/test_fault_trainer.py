@@ -1,5 +1,5 @@
 """Fault tolerance inside the real trainer (``tiny-moe``, shrunk): a NaN caught before the update,
---init-from, and kill -9 of one node under ``trainer.launch --local-nodes 3`` (world 2 on gloo, a spare) ending with an
+--init-from, and kill -9 of one node under ``trainer.ft.launch --local-nodes 3`` (world 2 on gloo, a spare) ending with an
 uninterrupted run's exact state. (Exact resume itself: test_trainer.py.)"""
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 
 import _ft_toy as toy
 from trainer import checkpoint as ck
-from trainer import fault
-from trainer.launch import descendants, read_events
+from trainer.ft import fault
+from trainer.ft.launch import descendants, read_events
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # tiny-moe with one layer, 8 instances of 16 tokens per step, warmup 1 step: quick, still MoE with EPSO
 SMALL = ["--preset", "tiny-moe", "--model.num_layers", "1", "--context", "16", "--global-batch", "8",
          "--micro-batch", "4", "--warmup", "1", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
@@ -90,7 +90,7 @@ def test_kill9_of_one_rank_relaunches_on_a_spare_and_ends_with_uninterrupted_wei
     steps, interval = "6", "2"
 
     def launch(out: Path, *launcher: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "trainer.launch", "--local-nodes", "3", "--nnodes", "2", "--nproc-per-node", "1",
+        cmd = [sys.executable, "-m", "trainer.ft.launch", "--local-nodes", "3", "--nnodes", "2", "--nproc-per-node", "1",
                "--max-restarts", "1", "--monitor-interval", "0.2", "--timeout", "500", "--out", str(out), *launcher,
                "--", *small, "--steps", steps, "--checkpoint.interval", interval]
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

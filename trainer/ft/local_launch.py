@@ -1,7 +1,7 @@
 """``fastmoe-train --nproc-per-node N``: N training processes on this machine, started by torchrun's
 own launcher (``torch.distributed.run``) inside this process, so that what a person sees stays
 short: Ctrl-C or SIGTERM reaches the launcher, which passes it on to every worker; the workers
-finish their step, write one checkpoint and rank 0 prints the one line of :mod:`trainer.stop`;
+finish their step, write one checkpoint and rank 0 prints the one line of :mod:`trainer.ft.stop`;
 the launcher exits with the same status (130 / 143) and no traceback of its own. A second signal
 kills the workers at once. A worker that fails (a config error, a crash) leaves its own message
 above one ``error:`` line from here.
@@ -58,7 +58,7 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
 
     os.environ.setdefault(threads.LOCAL_PROCESSES_ENV, str(nproc))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(os.environ[threads.LOCAL_PROCESSES_ENV]))))
-    package = __package__ or "trainer"
+    package = (__package__ or "trainer").split(".")[0]  # the trainer package, not .ft
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", package, *argv])
     try:
         run(args)

@@ -10,14 +10,20 @@ signal aborts at once (the checkpoint being written, if any, is never taken for 
 manifest is written last). Before the first step and after the last the signal stops the run
 at once, with one line and the same status.
 
-Under an elastic agent that restarts failed workers (``fastmoe-launch --max-restarts N``, N > 0)
-only SIGINT is handled so: there SIGTERM is the agent's way of ending the survivors before a
-restart, and it keeps ending them at once.
-
 Under ``torchrun`` the workers run in their own session, so the terminal's Ctrl-C reaches
 torchrun, which sends the signal on to every worker: each finishes its step, and the ranks agree
 (one all-reduce of the flag per step) on the step they stop after, so none waits in a collective
 for another that already left.
+
+Under the node launcher (``fastmoe-launch``, which sets :data:`LAUNCHER_ENV`) a stop reaches a
+worker two ways, often both: a scheduler signals every process of the job (Slurm and PBS do), and
+the launcher passes the signal it got on as SIGUSR1 (for SIGTERM) or SIGUSR2 (for SIGINT). The
+passed-on request counts as the signal it stands for and never as a second signal, so a worker
+that gets both stops after its step and does not abort. Every rank prints the stopped line there
+(the launcher reads it from its workers' logs), and the launcher stops its workers for a restart
+with SIGKILL, not SIGTERM. Under another elastic agent that restarts failed workers (torchrun
+``--max-restarts N``, N > 0) only SIGINT is handled so: there SIGTERM is the agent's way of
+ending the survivors before a restart, and it keeps ending them at once.
 """
 from __future__ import annotations
 
@@ -29,13 +35,25 @@ from typing import Any
 
 #: The signals that stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: Set (to 1) by the node launcher for its workers: it passes a stop on as these signals.
+LAUNCHER_ENV = "TRAINER_NODE_LAUNCHER"
+#: The launcher's passed-on stop request -> the signal it stands for.
+FORWARDED = {signal.SIGUSR1: signal.SIGTERM, signal.SIGUSR2: signal.SIGINT}
+#: The signal the launcher passes a stop on as, by the signal it got.
+FORWARD_AS = {v: k for k, v in FORWARDED.items()}
+
+
+def under_launcher() -> bool:
+    return os.environ.get(LAUNCHER_ENV, "") == "1"
 
 
 def handled_signals() -> tuple[int, ...]:
-    """SIGINT and SIGTERM; SIGINT alone under an elastic agent that restarts workers
-    (``TORCHELASTIC_MAX_RESTARTS`` > 0, as ``fastmoe-launch --max-restarts N`` sets it): there SIGTERM
-    is how the agent ends the survivors of a failed worker before it restarts them, and they must
-    end at once, not try to finish a step whose peers are gone."""
+    """SIGINT and SIGTERM, plus the launcher's passed-on requests under ``fastmoe-launch``; SIGINT
+    alone under another elastic agent that restarts workers (``TORCHELASTIC_MAX_RESTARTS`` > 0):
+    there SIGTERM is how the agent ends the survivors of a failed worker before it restarts them,
+    and they must end at once, not try to finish a step whose peers are gone."""
+    if under_launcher():
+        return (*STOP_SIGNALS, *FORWARDED)
     try:
         restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     except ValueError:
@@ -67,11 +85,13 @@ class StopRequest:
 
     ``deferred`` (inside the training loop): the first signal is remembered and the loop polls
     :meth:`agreed`; otherwise (start-up, the end of the run) the first signal raises
-    :class:`Stopped` where the program is. A second signal exits at once."""
+    :class:`Stopped` where the program is. A second signal from outside exits at once (the
+    launcher's passed-on request is never a second signal)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.deferred = False
+        self._received = 0  # signals from outside (the launcher's passed-on requests do not count)
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "StopRequest":
@@ -82,15 +102,26 @@ class StopRequest:
 
     def uninstall(self) -> None:
         for sig, old in self._previous.items():
-            signal.signal(sig, old)
+            # the launcher may pass a stop on after this process stopped by itself (its peers' flag):
+            # SIGUSR1's default action would end it by that signal instead of its own exit status
+            signal.signal(sig, signal.SIG_IGN if sig in FORWARDED else old)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            sys.stderr.write(f"\naborted at once ({signal_name(signum)} again); the newest complete "
-                             f"checkpoint stays valid\n")
-            sys.stderr.flush()
-            os._exit(128 + signum)
+        forwarded = signum in FORWARDED
+        if forwarded:
+            signum = FORWARDED[signum]
+            if self.signum is not None:
+                return  # the launcher passing on a signal this process got too
+        else:
+            self._received += 1
+            if self._received > 1:
+                sys.stderr.write(f"\naborted at once ({signal_name(signum)} again); the newest complete "
+                                 f"checkpoint stays valid\n")
+                sys.stderr.flush()
+                os._exit(128 + signum)
+            if self.signum is not None:
+                return  # the launcher's request came first; this is the same stop
         self.signum = signum
         if not self.deferred:
             raise Stopped(signum, f"stopped by {signal_name(signum)} before training began or after it ended")

@@ -1,4 +1,4 @@
-"""Fault drills under ``python -m trainer.launch --local-nodes 3 --nnodes 2`` (torch's elastic agent,
+"""Fault drills under ``python -m trainer.ft.launch --local-nodes 3 --nnodes 2`` (torch's elastic agent,
 c10d rendezvous, gloo, one rank per node, the stand-in trainer of _ft_toy.py): two nodes train, one
 waits as a spare. A killed node, a killed rank, a NaN, a hang and a stopped rank each end with the
 spare in the job (or the right node gone) and the exact state of an uninterrupted run, within one
@@ -21,12 +21,13 @@ import pytest
 import torch
 
 import _ft_toy as toy
-from trainer import fault
-from trainer.launch import descendants, free_port, read_events
+from trainer.ft import fault
+from trainer.checkpoint import latest_valid
+from trainer.ft.launch import descendants, free_port, read_events
 
 pytestmark = pytest.mark.drill
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STEPS, INTERVAL = 8, 2
 LIMIT = 240.0  # seconds any drill may take before it counts as hung
 RECOVERY_BOUND = 30.0  # seconds from a fault (or a hang's detection) to the first new step
@@ -46,7 +47,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def _launch(out: Path, *trainer: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
             nodes: int = 3) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--local-nodes", str(nodes), "--nnodes", "2",
+    cmd = [sys.executable, "-m", "trainer.ft.launch", "--local-nodes", str(nodes), "--nnodes", "2",
            "--max-restarts", "2", "--monitor-interval", "0.2", "--entry", str(REPO / "tests" / "_ft_toy.py"),
            "--timeout", str(LIMIT), "--out", str(out), *launcher, "--", "--steps", str(STEPS), "--interval",
            str(INTERVAL), "--dump", str(out / "dump"), *trainer]
@@ -146,7 +147,7 @@ def test_rank_kill_one_round_and_a_late_spare_restarts_nobody(tmp_path: Path, re
     couple of seconds, 6 to 68 rounds), the first new step within the bound, the exact end state."""
     out = tmp_path / "run"
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--serve-store", f"127.0.0.1:{port}"],
+    store = subprocess.Popen([sys.executable, "-m", "trainer.ft.launch", "--serve-store", f"127.0.0.1:{port}"],
                              env=_env(), cwd=REPO, stdout=subprocess.DEVNULL)
     args = ("--steps", str(STEPS), "--step-sleep", "0.5", "--dump", str(out / "dump"))
     try:
@@ -171,7 +172,7 @@ def test_rank_kill_one_round_and_a_late_spare_restarts_nobody(tmp_path: Path, re
         first_new = _first_new_step(out, killed_at, end, nodes["h0"])
         codes = {h: _wait(q, LIMIT)[0] for h, q in nodes.items()}
     finally:
-        store.terminate()
+        store.kill()  # the store ignores SIGTERM (a scheduler's stop notice)
         store.wait(timeout=30)
     ev = read_events(out)
     assert sorted(codes.values()) == [0, 0, 0], codes
@@ -269,7 +270,7 @@ def test_hang_on_one_node_the_watchdog_fires_and_the_run_recovers(tmp_path: Path
 
 def _node(out: Path, label: str, endpoint: str, *extra: str, nnodes: str = "2",
           trainer: tuple[str, ...] = ("--steps", "40", "--step-sleep", "0.2")) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer.launch", "--node-label", label, "--rdzv-endpoint", endpoint, "--nnodes",
+    cmd = [sys.executable, "-m", "trainer.ft.launch", "--node-label", label, "--rdzv-endpoint", endpoint, "--nnodes",
            nnodes, "--max-restarts", "1", "--monitor-interval", "0.2", "--entry",
            str(REPO / "tests" / "_ft_toy.py"), "--out", str(out), *extra, "--", "--interval", str(INTERVAL),
            *trainer]
@@ -325,7 +326,7 @@ def test_unreachable_endpoint_is_a_clear_error_in_bounded_time(tmp_path: Path) -
 def test_mismatched_nnodes_is_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
     port = free_port()
-    store = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--serve-store", f"127.0.0.1:{port}"],
+    store = subprocess.Popen([sys.executable, "-m", "trainer.ft.launch", "--serve-store", f"127.0.0.1:{port}"],
                              env=_env(), cwd=REPO)
     try:
         time.sleep(2.0)
@@ -337,5 +338,130 @@ def test_mismatched_nnodes_is_a_clear_error(tmp_path: Path) -> None:
         _kill_tree(first.pid)
         first.communicate()
     finally:
-        store.terminate()
+        store.kill()  # the store ignores SIGTERM (a scheduler's stop notice)
         store.wait(timeout=30)
+
+
+# ============================================================================ stopping by signal
+def _stop_lines(stdout: str) -> list[str]:
+    return [ln for ln in stdout.splitlines() if ln.startswith("stopped at step")]
+
+
+def _node_ends(out: Path, since: float) -> dict[str, dict]:
+    """Each node launcher's last job event since ``since``: ``job_end`` (it ended the job) or
+    ``job_ended`` (another node did; it took that node's line and code)."""
+    ends = {}
+    for e in read_events(out):
+        if e["event"] in ("job_end", "job_ended") and e["time"] >= since:
+            ends[e["node"]] = e
+    return ends
+
+
+def test_sigterm_to_one_launcher_then_ctrl_c_stop_at_a_step_and_the_job_resumes_exactly(tmp_path: Path,
+                                                                                        reference) -> None:
+    """A scheduler's SIGTERM to one node launcher (the one holding rank 0), then Ctrl-C (SIGINT to
+    ``--local-nodes``, which passes it to every launcher): each time every rank finishes its step,
+    one checkpoint of that step is written, every launcher (the spare too) ends with
+    ``stopped at step N (SIG...); checkpoint at ...`` and exits 143 (130) within seconds; started
+    again, the job resumes there and ends with an uninterrupted run's exact state. Before, the
+    launchers exited 1, 1 and -15 within 0.5 s with the newest checkpoint some steps back."""
+    out = tmp_path / "run"
+    slow = ("--step-sleep", "0.8")
+    stops = []
+    for sig, target in ((signal.SIGTERM, "rank0-node"), (signal.SIGINT, "local-nodes")):
+        p = _launch(out, *slow)
+        start = time.time()
+        end = start + LIMIT
+        last = stops[-1] if stops else 0
+        b = _beat_at(out, 0, last + 1, p, end)  # rank 0 inside a step after the resume
+        if target == "rank0-node":
+            (pid,) = [e["pid"] for e in read_events(out) if e["event"] == "node_start" and e["node"] == b["host"]
+                      and e["time"] >= start]
+            os.kill(pid, sig)
+        else:
+            os.kill(p.pid, sig)
+        t0 = time.time()
+        code, stdout, took = _wait(p, 120)
+        assert code == 128 + sig, (code, stdout[-4000:])
+        assert took < 30, took  # a scheduler's grace is 30 s or more (Slurm's KillWait default)
+        lines = _stop_lines(stdout)
+        assert len(lines) == 3, stdout[-4000:]  # one per node launcher
+        assert len(set(lines)) == 1 and f"({sig.name})" in lines[0] and \
+            lines[0].endswith("start the same job again to resume"), lines
+        assert stdout.rstrip().splitlines()[-1].endswith(f"; {lines[0]}")  # --local-nodes: the same, last
+        ends = _node_ends(out, start)
+        assert sorted(ends) == ["node0", "node1", "node2"] and {e["code"] for e in ends.values()} == {128 + sig}, ends
+        step = int(lines[0].split()[3])
+        assert last < step < STEPS, (last, step)
+        newest = latest_valid(out / "checkpoints")
+        assert newest is not None and newest.step == step and str(newest.path) in lines[0], (newest, lines[0])
+        assert not [e for e in read_events(out) if e["event"] in ("restart", "failure") and e["time"] >= t0]
+        stops.append(step)
+        print(f"{sig.name} to {target}: stopped at step {step}, every launcher out {took:.1f}s after the signal")
+    _finish(_launch(out))
+    _assert_same(out, reference)
+
+
+def test_every_checkpoint_slot_damaged_stops_every_node_with_76_and_nothing_restarts(tmp_path: Path) -> None:
+    """Checkpoints exist and none is valid: every rank exits 76, every node launcher (the spare
+    too) ends with the trainer's reason naming each slot and exits 76; no node restarts its
+    workers and the slots are left as they were."""
+    out = tmp_path / "run"
+    codes = toy.spawn(2, ["--out", str(out), "--steps", "4", "--interval", "2"])
+    assert codes == [0, 0], (out / "spawn-rank-0.log").read_text()[-2000:]
+    for slot in ("slot-A", "slot-B"):
+        f = out / "checkpoints" / slot / "meta.json"
+        f.write_text(f.read_text() + " ")  # fails its sha256 check
+    before = {f: f.read_bytes() for f in (out / "checkpoints").rglob("*") if f.is_file()}
+    t0 = time.time()
+    p = _launch(out)
+    code, stdout, took = _wait(p, LIMIT)
+    assert code == fault.EXIT_CHECKPOINT_FAILURE, stdout[-4000:]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("error: the job stopped (exit 76")]
+    assert len(lines) == 3, stdout[-4000:]  # one per node launcher
+    # each training node names its own failed rank; the reason is the trainer's, the same everywhere
+    assert len({ln.split(" on node", 1)[1].split(": ", 1)[1] for ln in lines}) == 1, lines
+    assert "none is valid" in lines[0] and "slot-A/meta.json has 317 bytes" in lines[0] and \
+        "slot-B/meta.json has" in lines[0], lines[0]
+    last = stdout.rstrip().splitlines()[-1]
+    assert any(last.endswith(f"; {ln}") for ln in lines), last  # --local-nodes: the same, last
+    ends = _node_ends(out, t0)
+    assert sorted(ends) == ["node0", "node1", "node2"] and {e["code"] for e in ends.values()} == {76}, ends
+    ev = read_events(out)
+    assert not [e for e in ev if e["event"] in ("restart", "finished", "released")], ev
+    assert sum(e["event"] == "round" for e in ev) == 2  # the first round, never another
+    assert {f: f.read_bytes() for f in (out / "checkpoints").rglob("*") if f.is_file()} == before
+
+
+def test_waiting_for_nodes_is_said_every_10s_and_ends_at_the_join_timeout(tmp_path: Path) -> None:
+    """One node of two: a line every 10 s while it waits, then at the join timeout one ``error:``
+    line with the counts, exit 1 (before, nothing was printed for the 600 s)."""
+    out = tmp_path / "run"
+    p = _launch(out, nodes=1, launcher=("--rdzv-conf", "join_timeout=14"))
+    code, stdout, took = _wait(p, 120)
+    assert code == 1, stdout[-3000:]
+    waiting = [ln for ln in stdout.splitlines() if "waiting for nodes: 1 of 2 joined" in ln]
+    assert len(waiting) == 1 and "of the join timeout 14 s" in waiting[0], stdout[-3000:]
+    errors = [ln for ln in stdout.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "has 1 of the 2 nodes it needs" in errors[0] and "join_timeout" in errors[0], \
+        stdout[-3000:]
+    assert took < 14 + 30, took
+
+
+def test_nan_on_every_node_stops_the_job_with_the_step_and_ranks(tmp_path: Path) -> None:
+    """Non-finite values on every rank at once are not a node's fault: instead of every node
+    leaving in turn until the spares are used up, the job stops (exit 75 on every node, the spare
+    too) with one line naming the step and the ranks; nothing restarts."""
+    out = tmp_path / "run"
+    t0 = time.time()
+    p = _launch(out, env={fault.NAN_ENV: "step=3"})
+    code, stdout, took = _wait(p, LIMIT)
+    assert code == fault.EXIT_SOFT_FAILURE, stdout[-4000:]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("error: the job stopped (exit 75)")]
+    assert len(lines) == 3 and "non-finite loss and gradients at step 3 on every node (ranks 0-1)" in lines[0], \
+        stdout[-4000:]
+    ends = _node_ends(out, t0)
+    assert sorted(ends) == ["node0", "node1", "node2"] and {e["code"] for e in ends.values()} == {75}, ends
+    ev = read_events(out)
+    assert not [e for e in ev if e["event"] in ("restart", "left", "finished")], ev
+    assert sum(e["event"] == "round" for e in ev) == 2

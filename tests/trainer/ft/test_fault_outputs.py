@@ -11,9 +11,9 @@ import pytest
 
 import _ft_toy as toy
 from trainer import checkpoint as ck
-from trainer import fault
+from trainer.ft import fault
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_check_out_dir(tmp_path: Path) -> None:

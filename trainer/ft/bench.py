@@ -1,9 +1,9 @@
 """Measure the fault-tolerance numbers: checkpoint write/restore time and size for ``tiny-moe``,
 the per-rank bytes formula at the Mula presets, the model-only vs full ratio, and the recovery
-times under ``trainer.launch`` (``kill -9`` of a rank, of a whole node, a stopped rank found by the
+times under ``trainer.ft.launch`` (``kill -9`` of a rank, of a whole node, a stopped rank found by the
 watchdogs) to the first new step, with their medians and the effective training time they imply.
 
-    python -m fastmoe_trainer.ft_bench [--out OUT] [--repeats 5] [--tries 3] [--faults rank,node,hang]
+    python -m fastmoe_trainer.ft.bench [--out OUT] [--repeats 5] [--tries 3] [--faults rank,node,hang]
                                        [--no-checkpoint] [--no-recovery]
 
 Writes ``OUT/ft_bench.json`` and prints Markdown tables (docs/fault.md quotes them).
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint as ck
+from .. import checkpoint as ck
 from . import fault
 
 SMALL = ["--preset", "tiny-moe", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
@@ -40,8 +40,8 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     """Write/restore times and sizes of tiny-moe checkpoints in one process."""
-    from .cli import config_from_args
-    from .trainer import Trainer
+    from ..cli import config_from_args
+    from ..trainer import Trainer
 
     cfg, _ = config_from_args([*SMALL, "--steps", "3", "--out", str(out / "tiny"), "--no-checkpoint.resume"])
     t = Trainer(cfg)
@@ -72,8 +72,8 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
 
 def formula_table() -> list[dict[str, Any]]:
     """Checkpoint bytes per rank at the Mula presets (fp32 weights, EPSO), for a few layouts."""
-    from .model import param_counts
-    from .presets import get_preset
+    from ..model import param_counts
+    from ..presets import get_preset
 
     rows = []
     layouts = {"mula-7b-a1b": [(1, 64, 1), (1, 8, 8), (1, 128, 8)], "mula-20b-a2b": [(1, 32, 12)],
@@ -158,7 +158,7 @@ def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, he
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-        store.terminate()
+        store.kill()  # the store ignores SIGTERM (a scheduler's stop notice)
         store.wait(timeout=30)
     ev = [e for e in read_events(run) if e["time"] > t0]
     if fault_kind == "hang":
@@ -190,7 +190,7 @@ def _gb(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m fastmoe_trainer.ft.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/ft_bench")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-recovery", action="store_true", help="skip the recovery runs")

@@ -1,8 +1,8 @@
 """The run's shared records on disk: ``OUT/failures.jsonl`` and the per-rank heartbeat files.
 
-A leaf module (standard library only): the trainer's fault checks (``trainer.fault``), the in-worker
-watchdog (``trainer.watchdog``) and the node launcher (``trainer.launch``) all write or read these
-files, and none of them needs the others to do so. ``trainer.fault`` re-exports every name here.
+A leaf module (standard library only): the trainer's fault checks (``trainer.ft.fault``), the in-worker
+watchdog (``trainer.ft.watchdog``) and the node launcher (``trainer.ft.launch``) all write or read these
+files, and none of them needs the others to do so. ``trainer.ft.fault`` re-exports every name here.
 """
 from __future__ import annotations
 

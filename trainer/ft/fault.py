@@ -4,7 +4,7 @@ Soft failure: before every optimizer step each rank checks its local loss and gr
 NaN/Inf; one all-reduce of a flag tells every rank whether anyone saw one, so all ranks stop
 *before* the update and no weight changes. The bad ranks append a line each to
 ``OUT/failures.jsonl`` (step, rank, host, what was bad) and every process exits with
-:data:`EXIT_SOFT_FAILURE`; under ``trainer.launch`` the named node leaves the job, a spare takes
+:data:`EXIT_SOFT_FAILURE`; under ``trainer.ft.launch`` the named node leaves the job, a spare takes
 its place and the run resumes from the newest valid checkpoint.
 
 Exit codes (documented in docs/fault.md):
@@ -15,12 +15,12 @@ Exit codes (documented in docs/fault.md):
 75    :data:`EXIT_SOFT_FAILURE`: NaN/Inf caught before the update; ``failures.jsonl`` names hosts
 76    :data:`EXIT_CHECKPOINT_FAILURE`: a checkpoint could not be written (disk full, read-only
       directory) or checkpoints exist and none is valid; not retried (a relaunch would fail the same way)
-77    ``trainer.watchdog.EXIT_HANG``: no step progress within ``--heartbeat-timeout``; stacks dumped
+77    ``trainer.ft.watchdog.EXIT_HANG``: no step progress within ``--heartbeat-timeout``; stacks dumped
 ====  =========================================================================================
 
 Heartbeats: every rank rewrites ``OUT/heartbeat/rank-<r>.json`` (step, phase, time, pid, host,
 steps done by this process and when it started)
-each step and feeds the in-worker watchdog (``trainer.watchdog``) when the launcher asked for one.
+each step and feeds the in-worker watchdog (``trainer.ft.watchdog``) when the launcher asked for one.
 
 Test hooks, off unless the environment variable is set (the launcher passes them through):
 
@@ -29,6 +29,9 @@ Test hooks, off unless the environment variable is set (the launcher passes them
     machine, so a relaunch on a spare no longer hits them; a bare ``step=5`` hits every rank).
 ``TRAINER_INJECT_HANG="step=5,host=h1"``
     sleep forever at that step on the matching ranks, without a heartbeat.
+
+Either may be ``@FILE``: the spec is read from that file at each step once it exists (a fault
+armed while the job runs).
 """
 from __future__ import annotations
 
@@ -176,7 +179,14 @@ class Injection:
 
     @classmethod
     def from_env(cls, name: str) -> "Injection | None":
+        """The spec in ``$name``, or, when it is ``@FILE``, the spec in that file once it exists (a
+        fault armed while the job runs: the fault soak writes it)."""
         spec = os.environ.get(name, "").strip()
+        if spec.startswith("@"):
+            try:
+                spec = Path(spec[1:]).read_text().strip()
+            except OSError:
+                return None
         return cls.parse(spec) if spec else None
 
     def hits(self, step: int, rank: int) -> bool:
@@ -252,7 +262,7 @@ class Heartbeat:
         self.host = host_name()
         self.new_steps = 0
         self.started = time.time()
-        # under trainer.launch: a thread that turns a stall into an exit the node agent acts on
+        # under trainer.ft.launch: a thread that turns a stall into an exit the node agent acts on
         self.watchdog = Watchdog.from_env(out_dir, rank, self.host)
 
     def beat(self, step: int, phase: str = "step", *, completed: bool = False, **extra: Any) -> None:

@@ -1,7 +1,7 @@
 """In-worker watchdog: a rank whose step counter stops advancing dumps every Python stack and exits.
 
-The elastic agent (``trainer.launch``) only sees exits, so a hung rank must turn itself into one.
-:class:`trainer.fault.Heartbeat` feeds :meth:`Watchdog.progress` on every beat; a daemon thread checks the
+The elastic agent (``trainer.ft.launch``) only sees exits, so a hung rank must turn itself into one.
+:class:`trainer.ft.fault.Heartbeat` feeds :meth:`Watchdog.progress` on every beat; a daemon thread checks the
 time since the last *advance* against a limit that depends on the phase (``startup`` before the
 first completed step, ``checkpoint`` while a checkpoint is written, ``step`` otherwise). When it
 fires it

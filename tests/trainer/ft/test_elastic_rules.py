@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from trainer import fault
-from trainer.launch import main as launch_main, parse_nnodes, parse_rdzv_conf, read_events
+from trainer.ft import fault
+from trainer.ft.launch import main as launch_main, parse_nnodes, parse_rdzv_conf, read_events
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(tmp_path: Path, code: str, *launcher: str) -> tuple[int, list[dict]]:
     script = tmp_path / "worker.py"
     script.write_text(code)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer.launch", "--local-nodes", "1", "--nnodes", "1", "--monitor-interval", "0.2",
+    cmd = [sys.executable, "-m", "trainer.ft.launch", "--local-nodes", "1", "--nnodes", "1", "--monitor-interval", "0.2",
            "--entry", str(script), "--timeout", "120", "--out", str(out), *launcher, "--"]
     p = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), cwd=REPO,
                        capture_output=True, text=True, timeout=180)
@@ -31,8 +31,9 @@ def test_fatal_exit_codes_are_not_retried(tmp_path: Path) -> None:
     code, ev = _run(tmp_path, f"import sys; sys.exit({fault.EXIT_CHECKPOINT_FAILURE})", "--max-restarts", "3")
     assert code == fault.EXIT_CHECKPOINT_FAILURE
     kinds = [e["event"] for e in ev]
-    assert kinds == ["node_start", "round", "failure", "give_up"], kinds
-    assert "not retried" in ev[-1]["reason"]
+    assert kinds == ["node_start", "round", "failure", "give_up", "job_end"], kinds
+    assert "not retried" in ev[-2]["reason"]
+    assert ev[-1]["code"] == fault.EXIT_CHECKPOINT_FAILURE and ev[-1]["line"].startswith("error: the job stopped (exit 76")
 
 
 def test_restart_limit(tmp_path: Path) -> None:
@@ -40,7 +41,8 @@ def test_restart_limit(tmp_path: Path) -> None:
     assert code == 1
     kinds = [e["event"] for e in ev]
     assert kinds.count("round") == 2 and kinds.count("failure") == 2 and kinds.count("restart") == 1, kinds
-    assert "restart limit 1 reached" in ev[-1]["reason"]
+    assert kinds[-2:] == ["give_up", "job_end"] and "restart limit 1 reached" in ev[-2]["reason"]
+    assert ev[-1]["code"] == 1 and "restart limit 1 reached" in ev[-1]["line"] and "exit 3" in ev[-1]["line"], ev[-1]
 
 
 def test_a_worker_whose_agent_dies_exits(tmp_path: Path) -> None:
@@ -49,7 +51,7 @@ def test_a_worker_whose_agent_dies_exits(tmp_path: Path) -> None:
     child.write_text(
         "import os, sys, time; sys.path.insert(0, %r)\n"
         "os.environ.update(TRAINER_HEARTBEAT_TIMEOUT='60', TRAINER_WATCH_PARENT='1')\n"
-        "from trainer.fault import Heartbeat\nhb = Heartbeat(%r, 0)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+        "from trainer.ft.fault import Heartbeat\nhb = Heartbeat(%r, 0)\nprint('ready', flush=True)\ntime.sleep(60)\n"
         % (str(REPO), str(tmp_path)))
     parent = subprocess.Popen([sys.executable, "-c",
                                "import subprocess, sys, time; p = subprocess.Popen([sys.executable, %r], "
@@ -121,7 +123,7 @@ def test_bad_trainer_arguments_fail_before_the_rendezvous(tmp_path: Path, capsys
 
 # ============================================================================ hang blame (no processes)
 def test_culprit_least_progress_first() -> None:
-    from trainer.watchdog import culprit
+    from trainer.ft.watchdog import culprit
 
     beats = {0: {"step": 4, "phase": "start", "mtime": 10.0, "pid": 1},
              1: {"step": 3, "phase": "done", "mtime": 20.0, "pid": 2}}
@@ -134,7 +136,7 @@ def test_culprit_same_progress_the_stopped_rank_not_the_oldest_heartbeat() -> No
     """Every rank at the same step and phase (a SIGSTOP inside a step): the rank whose process stopped
     answering is blamed even when its heartbeat is the newest; then one working while others wait
     in a collective; without pulses, the oldest heartbeat (the rule that blamed a healthy node)."""
-    from trainer.watchdog import culprit
+    from trainer.ft.watchdog import culprit
 
     now = 100.0
     beats = {r: {"step": 3, "phase": "start", "mtime": 50.0 + r, "pid": 10 + r} for r in range(4)}
@@ -158,7 +160,7 @@ def test_culprit_same_progress_the_stopped_rank_not_the_oldest_heartbeat() -> No
 def test_in_distributed_reads_the_stack() -> None:
     import sys as _sys
 
-    from trainer.watchdog import _in_distributed
+    from trainer.ft.watchdog import _in_distributed
 
     ns: dict = {}
     exec(compile("import sys\ndef here():\n    return sys._getframe()\ndef call(f):\n    return f()\n",
@@ -169,7 +171,7 @@ def test_in_distributed_reads_the_stack() -> None:
 
 
 def test_watchdog_pulses_only_while_silent(tmp_path: Path) -> None:
-    from trainer.watchdog import Watchdog, read_pulses
+    from trainer.ft.watchdog import Watchdog, read_pulses
 
     wd = Watchdog(tmp_path, 0, 1, "hx", timeout=2.0, poll=0.05)  # pulses after 0.5 s without progress
     try:
@@ -209,7 +211,7 @@ def _guard(st, quorum: float = 60.0):
     import threading as _threading
     from types import SimpleNamespace
 
-    from trainer.launch import RoundGuard
+    from trainer.ft.launch import RoundGuard
 
     handler = SimpleNamespace(_op_executor=SimpleNamespace(run=None), _state_holder=_Holder(st),
                               _heartbeat_lock=_threading.Lock(), num_nodes_waiting=lambda: -1)
@@ -238,7 +240,7 @@ def test_a_node_that_lost_the_race_waits_as_a_spare_and_counts_as_nobody_waiting
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
 
-    from trainer.launch import _JoinOp
+    from trainer.ft.launch import _JoinOp
 
     st, nodes = _rdzv(2, waiting=1, complete=True)
     g, handler = _guard(st)
@@ -261,7 +263,7 @@ def test_quorum_deadline_applies_after_the_job_started_only() -> None:
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
 
-    from trainer.launch import _JoinOp
+    from trainer.ft.launch import _JoinOp
 
     far = _time.monotonic() + 600
     # round 1, one participant of two, the quorum time spent: torch's timeout path (leave, then error)
@@ -290,7 +292,7 @@ def test_quorum_deadline_applies_after_the_job_started_only() -> None:
 
 def test_agent_kwargs_follow_the_signature() -> None:
     """torch 2.11's LocalElasticAgent has no shutdown_timeout; 2.13's has: a feature check."""
-    from trainer.launch import agent_kwargs
+    from trainer.ft.launch import agent_kwargs
 
     class Old:
         def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300.0) -> None: ...
@@ -306,3 +308,45 @@ def test_agent_kwargs_follow_the_signature() -> None:
     import inspect
     assert ("shutdown_timeout" in agent_kwargs(LocalElasticAgent, 2.0)) == \
         ("shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters)
+
+
+def test_a_second_signal_to_a_launcher_aborts_at_once(tmp_path: Path) -> None:
+    """A worker that does not stop after the first SIGTERM (this one ignores the launcher's SIGUSR1):
+    the second SIGTERM to its node launcher kills it and exits 143 at once, with one line."""
+    import signal
+    import time
+
+    script = tmp_path / "worker.py"
+    pidfile = tmp_path / "worker.pid"
+    script.write_text("import os, signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+                      f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.ft.launch", "--local-nodes", "1", "--nnodes", "1", "--monitor-interval", "0.2",
+           "--entry", str(script), "--timeout", "120", "--out", str(out), "--"]
+    p = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.time() + 90
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.time() < end and p.poll() is None, "the worker never started"
+            time.sleep(0.1)
+        worker = int(pidfile.read_text())
+        (node,) = [e["pid"] for e in read_events(out) if e["event"] == "node_start"]
+        os.kill(node, signal.SIGTERM)
+        time.sleep(1.5)
+        assert p.poll() is None  # waiting for its worker to stop after its step
+        t0 = time.time()
+        os.kill(node, signal.SIGTERM)
+        stdout, _ = p.communicate(timeout=30)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert took < 5, took
+    assert "aborted at once (SIGTERM again); the newest complete checkpoint stays valid" in stdout, stdout[-3000:]
+    try:  # gone, or a zombie whose parent (the launcher) died before reaping it
+        with open(f"/proc/{worker}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z", "the worker outlived its launcher's abort"
+    except FileNotFoundError:
+        pass
+    assert [e["event"] for e in read_events(out)][-1] == "aborted"
