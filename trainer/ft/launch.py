@@ -1120,8 +1120,8 @@ def check_trainer_args(trainer_args: Sequence[str], world: int) -> int | None:
     that a bad preset, option, value or layout ends the launch at once with the trainer's one line
     (exit 2) instead of in every worker after the rendezvous. None when they pass; else the exit
     status (0 after the trainer's ``--help``)."""
-    from .cli import config_from_args
-    from .config import validate
+    from ..cli import config_from_args
+    from ..config import validate
 
     try:
         cfg, _ = config_from_args(list(trainer_args))

@@ -108,7 +108,7 @@ def test_launcher_cli_errors(tmp_path: Path, capsys) -> None:
     (["--dp", "3"], "error: world size 2 != PP x DP x EP = 1 x 3 x 1"),  # checked for --nnodes x --nproc-per-node
 ])
 def test_bad_trainer_arguments_fail_before_the_rendezvous(tmp_path: Path, capsys, trainer_args, says) -> None:
-    from trainer.launch import check_trainer_args
+    from trainer.ft.launch import check_trainer_args
 
     out = tmp_path / "out"
     # an endpoint nobody serves: reaching the rendezvous would wait there and fail otherwise
