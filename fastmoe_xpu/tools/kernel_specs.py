@@ -231,7 +231,8 @@ def _fp8_pass_variants(act: str) -> list:
     for tag, q_ty, gather, silu in (("grad", e5, False, False), ("gather", e4, True, False),
                                     ("silu", e4, False, True)):
         out.append((f"fp8q_cols[{tag}]", "fp8q_cols", fp8_gemm._fp8q_cols_kernel, {**csig, "q_ptr": q_ty},
-                    {**fmt[q_ty], "ROUND_FIRST": False, "GATHER": gather, "SILU": silu, "ROW_W": silu}, caligned))
+                    {**fmt[q_ty], "ROUND_FIRST": False, "GATHER": gather, "SILU": silu, "ROW_W": silu,
+                     "WRITE_PCUM": not (gather or silu), "ROW_ALIGN": fp8_gemm.ROW_ALIGN}, caligned))
     out.append(("fp8q_silu_mul", "fp8q_silu_mul", fp8_gemm._fp8q_silu_mul_kernel, {
         "gate_up_ptr": act, "h_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32, "NR": _I32},
         {"ROUND_FIRST": False},

@@ -390,11 +390,13 @@ def test_quantize_cols_grouped_kernel_same_codes(dev, counts, dtype):
     pcum = qcore.padded_bounds(cum)
     length = qcore.padded_length(len(idx), len(counts))
     for v, vidx in ((grad, None), (x, idx)):
-        q, s = fp8_gemm.quantize_cols_grouped_t(v.to(dev), dtype, cum.to(dev), pcum.to(dev), length,
-                                                idx=None if vidx is None else vidx.to(dev))
+        pcum_out = torch.full((len(counts) + 1,), -1, dtype=torch.int32, device=dev)
+        q, s = fp8_gemm.quantize_cols_grouped_t(v.to(dev), dtype, cum.to(dev), length,
+                                                idx=None if vidx is None else vidx.to(dev), padded_cum_out=pcum_out)
         want_q, want_s = qcore.quantize_cols_grouped_t(v, dtype, cum, pcum, length, idx=vidx)
         _same_codes(q, want_q, "gathered" if vidx is not None else "rows")
         assert torch.equal(s.cpu(), want_s)
+        assert torch.equal(pcum_out.cpu(), pcum)  # the blocks' bounds, summed on the device
 
 
 def test_quantize_cols_grouped_silu_rows(dev):
@@ -411,8 +413,8 @@ def test_quantize_cols_grouped_silu_rows(dev):
     rw = torch.rand(R, generator=g)
     pcum = qcore.padded_bounds(cum)
     length = qcore.padded_length(R, len(counts))
-    q, s = fp8_gemm.quantize_cols_grouped_t(gate_up.to(dev), E4M3, cum.to(dev), pcum.to(dev), length,
-                                            row_weights=rw.to(dev), silu=True)
+    q, s = fp8_gemm.quantize_cols_grouped_t(gate_up.to(dev), E4M3, cum.to(dev), length, row_weights=rw.to(dev),
+                                            silu=True)
     a = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:] * rw[:, None]
     want_q, want_s = qcore.quantize_cols_grouped_t(a, E4M3, cum, pcum, length)
     torch.testing.assert_close(s.cpu(), want_s, rtol=4 * 2.0 ** -24, atol=0)

@@ -23,6 +23,17 @@ scale it gets alone, and the per-column scales of the weight gradients are the s
 codes and scales are the same too; its fp32 sums may differ from ``torch._scaled_mm``'s by the
 order of summation.
 
+fp8 next to the Triton base also quantizes in Triton (:mod:`..triton.fp8_gemm`'s ``fp8q_*``
+passes, one kernel per operand, each reading its tensor in its own dtype: no fp32 copy, no
+per-row scale tensor, no atomics): the weights per output channel (still once per forward, found
+again by the backward), x and h per row, each input gradient's rows times their expert's weight
+scales (the expert found on the device), the weight gradients' operands per column over each
+expert's rows straight into the column-major aligned layout (the down projection's ``w * h``
+recomputed from ``gate_up`` on the way); SiLU*up and the router-weight dots are kernels too. The
+codes and scales are those of :mod:`.core`'s quantizers (the tests check it bit for bit; SiLU's
+exp may differ from torch's in the last bit). Row buffers past RT are left unwritten there (the
+contract's "unspecified").
+
 :mod:`.reference` states the same maths expert by expert in plain PyTorch; the tests hold these
 launchers to it.
 
@@ -37,8 +48,8 @@ from typing import Any, Callable
 import torch
 
 from ..contract import check_gemm_inputs, check_stored_gemm_inputs
-from .core import (FORMATS, expert_of_rows, padded_bounds, padded_length, qmm, quantize_cols, quantize_cols_grouped,
-                   quantize_cols_grouped_t, quantize_rows, quantized_weight)
+from .core import (FORMATS, expert_of_rows, padded_length, qmm, quantize_cols, quantize_cols_grouped, quantize_rows,
+                   quantized_weight)
 
 
 def _groups(cum_token_counts: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]]:
@@ -124,14 +135,15 @@ def _fp8_backward(k, g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: 
         return
     qg, sg = k.quantize_rows(g[:R], f.grad, qw.scales, cum_token_counts, routed_only=True)
     k.fp8_grouped_mm(qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
-    pcum = padded_bounds(cum_token_counts)
-    length = padded_length(R, cum_token_counts.numel() - 1)
-    qgc, sgc = k.quantize_cols_grouped_t(g, f.grad, cum_token_counts, pcum, length)
+    NR = cum_token_counts.numel() - 1
+    pcum = torch.empty(NR + 1, dtype=torch.int32, device=g.device)  # the blocks' bounds, summed by the kernel
+    length = padded_length(R, NR)
+    qgc, sgc = k.quantize_cols_grouped_t(g, f.grad, cum_token_counts, length, padded_cum_out=pcum)
     if a_silu_weights is not None:
-        qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, pcum, length, row_weights=a_silu_weights,
+        qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, length, row_weights=a_silu_weights,
                                            silu=True)
     else:
-        qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, pcum, length, idx=a_idx)
+        qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, length, idx=a_idx)
     if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
         k.fp8_grouped_wgrad(qa, sa, qgc, sgc, pcum, dw, left_scale_first=False)
     else:
@@ -152,28 +164,16 @@ def _grouped_input_grad(g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, 
 def _grouped_backward(g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: torch.Tensor,
                       d_rows: torch.Tensor, dw: torch.Tensor, transposed: bool = False,
                       a_idx: torch.Tensor | None = None) -> None:  # noqa: ANN001
-    """The Triton grouped backward of one projection, expert bounds on the device: the input
+    """The Triton int8 grouped backward of one projection, expert bounds on the device: the input
     gradients of rows ``g`` into ``d_rows`` (one grouped GEMM), and the weight gradients
     ``[g]_col^T [a]_col`` per expert into ``dw`` (``a_idx``: the input rows are ``a[a_idx]``), both
-    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM
-    (fp8: the codes stored by column, each expert's rows aligned, :func:`.core.quantize_cols_grouped_t`)."""
+    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM (fp8:
+    :func:`_fp8_backward`)."""
     if d_rows.shape[0] == 0:
         dw.zero_()
         return
     _grouped_input_grad(g, qw, f, cum_token_counts, d_rows, transposed)
     R = d_rows.shape[0]
-    if f.name == "fp8":
-        from ..triton.fp8_gemm import fp8_grouped_wgrad
-
-        pcum = padded_bounds(cum_token_counts)
-        length = padded_length(R, cum_token_counts.numel() - 1)
-        qg, sg = quantize_cols_grouped_t(g, f.grad, cum_token_counts, pcum, length)
-        qa, sa = quantize_cols_grouped_t(a, f.forward, cum_token_counts, pcum, length, idx=a_idx)
-        if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
-            fp8_grouped_wgrad(qa, sa, qg, sg, pcum, dw, left_scale_first=False)
-        else:
-            fp8_grouped_wgrad(qg, sg, qa, sa, pcum, dw, left_scale_first=True)
-        return
     from ..triton.int8_gemm import int8_grouped_wgrad
 
     qg, sg = quantize_cols_grouped(g, f.grad, cum_token_counts, rows=R)

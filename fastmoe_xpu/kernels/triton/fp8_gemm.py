@@ -272,15 +272,21 @@ def _fp8q_cols_kernel(
     GATHER: tl.constexpr,
     SILU: tl.constexpr,
     ROW_W: tl.constexpr,
+    WRITE_PCUM: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """The weight gradient's operand (:func:`fp8_grouped_wgrad`): the rows of each expert quantized
     per column over that expert's rows, the codes stored by column. Writes ``q [N, LD]`` (expert e's
     codes at ``pcum[e] ..``, zeros to ``pcum[e+1]`` and from ``pcum[NR]`` to ``LD``) and ``s [NR, N]``
     fp32 (zero for an empty expert): what :func:`..quantized.core.quantize_cols_grouped_t` computes
     with eight passes over fp32 copies and atomics, here two sweeps over each expert's rows (the
-    amax, then the codes), the rows read as :func:`.common.grouped_rows` describes.
+    amax, then the codes), the rows read as :func:`.common.grouped_rows` describes. The blocks'
+    bounds ``pcum`` (:func:`..quantized.core.padded_bounds`: each expert's row count rounded up to
+    ``ROW_ALIGN``, back to back) are summed here from ``cum_token_counts [NR+1]``, ``BLOCK_E``
+    experts at a time; ``WRITE_PCUM``: stored to ``pcum [NR+1]`` int32 for the GEMM.
 
     Grid ``(ceil(N/BLOCK_N), NR + 1)``: program ``(n, e)`` owns columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``
     of expert e; the programs ``e = NR`` write the zeros past the last block."""
@@ -289,8 +295,18 @@ def _fp8q_cols_kernel(
     ec = tl.minimum(e, NR - 1)
     row0 = tl.load(cum_token_ptr + ec)
     n_rows = tl.where(is_expert, tl.load(cum_token_ptr + ec + 1) - row0, 0)
-    p0 = tl.load(pcum_ptr + e)
-    block = tl.where(is_expert, tl.load(pcum_ptr + ec + 1), LD) - p0
+    p0 = 0
+    for e0 in range(0, NR, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        before = offs_e < e  # (e <= NR)
+        lo = tl.load(cum_token_ptr + offs_e, mask=before, other=0)
+        hi = tl.load(cum_token_ptr + offs_e + 1, mask=before, other=0)
+        p0 += tl.sum((hi - lo + (ROW_ALIGN - 1)) // ROW_ALIGN * ROW_ALIGN, axis=0)
+    p0 = tl.multiple_of(p0, ROW_ALIGN)
+    block = tl.where(is_expert, (n_rows + (ROW_ALIGN - 1)) // ROW_ALIGN * ROW_ALIGN, LD - p0)
+    if WRITE_PCUM:
+        if tl.program_id(0) == 0:
+            tl.store(pcum_ptr + e, p0)
     offs_n, n_mask = tile(tl.program_id(0), BLOCK_N, N)
     offs_r = tl.arange(0, BLOCK_R)
     amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -535,15 +551,17 @@ def quantize_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fals
     return codes, scales
 
 
-def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor,
-                            padded_cum: torch.Tensor, length: int, idx: torch.Tensor | None = None,
-                            row_weights: torch.Tensor | None = None, silu: bool = False,
+def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor, length: int,
+                            idx: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                            silu: bool = False, padded_cum_out: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`..quantized.core.quantize_cols_grouped_t` in one kernel (the same codes and scales):
     ``(codes [N, length], scales [NR, N])``, expert e's rows quantized per column over those rows,
-    stored by column from ``padded_cum[e]``. The rows are ``v[r]`` (``idx``: ``v[idx[r]]``);
-    ``silu``: ``silu(gate) * up`` of ``gate_up = v [R, 2N]`` computed in fp32 on the way;
-    ``row_weights [R]``: times ``row_weights[r]``."""
+    stored by column from ``padded_bounds(cum_token_counts)[e]`` (summed on the device;
+    ``padded_cum_out [NR+1]`` int32: written there, for :func:`fp8_grouped_wgrad`). The rows are
+    ``v[r]`` (``idx``: ``v[idx[r]]``); ``silu``: ``silu(gate) * up`` of ``gate_up = v [R, 2N]``
+    computed in fp32 on the way; ``row_weights [R]``: times ``row_weights[r]``. ``length``: at least
+    :func:`..quantized.core.padded_length` of the rows."""
     dev = v.device
     NR = cum_token_counts.numel() - 1
     N = v.shape[1] // 2 if silu else v.shape[1]
@@ -558,8 +576,10 @@ def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_count
     _launch.launch(
         _fp8q_cols_kernel, (triton.cdiv(N, cfg.meta["BLOCK_N"]), NR + 1),
         (v, idx if idx is not None else stand_in, row_weights if row_weights is not None else stand_in,
-         cum_token_counts, padded_cum, codes, scales, N, length, NR, v.stride(0)),
-        cfg, dev, **_format(dtype, dev), GATHER=idx is not None, SILU=silu, ROW_W=row_weights is not None)
+         cum_token_counts, padded_cum_out if padded_cum_out is not None else stand_in, codes, scales, N, length, NR,
+         v.stride(0)),
+        cfg, dev, **_format(dtype, dev), GATHER=idx is not None, SILU=silu, ROW_W=row_weights is not None,
+        WRITE_PCUM=padded_cum_out is not None, ROW_ALIGN=ROW_ALIGN)
     return codes, scales
 
 
