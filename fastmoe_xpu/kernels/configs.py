@@ -94,6 +94,13 @@ def _mm(name: str, warps: int, stages: int, extra: Mapping[str, Any] | None = No
     return _c(name, warps, stages, extra, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
 
 
+def _fp8mm(name: str, warps: int, stages: int, overlap: bool = False) -> KernelConfig:
+    """An fp8 GEMM config: :func:`_mm`'s tile and its ``OVERLAP`` form (named ``<tile>+overlap``)."""
+    cfg = _mm(name, warps, stages)
+    return KernelConfig(name=name + ("+overlap" if overlap else ""), meta={**cfg.meta, "OVERLAP": overlap},
+                        num_warps=warps, num_stages=stages)
+
+
 def _counting(warps: int, extra: Mapping[str, Any] | None = None) -> dict[str, list[KernelConfig]]:
     """Stages 2 and 3 on a GPU: ``warps`` for the token count and the indices, 8 for the prefix sums."""
     return {
@@ -135,9 +142,14 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         # The fp8 grouped GEMMs (triton/fp8_gemm.py, sm_89+): one-byte operands as int8's, an fp32
         # accumulator beside each k-step's partial product (the fp32 promotion of every BLOCK_K).
         # m128n256k128: half the A tile re-reads (the gathered rows) per output, 144 KiB of shared
-        # memory in 3 stages, 255 registers without spills on sm_90.
-        "fp8_grouped_mm": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3), _mm("m128n256k128", 8, 3)],
-        "fp8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3), _mm("m128n256k128", 8, 3)],
+        # memory in 3 stages, 255 registers without spills on sm_90. "+overlap" (OVERLAP): each
+        # k-step's partial product is added to the fp32 accumulator while the next k-step's MMAs run
+        # (a second partial accumulator), where the plain form waits for the MMAs, then adds: the same
+        # sums in the same order, so the autotuner may pick either.
+        "fp8_grouped_mm": [_fp8mm("m128n128k128", 8, 3), _fp8mm("m64n128k128", 4, 3), _fp8mm("m128n256k128", 8, 3),
+                           _fp8mm("m128n128k128", 8, 3, overlap=True)],
+        "fp8_grouped_wgrad": [_fp8mm("m128n128k128", 8, 3), _fp8mm("m64n128k128", 4, 3),
+                              _fp8mm("m128n256k128", 8, 3), _fp8mm("m128n128k128", 8, 3, overlap=True)],
         # The fp8 path's quantization and row passes (memory-bound, no matrix product): per-row codes
         # (16 rows of 256 values per step), per-column codes of a transposed weight (256 columns of
         # 16 rows), the weight gradients' column codes (64 rows x 64 columns, stored transposed: 64

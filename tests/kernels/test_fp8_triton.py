@@ -482,3 +482,38 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
     # two weights quantized in the forward, none again in the backward
     assert launched.count("_fp8q_rows_kernel") == 2 + 2 + 2, launched  # + x, h; + two input gradients
     assert launched.count("_fp8q_cols_kernel") == 4, launched
+
+
+def test_overlapped_promotion_gives_the_same_sums(dev, monkeypatch):
+    """The ``OVERLAP`` form of both GEMMs (each k-step's partial product added to the accumulator
+    while the next k-step's MMAs run, a config the autotuner may pick) returns exactly what the plain
+    form returns: the same partial sums added in the same order. K = 37 and 53 rows per expert: the
+    partial of the last, ragged k-step included."""
+    from fastmoe_xpu.kernels import configs
+
+    g = torch.Generator().manual_seed(9)
+    counts = [19, 0, 1, 33]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    R, N, K = sum(counts) + 2, 21, 37
+    qa, sa = _codes((29, K), E4M3, g), torch.rand(29, generator=g)
+    idx = torch.randint(0, 29, (R,), generator=g, dtype=torch.int32)
+    qw, sw = _codes((4, N, K), E4M3, g), torch.rand(4, N, generator=g)
+    _, grad, x, widx = _wgrad_case(counts, N, K, seed=10)
+    pcum = qcore.padded_bounds(cum)
+    length = qcore.padded_length(len(widx), len(counts))
+    ql, sl = qcore.quantize_cols_grouped_t(grad, E5M2, cum, pcum, length)
+    qr, sr = qcore.quantize_cols_grouped_t(x, E4M3, cum, pcum, length, idx=widx)
+    table = configs.table_for(dev)
+    results = []
+    for overlap in (False, True):
+        for kernel in (fp8_gemm.KERNEL, fp8_gemm.WGRAD_KERNEL):
+            base = configs.configs(table, kernel)[0]
+            monkeypatch.setitem(configs.CONFIGS[table], kernel, [configs.KernelConfig(
+                base.name, {**base.meta, "OVERLAP": overlap}, base.num_warps, base.num_stages, base.extra_options)])
+        out = torch.zeros(R, N, device=dev)
+        fp8_gemm.fp8_grouped_mm(qa.to(dev), sa.to(dev), idx.to(dev), qw.to(dev), sw.to(dev), cum.to(dev), out, True)
+        dw = torch.zeros(len(counts), N, K, device=dev)
+        fp8_gemm.fp8_grouped_wgrad(ql.to(dev), sl.to(dev), qr.to(dev), sr.to(dev), pcum.to(dev), dw)
+        results.append((out.cpu(), dw.cpu()))
+    assert results[0][0].abs().sum() > 0 and results[0][1].abs().sum() > 0
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

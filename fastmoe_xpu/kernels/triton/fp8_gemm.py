@@ -73,11 +73,16 @@ def _fp8_grouped_mm_kernel(
     TRANS_W: tl.constexpr,
     GATHER: tl.constexpr,
     HAS_SW: tl.constexpr,
+    OVERLAP: tl.constexpr = False,
 ):
     """Grid ``(P, ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of
     expert e and output columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``qa [rows, K]`` fp8, ``sa
     [rows]`` fp32, ``idx [R]`` int32 (``GATHER``), ``W`` fp8, ``sw [NR, N]`` fp32 (``HAS_SW``),
     ``cum_token_counts [NR+1]`` int32; writes ``out [R, N]`` (its dtype) for the experts' rows only.
+    ``OVERLAP``: each k-step's ``tl.dot`` starts from zero into a second accumulator and the previous
+    k-step's partial is added to ``acc`` after it is issued, so the fp32 additions run beside the
+    tensor cores instead of after them; the same partial sums added in the same order as
+    ``max_num_imprecise_acc = BLOCK_K`` does, hence the same result.
     """
     e, row_start, n_rows = expert_rows(cum_token_ptr)
     row0 = row_start.to(tl.int64)
@@ -98,13 +103,21 @@ def _fp8_grouped_mm_kernel(
         a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
         b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+            if OVERLAP:
+                nxt = tl.dot(a, b, out_dtype=tl.float32)
+                acc += part
+                part = nxt
+            else:
+                acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
             a_ptrs += BLOCK_K
             b_ptrs += b_step
+        if OVERLAP:
+            acc += part
         res = acc * sa[:, None]
         if HAS_SW:
             res = res * sw[None, :]
@@ -128,6 +141,7 @@ def _fp8_grouped_wgrad_kernel(
     BLOCK_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
     LEFT_SCALE_FIRST: tl.constexpr,
+    OVERLAP: tl.constexpr = False,
 ):
     """The weight gradient ``out[e] = (ql_e^T @ qr_e) * sl[e][:, None] * sr[e][None, :]`` over
     expert e's block of rows.
@@ -144,6 +158,7 @@ def _fp8_grouped_wgrad_kernel(
     writes zeros). ``sl [NR, M]`` and ``sr [NR, N]`` fp32; writes ``out [NR, M, N]`` (its dtype).
     The epilogue multiplies the fp32 sums by ``sl`` then ``sr`` (``LEFT_SCALE_FIRST``) or ``sr``
     then ``sl``: the gradient side's scales first, as the reference does, in either weight layout.
+    ``OVERLAP``: as in :func:`_fp8_grouped_mm_kernel`.
     """
     e = tl.program_id(2)
     start = tl.multiple_of(tl.load(pcum_ptr + e), ROW_ALIGN)
@@ -155,13 +170,21 @@ def _fp8_grouped_wgrad_kernel(
     lt_ptrs = l_ptr + offs_m[:, None].to(tl.int64) * LD + (row0 + offs_k[None, :])  # ql_e^T [BLOCK_M, BLOCK_K]
     r_ptrs = r_ptr + offs_n[None, :].to(tl.int64) * LD + (row0 + offs_k[:, None])  # qr_e [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, length, BLOCK_K):
         k_mask = offs_k < length - k0
         a = tl.load(lt_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(r_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        if OVERLAP:
+            nxt = tl.dot(a, b, out_dtype=tl.float32)
+            acc += part
+            part = nxt
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         lt_ptrs += BLOCK_K
         r_ptrs += BLOCK_K
+    if OVERLAP:
+        acc += part
     sl = tl.load(sl_ptr + e.to(tl.int64) * M + offs_m, mask=m_mask, other=0.0)
     sr = tl.load(sr_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
     res = acc
