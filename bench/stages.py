@@ -87,7 +87,8 @@ def run_stages(case: Case, backends: list[str], *, rounds: int = 5, progress: bo
             out["backends"][b] = {"status": "skipped", "reason": str(exc)}
             log(f"  fastmoe/{b}: skipped: {exc}")
             continue
-        pipes[b] = _pipeline(case, kernels(b))
+        # a quantized provider, fastmoe/<backend>:<precision>, runs kernel set <backend>+<precision>
+        pipes[b] = _pipeline(case, kernels(b.replace(":", "+")))
     samples: dict[str, dict[str, list[float]]] = {b: {} for b in pipes}
     bsamples = {k: [] for k in parts}
     dev = case.device

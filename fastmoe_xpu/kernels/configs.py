@@ -65,6 +65,11 @@ KERNELS = (
     "int8_grouped_wgrad",
     "fp8_grouped_mm",
     "fp8_grouped_wgrad",
+    "fp8q_rows",
+    "fp8q_wcols",
+    "fp8q_cols",
+    "fp8q_silu_mul",
+    "fp8q_row_dot",
 )
 
 
@@ -87,6 +92,13 @@ def _mm(name: str, warps: int, stages: int, extra: Mapping[str, Any] | None = No
     """A GEMM config named by its tile: ``m128n64k32`` is ``BLOCK_M=128, BLOCK_N=64, BLOCK_K=32``."""
     m, n, k = (int(v) for v in re.fullmatch(r"m(\d+)n(\d+)k(\d+)", name).groups())  # type: ignore[union-attr]
     return _c(name, warps, stages, extra, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k)
+
+
+def _fp8mm(name: str, warps: int, stages: int, overlap: bool = False) -> KernelConfig:
+    """An fp8 GEMM config: :func:`_mm`'s tile and its ``OVERLAP`` form (named ``<tile>+overlap``)."""
+    cfg = _mm(name, warps, stages)
+    return KernelConfig(name=name + ("+overlap" if overlap else ""), meta={**cfg.meta, "OVERLAP": overlap},
+                        num_warps=warps, num_stages=stages)
 
 
 def _counting(warps: int, extra: Mapping[str, Any] | None = None) -> dict[str, list[KernelConfig]]:
@@ -129,8 +141,24 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "int8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
         # The fp8 grouped GEMMs (triton/fp8_gemm.py, sm_89+): one-byte operands as int8's, an fp32
         # accumulator beside each k-step's partial product (the fp32 promotion of every BLOCK_K).
-        "fp8_grouped_mm": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
-        "fp8_grouped_wgrad": [_mm("m128n128k128", 8, 3), _mm("m64n128k128", 4, 3)],
+        # m128n256k128: half the A tile re-reads (the gathered rows) per output, 144 KiB of shared
+        # memory in 3 stages, 255 registers without spills on sm_90. "+overlap" (OVERLAP): each
+        # k-step's partial product is added to the fp32 accumulator while the next k-step's MMAs run
+        # (a second partial accumulator), where the plain form waits for the MMAs, then adds: the same
+        # sums in the same order, so the autotuner may pick either.
+        "fp8_grouped_mm": [_fp8mm("m128n128k128", 8, 3), _fp8mm("m64n128k128", 4, 3), _fp8mm("m128n256k128", 8, 3),
+                           _fp8mm("m128n128k128", 8, 3, overlap=True)],
+        "fp8_grouped_wgrad": [_fp8mm("m128n128k128", 8, 3), _fp8mm("m64n128k128", 4, 3),
+                              _fp8mm("m128n256k128", 8, 3), _fp8mm("m128n128k128", 8, 3, overlap=True)],
+        # The fp8 path's quantization and row passes (memory-bound, no matrix product): per-row codes
+        # (16 rows of 256 values per step), per-column codes of a transposed weight (256 columns of
+        # 16 rows), the weight gradients' column codes (64 rows x 64 columns, stored transposed: 64
+        # contiguous bytes per column), SiLU*up and the router-weight dots.
+        "fp8q_rows": [_c("c16l256", 4, 1, BLOCK_C=16, BLOCK_L=256, BLOCK_E=128)],
+        "fp8q_wcols": [_c("c256l16", 4, 1, BLOCK_C=256, BLOCK_L=16, BLOCK_E=16)],
+        "fp8q_cols": [_c("r64n64", 4, 1, BLOCK_R=64, BLOCK_N=64, BLOCK_E=128)],
+        "fp8q_silu_mul": [_c("r16i256", 4, 1, BLOCK_R=16, BLOCK_I=256)],
+        "fp8q_row_dot": [_c("r16i256", 4, 1, BLOCK_R=16, BLOCK_I=256)],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
         "tma_gate_up_fwd": [_mm("m128n64k64", 8, 4), _mm("m128n128k64", 8, 3), _mm("m64n64k64", 4, 4)],
@@ -184,6 +212,11 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
             "gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd", "grouped_mm_bwd_silu", "tma_gate_up_fwd",
             "tma_grouped_mm", "tma_grouped_mm_bwd", "tma_grouped_mm_bwd_silu", "int8_grouped_mm",
             "int8_grouped_wgrad", "fp8_grouped_mm", "fp8_grouped_wgrad")},
+        "fp8q_rows": [_c("c4l16", 1, 1, BLOCK_C=4, BLOCK_L=16, BLOCK_E=4)],
+        "fp8q_wcols": [_c("c4l8", 1, 1, BLOCK_C=4, BLOCK_L=8, BLOCK_E=4)],
+        "fp8q_cols": [_c("r8n16", 1, 1, BLOCK_R=8, BLOCK_N=16, BLOCK_E=4)],
+        "fp8q_silu_mul": [_c("r4i16", 1, 1, BLOCK_R=4, BLOCK_I=16)],
+        "fp8q_row_dot": [_c("r4i16", 1, 1, BLOCK_R=4, BLOCK_I=16)],
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "row_dot_scale": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],

@@ -36,3 +36,15 @@ def test_stage_table_has_a_share_for_every_launcher():
     for name in ("count_tokens", "down_weighted_bwd", "router_weights_bwd", "combine_dx"):
         (line,) = [ln for ln in text.splitlines() if ln.split() and ln.split()[0] == name]
         assert "%" in line, line
+
+
+def test_a_quantized_provider_times_its_kernel_set(monkeypatch):
+    """``fastmoe/<backend>:<precision>`` runs kernel set ``<backend>+<precision>`` stage by stage."""
+    import bench.stages as stages
+
+    asked = []
+    real = stages.kernels
+    monkeypatch.setattr(stages, "kernels", lambda name: asked.append(name) or real(name))
+    res = run_stages(make_case(PRESETS["tiny"]), ["torch:int8"], rounds=1, progress=False)
+    assert asked == ["torch+int8"] and res["backends"]["torch:int8"]["status"] == "ok", res["backends"]
+    assert "down_weighted_bwd" in format_stages(res)

@@ -305,3 +305,215 @@ def test_triton_fp8_bf16_close_to_reference(dev):
         # so requantized values may move to neighbouring fp8 codes: the bound is a fraction of fp8's
         # own noise (tests/test_precision.py: 0.15 against full precision)
         assert rel < 0.05, (name, rel)
+
+
+# ---------------------------------------------------------------- the quantization and row passes
+def _same_codes(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), what
+
+
+def _rows_case(seed, rows=37, width=45, dtype=torch.float32):
+    """Rows of very different sizes, a zero row, values on rounding ties and in the subnormal range."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g) * 100
+    v[3] = 0
+    v[5, 7] = 31.73  # rounds up into the next binade of e4m3 (32)
+    v[6, :5] = torch.tensor([1.0, 1e-5, -2e-6, 3e-4, -1e-3]) * v[6].abs().max()
+    return v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantize_rows_kernel_same_codes(dev, dtype, src_dtype, launched):
+    """``fp8_gemm.quantize_rows`` (one kernel) gives the codes and scales of ``core.quantize_rows``,
+    bit for bit: plain rows, rows times their expert's column scales (the input gradients': the
+    expert found on the device, an empty expert, rows past RT taking the last expert's; ``BLOCK_E``
+    smaller than the experts), and with ``routed_only`` the RT rows (the others never written)."""
+    v = _rows_case(1, dtype=src_dtype)
+    q, s = fp8_gemm.quantize_rows(v.to(dev), dtype)
+    want_q, want_s = qcore.quantize_rows(v, dtype)
+    _same_codes(q, want_q, "rows")
+    assert torch.equal(s.cpu(), want_s)
+    g = torch.Generator().manual_seed(2)
+    cum = torch.tensor([0, 10, 10, 30, 31, 31, 34], dtype=torch.int32)  # 6 experts, RT = 34 < 37 rows
+    cs = torch.rand(6, v.shape[1], generator=g) * 4
+    q, s = fp8_gemm.quantize_rows(v.to(dev), dtype, cs.to(dev), cum.to(dev))
+    eid = qcore.expert_of_rows(cum, v.shape[0]).clamp_(max=5)
+    want_q, want_s = qcore.quantize_rows(v, dtype, cs.index_select(0, eid))
+    _same_codes(q, want_q, "rows times column scales")
+    assert torch.equal(s.cpu(), want_s)
+    q, s = fp8_gemm.quantize_rows(v.to(dev), dtype, cs.to(dev), cum.to(dev), routed_only=True)
+    _same_codes(q[:34], want_q[:34], "routed rows")
+    assert torch.equal(s[:34].cpu(), want_s[:34])
+    assert launched == ["_fp8q_rows_kernel"] * 3
+
+
+def test_fp8_rounding_ties_and_subnormals(dev):
+    """The kernels' fp32 -> fp8 rounding is round-to-nearest-even like ``Tensor.to``: every midpoint
+    between neighbouring codes (ties go to the even code), values just above and below them, the
+    subnormal range and the largest code, for both formats (a row whose amax is the largest code, so
+    the scale is exactly 1 and the codes are the values rounded)."""
+    for dtype, qmax in ((E4M3, 448.0), (E5M2, 57344.0)):
+        grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        grid = grid[grid.isfinite() & (grid >= 0)].unique()
+        mid = (grid[:-1] + grid[1:]) / 2
+        vals = torch.cat([grid, mid, mid * (1 + 2.0 ** -20), mid * (1 - 2.0 ** -20), -mid])
+        vals = vals[vals.abs() <= qmax]
+        v = torch.cat([vals, torch.tensor([qmax])])[None, :]
+        q, s = fp8_gemm.quantize_rows(v.to(dev), dtype)
+        assert s.item() == 1.0
+        _same_codes(q, v.to(dtype), str(dtype))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_quantize_weight_kernel_same_codes(dev, transposed):
+    """The weights' per-output-channel codes in both stored layouts, as :func:`core.quantized_weight`
+    computes them (bf16 weights, a zero channel, odd sizes)."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(3, 13, 11, generator=g) * 3).bfloat16()
+    w[1, :, 2] = 0
+    w[2, 4] = 0
+    q, s = fp8_gemm.quantize_weight(w.to(dev), E4M3, transposed)
+    want_q, want_s = (qcore.quantize_cols if transposed else qcore.quantize_rows)(w, E4M3)
+    _same_codes(q, want_q, "weight codes")
+    assert torch.equal(s.cpu(), want_s)
+
+
+@pytest.mark.parametrize("counts", [[19, 0, 1, 16, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_cols_grouped_kernel_same_codes(dev, counts, dtype):
+    """The weight gradients' column codes (``fp8_gemm.quantize_cols_grouped_t``, one kernel) against
+    ``core.quantize_cols_grouped_t`` bit for bit, plain and gathered rows, the rows past RT (NaN,
+    inf, indices out of range) never read, the pads and the tail zero."""
+    cum, grad, x, idx = _wgrad_case(counts, 21, 37, seed=5)
+    pcum = qcore.padded_bounds(cum)
+    length = qcore.padded_length(len(idx), len(counts))
+    for v, vidx in ((grad, None), (x, idx)):
+        pcum_out = torch.full((len(counts) + 1,), -1, dtype=torch.int32, device=dev)
+        q, s = fp8_gemm.quantize_cols_grouped_t(v.to(dev), dtype, cum.to(dev), length,
+                                                idx=None if vidx is None else vidx.to(dev), padded_cum_out=pcum_out)
+        want_q, want_s = qcore.quantize_cols_grouped_t(v, dtype, cum, pcum, length, idx=vidx)
+        _same_codes(q, want_q, "gathered" if vidx is not None else "rows")
+        assert torch.equal(s.cpu(), want_s)
+        assert torch.equal(pcum_out.cpu(), pcum)  # the blocks' bounds, summed on the device
+
+
+def test_quantize_cols_grouped_silu_rows(dev):
+    """The down weight gradient's input operand made from ``gate_up``: ``w[r] * silu(gate_r) * up_r``
+    in fp32 per column over each expert's rows. The kernel's exp is not torch's to the last bit, so
+    against ``core.quantize_cols_grouped_t`` of the torch-computed rows: scales to fp32 rounding and
+    codes equal but for the rare value within an ulp of a rounding boundary (one code step there)."""
+    counts = [19, 0, 1, 16, 33]
+    g = torch.Generator().manual_seed(6)
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    R, inter = sum(counts) + 3, 29
+    gate_up = torch.randn(R, 2 * inter, generator=g) * 3
+    gate_up[sum(counts):] = float("nan")  # past RT: never read
+    rw = torch.rand(R, generator=g)
+    pcum = qcore.padded_bounds(cum)
+    length = qcore.padded_length(R, len(counts))
+    q, s = fp8_gemm.quantize_cols_grouped_t(gate_up.to(dev), E4M3, cum.to(dev), length, row_weights=rw.to(dev),
+                                            silu=True)
+    a = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:] * rw[:, None]
+    want_q, want_s = qcore.quantize_cols_grouped_t(a, E4M3, cum, pcum, length)
+    torch.testing.assert_close(s.cpu(), want_s, rtol=4 * 2.0 ** -24, atol=0)
+    got, want = q.cpu().float(), want_q.float()
+    differ = got != want
+    assert differ.sum() <= max(1, got.numel() // 1000), int(differ.sum())
+    # one code step at most: within 2^-3 of the value (e4m3's 3 mantissa bits) or the subnormal step
+    assert ((got - want).abs() <= want.abs() / 8 + 2.0 ** -9)[differ].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_mul_and_row_dot_kernels(dev, dtype):
+    """``silu_mul`` (the forward's h) and ``row_dot_scale`` (after the down input gradient: the router
+    weights' gradient ``<g, h>`` and ``dh = w * g``) against torch on the routed rows; the rows past
+    RT are left untouched."""
+    g = torch.Generator().manual_seed(7)
+    cum = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    R, inter = 17, 21
+    gate_up = (torch.randn(R, 2 * inter, generator=g) * 3).to(dtype)
+    h = torch.full((R, inter), 7.0, dtype=dtype)
+    got = fp8_gemm.silu_mul(gate_up.to(dev), cum.to(dev), h.to(dev)).cpu()
+    want = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(dtype)
+    tol = dict(rtol=4e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(got[:14], want[:14], **tol)
+    assert got[14:].eq(7.0).all()
+    grad = torch.randn(R, inter, generator=g)
+    rw = torch.rand(R, generator=g)
+    dh = torch.full((R, inter), 7.0, dtype=dtype, device=dev)
+    d_row = torch.full((R,), 7.0, device=dev)
+    fp8_gemm.row_dot_scale(grad.to(dev), gate_up.to(dev), rw.to(dev), cum.to(dev), dh, d_row)
+    hf = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+    torch.testing.assert_close(d_row.cpu()[:14], (grad * hf).sum(1)[:14], rtol=1e-5, atol=1e-5)
+    assert torch.equal(dh.cpu()[:14], (grad * rw[:, None]).to(dtype)[:14])
+    assert dh.cpu()[14:].eq(7.0).all() and d_row.cpu()[14:].eq(7.0).all()
+
+
+def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bounds):
+    """Many experts, a local slice of them (rows past RT in every row buffer, left uninitialised by
+    the fp8 path), some empty: output and every gradient against the reference, every operand
+    quantized by the one-pass kernels (no eager quantization: ``core``'s quantizers made to fail),
+    the weights quantized once per forward and found again by the backward."""
+    x, weights, idx, w_gu, w_d, dout = _case(29, 24, 20, 16, 4, seed=8)
+    start, nl = 3, 9
+    w_gu, w_d = w_gu[start:start + nl].contiguous(), w_d[start:start + nl].contiguous()
+    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    real = qcore._quantize_eager, qcore.quantize_cols_grouped_t
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager quantization on the Triton fp8 path")
+
+    qcore._quantize_eager = qcore.quantize_cols_grouped_t = refuse
+    try:
+        out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                                  expert_start=start, num_local=nl, expert_precision="fp8")
+        out.backward(dout.to(dev))
+    finally:
+        qcore._quantize_eager, qcore.quantize_cols_grouped_t = real
+    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8", expert_start=start)
+    tol = _layer_tol(dev)
+    _close(out, want[0], "output", tol)
+    _close(leaves[0].grad, want[1], "input gradient", tol)
+    _close(leaves[2].grad, want[2], "gate_up weight gradient", tol)
+    _close(leaves[3].grad, want[3], "down weight gradient", tol)
+    _close(leaves[1].grad, want[4], "router-weight gradient", tol)
+    # two weights quantized in the forward, none again in the backward
+    assert launched.count("_fp8q_rows_kernel") == 2 + 2 + 2, launched  # + x, h; + two input gradients
+    assert launched.count("_fp8q_cols_kernel") == 4, launched
+
+
+def test_overlapped_promotion_gives_the_same_sums(dev, monkeypatch):
+    """The ``OVERLAP`` form of both GEMMs (each k-step's partial product added to the accumulator
+    while the next k-step's MMAs run, a config the autotuner may pick) returns exactly what the plain
+    form returns: the same partial sums added in the same order. K = 37 and 53 rows per expert: the
+    partial of the last, ragged k-step included."""
+    from fastmoe_xpu.kernels import configs
+
+    g = torch.Generator().manual_seed(9)
+    counts = [19, 0, 1, 33]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    R, N, K = sum(counts) + 2, 21, 37
+    qa, sa = _codes((29, K), E4M3, g), torch.rand(29, generator=g)
+    idx = torch.randint(0, 29, (R,), generator=g, dtype=torch.int32)
+    qw, sw = _codes((4, N, K), E4M3, g), torch.rand(4, N, generator=g)
+    _, grad, x, widx = _wgrad_case(counts, N, K, seed=10)
+    pcum = qcore.padded_bounds(cum)
+    length = qcore.padded_length(len(widx), len(counts))
+    ql, sl = qcore.quantize_cols_grouped_t(grad, E5M2, cum, pcum, length)
+    qr, sr = qcore.quantize_cols_grouped_t(x, E4M3, cum, pcum, length, idx=widx)
+    table = configs.table_for(dev)
+    results = []
+    for overlap in (False, True):
+        for kernel in (fp8_gemm.KERNEL, fp8_gemm.WGRAD_KERNEL):
+            base = configs.configs(table, kernel)[0]
+            monkeypatch.setitem(configs.CONFIGS[table], kernel, [configs.KernelConfig(
+                base.name, {**base.meta, "OVERLAP": overlap}, base.num_warps, base.num_stages, base.extra_options)])
+        out = torch.zeros(R, N, device=dev)
+        fp8_gemm.fp8_grouped_mm(qa.to(dev), sa.to(dev), idx.to(dev), qw.to(dev), sw.to(dev), cum.to(dev), out, True)
+        dw = torch.zeros(len(counts), N, K, device=dev)
+        fp8_gemm.fp8_grouped_wgrad(ql.to(dev), sl.to(dev), qr.to(dev), sr.to(dev), pcum.to(dev), dw)
+        results.append((out.cpu(), dw.cpu()))
+    assert results[0][0].abs().sum() > 0 and results[0][1].abs().sum() > 0
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -319,19 +319,24 @@ _WEIGHTS: dict[int, tuple[weakref.ref, int, torch.dtype, bool, QWeight]] = {}
 
 
 def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
-                     reuse: bool = False) -> QWeight:
+                     reuse: bool = False, quantize=None) -> QWeight:  # noqa: ANN001
     """``w [NR, O, In]`` (``transposed``: stored ``[NR, In, O]``) quantized per output channel.
 
     The forward (``reuse=False``) quantizes and remembers the result for this tensor object and its
     version; the backward (``reuse=True``) takes it back when the same tensor is unchanged since,
     else quantizes again. An in-place update (an optimizer step) bumps the version, and a freed
-    tensor's entry is dropped with it, so a stale copy is never used."""
+    tensor's entry is dropped with it, so a stale copy is never used. ``quantize(w, dtype,
+    transposed)``: another implementation of the same codes and scales (the Triton fp8 path's
+    one-pass kernel) instead of :func:`quantize_rows` / :func:`quantize_cols`."""
     key = id(w)
     if reuse:
         hit = _WEIGHTS.get(key)
         if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == dtype and hit[3] == transposed:
             return hit[4]
-    q = quantize_cols(w, dtype) if transposed else quantize_rows(w, dtype)
+    if quantize is not None:
+        q = quantize(w, dtype, transposed)
+    else:
+        q = quantize_cols(w, dtype) if transposed else quantize_rows(w, dtype)
     qw = QWeight(*q)
     try:
         ref = weakref.ref(w, lambda _r, k=key: _WEIGHTS.pop(k, None))

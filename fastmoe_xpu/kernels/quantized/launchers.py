@@ -23,6 +23,17 @@ scale it gets alone, and the per-column scales of the weight gradients are the s
 codes and scales are the same too; its fp32 sums may differ from ``torch._scaled_mm``'s by the
 order of summation.
 
+fp8 next to the Triton base also quantizes in Triton (:mod:`..triton.fp8_gemm`'s ``fp8q_*``
+passes, one kernel per operand, each reading its tensor in its own dtype: no fp32 copy, no
+per-row scale tensor, no atomics): the weights per output channel (still once per forward, found
+again by the backward), x and h per row, each input gradient's rows times their expert's weight
+scales (the expert found on the device), the weight gradients' operands per column over each
+expert's rows straight into the column-major aligned layout (the down projection's ``w * h``
+recomputed from ``gate_up`` on the way); SiLU*up and the router-weight dots are kernels too. The
+codes and scales are those of :mod:`.core`'s quantizers (the tests check it bit for bit; SiLU's
+exp may differ from torch's in the last bit). Row buffers past RT are left unwritten there (the
+contract's "unspecified").
+
 :mod:`.reference` states the same maths expert by expert in plain PyTorch; the tests hold these
 launchers to it.
 
@@ -37,8 +48,8 @@ from typing import Any, Callable
 import torch
 
 from ..contract import check_gemm_inputs, check_stored_gemm_inputs
-from .core import (FORMATS, expert_of_rows, padded_bounds, padded_length, qmm, quantize_cols, quantize_cols_grouped,
-                   quantize_cols_grouped_t, quantize_rows, quantized_weight)
+from .core import (FORMATS, expert_of_rows, padded_length, qmm, quantize_cols, quantize_cols_grouped, quantize_rows,
+                   quantized_weight)
 
 
 def _groups(cum_token_counts: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]]:
@@ -96,6 +107,49 @@ def _grouped_mm(fmt: str, *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN
     return (k.int8_grouped_mm if fmt == "int8" else k.fp8_grouped_mm)(*args, **kwargs)
 
 
+def _fp8_triton(grouped: bool, fmt: str, device: torch.device):  # noqa: ANN202
+    """The Triton fp8 module where format ``fmt`` is fp8 and its Triton kernels run this call, else None:
+    there every operand is quantized by its one-pass kernels too (no fp32 copy, no host read)."""
+    if fmt != "fp8" or not _grouped(grouped, fmt, device):
+        return None
+    return _kernels(fmt)
+
+
+def _weight(w: torch.Tensor, f, transposed: bool, reuse: bool, k) -> "QWeight":  # noqa: ANN001, F821
+    """The weight's codes (:func:`.core.quantized_weight`), quantized by the Triton kernel where ``k``."""
+    return quantized_weight(w, f.forward, transposed, reuse=reuse,
+                            quantize=k.quantize_weight if k is not None else None)
+
+
+def _fp8_backward(k, g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, d_rows: torch.Tensor,
+                  dw: torch.Tensor, transposed: bool = False, a_idx: torch.Tensor | None = None,
+                  a_silu_weights: torch.Tensor | None = None) -> None:  # noqa: ANN001
+    """:func:`_grouped_backward` on the Triton fp8 kernels, every operand quantized in one pass: the
+    input gradient's rows times their expert's weight scales (found on the device), and the weight
+    gradient's column codes of ``g`` and of ``a`` (``a_idx``: the rows ``a[a_idx]``;
+    ``a_silu_weights``: ``a`` is ``gate_up`` and the rows are ``a_silu_weights[r] * silu(gate_r) *
+    up_r``, recomputed in fp32 on the way)."""
+    R = d_rows.shape[0]
+    if R == 0:
+        dw.zero_()
+        return
+    qg, sg = k.quantize_rows(g[:R], f.grad, qw.scales, cum_token_counts, routed_only=True)
+    k.fp8_grouped_mm(qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
+    NR = cum_token_counts.numel() - 1
+    pcum = torch.empty(NR + 1, dtype=torch.int32, device=g.device)  # the blocks' bounds, summed by the kernel
+    length = padded_length(R, NR)
+    qgc, sgc = k.quantize_cols_grouped_t(g, f.grad, cum_token_counts, length, padded_cum_out=pcum)
+    if a_silu_weights is not None:
+        qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, length, row_weights=a_silu_weights,
+                                           silu=True)
+    else:
+        qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, length, idx=a_idx)
+    if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
+        k.fp8_grouped_wgrad(qa, sa, qgc, sgc, pcum, dw, left_scale_first=False)
+    else:
+        k.fp8_grouped_wgrad(qgc, sgc, qa, sa, pcum, dw, left_scale_first=True)
+
+
 def _grouped_input_grad(g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, d_rows: torch.Tensor,
                         transposed: bool) -> None:  # noqa: ANN001
     """All experts' input gradients in one Triton grouped GEMM: each row of ``g`` times its
@@ -110,28 +164,16 @@ def _grouped_input_grad(g: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, 
 def _grouped_backward(g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: torch.Tensor,
                       d_rows: torch.Tensor, dw: torch.Tensor, transposed: bool = False,
                       a_idx: torch.Tensor | None = None) -> None:  # noqa: ANN001
-    """The Triton grouped backward of one projection, expert bounds on the device: the input
+    """The Triton int8 grouped backward of one projection, expert bounds on the device: the input
     gradients of rows ``g`` into ``d_rows`` (one grouped GEMM), and the weight gradients
     ``[g]_col^T [a]_col`` per expert into ``dw`` (``a_idx``: the input rows are ``a[a_idx]``), both
-    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM
-    (fp8: the codes stored by column, each expert's rows aligned, :func:`.core.quantize_cols_grouped_t`)."""
+    operands quantized per column over each expert's rows, in one grouped weight-gradient GEMM (fp8:
+    :func:`_fp8_backward`)."""
     if d_rows.shape[0] == 0:
         dw.zero_()
         return
     _grouped_input_grad(g, qw, f, cum_token_counts, d_rows, transposed)
     R = d_rows.shape[0]
-    if f.name == "fp8":
-        from ..triton.fp8_gemm import fp8_grouped_wgrad
-
-        pcum = padded_bounds(cum_token_counts)
-        length = padded_length(R, cum_token_counts.numel() - 1)
-        qg, sg = quantize_cols_grouped_t(g, f.grad, cum_token_counts, pcum, length)
-        qa, sa = quantize_cols_grouped_t(a, f.forward, cum_token_counts, pcum, length, idx=a_idx)
-        if transposed:  # dW_e^T = [a]^T [g], the gradient's scales applied first as in the stored layout
-            fp8_grouped_wgrad(qa, sa, qg, sg, pcum, dw, left_scale_first=False)
-        else:
-            fp8_grouped_wgrad(qg, sg, qa, sa, pcum, dw, left_scale_first=True)
-        return
     from ..triton.int8_gemm import int8_grouped_wgrad
 
     qg, sg = quantize_cols_grouped(g, f.grad, cum_token_counts, rows=R)
@@ -161,7 +203,17 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
     f = FORMATS[fmt]
     two_i = w_gate_up_N2IH.shape[1]
-    qw = quantized_weight(w_gate_up_N2IH, f.forward)
+    k = _fp8_triton(grouped, fmt, x_TH.device)
+    qw = _weight(w_gate_up_N2IH, f, False, False, k)
+    if k is not None:  # rows past RT: unspecified (the contract's), so not filled
+        R = input_indices.shape[0]
+        gate_up = x_TH.new_empty(R, two_i)
+        h = x_TH.new_empty(R, two_i // 2)
+        if x_TH.shape[0]:  # every token quantized once; the kernel gathers the routed rows' codes
+            qx, sx = k.quantize_rows(x_TH, f.forward)
+            k.fp8_grouped_mm(qx, sx, input_indices, qw.codes, qw.scales, cum_token_counts, gate_up, trans_w=True)
+            k.silu_mul(gate_up, cum_token_counts, h)
+        return gate_up, h
     if _grouped(grouped, fmt, x_TH.device):
         gate_up = x_TH.new_zeros(input_indices.shape[0], two_i)
         if x_TH.shape[0]:  # every token quantized once; the kernel gathers the routed rows' codes
@@ -187,7 +239,12 @@ def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_dow
     check_stored_gemm_inputs(h_RI, w_down_NHI, cum_token_counts, "down_fwd", transposed)
     f = FORMATS[fmt]
     width = w_down_NHI.shape[2] if transposed else w_down_NHI.shape[1]
-    qw = quantized_weight(w_down_NHI, f.forward, transposed)
+    k = _fp8_triton(grouped, fmt, h_RI.device)
+    qw = _weight(w_down_NHI, f, transposed, False, k)
+    if k is not None:
+        y = h_RI.new_empty(h_RI.shape[0], width)
+        qh, sh = k.quantize_rows(h_RI, f.forward, cum_token_counts=cum_token_counts, routed_only=True)
+        return k.fp8_grouped_mm(qh, sh, None, qw.codes, qw.scales, cum_token_counts, y, trans_w=not transposed)
     if _grouped(grouped, fmt, h_RI.device):
         y = h_RI.new_zeros(h_RI.shape[0], width)
         qh, sh = quantize_rows(h_RI, f.forward)  # row-local: rows past RT change no expert row
@@ -212,7 +269,12 @@ def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts
     f = FORMATS[fmt]
     width = w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]
     dw = torch.empty_like(w_down_NHI)
-    qw = quantized_weight(w_down_NHI, f.forward, transposed, reuse=True)
+    k = _fp8_triton(grouped, fmt, dy_RH.device)
+    qw = _weight(w_down_NHI, f, transposed, True, k)
+    if k is not None:
+        dh = dy_RH.new_empty(dy_RH.shape[0], width)
+        _fp8_backward(k, dy_RH, h_RI, qw, f, cum_token_counts, dh, dw, transposed)
+        return dh, dw
     if _grouped(grouped, fmt, dy_RH.device):
         dh = dy_RH.new_zeros(dy_RH.shape[0], width)
         _grouped_backward(dy_RH, h_RI, qw, f, cum_token_counts, dh, dw, transposed)
@@ -231,7 +293,16 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     f = FORMATS[fmt]
     inter = w_down_NHI.shape[2]
     dw = torch.empty_like(w_down_NHI)
-    qw = quantized_weight(w_down_NHI, f.forward, reuse=True)
+    k = _fp8_triton(grouped, fmt, dy_RH.device)
+    qw = _weight(w_down_NHI, f, False, True, k)
+    if k is not None:  # h recomputed inside the kernels: the weight gradient's codes, the row dots
+        R = dy_RH.shape[0]
+        g = torch.empty(R, inter, dtype=torch.float32, device=dy_RH.device)
+        _fp8_backward(k, dy_RH, gate_up_R2I, qw, f, cum_token_counts, g, dw, a_silu_weights=row_weights_R)
+        dh = dy_RH.new_empty(R, inter)
+        d_row_w = torch.empty(R, dtype=torch.float32, device=dy_RH.device)
+        k.row_dot_scale(g, gate_up_R2I, row_weights_R, cum_token_counts, dh, d_row_w)
+        return dh, dw, d_row_w
     if _grouped(grouped, fmt, dy_RH.device):
         # all R rows, those past RT zeroed (their contents are unspecified) without reading RT
         rt = dy_RH.shape[0]  # every row computed: RT is not read
@@ -261,7 +332,12 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
     f = FORMATS[fmt]
     dw = torch.empty_like(w_gate_up_N2IH)
-    qw = quantized_weight(w_gate_up_N2IH, f.forward, reuse=True)
+    k = _fp8_triton(grouped, fmt, x_TH.device)
+    qw = _weight(w_gate_up_N2IH, f, False, True, k)
+    if k is not None:
+        dx_rows = x_TH.new_empty(d_gate_up_R2I.shape[0], x_TH.shape[1])
+        _fp8_backward(k, d_gate_up_R2I, x_TH, qw, f, cum_token_counts, dx_rows, dw, a_idx=input_indices)
+        return dx_rows, dw
     if _grouped(grouped, fmt, x_TH.device):
         dx_rows = x_TH.new_zeros(d_gate_up_R2I.shape[0], x_TH.shape[1])
         _grouped_backward(d_gate_up_R2I, x_TH, qw, f, cum_token_counts, dx_rows, dw, a_idx=input_indices)

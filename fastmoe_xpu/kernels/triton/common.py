@@ -102,3 +102,79 @@ def block_ptr_dot(a_bp, b_bp, acc, length, BLOCK_K: tl.constexpr, DOT_PRECISION:
         a_bp = tl.advance(a_bp, (0, BLOCK_K))
         b_bp = tl.advance(b_bp, (BLOCK_K, 0))
     return acc
+
+
+@triton.jit
+def round_to_grid(x, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even onto the grid of a narrower float format with ``MANT``
+    mantissa bits and smallest normal exponent ``MIN_EXP`` (its subnormals included; no overflow
+    handling), in fp32 arithmetic: adding ``1.5 * 2**23`` quanta of x's binade rounds to a multiple
+    of the quantum, subtracting them is exact; the sign bit is kept as it was (-0 stays -0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    magic = (((e - MANT + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + magic) - magic
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_fp8(x, code_ty: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """fp32 ``x`` (``|x|`` at most the format's largest code) as ``code_ty`` rounded to nearest even,
+    as ``Tensor.to(float8)`` rounds. ``ROUND_FIRST`` (the interpreter): :func:`round_to_grid` first
+    (``MANT``, ``MIN_EXP``: the format's), so that the cast only narrows an exact value: Triton's
+    interpreter rounds fp32 to narrower floats wrongly (ties away from zero, and a mantissa that
+    rounds up does not carry into the exponent: 31.73 becomes 16 in e4m3); the GPUs' ``cvt.rn``
+    rounds right by itself."""
+    if ROUND_FIRST:
+        x = round_to_grid(x, MANT, MIN_EXP)
+    return x.to(code_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def to_float(x, out_ty: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """fp32 ``x`` as ``out_ty`` (fp32, bf16 or fp16) rounded to nearest even; ``ROUND_FIRST``: as in
+    :func:`to_fp8`, for the interpreter."""
+    if ROUND_FIRST:
+        if out_ty == tl.bfloat16:
+            x = round_to_grid(x, 7, -126)
+        elif out_ty == tl.float16:
+            x = round_to_grid(x, 10, -14)
+    return x.to(out_ty, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def inverse_scale(amax, QMAX: tl.constexpr):
+    """``qmax / amax`` (zero where ``amax`` is zero) and the scale ``amax / qmax``, both correctly
+    rounded (Triton's ``/`` on fp32 is an approximate division on NVIDIA GPUs)."""
+    qm = tl.full(amax.shape, QMAX, tl.float32)
+    inv = tl.where(amax > 0, tl.math.div_rn(qm, tl.where(amax > 0, amax, 1.0)), 0.0)
+    return inv, tl.math.div_rn(amax, qm)
+
+
+@triton.jit
+def silu(x):
+    """``x / (1 + exp(-x))`` of fp32 ``x`` (torch's formula)."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def grouped_rows(v_ptr, idx_ptr, rw_ptr, rows, r_mask, offs_n, n_mask, N, stride_v,
+                 GATHER: tl.constexpr, SILU: tl.constexpr, ROW_W: tl.constexpr):
+    """fp32 ``[len(rows), BLOCK_N]`` values of rows ``rows`` (int64), columns ``offs_n``: ``v[src]``
+    (``src = idx[rows]`` when ``GATHER``), or ``silu(gate) * up`` of ``gate_up = v`` (``SILU``: gate at
+    column n, up at ``N + n``), times ``rw[rows]`` (``ROW_W``); zero where masked."""
+    if GATHER:
+        src = tl.load(idx_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+    else:
+        src = rows
+    mask = r_mask[:, None] & n_mask[None, :]
+    ptrs = v_ptr + src[:, None] * stride_v + offs_n[None, :]
+    if SILU:
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        v = silu(gate) * up
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ROW_W:
+        v = v * tl.load(rw_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+    return v

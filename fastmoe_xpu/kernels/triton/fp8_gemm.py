@@ -45,7 +45,7 @@ from ..configs import table_for, CONFIGS
 from ..quantized.core import ROW_ALIGN
 from . import autotune
 from . import launch as _launch
-from .common import expert_rows, tile, weight_tile_ptrs
+from .common import expert_rows, grouped_rows, inverse_scale, silu, tile, to_float, to_fp8, weight_tile_ptrs
 from .grouped_gemm import _row_programs
 
 #: The config key of :func:`fp8_grouped_mm` in ``configs.py``.
@@ -73,11 +73,16 @@ def _fp8_grouped_mm_kernel(
     TRANS_W: tl.constexpr,
     GATHER: tl.constexpr,
     HAS_SW: tl.constexpr,
+    OVERLAP: tl.constexpr = False,
 ):
     """Grid ``(P, ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of
     expert e and output columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``qa [rows, K]`` fp8, ``sa
     [rows]`` fp32, ``idx [R]`` int32 (``GATHER``), ``W`` fp8, ``sw [NR, N]`` fp32 (``HAS_SW``),
     ``cum_token_counts [NR+1]`` int32; writes ``out [R, N]`` (its dtype) for the experts' rows only.
+    ``OVERLAP``: each k-step's ``tl.dot`` starts from zero into a second accumulator and the previous
+    k-step's partial is added to ``acc`` after it is issued, so the fp32 additions run beside the
+    tensor cores instead of after them; the same partial sums added in the same order as
+    ``max_num_imprecise_acc = BLOCK_K`` does, hence the same result.
     """
     e, row_start, n_rows = expert_rows(cum_token_ptr)
     row0 = row_start.to(tl.int64)
@@ -98,13 +103,21 @@ def _fp8_grouped_mm_kernel(
         a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
         b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+            if OVERLAP:
+                nxt = tl.dot(a, b, out_dtype=tl.float32)
+                acc += part
+                part = nxt
+            else:
+                acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
             a_ptrs += BLOCK_K
             b_ptrs += b_step
+        if OVERLAP:
+            acc += part
         res = acc * sa[:, None]
         if HAS_SW:
             res = res * sw[None, :]
@@ -128,6 +141,7 @@ def _fp8_grouped_wgrad_kernel(
     BLOCK_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
     LEFT_SCALE_FIRST: tl.constexpr,
+    OVERLAP: tl.constexpr = False,
 ):
     """The weight gradient ``out[e] = (ql_e^T @ qr_e) * sl[e][:, None] * sr[e][None, :]`` over
     expert e's block of rows.
@@ -144,6 +158,7 @@ def _fp8_grouped_wgrad_kernel(
     writes zeros). ``sl [NR, M]`` and ``sr [NR, N]`` fp32; writes ``out [NR, M, N]`` (its dtype).
     The epilogue multiplies the fp32 sums by ``sl`` then ``sr`` (``LEFT_SCALE_FIRST``) or ``sr``
     then ``sl``: the gradient side's scales first, as the reference does, in either weight layout.
+    ``OVERLAP``: as in :func:`_fp8_grouped_mm_kernel`.
     """
     e = tl.program_id(2)
     start = tl.multiple_of(tl.load(pcum_ptr + e), ROW_ALIGN)
@@ -155,13 +170,21 @@ def _fp8_grouped_wgrad_kernel(
     lt_ptrs = l_ptr + offs_m[:, None].to(tl.int64) * LD + (row0 + offs_k[None, :])  # ql_e^T [BLOCK_M, BLOCK_K]
     r_ptrs = r_ptr + offs_n[None, :].to(tl.int64) * LD + (row0 + offs_k[:, None])  # qr_e [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, length, BLOCK_K):
         k_mask = offs_k < length - k0
         a = tl.load(lt_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(r_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        if OVERLAP:
+            nxt = tl.dot(a, b, out_dtype=tl.float32)
+            acc += part
+            part = nxt
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         lt_ptrs += BLOCK_K
         r_ptrs += BLOCK_K
+    if OVERLAP:
+        acc += part
     sl = tl.load(sl_ptr + e.to(tl.int64) * M + offs_m, mask=m_mask, other=0.0)
     sr = tl.load(sr_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
     res = acc
@@ -176,13 +199,232 @@ def _fp8_grouped_wgrad_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+# ---------------------------------------------------------------- the quantization and row passes
+# (config keys ``fp8q_*``): the operands of the GEMMs above made from the layer's tensors in one
+# Triton pass each, with no fp32 copy of a whole tensor and no host read.
+
+@triton.jit
+def _fp8q_rows_kernel(
+    v_ptr,
+    cs_ptr,
+    cum_token_ptr,
+    q_ptr,
+    s_ptr,
+    C,
+    L,
+    NR,
+    QMAX: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
+    COLS: tl.constexpr,
+    HAS_CS: tl.constexpr,
+    ROUTED_ONLY: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Per-line quantization: ``v`` holds B blocks of C lines of L values, one fp32 scale per line
+    (``amax / qmax``, ``s [B, C]``) and codes ``round(v * qmax / amax)`` (``q``, v's layout). A line is
+    a row of ``v [B, C, L]`` or (``COLS``) a column of ``v [B, L, C]``: the weights quantized per
+    output channel in either stored layout, the activations per row. ``HAS_CS`` (rows): each row r
+    is first multiplied by its expert's column scales ``cs [NR, L]`` (fp32), the expert found from
+    ``cum_token_counts [NR+1]`` on the device (rows past RT: the last expert's), as the input
+    gradients need (``dy * s(W)``). ``ROUTED_ONLY`` (rows): programs past RT exit (their rows'
+    codes are unspecified). Two sweeps over each line: the amax, then the codes (the same fp32
+    operations as :func:`..quantized.core.quantize_rows`, so the same codes and scales).
+
+    Grid ``(ceil(C/BLOCK_C), B)``."""
+    b = tl.program_id(1).to(tl.int64)
+    offs_c, c_mask = tile(tl.program_id(0), BLOCK_C, C)
+    if ROUTED_ONLY:
+        c_mask = c_mask & (offs_c < tl.load(cum_token_ptr + NR))
+    if COLS:
+        base = b * C * L + offs_c.to(tl.int64)[:, None]
+        step = C
+    else:
+        base = b * C * L + offs_c.to(tl.int64)[:, None] * L
+        step = 1
+    offs_l = tl.arange(0, BLOCK_L)
+    if HAS_CS:
+        below = tl.zeros((BLOCK_C,), dtype=tl.int32)
+        for e0 in range(0, NR, BLOCK_E):
+            offs_e = e0 + tl.arange(0, BLOCK_E)
+            bound = tl.load(cum_token_ptr + 1 + offs_e, mask=offs_e < NR, other=2147483647)
+            below += tl.sum((bound[None, :] <= offs_c[:, None]).to(tl.int32), axis=1)
+        cs_rows = cs_ptr + tl.minimum(below, NR - 1).to(tl.int64)[:, None] * L
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        offs = l0 + offs_l
+        mask = c_mask[:, None] & (offs[None, :] < L)
+        at = base + offs.to(tl.int64)[None, :] * step
+        v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CS:
+            v = v * tl.load(cs_rows + offs[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    inv, scale = inverse_scale(amax, QMAX)
+    tl.store(s_ptr + b * C + offs_c, scale, mask=c_mask)
+    code_ty = q_ptr.dtype.element_ty
+    for l0 in range(0, L, BLOCK_L):
+        offs = l0 + offs_l
+        mask = c_mask[:, None] & (offs[None, :] < L)
+        at = base + offs.to(tl.int64)[None, :] * step
+        v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CS:
+            v = v * tl.load(cs_rows + offs[None, :], mask=mask, other=0.0)
+        tl.store(q_ptr + at, to_fp8(v * inv[:, None], code_ty, MANT, MIN_EXP, ROUND_FIRST), mask=mask)
+
+
+@triton.jit
+def _fp8q_cols_kernel(
+    v_ptr,
+    idx_ptr,
+    rw_ptr,
+    cum_token_ptr,
+    pcum_ptr,
+    q_ptr,
+    s_ptr,
+    N,
+    LD,
+    NR,
+    stride_v,
+    QMAX: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
+    GATHER: tl.constexpr,
+    SILU: tl.constexpr,
+    ROW_W: tl.constexpr,
+    WRITE_PCUM: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """The weight gradient's operand (:func:`fp8_grouped_wgrad`): the rows of each expert quantized
+    per column over that expert's rows, the codes stored by column. Writes ``q [N, LD]`` (expert e's
+    codes at ``pcum[e] ..``, zeros to ``pcum[e+1]`` and from ``pcum[NR]`` to ``LD``) and ``s [NR, N]``
+    fp32 (zero for an empty expert): what :func:`..quantized.core.quantize_cols_grouped_t` computes
+    with eight passes over fp32 copies and atomics, here two sweeps over each expert's rows (the
+    amax, then the codes), the rows read as :func:`.common.grouped_rows` describes. The blocks'
+    bounds ``pcum`` (:func:`..quantized.core.padded_bounds`: each expert's row count rounded up to
+    ``ROW_ALIGN``, back to back) are summed here from ``cum_token_counts [NR+1]``, ``BLOCK_E``
+    experts at a time; ``WRITE_PCUM``: stored to ``pcum [NR+1]`` int32 for the GEMM.
+
+    Grid ``(ceil(N/BLOCK_N), NR + 1)``: program ``(n, e)`` owns columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``
+    of expert e; the programs ``e = NR`` write the zeros past the last block."""
+    e = tl.program_id(1)
+    is_expert = e < NR
+    ec = tl.minimum(e, NR - 1)
+    row0 = tl.load(cum_token_ptr + ec)
+    n_rows = tl.where(is_expert, tl.load(cum_token_ptr + ec + 1) - row0, 0)
+    p0 = 0
+    for e0 in range(0, NR, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)
+        before = offs_e < e  # (e <= NR)
+        lo = tl.load(cum_token_ptr + offs_e, mask=before, other=0)
+        hi = tl.load(cum_token_ptr + offs_e + 1, mask=before, other=0)
+        p0 += tl.sum((hi - lo + (ROW_ALIGN - 1)) // ROW_ALIGN * ROW_ALIGN, axis=0)
+    p0 = tl.multiple_of(p0, ROW_ALIGN)
+    block = tl.where(is_expert, (n_rows + (ROW_ALIGN - 1)) // ROW_ALIGN * ROW_ALIGN, LD - p0)
+    if WRITE_PCUM:
+        if tl.program_id(0) == 0:
+            tl.store(pcum_ptr + e, p0)
+    offs_n, n_mask = tile(tl.program_id(0), BLOCK_N, N)
+    offs_r = tl.arange(0, BLOCK_R)
+    amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        r = r0 + offs_r
+        r_mask = r < n_rows
+        v = grouped_rows(v_ptr, idx_ptr, rw_ptr, (row0 + r).to(tl.int64), r_mask, offs_n, n_mask, N, stride_v,
+                          GATHER, SILU, ROW_W)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    inv, scale = inverse_scale(amax, QMAX)
+    tl.store(s_ptr + ec.to(tl.int64) * N + offs_n, scale, mask=offs_n < tl.where(is_expert, N, 0))
+    code_ty = q_ptr.dtype.element_ty
+    q_cols = q_ptr + offs_n.to(tl.int64)[None, :] * LD + p0
+    for r0 in range(0, block, BLOCK_R):
+        r = r0 + offs_r
+        r_mask = r < n_rows
+        v = grouped_rows(v_ptr, idx_ptr, rw_ptr, (row0 + r).to(tl.int64), r_mask, offs_n, n_mask, N, stride_v,
+                          GATHER, SILU, ROW_W)
+        codes = to_fp8(v * inv[None, :], code_ty, MANT, MIN_EXP, ROUND_FIRST)
+        tl.store(q_cols + r[:, None], codes, mask=(r[:, None] < block) & n_mask[None, :])
+
+
+@triton.jit
+def _fp8q_silu_mul_kernel(
+    gate_up_ptr,
+    h_ptr,
+    cum_token_ptr,
+    R,
+    I,
+    NR,
+    ROUND_FIRST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """``h = silu(gate) * up`` in fp32 from ``gate_up [R, 2I]``, stored in h's dtype (``h [R, I]``),
+    for the RT routed rows (read on the device; the rows past RT are left as they are).
+    Grid ``(ceil(R/BLOCK_R),)``."""
+    row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_mask = offs_r < row_end
+    out_ty = h_ptr.dtype.element_ty
+    for i0 in range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask = r_mask[:, None] & (offs_i[None, :] < I)
+        gu = gate_up_ptr + offs_r[:, None] * 2 * I + offs_i[None, :]
+        gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
+        h = silu(gate) * up
+        tl.store(h_ptr + offs_r[:, None] * I + offs_i[None, :], to_float(h, out_ty, ROUND_FIRST), mask=mask)
+
+
+@triton.jit
+def _fp8q_row_dot_kernel(
+    g_ptr,
+    gate_up_ptr,
+    rw_ptr,
+    cum_token_ptr,
+    dh_ptr,
+    d_row_ptr,
+    R,
+    I,
+    NR,
+    ROUND_FIRST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """After the down input gradient ``g [R, I]`` (fp32): ``d_row[r] = <g_r, h_r>`` (fp32, ``h =
+    silu(gate) * up`` recomputed from ``gate_up [R, 2I]``) and ``dh_r = rw[r] * g_r`` in dh's dtype,
+    for the RT routed rows. Grid ``(ceil(R/BLOCK_R),)``."""
+    row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    r_mask = offs_r < row_end
+    rw = tl.load(rw_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    out_ty = dh_ptr.dtype.element_ty
+    for i0 in range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mask = r_mask[:, None] & (offs_i[None, :] < I)
+        gu = gate_up_ptr + offs_r[:, None] * 2 * I + offs_i[None, :]
+        gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
+        at = offs_r[:, None] * I + offs_i[None, :]
+        g = tl.load(g_ptr + at, mask=mask, other=0.0)
+        dot += tl.sum(g * (silu(gate) * up), axis=1)
+        tl.store(dh_ptr + at, to_float(g * rw[:, None], out_ty, ROUND_FIRST), mask=mask)
+    tl.store(d_row_ptr + offs_r, dot, mask=r_mask)
+
+
 def available(device: torch.device) -> bool:
     """Whether these kernels run on ``device``: its config table has them (cuda and the interpreter;
     gfx942's fp8 is another encoding and PVC has no fp8 dot) and, on NVIDIA, the GPU has fp8 tensor
     cores (sm_89 or newer)."""
     dev = torch.device(device)
     table = CONFIGS[table_for(dev)]
-    if KERNEL not in table or WGRAD_KERNEL not in table:
+    if any(k not in table for k in (KERNEL, WGRAD_KERNEL, *QUANT_KERNELS)):
         return False
     if dev.type == "cuda":
         return torch.cuda.get_device_capability(dev) >= (8, 9)
@@ -264,3 +506,129 @@ def fp8_grouped_wgrad(ql: torch.Tensor, sl: torch.Tensor, qr: torch.Tensor, sr: 
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
     go(autotune.choose(WGRAD_KERNEL, table, N, M, ld, NR, dev, go))
     return out
+
+
+# ---------------------------------------------------------------- launchers of the quantization passes
+#: Config keys of the quantization and row passes.
+QUANT_KERNELS = ("fp8q_rows", "fp8q_wcols", "fp8q_cols", "fp8q_silu_mul", "fp8q_row_dot")
+#: Each code dtype's mantissa bits, smallest normal exponent and largest code.
+_FORMAT = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
+
+
+def _format(dtype: torch.dtype, dev: torch.device) -> dict:
+    if dtype not in _FORMAT:
+        raise ValueError(f"fp8 codes are float8_e4m3fn or float8_e5m2, got {dtype}")
+    mant, min_exp, qmax = _FORMAT[dtype]
+    # CPU tensors run under the interpreter, whose fp32 -> fp8 cast needs the values rounded first
+    return dict(QMAX=qmax, MANT=mant, MIN_EXP=min_exp, ROUND_FIRST=dev.type == "cpu")
+
+
+def _cfg(kernel: str, dev: torch.device):  # noqa: ANN202
+    return CONFIGS[table_for(dev)][kernel][0]
+
+
+def quantize_rows(v: torch.Tensor, dtype: torch.dtype, col_scales: torch.Tensor | None = None,
+                  cum_token_counts: torch.Tensor | None = None, routed_only: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [..., L], scales [...])`` of ``v [..., L]`` with one scale per row (the same codes and
+    scales as :func:`..quantized.core.quantize_rows`) in one kernel. ``col_scales [NR, L]``: row r
+    of the 2-D ``v`` is first multiplied by the column scales of its expert (from
+    ``cum_token_counts [NR+1]``, on the device; rows past RT take the last expert's).
+    ``routed_only``: only the RT rows (``cum_token_counts[-1]``) are quantized, the others' codes
+    and scales are unspecified."""
+    dev = v.device
+    v = v.contiguous()
+    L = v.shape[-1]
+    C = v.numel() // L if L else 0
+    codes = torch.empty(v.shape, dtype=dtype, device=dev)
+    scales = torch.empty(v.shape[:-1], dtype=torch.float32, device=dev)
+    if C == 0 or L == 0:
+        return codes, scales.zero_()
+    has_cs = col_scales is not None
+    if (has_cs or routed_only) and (cum_token_counts is None or v.dim() != 2):
+        raise ValueError("quantize_rows: column scales and routed_only need 2-D rows and cum_token_counts")
+    nr = cum_token_counts.numel() - 1 if cum_token_counts is not None else 1
+    cs = col_scales.float().contiguous() if has_cs else scales
+    cum = cum_token_counts if cum_token_counts is not None else scales
+    cfg = _cfg("fp8q_rows", dev)
+    _launch.launch(_fp8q_rows_kernel, (triton.cdiv(C, cfg.meta["BLOCK_C"]), 1), (v, cs, cum, codes, scales, C, L, nr),
+                   cfg, dev, **_format(dtype, dev), COLS=False, HAS_CS=has_cs, ROUTED_ONLY=routed_only)
+    return codes, scales
+
+
+def quantize_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [NR, O, In]`` (``transposed``: stored ``[NR, In, O]``) quantized per output channel: codes
+    in w's layout, scales ``[NR, O]``; the same as :func:`..quantized.core.quantized_weight`'s."""
+    if not transposed:
+        return quantize_rows(w, dtype)
+    dev = w.device
+    w = w.contiguous()
+    B, L, C = w.shape
+    codes = torch.empty(w.shape, dtype=dtype, device=dev)
+    scales = torch.empty(B, C, dtype=torch.float32, device=dev)
+    if w.numel() == 0:
+        return codes, scales.zero_()
+    cfg = _cfg("fp8q_wcols", dev)
+    _launch.launch(_fp8q_rows_kernel, (triton.cdiv(C, cfg.meta["BLOCK_C"]), B), (w, scales, scales, codes, scales, C, L, 1),
+                   cfg, dev, **_format(dtype, dev), COLS=True, HAS_CS=False, ROUTED_ONLY=False)
+    return codes, scales
+
+
+def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor, length: int,
+                            idx: torch.Tensor | None = None, row_weights: torch.Tensor | None = None,
+                            silu: bool = False, padded_cum_out: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`..quantized.core.quantize_cols_grouped_t` in one kernel (the same codes and scales):
+    ``(codes [N, length], scales [NR, N])``, expert e's rows quantized per column over those rows,
+    stored by column from ``padded_bounds(cum_token_counts)[e]`` (summed on the device;
+    ``padded_cum_out [NR+1]`` int32: written there, for :func:`fp8_grouped_wgrad`). The rows are
+    ``v[r]`` (``idx``: ``v[idx[r]]``); ``silu``: ``silu(gate) * up`` of ``gate_up = v [R, 2N]``
+    computed in fp32 on the way; ``row_weights [R]``: times ``row_weights[r]``. ``length``: at least
+    :func:`..quantized.core.padded_length` of the rows."""
+    dev = v.device
+    NR = cum_token_counts.numel() - 1
+    N = v.shape[1] // 2 if silu else v.shape[1]
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    codes = torch.empty(N, length, dtype=dtype, device=dev)
+    scales = torch.empty(NR, N, dtype=torch.float32, device=dev)
+    if N == 0 or NR == 0:
+        return codes, scales
+    cfg = _cfg("fp8q_cols", dev)
+    stand_in = cum_token_counts
+    _launch.launch(
+        _fp8q_cols_kernel, (triton.cdiv(N, cfg.meta["BLOCK_N"]), NR + 1),
+        (v, idx if idx is not None else stand_in, row_weights if row_weights is not None else stand_in,
+         cum_token_counts, padded_cum_out if padded_cum_out is not None else stand_in, codes, scales, N, length, NR,
+         v.stride(0)),
+        cfg, dev, **_format(dtype, dev), GATHER=idx is not None, SILU=silu, ROW_W=row_weights is not None,
+        WRITE_PCUM=padded_cum_out is not None, ROW_ALIGN=ROW_ALIGN)
+    return codes, scales
+
+
+def silu_mul(gate_up: torch.Tensor, cum_token_counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[r] = silu(gate_r) * up_r`` (fp32, stored in out's dtype) for the routed rows of
+    ``gate_up [R, 2I]`` (rows past ``cum_token_counts[-1]`` untouched); returns ``out [R, I]``."""
+    R, I = out.shape
+    if R == 0 or I == 0:
+        return out
+    dev = out.device
+    cfg = _cfg("fp8q_silu_mul", dev)
+    _launch.launch(_fp8q_silu_mul_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
+                   (gate_up.contiguous(), out, cum_token_counts, R, I, cum_token_counts.numel() - 1), cfg, dev,
+                   ROUND_FIRST=dev.type == "cpu")
+    return out
+
+
+def row_dot_scale(g: torch.Tensor, gate_up: torch.Tensor, row_weights: torch.Tensor, cum_token_counts: torch.Tensor,
+                  dh: torch.Tensor, d_row: torch.Tensor) -> None:
+    """For the routed rows: ``d_row[r] = <g_r, silu(gate_r) * up_r>`` and ``dh_r = row_weights[r] * g_r``
+    (in dh's dtype); ``g [R, I]`` fp32, ``gate_up [R, 2I]``, ``dh [R, I]``, ``d_row [R]`` fp32."""
+    R, I = g.shape
+    if R == 0:
+        return
+    dev = g.device
+    cfg = _cfg("fp8q_row_dot", dev)
+    _launch.launch(_fp8q_row_dot_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
+                   (g, gate_up.contiguous(), row_weights.float().contiguous(), cum_token_counts, dh, d_row, R, I,
+                    cum_token_counts.numel() - 1), cfg, dev, ROUND_FIRST=dev.type == "cpu")
