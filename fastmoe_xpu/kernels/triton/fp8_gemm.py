@@ -46,7 +46,7 @@ from ..quantized.core import ROW_ALIGN
 from . import autotune
 from . import launch as _launch
 from .common import expert_rows, grouped_rows, inverse_scale, silu, tile, to_float, to_fp8, weight_tile_ptrs
-from .grouped_gemm import _row_programs
+from .grouped_gemm import quantized_grouped_mm
 
 #: The config key of :func:`fp8_grouped_mm` in ``configs.py``.
 KERNEL = "fp8_grouped_mm"
@@ -444,30 +444,12 @@ def fp8_grouped_mm(qa: torch.Tensor, sa: torch.Tensor, idx: torch.Tensor | None,
     ``cum_token_counts[-1]`` untouched) and returns ``out``. ``qa [rows, K]`` fp8, ``sa [rows]``
     fp32, ``idx`` the gathered source rows (None: ``src(r) = r``), ``qw`` fp8 ``[NR, N, K]``
     (``trans_w``) or ``[NR, K, N]``, ``sw [NR, N]`` fp32 or None, ``out [R, N]`` contiguous."""
-    NR = qw.shape[0]
     N, K = (qw.shape[1], qw.shape[2]) if trans_w else (qw.shape[2], qw.shape[1])
-    R = out.shape[0]
     _check_codes("fp8_grouped_mm", qa, qw)
     if qa.dim() != 2 or qa.shape[-1] != K or out.shape[1] != N:
         raise ValueError(f"fp8_grouped_mm: codes {tuple(qa.shape)} and {tuple(qw.shape)} do not fit out "
                          f"{tuple(out.shape)} (trans_w={trans_w})")
-    if R == 0 or N == 0 or qa.shape[0] == 0:
-        return out
-    qa, qw, sa = qa.contiguous(), qw.contiguous(), sa.float().contiguous()
-    dev = out.device
-    table = table_for(dev)
-
-    def go(cfg):
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(
-            _fp8_grouped_mm_kernel, grid,
-            (qa, sa, idx if idx is not None else cum_token_counts, qw, sw if sw is not None else sa,
-             cum_token_counts, out, N, K), cfg, dev,
-            TRANS_W=trans_w, GATHER=idx is not None, HAS_SW=sw is not None,
-        )
-
-    go(autotune.choose(KERNEL, table, N, K, R, NR, dev, go))
-    return out
+    return quantized_grouped_mm(_fp8_grouped_mm_kernel, KERNEL, qa, sa, idx, qw, sw, cum_token_counts, out, trans_w)
 
 
 def fp8_grouped_wgrad(ql: torch.Tensor, sl: torch.Tensor, qr: torch.Tensor, sr: torch.Tensor,

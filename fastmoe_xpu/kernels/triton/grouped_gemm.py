@@ -426,6 +426,34 @@ def _row_programs(R: int, num_experts: int, block_m: int) -> int:
     return max(1, triton.cdiv(ROW_SLACK * triton.cdiv(R, num_experts), block_m))
 
 
+def quantized_grouped_mm(kernel, key: str, qa: torch.Tensor, sa: torch.Tensor, idx: torch.Tensor | None,  # noqa: ANN001
+                         qw: torch.Tensor, sw: torch.Tensor | None, cum_token_counts: torch.Tensor, out: torch.Tensor,
+                         trans_w: bool) -> torch.Tensor:
+    """The launch the int8 and fp8 grouped GEMMs share (their codes checked by the caller): ``kernel``
+    (``(qa, sa, idx, w, sw, cum, out, N, K)`` with ``TRANS_W``, ``GATHER``, ``HAS_SW``) over the grid
+    ``(row programs, ceil(N/BLOCK_N), NR)`` with the config ``key``'s timed choice; nothing runs for an
+    empty product."""
+    NR = qw.shape[0]
+    N, K = (qw.shape[1], qw.shape[2]) if trans_w else (qw.shape[2], qw.shape[1])
+    R = out.shape[0]
+    if R == 0 or N == 0 or qa.shape[0] == 0:
+        return out
+    qa, qw, sa = qa.contiguous(), qw.contiguous(), sa.float().contiguous()
+    dev = out.device
+
+    def go(cfg):
+        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
+        _launch.launch(
+            kernel, grid,
+            (qa, sa, idx if idx is not None else cum_token_counts, qw, sw if sw is not None else sa,
+             cum_token_counts, out, N, K), cfg, dev,
+            TRANS_W=trans_w, GATHER=idx is not None, HAS_SW=sw is not None,
+        )
+
+    go(autotune.choose(key, table_for(dev), N, K, R, NR, dev, go))
+    return out
+
+
 def gate_up_fwd(
     x_TH: torch.Tensor,
     input_indices: torch.Tensor,

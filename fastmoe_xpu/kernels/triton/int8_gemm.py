@@ -28,7 +28,7 @@ from ..configs import table_for, CONFIGS
 from . import autotune
 from . import launch as _launch
 from .common import expert_rows, tile, weight_tile_ptrs
-from .grouped_gemm import _row_programs
+from .grouped_gemm import quantized_grouped_mm
 
 #: The config key of :func:`int8_grouped_mm` in ``configs.py``.
 KERNEL = "int8_grouped_mm"
@@ -159,29 +159,11 @@ def int8_grouped_mm(qa: torch.Tensor, sa: torch.Tensor, idx: torch.Tensor | None
     ``cum_token_counts[-1]`` untouched) and returns ``out``. ``qa [rows, K]`` int8 contiguous, ``sa
     [rows]`` fp32, ``idx`` the gathered source rows (None: ``src(r) = r``), ``qw`` int8 ``[NR, N, K]``
     (``trans_w``) or ``[NR, K, N]``, ``sw [NR, N]`` fp32 or None, ``out [R, N]`` contiguous."""
-    NR = qw.shape[0]
     N, K = (qw.shape[1], qw.shape[2]) if trans_w else (qw.shape[2], qw.shape[1])
-    R = out.shape[0]
     if qa.dtype != torch.int8 or qw.dtype != torch.int8 or qa.shape[-1] != K or out.shape[1] != N:
         raise ValueError(f"int8_grouped_mm: codes {qa.dtype} {tuple(qa.shape)} and {qw.dtype} {tuple(qw.shape)} "
                          f"do not fit out {tuple(out.shape)} (trans_w={trans_w})")
-    if R == 0 or N == 0 or qa.shape[0] == 0:
-        return out
-    qa, qw, sa = qa.contiguous(), qw.contiguous(), sa.float().contiguous()
-    dev = out.device
-    table = table_for(dev)
-
-    def go(cfg):
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(
-            _int8_grouped_mm_kernel, grid,
-            (qa, sa, idx if idx is not None else cum_token_counts, qw, sw if sw is not None else sa,
-             cum_token_counts, out, N, K), cfg, dev,
-            TRANS_W=trans_w, GATHER=idx is not None, HAS_SW=sw is not None,
-        )
-
-    go(autotune.choose(KERNEL, table, N, K, R, NR, dev, go))
-    return out
+    return quantized_grouped_mm(_int8_grouped_mm_kernel, KERNEL, qa, sa, idx, qw, sw, cum_token_counts, out, trans_w)
 
 
 def int8_grouped_wgrad(ql: torch.Tensor, sl: torch.Tensor, qr: torch.Tensor, sr: torch.Tensor,
