@@ -11,8 +11,9 @@
 # GPU, and are left out. Nothing here runs on a GPU.
 #
 # numpy is left open (>= 2.4 today, as on the machine image, which has 2.5): triton 3.6's interpreter
-# calls int() on one-element numpy arrays, which numpy 2.4 rejects, and the suite's own correction
-# (tests/interpreter_compat.py, applied only where a probe kernel fails) is then exercised here too.
+# calls int() on one-element numpy arrays, which numpy 2.4 rejects, and the package's correction
+# (fastmoe_xpu/kernels/triton/interpreter_compat.py, applied only where a probe kernel fails) is then
+# exercised here too.
 #
 # Idempotent: a second run installs nothing and takes a second.
 #
