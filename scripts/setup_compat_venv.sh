@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .venv-compat: the oldest versions the package supports (torch 2.11.0, triton 3.6.0,
 # transformers 5.17.0, the versions of the GPU machine image the kit in scripts/gpu_check.sh runs on),
-# on this CPU, so that `make test-compat` can run the kernel, block, families and compile tests there.
+# on this CPU, so that `make test-compat` can run the test suite there.
 #
 # torch 2.11.0 exists on PyPI for Linux only as the CUDA 13 build, whose declared dependencies are
 # about 2.5 GB of nvidia-* wheels (cuDNN, cuBLAS, NCCL, cuSPARSELt, ...). torch is therefore installed
@@ -11,8 +11,9 @@
 # GPU, and are left out. Nothing here runs on a GPU.
 #
 # numpy is left open (>= 2.4 today, as on the machine image, which has 2.5): triton 3.6's interpreter
-# calls int() on one-element numpy arrays, which numpy 2.4 rejects, and the suite's own correction
-# (tests/interpreter_compat.py, applied only where a probe kernel fails) is then exercised here too.
+# calls int() on one-element numpy arrays, which numpy 2.4 rejects, and the package's correction
+# (fastmoe_xpu/kernels/triton/interpreter_compat.py, applied only where a probe kernel fails) is then
+# exercised here too.
 #
 # Idempotent: a second run installs nothing and takes a second.
 #
@@ -43,10 +44,14 @@ NVIDIA_WHEELS=(
     "nvidia-nccl-cu13==2.28.9"          # libnccl.so.2
     "nvidia-nvshmem-cu13==3.4.5"        # libnvshmem_host.so.3 (libtorch_nvshmem.so)
 )
-# torch's pure-Python requirements, and what the tests need beside transformers' own requirements.
-TORCH_PURE=("filelock" "typing-extensions>=4.10.0" "setuptools<82" "sympy>=1.13.3" "networkx>=2.5.1"
+# torch's pure-Python requirements, and what the tests need beside transformers' own requirements:
+# the whole suite runs here (drills aside), so the trainer extra's packages too (matplotlib draws the
+# run's charts, pyarrow reads Parquet, tensorboardX writes event files), and a setuptools that builds
+# wheels by itself (bdist_wheel is built in from 70.1; tests/trainer/test_installed.py builds one
+# without build isolation). peft, wandb and liger-kernel stay out: their tests skip saying so.
+TORCH_PURE=("filelock" "typing-extensions>=4.10.0" "setuptools>=70.1,<82" "sympy>=1.13.3" "networkx>=2.5.1"
             "jinja2" "fsspec>=0.8.5")
-TEST_DEPS=("numpy>=2.4" "pytest" "pytest-benchmark")
+TEST_DEPS=("numpy>=2.4" "pytest" "pytest-benchmark" "matplotlib" "pyarrow" "tensorboardX>=2.6")
 
 make_venv
 

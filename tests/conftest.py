@@ -23,6 +23,7 @@ The checkout and tests/ are put on ``sys.path`` by the ``pythonpath`` setting in
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import types
@@ -32,7 +33,6 @@ from typing import Any, Iterator
 import pytest
 
 from device_util import test_device_name
-from interpreter_compat import ensure_scalar_index
 
 #: ``--device`` / ``FASTMOE_TEST_DEVICE`` (tests/device_util.py): cpu unless a GPU run asks otherwise.
 TEST_DEVICE = test_device_name()
@@ -159,8 +159,15 @@ _INTERPRETER_NOTE = pytest.StashKey["str | None"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Triton 3.6's interpreter against numpy >= 2.4 (tests/interpreter_compat.py); said in the header and summary.
-    config.stash[_INTERPRETER_NOTE] = ensure_scalar_index() if TEST_DEVICE == "cpu" else None
+    # Triton 3.6's interpreter against numpy >= 2.4 (fastmoe_xpu/kernels/triton/interpreter_compat.py, which
+    # the launcher applies in every process, spawned ranks included); said in the header and summary. Imported
+    # here, after TRITON_INTERPRET is set above, since the module's package imports triton.
+    note = None
+    if TEST_DEVICE == "cpu" and importlib.util.find_spec("triton") is not None:
+        from fastmoe_xpu.kernels.triton.interpreter_compat import ensure_scalar_index
+
+        note = ensure_scalar_index()
+    config.stash[_INTERPRETER_NOTE] = note
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

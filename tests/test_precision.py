@@ -4,6 +4,7 @@ at awkward shapes; the quantizers, the padded int8 GEMM, the per-call weight cod
 Expert parallelism with quantized GEMMs runs in tests/test_dist_ep.py (``int8-*``, ``fp8-*``)."""
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,32 @@ TOL = {"int8": dict(rtol=1e-5, atol=1e-6), "fp8": dict(rtol=2e-5, atol=1e-6)}
 # (T, H, I, E, K): odd widths, K not dividing E, T not a multiple of the token block, a router
 # that leaves experts empty, a single token.
 SHAPES = [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)]
+
+
+def _torch_runs(fmt: str, also: str = "") -> None:
+    """Skips, with the package's own reason, where the torch base's ``fmt`` GEMMs do not run here: torch
+    2.11's CPU ``torch._scaled_mm`` takes per-tensor scales only, and fp8 scales here are per row and
+    column (row-wise scales on the CPU came with torch 2.13). ``also``: what covers the case instead."""
+    reason = core.unsupported_reason(fmt, "cpu", torch.float32)
+    if reason is not None:
+        pytest.skip(reason + (f"; {also}" if also else ""))
+
+
+def _base_that_runs(fmt: str) -> str:
+    """The kernel base that runs ``fmt`` here: torch where its quantized GEMMs do; else, for fp8, the
+    Triton base under the interpreter, whose fp8 grouped GEMMs are every GEMM of the path and need no
+    ``torch._scaled_mm`` (the same maths, the same reference); else a skip saying why neither runs."""
+    reason = core.unsupported_reason(fmt, "cpu", torch.float32)
+    if reason is None:
+        return "torch"
+    if registry.triton_interpreting() and importlib.util.find_spec("triton") is not None:
+        triton_reason = core.unsupported_reason(fmt, "cpu", torch.float32, base="triton")
+        if triton_reason is None:
+            return "triton"
+        reason += f"; next to the Triton base: {triton_reason}"
+    else:
+        reason += "; the Triton base needs triton and TRITON_INTERPRET=1 on the CPU"
+    pytest.skip(reason)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, fmt: str, what: str) -> None:
@@ -48,6 +75,8 @@ def _case(T, H, I, E, K, seed=0, empty=False):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
 def test_experts_op_matches_reference(fmt, shape):
+    _torch_runs(fmt, "the Triton base's fp8 layer is held to the same reference at these shapes in "
+                     "tests/kernels/test_fp8_triton.py")
     x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
     leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
     out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
@@ -66,12 +95,14 @@ def test_experts_op_matches_reference(fmt, shape):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_quantized_close_to_full_precision(fmt):
-    """The straight-through gradients are the gradients of the layer up to quantization noise."""
+    """The straight-through gradients are the gradients of the layer up to quantization noise (on the
+    torch base, or for fp8 where torch's CPU ``_scaled_mm`` cannot take its scales, the Triton base)."""
+    base = _base_that_runs(fmt)
     x, weights, idx, w_gu, w_d, dout = _case(64, 48, 32, 4, 2, seed=1)
     outs = {}
     for prec in (None, fmt):
         leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
+        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend=base,
                                   expert_precision=prec)
         out.backward(dout)
         outs[prec] = [out.detach(), *(t.grad for t in leaves)]
@@ -86,6 +117,7 @@ def test_quantized_close_to_full_precision(fmt):
 @pytest.mark.parametrize("transposed", [False, True])
 def test_grouped_linear_launchers(fmt, transposed):
     """``down_fwd`` / ``down_bwd`` (the other layouts' stage 4) against :func:`qref.qlinear` per expert."""
+    _torch_runs(fmt, "tests/kernels/test_fp8_triton.py holds the Triton base's launchers to the same reference")
     g = torch.Generator().manual_seed(3)
     counts = [5, 0, 19, 1]
     cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
@@ -151,6 +183,7 @@ def test_int_mm_padding_is_exact(shape):
 @pytest.mark.parametrize("shape", [(5, 13, 11), (32, 16, 16)])
 def test_fp8_padding_is_exact(shape):
     """The padded fp8 GEMM (what CUDA runs for widths not a multiple of 16) equals the unpadded one."""
+    _torch_runs("fp8")
     M, K, N = shape
     g = torch.Generator().manual_seed(K)
     qa, sa = core.quantize_rows(torch.randn(M, K, generator=g), torch.float8_e4m3fn)
@@ -301,3 +334,15 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
         want = torch.zeros(40, 29)
         core._epilogue_eager(want[2:39], acc, sa, sb, cols_first)
         assert torch.equal(buf, want), cols_first
+
+
+def test_unavailable_reason_keeps_the_sentence_that_says_why():
+    """torch's internal asserts put the reason after the bug-report request (torch 2.11's CPU
+    ``_scaled_mm`` with row-wise scales): the probe's reason keeps that sentence."""
+    said = core._said(RuntimeError('(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED at '
+                                   '"/pytorch/aten/src/ATen/native/mkldnn/Linear.cpp":516, please report a bug to '
+                                   'PyTorch. Now _scaled_mm only supports per-tensor scaling for CPU backend.'))
+    assert said == "Now _scaled_mm only supports per-tensor scaling for CPU backend."
+    assert core._said(ValueError("first line\n  second")) == "first line second"
+    assert core._said(RuntimeError()) == "RuntimeError"
+    assert len(core._said(RuntimeError("x" * 500))) == 160

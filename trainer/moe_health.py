@@ -7,7 +7,8 @@ expert (the per-expert token counts stage 2 derives from the same ids), the rout
 summed over tokens, the summed entropy and squared log-sum-exp, and the token count into one
 ``[L, 2E + 3]`` buffer. Nothing is read on the host there: :meth:`MoeHealth.collect` all-reduces
 the buffer once per logging step, reads it with one copy, and resets it. Forward passes re-run by
-activation checkpointing during backward, and evaluation passes, are not counted.
+activation checkpointing during backward, evaluation passes, and a pipeline stage's shape-inference
+forward (:attr:`MoeHealth.paused`) are not counted.
 
 Definitions per layer over a step (T tokens, K experts per token, C_e top-k counts, P_e summed
 router probabilities): load-balancing loss ``E * sum_e (C_e / T) (P_e / T)`` (the formula the
@@ -45,6 +46,8 @@ class MoeHealth:
         self.L, self.E, self.K = num_layers, num_experts, top_k
         self.buf = torch.zeros(num_layers, 2 * num_experts + 3, dtype=torch.float64, device=device)
         self.enabled = True
+        #: ``() -> bool``: True while a forward must not be counted (a pipeline's shape inference)
+        self.paused = lambda: False
         self.handles = []
         for mod in modules:
             for name, sub in mod.named_modules():
@@ -58,7 +61,7 @@ class MoeHealth:
         E = self.E
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.enabled or _in_backward():
+            if not self.enabled or self.paused() or _in_backward():
                 return
             with torch.no_grad():
                 logits, idx = output[0], output[-1]

@@ -471,6 +471,9 @@ class Trainer:
         if cfg.model.is_moe and cfg.eval.moe_health:
             mods = list(self.pipeline.modules) if self.pipeline is not None else [self.model]
             self.moe_health = MoeHealth(mods, cfg.model.num_layers, cfg.model.num_experts, cfg.model.top_k, self.device)
+            if self.pipeline is not None:
+                pipe = self.pipeline
+                self.moe_health.paused = lambda: pipe.inferring
         self.artefacts: dict[str, Any] = {}
 
     def step_extras(self, total: int) -> dict[str, Any]:

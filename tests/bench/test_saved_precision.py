@@ -11,6 +11,11 @@ from fastmoe_xpu import FastSparseMoeBlock
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_quantized_block_saves_what_fp32_saves_plus_weight_codes(precision):
+    from fastmoe_xpu.kernels.quantized.core import unsupported_reason
+
+    reason = unsupported_reason(precision, "cpu", torch.float32)
+    if reason is not None:  # fp8: torch 2.11's CPU _scaled_mm takes per-tensor scales only
+        pytest.skip(reason)
     p = PRESETS["tiny"]
     torch.manual_seed(0)
     block = FastSparseMoeBlock(_config(p), backend="torch")

@@ -30,7 +30,8 @@ def _worker(data_cache: str, out: str, preset: str, over: dict) -> dict:
         state = gather_tensor_parallel(t.model, lay.tp_group)
     ids = {n.rpartition(".")[0]: b.clone() for n, b in t.model.named_buffers() if n.endswith("expert_ids")}
     return {"losses": [r["loss"] for r in hist], "lm": [r["lm_loss"] for r in hist], "state": state,
-            "expert_ids": ids, "describe": lay.describe(), "grad_norms": [r["grad_norm"] for r in hist]}
+            "expert_ids": ids, "describe": lay.describe(), "grad_norms": [r["grad_norm"] for r in hist],
+            "loads": [r.get("moe_tokens_per_expert") for r in hist]}
 
 
 def _reference(data_cache: str, out: str, preset: str = "tiny-moe", **over) -> tuple[list[dict], dict]:
@@ -45,6 +46,9 @@ def _check(results: list[dict], hist: list[dict], state: dict) -> None:
     for r in results:
         assert r["losses"] == pytest.approx(losses, rel=RTOL), r["describe"]
         assert r["grad_norms"] == pytest.approx([h["grad_norm"] for h in hist], rel=RTOL), r["describe"]
+        # the MoE health's expert loads: every token counted once, whatever the layout (a pipeline's
+        # shape-inference forward and activation checkpointing's recompute not counted)
+        assert r["loads"] == [h.get("moe_tokens_per_expert") for h in hist], r["describe"]
         mine = {}
         for k, v in r["state"].items():
             if k.endswith("expert_ids"):

@@ -314,17 +314,27 @@ class Pipeline:
     inferring: bool = False
 
     def _mark_inference(self, stage: Any) -> None:
-        inner = getattr(stage, "_forward_metadata_inference", None)
-        if inner is None:  # a torch whose stages infer shapes differently: nothing to mark
-            return
+        """Sets :attr:`inferring` around the stage's shape inference and keeps it off the random
+        streams. Every release from 2.11 on runs that forward inside ``_prepare_forward_infra`` (2.11
+        in ``_shape_inference``, on zeros under ``no_grad``; 2.13 in ``_forward_metadata_inference``,
+        under a forked RNG), once, before the first step's micro-batches; the method the schedules
+        call is wrapped rather than the inference itself, whose name changed between them."""
+        inner = getattr(stage, "_prepare_forward_infra", None)
+        if inner is None:
+            raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no _prepare_forward_infra, so its "
+                               "shape-inference forward cannot be told from training (expert loads would count it): "
+                               "run --pp on torch 2.11 to 2.13")
+        dev = torch.device(stage.device)
+        devices = [dev] if dev.type != "cpu" else []
 
         def marked(*args: Any, **kwargs: Any) -> Any:
             self.inferring = True
             try:
-                return inner(*args, **kwargs)
+                with torch.random.fork_rng(devices=devices, device_type=dev.type if devices else "cuda"):
+                    return inner(*args, **kwargs)
             finally:
                 self.inferring = False
-        stage._forward_metadata_inference = marked
+        stage._prepare_forward_infra = marked
 
     def _loss(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         if isinstance(self.loss_cfg, FamilyLossConfig):

@@ -352,6 +352,16 @@ def forget_weights() -> None:
 
 
 # ---------------------------------------------------------------- availability
+def _said(exc: Exception) -> str:
+    """The sentence of ``exc`` that says why, in at most 160 characters. torch's internal asserts put
+    the condition and a bug-report request first and the reason last (torch 2.11's CPU
+    ``_scaled_mm``: "... please report a bug to PyTorch. Now _scaled_mm only supports per-tensor
+    scaling for CPU backend."): the reason is what is kept."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    head, sep, reason = text.partition("please report a bug to PyTorch.")
+    return (reason.strip() if sep and reason.strip() else head.strip())[:160]
+
+
 @functools.lru_cache(maxsize=None)
 def _probe(fmt: str, device_type: str, device_index: int | None) -> str | None:
     dev = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
@@ -365,7 +375,7 @@ def _probe(fmt: str, device_type: str, device_index: int | None) -> str | None:
         if not (got - want).abs().max() <= 0.05 * want.abs().max():
             return f"{fmt} GEMMs give wrong results on {dev}"
     except Exception as exc:  # an unsupported device raises; any reason means "not here"
-        return f"{fmt} GEMMs do not run on {dev} with torch {torch.__version__}: {str(exc).splitlines()[0][:160]}"
+        return f"{fmt} GEMMs do not run on {dev} with torch {torch.__version__}: {_said(exc)}"
     return None
 
 

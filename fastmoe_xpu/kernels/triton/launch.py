@@ -11,7 +11,8 @@ from ..configs import KernelConfig
 def _check_runnable(kernel: Any, device: torch.device) -> None:
     """CPU tensors need the interpreter, and ``@triton.jit`` decides between interpreter and
     compiler when a module is imported: Triton's own library functions (``tl.sum``, ``tl.cdiv``...)
-    are fixed the moment ``triton`` is first imported."""
+    are fixed the moment ``triton`` is first imported. The first interpreted launch of a process
+    also makes sure the interpreter runs our kernels with this numpy (:mod:`.interpreter_compat`)."""
     if device.type != "cpu":
         return
     from triton.runtime.interpreter import InterpretedFunction
@@ -22,6 +23,9 @@ def _check_runnable(kernel: Any, device: torch.device) -> None:
             "TRITON_INTERPRET=1 was set: export TRITON_INTERPRET=1 before Python starts (or before the "
             "first 'import triton'), or use backend='torch'"
         )
+    from .interpreter_compat import ensure_scalar_index
+
+    ensure_scalar_index()  # once per process: triton 3.6's interpreter against numpy >= 2.4
 
 
 def launch(

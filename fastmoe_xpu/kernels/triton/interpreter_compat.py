@@ -1,4 +1,4 @@
-"""Triton's interpreter with numpy >= 2.4, for the suite's CPU runs.
+"""Triton's interpreter with numpy >= 2.4 (the CPU under ``TRITON_INTERPRET=1``).
 
 Triton 3.6's interpreter (``triton/runtime/interpreter.py``, ``_patch_lang_tensor``) gives every
 interpreted tensor ``__index__ = int(self.handle.data)``, and a scalar kernel argument is a
@@ -10,11 +10,18 @@ loop over) fails under the interpreter. Later Triton releases read ``int(self.ha
 where it fails with that TypeError installs the later releases' ``__index__`` over the one Triton set
 (a wrapper of ``_patch_lang_tensor``, so the interpreter's own set-up and tear-down stay as they are),
 then runs the kernel again to prove it. Nothing changes where the kernel runs as it is (numpy < 2.4, a
-Triton with the fix) or on a device, where nothing is interpreted.
+Triton with the fix) or on a device, where nothing is interpreted. It runs once per process: the
+launcher (:mod:`.launch`) calls it before the first kernel on CPU tensors, so every process that
+interprets our kernels (a script, a test, each rank of a multi-process run) gets the same correction.
 """
 from __future__ import annotations
 
 import os
+import threading
+
+_lock = threading.Lock()
+_done = False
+_note: str | None = None
 
 
 def _probe() -> None:
@@ -35,10 +42,7 @@ def _probe() -> None:
         raise AssertionError(f"interpreter probe: range(0, 5, 2) ran {int(out.item())} times, expected 3")
 
 
-def ensure_scalar_index() -> str | None:
-    """None when nothing was needed (or Triton is absent / not interpreting); else a line saying
-    what was installed, for the test report's header. Raises what the probe raised when the fix
-    does not make it pass."""
+def _install() -> str | None:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return None
     try:
@@ -66,4 +70,18 @@ def ensure_scalar_index() -> str | None:
     import triton
 
     return (f"triton {triton.__version__} interpreter with numpy {numpy.__version__}: __index__ of interpreted "
-            "scalars reads the one-element array's item (tests/interpreter_compat.py)")
+            "scalars reads the one-element array's item (fastmoe_xpu/kernels/triton/interpreter_compat.py)")
+
+
+def ensure_scalar_index() -> str | None:
+    """None when nothing was needed (or Triton is absent / not interpreting); else a line saying
+    what was installed (the test report prints it in its header). Raises what the probe raised when
+    the fix does not make it pass. The first call decides; later calls return the same."""
+    global _done, _note
+    if _done:
+        return _note
+    with _lock:
+        if not _done:
+            _note = _install()
+            _done = True
+    return _note
