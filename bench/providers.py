@@ -380,8 +380,10 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         if layer is not None:  # a small layer: stages 2-5 in one op, no stage-4 engine to choose
             chosen = f"{layer} experts op (stages 2-5 in one piece)"
         else:
-            chosen = registry.chosen_for(backend, case.device, case.x_TH.dtype,
-                                        (w_gu.shape[2], w_d.shape[2], w_gu.shape[0], case.topk_idx_TK.numel()))
+            shape = (w_gu.shape[2], w_d.shape[2], w_gu.shape[0], case.topk_idx_TK.numel())
+            # the in-process timed choice; else (FASTMOE_GEMM_ENGINE names one) the engine auto resolves to
+            chosen = registry.chosen_for(backend, case.device, case.x_TH.dtype, shape) or registry.choose_engine(
+                "auto", backend=backend, device=case.device, dtype=case.x_TH.dtype, shape=shape)
         note = f"FastSparseMoE stages 2-5, {backend} backend, GEMM engine auto -> {chosen}"
 
     def forward(x_TH, weights_TK, idx_TK):

@@ -14,11 +14,11 @@ import difflib
 import json
 import os
 import sys
-import types
 import typing
 from typing import Any, Sequence
 
 from .config import ConfigError, TrainConfig, field_docs, section_classes, validate
+from .config_file import field_types as _field_types, parse_value as _parse_value
 from .presets import PRESETS, get_preset
 
 #: Short aliases of frequently changed fields.
@@ -55,27 +55,6 @@ ALIASES: dict[str, str] = {
 
 EXIT_CONFIG_ERROR = 2
 DEFAULT_PRESET = "tiny-moe"
-
-
-def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
-    """{field: (scalar type, whether None is allowed)} of a config dataclass."""
-    out = {}
-    for name, annotation in typing.get_type_hints(cls).items():
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            out[name] = (args[0], True)
-        else:
-            out[name] = (annotation, False)
-    return out
-
-
-def _parse_value(raw: str, typ: type, optional: bool, name: str) -> Any:
-    if optional and raw.lower() in ("none", "null", ""):
-        return None
-    try:
-        return typ(raw)
-    except ValueError:
-        raise ConfigError(f"--{name} expects {typ.__name__}, got {raw!r}") from None
 
 
 class _OneLineParser(argparse.ArgumentParser):

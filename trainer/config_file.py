@@ -31,9 +31,33 @@ import dataclasses
 import difflib
 import json
 import os
+import types
+import typing
 from typing import Any
 
 from .errors import ConfigError
+
+
+def field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """{field: (scalar type, whether None is allowed)} of a config dataclass."""
+    out = {}
+    for name, annotation in typing.get_type_hints(cls).items():
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            out[name] = (args[0], True)
+        else:
+            out[name] = (annotation, False)
+    return out
+
+
+def parse_value(raw: str, typ: type, optional: bool, name: str) -> Any:
+    """``raw`` as the option ``--name`` reads it: ``typ(raw)``, or None where allowed ("none", "null", "")."""
+    if optional and raw.lower() in ("none", "null", ""):
+        return None
+    try:
+        return typ(raw)
+    except ValueError:
+        raise ConfigError(f"--{name} expects {typ.__name__}, got {raw!r}") from None
 
 #: File formats by extension.
 FORMATS = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
@@ -139,7 +163,6 @@ def flatten(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _coerce(value: Any, typ: type, optional: bool, key: str, source: str) -> Any:
-    from .cli import _parse_value
 
     if value is None:
         if optional:
@@ -153,7 +176,7 @@ def _coerce(value: Any, typ: type, optional: bool, key: str, source: str) -> Any
         if typ is str:
             return None if optional and value.lower() in ("none", "null", "") else value
         try:
-            return _parse_value(value, typ, optional, key)  # as the option would read it
+            return parse_value(value, typ, optional, key)  # as the option would read it
         except ConfigError:
             raise ConfigError(f"--config {source}: {key} expects {typ.__name__}, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -169,7 +192,6 @@ def _coerce(value: Any, typ: type, optional: bool, key: str, source: str) -> Any
 
 def apply_config_values(cfg: Any, values: dict[str, Any], source: str) -> None:
     """Set ``values`` (from :func:`read_config_file`; ``preset`` is left to the caller) on ``cfg``."""
-    from .cli import _field_types
 
     for key, value in values.items():
         if key == "preset":
@@ -179,7 +201,7 @@ def apply_config_values(cfg: Any, values: dict[str, Any], source: str) -> None:
             continue
         section, _, name = key.partition(".")
         sub = getattr(cfg, section)
-        typ, optional = _field_types(type(sub))[name]
+        typ, optional = field_types(type(sub))[name]
         setattr(sub, name, _coerce(value, typ, optional, key, source))
 
 

@@ -40,6 +40,11 @@ from typing import Any, Mapping
 import torch
 
 from .. import settings
+
+#: The quantized weight-gradient codes stored by column (``quantized.core.quantize_cols_grouped_t``, read
+#: by the fp8 weight-gradient kernel) start each expert's rows at a multiple of this: 16 one-byte codes,
+#: the width of an aligned asynchronous copy.
+QUANTIZED_ROW_ALIGN = 16
 #: The config tables (one per kind of device, plus the interpreter's).
 TABLES = settings.CONFIG_TABLES
 

@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..configs import QUANTIZED_ROW_ALIGN
+
 #: Largest code of each storage dtype.
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -166,8 +168,8 @@ def expert_of_rows(cum_token_counts: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 #: The fp8 weight-gradient codes (:func:`quantize_cols_grouped_t`) start each expert's rows at a
-#: multiple of this: 16 one-byte codes, the width of an aligned asynchronous copy.
-ROW_ALIGN = 16
+#: multiple of this (defined beside the kernels' configs, which the Triton kernels read without this module).
+ROW_ALIGN = QUANTIZED_ROW_ALIGN
 
 
 def padded_bounds(cum_token_counts: torch.Tensor, align: int = ROW_ALIGN) -> torch.Tensor:
@@ -399,8 +401,10 @@ def unsupported_reason(fmt: str, device: torch.device | str, dtype: torch.dtype,
 
 def _triton_kernels_run(fmt: str, dev: torch.device) -> bool:
     try:
-        from .launchers import _kernels
-
-        return bool(_kernels(fmt).available(dev))
+        if fmt == "int8":
+            from ..triton import int8_gemm as kernels
+        else:
+            from ..triton import fp8_gemm as kernels
     except ImportError:  # no triton
         return False
+    return bool(kernels.available(dev))

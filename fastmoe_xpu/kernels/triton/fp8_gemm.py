@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..configs import table_for, CONFIGS
-from ..quantized.core import ROW_ALIGN
+from ..configs import CONFIGS, QUANTIZED_ROW_ALIGN as ROW_ALIGN, table_for
 from . import autotune
 from . import launch as _launch
 from .common import expert_rows, grouped_rows, inverse_scale, silu, tile, to_float, to_fp8, weight_tile_ptrs

@@ -1,6 +1,6 @@
 """Memory traffic and launches of the fused expert layer's passes at a real shape, without a GPU.
 
-``python -m fastmoe_xpu.tools.traffic [--shape qwen3-30b-a3b] [--sets triton triton+fp8] [--table cuda]
+``python -m bench.traffic [--shape qwen3-30b-a3b] [--sets triton triton+fp8] [--table cuda]
 [--detail]``
 
 Runs stages 4 and 5 of one layer's forward and backward (:func:`..autograd.ops.mlp_combine_forward`
@@ -122,7 +122,7 @@ class _Recorder(TorchDispatchMode):
 @contextlib.contextmanager
 def recording() -> Iterator[_Recorder]:
     """A recorder of every PyTorch operator and Triton launch in the block."""
-    from ..kernels.triton import launch as launch_mod
+    from fastmoe_xpu.kernels.triton import launch as launch_mod
 
     rec = _Recorder()
     real = launch_mod.launch
@@ -178,10 +178,10 @@ class _Labelled:
 def layer_traffic(kernel_set: str, T: int, H: int, I: int, E: int, K: int, dtype: torch.dtype,
                   table: str = "cuda") -> list[Pass]:
     """The passes of one layer's forward and backward (stages 4-5) on kernel set ``kernel_set``."""
-    from ..autograd.ops import mlp_combine_backward_math, mlp_combine_forward
-    from ..kernels import kernels
-    from ..kernels.configs import use
-    from ..kernels.quantized import core as qcore
+    from fastmoe_xpu.autograd.ops import mlp_combine_backward_math, mlp_combine_forward
+    from fastmoe_xpu.kernels import kernels
+    from fastmoe_xpu.kernels.configs import use
+    from fastmoe_xpu.kernels.quantized import core as qcore
 
     meta = torch.device("meta")
     R = T * K
@@ -231,7 +231,7 @@ def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.presets import SHAPE_SETS  # noqa: PLC0415 (the shapes the kit times)
+    from .presets import SHAPE_SETS  # the shapes the kit times
 
     shapes = {p.name: p for p in SHAPE_SETS["practitioners"]}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
