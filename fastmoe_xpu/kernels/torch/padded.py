@@ -129,6 +129,11 @@ def _pad_tokens(src_TN: torch.Tensor, k: int, lay: Layout) -> torch.Tensor:
     return src_TN.new_zeros(lay.padded, N).index_put_((lay.rows.view(T, k),), src_TN.unsqueeze(1))
 
 
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]`` (``t`` itself when it has ``n`` rows: no view to make)."""
+    return t if t.shape[0] == n else t[:n]
+
+
 def _blocks(t: torch.Tensor, num_local: int, cap: int) -> torch.Tensor:
     """The ``[NR, cap, .]`` expert blocks of a padded buffer (its dump row left out)."""
     if t.shape[0] != num_local * cap:
@@ -145,6 +150,18 @@ def _batched(a: torch.Tensor, b: torch.Tensor, lay: Layout) -> torch.Tensor:
     torch.bmm(a, b, out=out[: NR * lay.cap].view(NR, lay.cap, b.shape[-1]))
     out[NR * lay.cap:].zero_()
     return out
+
+
+def _sum_k(t_TKN: torch.Tensor) -> torch.Tensor:
+    """``t [T, K, N]`` summed over K. For K <= 2 that is one add (or none), which is what the
+    reduction computes for so few terms, without its setup (a reduction over a middle dimension of
+    two costs several times the add at a small layer's sizes)."""
+    k = t_TKN.shape[1]
+    if k == 1:
+        return t_TKN[:, 0]
+    if k == 2:
+        return torch.add(t_TKN[:, 0], t_TKN[:, 1])
+    return t_TKN.sum(1)
 
 
 def experts_forward(
@@ -168,7 +185,7 @@ def experts_forward(
     y_PH = _batched(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI.mT, lay)
     y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
     w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = y_TKH.mul_(w.unsqueeze(-1)).sum(1)
+    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
     # Rows of the dump (other ranks' choices) read the last block row: never used.
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
     saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
@@ -190,7 +207,7 @@ def experts_backward(
         return (torch.zeros_like(x_TH), torch.zeros_like(w_gate_up_N2IH), torch.zeros_like(w_down_NHI),
                 torch.zeros_like(weights_TK))
     f32 = torch.float32
-    gu = _blocks(_pad(gate_up_S2I[: T * K], lay), NR, lay.cap)
+    gu = _blocks(_pad(_first(gate_up_S2I, T * K), lay), NR, lay.cap)
     gu = gu if gu.dtype == f32 else gu.float()
     gate, up = gu.chunk(2, -1)
     silu = torch.nn.functional.silu(gate)
@@ -217,7 +234,7 @@ def experts_backward(
         d_gu = d_gu.to(dtype)
     dw_gate_up = torch.bmm(d_gu.mT, _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap))  # [NR, 2I, H]
     dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
-    dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
+    dx_TH = _sum_k(dx_PH.index_select(0, lay.rows).view(T, K, H))
     return dx_TH, dw_gate_up, dw_down, dweights_TK
 
 
@@ -271,7 +288,7 @@ def lora_experts_forward(
         y_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
     y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
     w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = y_TKH.mul_(w.unsqueeze(-1)).sum(1)
+    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
     saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
     return out_TH, saved, lay.plan
@@ -290,12 +307,10 @@ def lora_experts_backward(
     K = weights_TK.shape[1]
     dtype, f32 = x_TH.dtype, torch.float32
     lay = Layout.of_plan(plan, num_local)
-    empty = [x_TH.new_zeros(0) for _ in range(4)]
     if lay.cap == 0:
-        grads = [torch.zeros_like(t) if t is not None else e for t, e in zip((a1, b1, a2, b2), empty)]
+        grads = [torch.zeros_like(t) if t is not None else x_TH.new_zeros(0) for t in (a1, b1, a2, b2)]
         return (torch.zeros_like(x_TH), torch.zeros_like(weights_TK), *grads)
-    dA1, dB1, dA2, dB2 = empty
-    gu = _blocks(_pad(gate_up_S2I[: T * K], lay), NR, lay.cap)
+    gu = _blocks(_pad(_first(gate_up_S2I, T * K), lay), NR, lay.cap)
     gu = gu if gu.dtype == f32 else gu.float()
     gate, up = gu.chunk(2, -1)
     silu = torch.nn.functional.silu(gate)
@@ -307,7 +322,9 @@ def lora_experts_backward(
     g = g if g.dtype == f32 else g.float()
     dw_rows = torch.linalg.vecdot(g, h)
     g.mul_(w_blocks)  # dh of the base GEMM
-    if a2 is not None:
+    if a2 is None:
+        dA2, dB2 = x_TH.new_zeros(0), x_TH.new_zeros(0)  # absent adapter (distinct: outputs may not alias)
+    else:
         h_in = h if h.dtype == dtype else h.to(dtype)
         t2 = _scaled_bmm(h_in, a2.mT, s2)  # [NR, cap, r2]
         u = torch.bmm(dout_blocks, b2)  # [NR, cap, r2]
@@ -332,11 +349,13 @@ def lora_experts_backward(
     if dtype != f32:
         d_gu = d_gu.to(dtype)
     dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
-    if a1 is not None:
+    if a1 is None:
+        dA1, dB1 = x_TH.new_zeros(0), x_TH.new_zeros(0)
+    else:
         xp = _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap)
         dB1 = torch.bmm(d_gu.mT, _scaled_bmm(xp, a1.mT, s1))  # [NR, 2I, r1]
         v = _scaled_bmm(d_gu, b1, s1)  # [NR, cap, r1]
         dA1 = torch.bmm(v.mT, xp)  # [NR, r1, H]
         dx_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(v, a1)
-    dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
+    dx_TH = _sum_k(dx_PH.index_select(0, lay.rows).view(T, K, H))
     return dx_TH, dweights_TK, dA1, dB1, dA2, dB2
