@@ -95,7 +95,7 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
     flags: dict[str, Any] = {}
     name_of = type(module).__name__
     for attr in LAYOUT_ATTRIBUTES:
-        value = _module_attr(module, attr, _MISSING)
+        value = getattr(module, attr, _MISSING)  # instance attributes, set by the decorator: no miss
         if value is _MISSING and attr in LAYOUT_DEFAULTS:
             flags[attr] = LAYOUT_DEFAULTS[attr]
             continue
@@ -107,7 +107,7 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
         if not isinstance(value, bool):
             raise ExpertsLayoutError(f"{name_of}.{attr} must be a bool, got {value!r}")
         flags[attr] = value
-    num_experts = _module_attr(module, "num_experts")
+    num_experts = getattr(module, "num_experts", None)
     if not isinstance(num_experts, int):
         raise ExpertsLayoutError(f"{name_of}.num_experts must be an int (the experts on this rank)")
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
@@ -128,7 +128,7 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
         raise ExpertsLayoutError(f"{name_of} has has_post_expert_norm=True but no post_expert_norm")
     act = _module_attr(module, "act_fn")
     if flags["has_gate"]:
-        if not callable(_module_attr(module, "_apply_gate")):
+        if not callable(getattr(module, "_apply_gate", None)):
             raise ExpertsLayoutError(f"{name_of} has has_gate=True but no _apply_gate")
         custom = getattr(type(module), "_apply_gate", None) is not _default_apply_gate()
         flags["custom_gate"] = custom
@@ -136,7 +136,7 @@ def describe_layout(module: nn.Module) -> dict[str, Any]:
             raise ExpertsLayoutError(f"{name_of} uses the default gate but has no callable act_fn")
     elif not callable(act):
         raise ExpertsLayoutError(f"{name_of} has has_gate=False but no callable act_fn")
-    ep = _module_attr(module, "_is_expert_parallel", False)
+    ep = getattr(module, "_is_expert_parallel", False)
     if not isinstance(ep, bool):
         raise ExpertsLayoutError(f"{name_of}._is_expert_parallel must be a bool, got {ep!r}")
     flags["expert_parallel"] = ep

@@ -75,10 +75,11 @@ def _factors_proxy(params: Any, name: str) -> Any:
     plist = None if params is None else params._modules.get(name)
     if plist is None:
         return None, None
-    if len(plist) != 1:
+    entries = plist._modules  # a ParametrizationList is a ModuleList: its entries by "0", "1", ...
+    if len(entries) != 1:
         return False, plist
-    proxy = plist[0]
-    if all(hasattr(proxy, a) for a in ("lhs", "rhs", "scaling")):
+    proxy = entries.get("0")
+    if proxy is not None and all(hasattr(proxy, a) for a in ("lhs", "rhs", "scaling")):
         return proxy, plist
     return False, plist
 

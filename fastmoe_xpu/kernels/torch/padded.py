@@ -70,13 +70,13 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layout:
     """The padded layout of the local choices in ``topk_idx [T, K]`` (host reads: CPU tensors)."""
-    idx = topk_idx_TK.reshape(-1)
-    if idx.dtype != torch.int64:
-        idx = idx.long()
+    S = topk_idx_TK.numel()
+    col = topk_idx_TK.reshape(S, 1)  # the slots as a column
+    if col.dtype != torch.int64:
+        col = col.long()
     if expert_start:
-        idx = idx - expert_start
-    S = idx.numel()
-    plan = idx.new_empty(S + 1)
+        col = col - expert_start
+    plan = col.new_empty(S + 1)
     rows = plan[:S]
     if S == 0:
         plan.zero_()
@@ -84,19 +84,17 @@ def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layo
     # Position of each slot among its expert's slots: a running count over the one-hot slots. Its
     # last row holds the experts' counts (one host read); they sum to S unless some choice names
     # another rank's expert, whose slots then count in a column of their own, the dump's.
-    col = idx.unsqueeze(1)
-    running = torch.eq(col, _arange(num_local, idx.device)).cumsum(0)
+    running = torch.eq(col, _arange(num_local, col.device)).cumsum(0)
     counts = running[-1].tolist()
     cap = max(counts)
     dump = int(sum(counts) != S)
     if dump:
-        idx = torch.where((idx >= 0) & (idx < num_local), idx, num_local)
-        col = idx.unsqueeze(1)
-        running = torch.eq(col, _arange(num_local + 1, idx.device)).cumsum(0)
-    torch.add(running.gather(1, col).view(S), idx, alpha=cap, out=rows).sub_(1)
+        col = torch.where((col >= 0) & (col < num_local), col, num_local)
+        running = torch.eq(col, _arange(num_local + 1, col.device)).cumsum(0)
+    torch.add(running.gather(1, col), col, alpha=cap, out=rows.view(S, 1)).sub_(1)
     if dump:
-        rows.masked_fill_(idx == num_local, num_local * cap)
-    plan[S:].fill_(2 * cap + dump)
+        rows.masked_fill_(col.view(S) == num_local, num_local * cap)
+    plan[S] = 2 * cap + dump
     return Layout(rows, cap, num_local * cap + dump, dump, plan)
 
 
@@ -256,8 +254,19 @@ def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tenso
     """``scaling * a @ b`` per batch, one call."""
     if scaling == 1.0:
         return torch.bmm(a, b)
-    return torch.baddbmm(_NONE.to(a.device, a.dtype) if a.device.type != "cpu" or a.dtype != _NONE.dtype else _NONE,
+    return torch.baddbmm(_NONE if a.is_cpu and a.dtype is _NONE.dtype else _NONE.to(a.device, a.dtype),
                          a, b, beta=0, alpha=scaling)
+
+
+#: ``silu_backward`` into a given tensor (looked up once: the ``torch.ops`` namespaces are Python).
+_SILU_BACKWARD = torch.ops.aten.silu_backward.grad_input
+
+
+def _expert_rows(y: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The ``[P, N]`` padded rows of the ``[NR, cap, N]`` blocks ``y``: a view, or with the dump row
+    (zero) after them."""
+    flat = y.view(-1, y.shape[-1])
+    return flat if not lay.dump else torch.cat((flat, flat.new_zeros(1, y.shape[-1])))
 
 
 def lora_experts_forward(
@@ -281,12 +290,12 @@ def lora_experts_forward(
         gate_up.baddbmm_(_scaled_bmm(xp, a1.mT, s1), b1.mT)
     g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
     gate, up = g.chunk(2, -1)
-    h = torch.nn.functional.silu(gate).mul_(up)
+    h = torch._C._nn.silu(gate).mul_(up)
     h = h if h.dtype == x_TH.dtype else h.to(x_TH.dtype)
-    y_PH = _batched(h, w_down_NHI.mT, lay)
+    y = torch.bmm(h, w_down_NHI.mT)  # [NR, cap, H]
     if a2 is not None:
-        y_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
-    y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
+        y.baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
+    y_TKH = _expert_rows(y, lay).index_select(0, lay.rows).view(T, K, H)
     w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
     out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
@@ -313,10 +322,11 @@ def lora_experts_backward(
     gu = _blocks(_pad(_first(gate_up_S2I, T * K), lay), NR, lay.cap)
     gu = gu if gu.dtype == f32 else gu.float()
     gate, up = gu.chunk(2, -1)
-    silu = torch.nn.functional.silu(gate)
+    silu = torch._C._nn.silu(gate)
     h = silu * up  # [NR, cap, I] fp32
     dout_blocks = _blocks(_pad_tokens(dout_TH if dout_TH.dtype == dtype else dout_TH.to(dtype), K, lay), NR, lay.cap)
-    w_blocks = _blocks(_pad(weights_TK.reshape(T * K, 1).to(f32), lay), NR, lay.cap)
+    w_S1 = weights_TK.reshape(T * K, 1)
+    w_blocks = _blocks(_pad(w_S1 if w_S1.dtype == f32 else w_S1.float(), lay), NR, lay.cap)
     # Unweighted dout @ W_down[e] (and @ B2[e]): their dots with h (and t2) are the router-weight gradient.
     g = torch.bmm(dout_blocks, w_down_NHI)
     g = g if g.dtype == f32 else g.float()
@@ -342,13 +352,13 @@ def lora_experts_backward(
     dweights_TK = dw_rows.index_select(0, lay.rows).view(T, K)
     if dweights_TK.dtype != weights_TK.dtype:
         dweights_TK = dweights_TK.to(weights_TK.dtype)
-    d_gu = torch.empty(NR, lay.cap, I2, dtype=f32, device=x_TH.device)
+    d_gu = g.new_empty(NR, lay.cap, I2)
     d_gate, d_up = d_gu.chunk(2, -1)
-    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+    _SILU_BACKWARD(g * up, gate, grad_input=d_gate)
     torch.mul(g, silu, out=d_up)
     if dtype != f32:
         d_gu = d_gu.to(dtype)
-    dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
+    dx = torch.bmm(d_gu, w_gate_up_N2IH)  # [NR, cap, H]
     if a1 is None:
         dA1, dB1 = x_TH.new_zeros(0), x_TH.new_zeros(0)
     else:
@@ -356,6 +366,6 @@ def lora_experts_backward(
         dB1 = torch.bmm(d_gu.mT, _scaled_bmm(xp, a1.mT, s1))  # [NR, 2I, r1]
         v = _scaled_bmm(d_gu, b1, s1)  # [NR, cap, r1]
         dA1 = torch.bmm(v.mT, xp)  # [NR, r1, H]
-        dx_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(v, a1)
-    dx_TH = _sum_k(dx_PH.index_select(0, lay.rows).view(T, K, H))
+        dx.baddbmm_(v, a1)
+    dx_TH = _sum_k(_expert_rows(dx, lay).index_select(0, lay.rows).view(T, K, H))
     return dx_TH, dweights_TK, dA1, dB1, dA2, dB2
