@@ -28,6 +28,9 @@ rows on this rank.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -89,9 +92,46 @@ def _module_attr(module: nn.Module, name: str, default: Any = None) -> Any:
 _MISSING = object()
 
 
-def describe_layout(module: nn.Module) -> dict[str, Any]:
+#: ``id(module) -> (weak reference, key, flags)``: :func:`describe_layout`'s answers (eager calls).
+_LAYOUTS: dict[int, tuple[Any, tuple, Mapping[str, Any]]] = {}
+
+
+def _layout_key(module: nn.Module) -> tuple:
+    """Everything :func:`_describe_layout` reads: while it is unchanged, so are the flags. Objects
+    are held (compared by identity), never their ids, which a new object may reuse."""
+    has_gate = getattr(module, "has_gate", _MISSING)
+    has_bias = getattr(module, "has_bias", _MISSING)
+    d = module.__dict__
+    weights = tuple((type(w), getattr(w, "shape", None)) for w in
+                    (stored_weight(module, "gate_up_proj" if has_gate is not False else "up_proj"),
+                     stored_weight(module, "down_proj")))
+    return (has_gate, has_bias, getattr(module, "is_concatenated", _MISSING),
+            getattr(module, "is_transposed", _MISSING), getattr(module, "has_post_expert_norm", _MISSING),
+            getattr(module, "num_experts", _MISSING), getattr(module, "_is_expert_parallel", _MISSING),
+            getattr(type(module), "_apply_gate", None), d.get("_apply_gate"), _module_attr(module, "act_fn"),
+            _module_attr(module, "post_expert_norm"), weights,
+            (type(getattr(module, "gate_up_proj_bias", None)), type(getattr(module, "up_proj_bias", None)),
+             type(getattr(module, "down_proj_bias", None))) if has_bias else None)
+
+
+def describe_layout(module: nn.Module) -> Mapping[str, Any]:
     """The layout flags of an experts module, checked: raises :class:`ExpertsLayoutError` naming
-    the first attribute that is missing or that this implementation cannot honour."""
+    the first attribute that is missing or that this implementation cannot honour. Eager calls on
+    a module are answered from the first one's result while what it reads is unchanged (the
+    experts function asks on every call)."""
+    if torch.compiler.is_compiling():
+        return _describe_layout(module)
+    key = _layout_key(module)
+    entry = _LAYOUTS.get(id(module))
+    if entry is not None and entry[0]() is module and entry[1] == key:
+        return entry[2]
+    flags = MappingProxyType(_describe_layout(module))
+    ident = id(module)
+    _LAYOUTS[ident] = (weakref.ref(module, lambda _, ident=ident: _LAYOUTS.pop(ident, None)), key, flags)
+    return flags
+
+
+def _describe_layout(module: nn.Module) -> dict[str, Any]:
     flags: dict[str, Any] = {}
     name_of = type(module).__name__
     for attr in LAYOUT_ATTRIBUTES:
@@ -203,11 +243,12 @@ def fastmoe_experts_forward(
         w_up, w_down = stored_weight(self, up_name), stored_weight(self, "down_proj")
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
-    if not flags["expert_parallel"] and not torch.compiler.is_compiling():
-        # traced, the custom ops never read the ids back
-        check_ids(top_k_index, self.num_experts)
+    # Without expert parallelism an id outside the experts is a routing bug: checked (where the layer
+    # runs in one piece, from the ids its layout counts anyway). Traced, the ops never read ids back.
+    ids_check = (None if flags["expert_parallel"] or torch.compiler.is_compiling()
+                 else functools.partial(check_ids, num_experts=self.num_experts))
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
-    x_TH = hidden_states.to(w_up.dtype).contiguous()
+    x_TH = _dense(hidden_states if hidden_states.dtype == w_up.dtype else hidden_states.to(w_up.dtype))
     # A per-module override (tests, benchmarks) wins; else the package's one choice (FASTMOE_BACKEND,
     # else Triton on xpu/cuda, torch on the CPU).
     backend = _module_attr(self, "fastmoe_backend", "auto")
@@ -217,25 +258,37 @@ def fastmoe_experts_forward(
         # parallelism gives no group to agree on a timed choice, so its shards keep the backend's own
         # engine: ranks must not round differently.
         engine = "native" if flags["expert_parallel"] else _module_attr(self, "fastmoe_gemm_engine", "auto")
-        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, w_up.contiguous(), w_down.contiguous(),
-                                     backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision)
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _dense(w_up), _dense(w_down),
+                                     backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision,
+                                     check_ids=ids_check)
     else:
         def expert_rows(x, input_indices, cum_token_counts, kernels_name):
             return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1],
                                  (w_up.contiguous(), w_down.contiguous()), lora)
 
         out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, None, None, backend=backend,
-                                     num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision)
-    return out_TH.to(hidden_states.dtype)
+                                     num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision,
+                                     check_ids=ids_check)
+    return out_TH if out_TH.dtype == hidden_states.dtype else out_TH.to(hidden_states.dtype)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, asked first (a call that returns ``t`` still costs a dispatch, per call)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def expert_precision(module: nn.Module) -> str | None:
     """The expert-GEMM precision of an experts module: its ``fastmoe_expert_precision`` attribute,
     else its config's ``fastmoe_expert_precision`` field, else ``FASTMOE_EXPERT_PRECISION``; None:
     full precision."""
-    value = _module_attr(module, "fastmoe_expert_precision")
+    value = _module_attr(module, PRECISION_ATTRIBUTE)
     if value is None:
-        value = getattr(_module_attr(module, "config"), "fastmoe_expert_precision", None)
+        config = _module_attr(module, "config")
+        # Eager, transformers' configs (the field is a _PrecisionField, kept in the instance) are read
+        # there, past their per-access attribute hooks; any other config, or a traced call, as it reads.
+        fast = (not torch.compiler.is_compiling()
+                and isinstance(getattr(type(config), PRECISION_ATTRIBUTE, None), _PrecisionField))
+        value = config.__dict__.get(PRECISION_ATTRIBUTE) if fast else getattr(config, PRECISION_ATTRIBUTE, None)
     return settings.get().expert_precision if value is None else value
 
 
