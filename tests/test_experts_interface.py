@@ -414,3 +414,55 @@ def test_registration_is_lazy_and_in_place_before_first_use() -> None:
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("engine", ["auto", "native"])
+def test_ids_outside_the_experts_raise(engine: str, monkeypatch) -> None:
+    """Without expert parallelism an id outside [0, num_experts) is refused: on the padded op (a small
+    layer with gemm_engine='auto', which reads it off its layout) and on the staged chain (checked
+    first). In-range ids run, on the path the test names."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.kernels.torch import padded
+
+    calls = []
+    real = padded.experts_forward
+    monkeypatch.setattr(padded, "experts_forward", lambda *a: calls.append(1) or real(*a))
+    module = _make_class()(_config("fastmoe"))
+    module.fastmoe_gemm_engine = engine
+    x, (idx, w) = torch.randn(7, H), _routing(7, 2)
+    with settings.override(gemm_engine=None), torch.no_grad():
+        for bad in (E, E + 5, -1):
+            wrong = idx.clone()
+            wrong[3, 1] = bad
+            with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+                module(x, wrong, w)
+        calls.clear()
+        module(x, idx, w)
+    assert calls == ([1] if engine == "auto" else [])
+
+
+def test_layout_flags_follow_the_module() -> None:
+    """The flags are answered from the first call while what they depend on is unchanged: a swapped
+    activation, a flag that now claims biases the module lacks, a weight of another expert count
+    are each seen on the next call (and the numbers follow); the answer is read-only."""
+    module = _make_class()(_config("fastmoe"))
+    flags = describe_layout(module)
+    assert flags["fused"] and describe_layout(module) is flags
+    with pytest.raises(TypeError):
+        flags["fused"] = False  # type: ignore[index]
+    module.act_fn = ACT2FN["gelu"]
+    assert not describe_layout(module)["fused"]
+    x, (idx, w) = torch.randn(9, H), _routing(9, 2)
+    _compare(module, x, idx, w)  # GELU's numbers, not a SiLU kept from the first answer
+    module.act_fn = ACT2FN["silu"]
+    assert describe_layout(module)["fused"]
+    module.has_bias = True
+    with pytest.raises(ExpertsLayoutError, match="no tensor"):
+        describe_layout(module)
+    module.has_bias = False
+    down = module.down_proj
+    module.down_proj = nn.Parameter(torch.randn(E + 1, H, I))
+    with pytest.raises(ExpertsLayoutError, match="holds 5 experts"):
+        describe_layout(module)
+    module.down_proj = down
+    assert describe_layout(module)["fused"]

@@ -378,9 +378,19 @@ lora_experts_backward = _define(
     _lora_experts_backward_body, _lora_experts_backward_fake)
 
 
+def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` with each batch a row-major matrix (a copy only when it is not)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 class _LoraExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2, b2, topk_idx_TK, *rest):  # noqa: ANN001, ANN205
+        # PEFT's B is a permuted view of its weight ([E, out, r] with the experts fastest): a batched GEMM
+        # over it copies every expert's matrix, in each of the three products that read it. One copy
+        # here (no graph node: autograd is off inside a Function's forward) serves them all, and the
+        # backward reads the saved copy; B's gradient keeps B's shape.
+        b1, b2 = _dense(b1), _dense(b2)
         out_TH, gate_up_S2I, plan = _below_autograd(lora_experts_op, x_TH, w_gate_up, w_down, weights_TK, a1, b1, a2,
                                                     b2, topk_idx_TK, *rest)
         ctx.mark_non_differentiable(gate_up_S2I, plan)
@@ -407,20 +417,22 @@ _differentiable(lora_experts_op, _LoraExperts, 8)
 def lora_experts(
     x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
     topk_idx_TK: torch.Tensor, lora: ExpertsLora, expert_start: int, num_local: int, implementation: str,
-) -> torch.Tensor:
+    with_plan: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out [T, H]``: stages 2-5 of the SiLU layout with ``lora``'s adapters in one piece, by the
-    registry's ``experts`` implementation ``implementation`` (small layers, eager), base weights frozen."""
+    registry's ``experts`` implementation ``implementation`` (small layers, eager), base weights frozen.
+    ``with_plan``: ``(out, plan)``, the implementation's routing plan too."""
     _check_frozen(w_gate_up_N2IH, w_down_NHI)
     g, d = _checked(lora, w_gate_up_N2IH, w_down_NHI)
-    # The adapters as they come (PEFT's are views of its weights): the batched GEMMs read any strides,
-    # and a copy here would be one more op and one more backward node per adapter.
-    out_TH, _, _ = call(
+    # The adapters as they come (PEFT's are views of its weights): a copy here would be one more op
+    # and one more backward node per adapter; the Function makes B dense where it has no graph.
+    out_TH, _, plan = call(
         lora_experts_op, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
         None if g is None else g.a, None if g is None else g.b,
         None if d is None else d.a, None if d is None else d.b, topk_idx_TK,
         expert_start, num_local, 1.0 if g is None else float(g.scaling), 1.0 if d is None else float(d.scaling),
         implementation)
-    return out_TH
+    return (out_TH, plan) if with_plan else out_TH
 
 
 # ---------------------------------------------------------------- stage 4, other layouts

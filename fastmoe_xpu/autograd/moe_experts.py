@@ -11,6 +11,8 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR local expert
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -67,6 +69,7 @@ def moe_experts_forward(
     expert_rows: ExpertRows | None = None,
     expert_precision: str | None = None,
     lora: ExpertsLora | None = None,
+    check_ids: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
     (partial sums when other ranks hold other experts; choices of other experts are skipped).
@@ -82,7 +85,10 @@ def moe_experts_forward(
     stage-4 GEMM quantized, on the registry's implementation of that precision (which then replaces
     ``gemm_engine``); None: full precision. A fused layer with ``gemm_engine="auto"`` small enough for
     one of the registry's ``experts`` implementations (:func:`~fastmoe_xpu.kernels.registry.whole_layer`)
-    runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers."""
+    runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers.
+    ``check_ids``: where every id must name a local expert (no expert parallelism), a function that
+    raises on ``topk_idx`` holding another; called first, or on the small-layer path only when its
+    layout found such an id (it has counted them anyway)."""
     check_choice(gemm_engine)
     check_precision(expert_precision)
     base = kernel_backend(backend, x_TH.device)
@@ -103,12 +109,18 @@ def moe_experts_forward(
         layer = whole_layer(base, gemm_engine, x_TH.device, x_TH.dtype,
                             (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local),
                             lora=bool(lora))
-        if layer is not None and lora:
-            return lora_experts(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, lora, expert_start,
-                                num_local, layer)
         if layer is not None:
-            return call(experts, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, num_local,
-                        layer)[0]
+            if lora:
+                out_TH, plan = lora_experts(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, lora,
+                                            expert_start, num_local, layer, with_plan=True)
+            else:
+                out_TH, _, plan = call(experts, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK,
+                                       expert_start, num_local, layer)
+            if check_ids is not None and int(plan[-1]) & 1:  # the plan's dump bit: an id outside the local experts
+                check_ids(topk_idx_TK)
+            return out_TH
+    if check_ids is not None:
+        check_ids(topk_idx_TK)
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
     # no shape in the graph depends on data.
     rows = call(route, topk_idx_TK, expert_start, num_local, base, not torch.compiler.is_compiling())

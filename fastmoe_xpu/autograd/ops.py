@@ -105,13 +105,35 @@ def _differentiable(op: Any, function: type[torch.autograd.Function], tensor_arg
     """Register ``function`` (whose forward runs ``op`` below autograd) as ``op``'s Autograd kernel.
     Calls that need no gradient (grad mode off, or none of the first ``tensor_args`` arguments
     requiring one; an optional tensor argument may be None) skip the Function and its graph node."""
+    apply = _function_apply(function)
+
     def autograd_kernel(*args: Any) -> Any:
         if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:tensor_args]):
-            return function.apply(*args)
+            return apply(*args)
         return _below_autograd(op, *args)
 
     _LIB.impl(op._schema.name.split("::")[1], autograd_kernel, "Autograd")
     _AUTOGRAD_OF[op] = autograd_kernel
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` without its Python layer, for a Function that defines no ``setup_context``
+    (so no default arguments to bind): with no functorch transform active, the C++ apply on the
+    arguments with dead functorch wrappers unwrapped, which is all ``Function.apply`` does then; with
+    one active, ``Function.apply`` itself. The layer costs about as much as the rest of the call."""
+    if "setup_context" in vars(function):
+        return function.apply
+    base = super(torch.autograd.Function, function).apply  # torch._C._FunctionBase.apply
+
+    def apply(*args: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            return function.apply(*args)
+        return base(*[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a for a in args])
+
+    return apply
 
 
 def call(op: Any, *args: Any) -> Any:

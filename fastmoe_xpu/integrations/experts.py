@@ -27,6 +27,10 @@ rows on this rank.
 """
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -51,6 +55,7 @@ class ExpertsLayoutError(ValueError):
     """An experts module whose layout the fastmoe implementation cannot honour."""
 
 
+@functools.lru_cache(maxsize=None)
 def _default_apply_gate() -> Any:
     try:
         from transformers.integrations.moe import _default_apply_gate as fn
@@ -59,69 +64,125 @@ def _default_apply_gate() -> Any:
     return fn
 
 
-def _is_silu(act: Any) -> bool:
-    if isinstance(act, nn.SiLU):
-        return True
+@functools.lru_cache(maxsize=None)
+def _silu_classes() -> tuple[type, ...]:
     try:
         from transformers.activations import SiLUActivation
     except Exception:
-        return False
-    return isinstance(act, SiLUActivation)
+        return (nn.SiLU,)
+    return (nn.SiLU, SiLUActivation)
 
 
-def describe_layout(module: nn.Module) -> dict[str, Any]:
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, _silu_classes())
+
+
+def _module_attr(module: nn.Module, name: str, default: Any = None) -> Any:
+    """``getattr(module, name, default)`` for a plain attribute or a submodule, without ``nn.Module``'s
+    miss (an exception it raises and ``getattr`` catches, which costs more than the lookup itself):
+    the experts function reads its optional settings this way on every call."""
+    value = module.__dict__.get(name, _MISSING)
+    if value is _MISSING:
+        value = module._modules.get(name, _MISSING) if "_modules" in module.__dict__ else _MISSING
+    if value is _MISSING:
+        return getattr(module, name, default) if hasattr(type(module), name) else default
+    return value
+
+
+_MISSING = object()
+
+
+#: ``id(module) -> (weak reference, key, flags)``: :func:`describe_layout`'s answers (eager calls).
+_LAYOUTS: dict[int, tuple[Any, tuple, Mapping[str, Any]]] = {}
+
+
+def _layout_key(module: nn.Module) -> tuple:
+    """Everything :func:`_describe_layout` reads: while it is unchanged, so are the flags. Objects
+    are held (compared by identity), never their ids, which a new object may reuse."""
+    has_gate = getattr(module, "has_gate", _MISSING)
+    has_bias = getattr(module, "has_bias", _MISSING)
+    d = module.__dict__
+    weights = tuple((type(w), getattr(w, "shape", None)) for w in
+                    (stored_weight(module, "gate_up_proj" if has_gate is not False else "up_proj"),
+                     stored_weight(module, "down_proj")))
+    return (has_gate, has_bias, getattr(module, "is_concatenated", _MISSING),
+            getattr(module, "is_transposed", _MISSING), getattr(module, "has_post_expert_norm", _MISSING),
+            getattr(module, "num_experts", _MISSING), getattr(module, "_is_expert_parallel", _MISSING),
+            getattr(type(module), "_apply_gate", None), d.get("_apply_gate"), _module_attr(module, "act_fn"),
+            _module_attr(module, "post_expert_norm"), weights,
+            (type(getattr(module, "gate_up_proj_bias", None)), type(getattr(module, "up_proj_bias", None)),
+             type(getattr(module, "down_proj_bias", None))) if has_bias else None)
+
+
+def describe_layout(module: nn.Module) -> Mapping[str, Any]:
     """The layout flags of an experts module, checked: raises :class:`ExpertsLayoutError` naming
-    the first attribute that is missing or that this implementation cannot honour."""
+    the first attribute that is missing or that this implementation cannot honour. Eager calls on
+    a module are answered from the first one's result while what it reads is unchanged (the
+    experts function asks on every call)."""
+    if torch.compiler.is_compiling():
+        return _describe_layout(module)
+    key = _layout_key(module)
+    entry = _LAYOUTS.get(id(module))
+    if entry is not None and entry[0]() is module and entry[1] == key:
+        return entry[2]
+    flags = MappingProxyType(_describe_layout(module))
+    ident = id(module)
+    _LAYOUTS[ident] = (weakref.ref(module, lambda _, ident=ident: _LAYOUTS.pop(ident, None)), key, flags)
+    return flags
+
+
+def _describe_layout(module: nn.Module) -> dict[str, Any]:
     flags: dict[str, Any] = {}
+    name_of = type(module).__name__
     for attr in LAYOUT_ATTRIBUTES:
-        if not hasattr(module, attr) and attr in LAYOUT_DEFAULTS:
+        value = getattr(module, attr, _MISSING)  # instance attributes, set by the decorator: no miss
+        if value is _MISSING and attr in LAYOUT_DEFAULTS:
             flags[attr] = LAYOUT_DEFAULTS[attr]
             continue
-        if not hasattr(module, attr):
+        if value is _MISSING:
             raise ExpertsLayoutError(
-                f"{type(module).__name__} has no attribute {attr!r}: the fastmoe experts implementation serves "
+                f"{name_of} has no attribute {attr!r}: the fastmoe experts implementation serves "
                 "modules decorated with transformers' @use_experts_implementation (transformers >= 5)"
             )
-        value = getattr(module, attr)
         if not isinstance(value, bool):
-            raise ExpertsLayoutError(f"{type(module).__name__}.{attr} must be a bool, got {value!r}")
+            raise ExpertsLayoutError(f"{name_of}.{attr} must be a bool, got {value!r}")
         flags[attr] = value
-    if not isinstance(getattr(module, "num_experts", None), int):
-        raise ExpertsLayoutError(f"{type(module).__name__}.num_experts must be an int (the experts on this rank)")
+    num_experts = getattr(module, "num_experts", None)
+    if not isinstance(num_experts, int):
+        raise ExpertsLayoutError(f"{name_of}.num_experts must be an int (the experts on this rank)")
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     for name in (up_name, "down_proj"):
         w = stored_weight(module, name)  # never runs a parametrization (PEFT's LoRA) just to check a shape
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise ExpertsLayoutError(
-                f"{type(module).__name__}.{name} must be a 3-D [experts, out, in] (or transposed) tensor with "
+                f"{name_of}.{name} must be a 3-D [experts, out, in] (or transposed) tensor with "
                 f"has_gate={flags['has_gate']}, got {type(w).__name__}"
             )
-        if w.shape[0] != module.num_experts:
-            raise ExpertsLayoutError(
-                f"{type(module).__name__}.{name} holds {w.shape[0]} experts but num_experts={module.num_experts}"
-            )
+        if w.shape[0] != num_experts:
+            raise ExpertsLayoutError(f"{name_of}.{name} holds {w.shape[0]} experts but num_experts={num_experts}")
     if flags["has_bias"]:
         for name in (up_name + "_bias", "down_proj_bias"):
             if not isinstance(getattr(module, name, None), torch.Tensor):
-                raise ExpertsLayoutError(f"{type(module).__name__} has has_bias=True but no tensor {name!r}")
-    if flags["has_post_expert_norm"] and not callable(getattr(module, "post_expert_norm", None)):
-        raise ExpertsLayoutError(f"{type(module).__name__} has has_post_expert_norm=True but no post_expert_norm")
+                raise ExpertsLayoutError(f"{name_of} has has_bias=True but no tensor {name!r}")
+    if flags["has_post_expert_norm"] and not callable(_module_attr(module, "post_expert_norm")):
+        raise ExpertsLayoutError(f"{name_of} has has_post_expert_norm=True but no post_expert_norm")
+    act = _module_attr(module, "act_fn")
     if flags["has_gate"]:
         if not callable(getattr(module, "_apply_gate", None)):
-            raise ExpertsLayoutError(f"{type(module).__name__} has has_gate=True but no _apply_gate")
+            raise ExpertsLayoutError(f"{name_of} has has_gate=True but no _apply_gate")
         custom = getattr(type(module), "_apply_gate", None) is not _default_apply_gate()
         flags["custom_gate"] = custom
-        if not custom and not callable(getattr(module, "act_fn", None)):
-            raise ExpertsLayoutError(f"{type(module).__name__} uses the default gate but has no callable act_fn")
-    elif not callable(getattr(module, "act_fn", None)):
-        raise ExpertsLayoutError(f"{type(module).__name__} has has_gate=False but no callable act_fn")
+        if not custom and not callable(act):
+            raise ExpertsLayoutError(f"{name_of} uses the default gate but has no callable act_fn")
+    elif not callable(act):
+        raise ExpertsLayoutError(f"{name_of} has has_gate=False but no callable act_fn")
     ep = getattr(module, "_is_expert_parallel", False)
     if not isinstance(ep, bool):
-        raise ExpertsLayoutError(f"{type(module).__name__}._is_expert_parallel must be a bool, got {ep!r}")
+        raise ExpertsLayoutError(f"{name_of}._is_expert_parallel must be a bool, got {ep!r}")
     flags["expert_parallel"] = ep
     flags["fused"] = (
         flags["has_gate"] and flags["is_concatenated"] and not flags["is_transposed"] and not flags["has_bias"]
-        and not flags["has_post_expert_norm"] and not flags["custom_gate"] and _is_silu(module.act_fn)
+        and not flags["has_post_expert_norm"] and not flags["custom_gate"] and _is_silu(act)
     )
     return flags
 
@@ -182,41 +243,53 @@ def fastmoe_experts_forward(
         w_up, w_down = stored_weight(self, up_name), stored_weight(self, "down_proj")
     if T == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
-    if not flags["expert_parallel"] and not torch.compiler.is_compiling():
-        # traced, the custom ops never read the ids back
-        check_ids(top_k_index, self.num_experts)
+    # Without expert parallelism an id outside the experts is a routing bug: checked (where the layer
+    # runs in one piece, from the ids its layout counts anyway). Traced, the ops never read ids back.
+    ids_check = (None if flags["expert_parallel"] or torch.compiler.is_compiling()
+                 else functools.partial(check_ids, num_experts=self.num_experts))
     # Like transformers' grouped_mm: under autocast the input may be wider than the weights.
-    x_TH = hidden_states.to(w_up.dtype).contiguous()
+    x_TH = _dense(hidden_states if hidden_states.dtype == w_up.dtype else hidden_states.to(w_up.dtype))
     # A per-module override (tests, benchmarks) wins; else the package's one choice (FASTMOE_BACKEND,
     # else Triton on xpu/cuda, torch on the CPU).
-    backend = getattr(self, "fastmoe_backend", "auto")
+    backend = _module_attr(self, "fastmoe_backend", "auto")
     precision = expert_precision(self)
     if flags["fused"]:
         # Stage 4's engine: the module's ``fastmoe_gemm_engine`` or auto. transformers' expert
         # parallelism gives no group to agree on a timed choice, so its shards keep the backend's own
         # engine: ranks must not round differently.
-        engine = "native" if flags["expert_parallel"] else getattr(self, "fastmoe_gemm_engine", "auto")
-        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, w_up.contiguous(), w_down.contiguous(),
-                                     backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision)
+        engine = "native" if flags["expert_parallel"] else _module_attr(self, "fastmoe_gemm_engine", "auto")
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _dense(w_up), _dense(w_down),
+                                     backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision,
+                                     check_ids=ids_check)
     else:
         def expert_rows(x, input_indices, cum_token_counts, kernels_name):
             return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1],
                                  (w_up.contiguous(), w_down.contiguous()), lora)
 
         out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, None, None, backend=backend,
-                                     num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision)
-    return out_TH.to(hidden_states.dtype)
+                                     num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision,
+                                     check_ids=ids_check)
+    return out_TH if out_TH.dtype == hidden_states.dtype else out_TH.to(hidden_states.dtype)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, asked first (a call that returns ``t`` still costs a dispatch, per call)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def expert_precision(module: nn.Module) -> str | None:
     """The expert-GEMM precision of an experts module: its ``fastmoe_expert_precision`` attribute,
     else its config's ``fastmoe_expert_precision`` field, else ``FASTMOE_EXPERT_PRECISION``; None:
     full precision."""
-    for source in (module, getattr(module, "config", None)):
-        value = getattr(source, "fastmoe_expert_precision", None)
-        if value is not None:
-            return value
-    return settings.get().expert_precision
+    value = _module_attr(module, PRECISION_ATTRIBUTE)
+    if value is None:
+        config = _module_attr(module, "config")
+        # Eager, transformers' configs (the field is a _PrecisionField, kept in the instance) are read
+        # there, past their per-access attribute hooks; any other config, or a traced call, as it reads.
+        fast = (not torch.compiler.is_compiling()
+                and isinstance(getattr(type(config), PRECISION_ATTRIBUTE, None), _PrecisionField))
+        value = config.__dict__.get(PRECISION_ATTRIBUTE) if fast else getattr(config, PRECISION_ATTRIBUTE, None)
+    return settings.get().expert_precision if value is None else value
 
 
 def _first_rows(t: torch.Tensor, rt: int) -> torch.Tensor:

@@ -39,11 +39,23 @@ from ..autograd.lora_ops import ExpertsLora, LoraWeights
 __all__ = ["factors_to_lora", "is_peft_wrapper", "parametrized_weights", "stored_weight", "unwrap_experts", "wrapper_chain"]
 
 
+def _parametrizations(module: nn.Module) -> Any:
+    """``module.parametrizations`` (a ModuleDict, registered by ``torch.nn.utils.parametrize``), or
+    None. Read from the submodules directly: ``nn.Module``'s attribute lookup raises and catches an
+    exception for a name it does not hold, which on every forward costs more than the rest of this."""
+    modules = getattr(module, "_modules", None)
+    if modules is None:
+        return getattr(module, "parametrizations", None)
+    return modules.get("parametrizations")
+
+
 def stored_weight(module: nn.Module, name: str) -> Any:
     """``module.<name>`` as stored, without running a parametrization registered on it."""
-    params = getattr(module, "parametrizations", None)
-    if params is not None and name in params:
-        return params[name].original
+    params = _parametrizations(module)
+    if params is not None:
+        plist = params._modules.get(name)
+        if plist is not None:
+            return plist.original
     return getattr(module, name, None)
 
 
@@ -56,25 +68,31 @@ def factors_to_lora(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float, transp
     return LoraWeights(rhs, lhs, float(scaling))
 
 
-def _factors_proxy(module: nn.Module, name: str) -> Any:
-    """The one factors proxy of ``name``'s parametrization (None: not parametrized; False: something else)."""
-    params = getattr(module, "parametrizations", None)
-    if params is None or name not in params:
-        return None
-    plist = params[name]
-    if len(plist) != 1 or not all(hasattr(plist[0], a) for a in ("lhs", "rhs", "scaling")):
-        return False
-    return plist[0]
+def _factors_proxy(params: Any, name: str) -> Any:
+    """The one factors proxy of ``name``'s parametrization in ``params`` (``module.parametrizations``
+    or None) and the parametrization list: ``(None, None)``: not parametrized; ``(False, plist)``:
+    something else."""
+    plist = None if params is None else params._modules.get(name)
+    if plist is None:
+        return None, None
+    entries = plist._modules  # a ParametrizationList is a ModuleList: its entries by "0", "1", ...
+    if len(entries) != 1:
+        return False, plist
+    proxy = entries.get("0")
+    if proxy is not None and all(hasattr(proxy, a) for a in ("lhs", "rhs", "scaling")):
+        return proxy, plist
+    return False, plist
 
 
 def parametrized_weights(module: nn.Module, names: tuple[str, str], transposed: bool) -> tuple[list, ExpertsLora]:
     """``([w_up, w_down], adapters)`` of an experts module as its experts function sees it: the stored
     frozen weight and its adapter where a PEFT factors proxy is active on it, else the weight as it
     reads (parametrized or not) and no adapter."""
+    params = _parametrizations(module)
     weights, adapters = [], []
     for name in names:
-        proxy = _factors_proxy(module, name)
-        base = stored_weight(module, name)
+        proxy, plist = _factors_proxy(params, name)
+        base = getattr(module, name, None) if plist is None else plist.original
         if proxy and not base.requires_grad:
             weights.append(base)
             adapters.append(factors_to_lora(proxy.lhs, proxy.rhs, proxy.scaling, transposed))

@@ -111,6 +111,37 @@ def test_small_layer_with_adapters_on_an_expert_parallel_slice(padded_spy) -> No
         assert_close(a, b, msg=f"gradient {i}")
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_small_layer_with_adapters_as_peft_views(shape, padded_spy) -> None:
+    """PEFT hands the padded op views of its ``lora_A``/``lora_B`` weights: ``A [E, r, in]`` a reshape of
+    ``[E*r, in]``, ``B [E, out, r]`` a permutation of ``[out, r*E]`` (the experts fastest, no unit stride
+    within an expert's matrix). The op makes B dense once, outside the graph; the gradients reach
+    the weights the views were taken from, with the reference's numbers."""
+    T, H, I, E, K, r = shape
+    x, weights, idx, w_gu, w_d, (A1, B1, s1), (A2, B2, s2) = _case(*shape)
+    leaves, views = [], []
+    for A, B in ((A1, B1), (A2, B2)):
+        dense = dict(memory_format=torch.contiguous_format)
+        wa = A.detach().reshape(E * r, A.shape[2]).clone(**dense).requires_grad_()  # lora_A.weight
+        wb = B.detach().permute(1, 2, 0).reshape(B.shape[1], r * E).clone(**dense).requires_grad_()  # lora_B.weight
+        a, b = wa.reshape(E, r, -1), wb.reshape(wb.shape[0], r, E).permute(2, 0, 1)
+        assert torch.equal(a, A) and torch.equal(b, B) and not b.is_contiguous()
+        leaves += [wa, wb]
+        views.append((a, b))
+    lg, ld = (*views[0], s1), (*views[1], s2)
+    out = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto",
+                              lora=ExpertsLora(LoraWeights(*lg), LoraWeights(*ld)))
+    assert padded_spy == ["lora_experts_forward"]
+    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
+    assert_close(out, ref, msg="forward")
+    inputs = [x, weights, *leaves]
+    dout = torch.randn_like(out)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout))):
+        assert a.shape == inputs[i].shape
+        assert_close(a, b, msg=f"gradient {i}")
+    assert padded_spy == ["lora_experts_forward", "lora_experts_backward"]
+
+
 def test_small_layer_with_adapters_in_bf16(padded_spy) -> None:
     x, weights, idx, w_gu, w_d, lg, ld = _case(*SHAPES[0], dtype=torch.bfloat16)
     lora = ExpertsLora(LoraWeights(*lg), LoraWeights(*ld))

@@ -70,13 +70,13 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layout:
     """The padded layout of the local choices in ``topk_idx [T, K]`` (host reads: CPU tensors)."""
-    idx = topk_idx_TK.reshape(-1)
-    if idx.dtype != torch.int64:
-        idx = idx.long()
+    S = topk_idx_TK.numel()
+    col = topk_idx_TK.reshape(S, 1)  # the slots as a column
+    if col.dtype != torch.int64:
+        col = col.long()
     if expert_start:
-        idx = idx - expert_start
-    S = idx.numel()
-    plan = idx.new_empty(S + 1)
+        col = col - expert_start
+    plan = col.new_empty(S + 1)
     rows = plan[:S]
     if S == 0:
         plan.zero_()
@@ -84,20 +84,51 @@ def layout(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> Layo
     # Position of each slot among its expert's slots: a running count over the one-hot slots. Its
     # last row holds the experts' counts (one host read); they sum to S unless some choice names
     # another rank's expert, whose slots then count in a column of their own, the dump's.
-    col = idx.unsqueeze(1)
-    running = torch.eq(col, _arange(num_local, idx.device)).cumsum(0)
+    running = torch.eq(col, _arange(num_local, col.device)).cumsum(0)
     counts = running[-1].tolist()
     cap = max(counts)
     dump = int(sum(counts) != S)
     if dump:
-        idx = torch.where((idx >= 0) & (idx < num_local), idx, num_local)
-        col = idx.unsqueeze(1)
-        running = torch.eq(col, _arange(num_local + 1, idx.device)).cumsum(0)
-    torch.add(running.gather(1, col).view(S), idx, alpha=cap, out=rows).sub_(1)
+        col = torch.where((col >= 0) & (col < num_local), col, num_local)
+        running = torch.eq(col, _arange(num_local + 1, col.device)).cumsum(0)
+    torch.add(running.gather(1, col), col, alpha=cap, out=rows.view(S, 1)).sub_(1)
     if dump:
-        rows.masked_fill_(idx == num_local, num_local * cap)
-    plan[S:].fill_(2 * cap + dump)
+        rows.masked_fill_(col.view(S) == num_local, num_local * cap)
+    plan[S] = 2 * cap + dump
     return Layout(rows, cap, num_local * cap + dump, dump, plan)
+
+
+#: Per (S, K, device): the token of each of S token-major slots, ``arange(S) // K``.
+_SLOT_TOKENS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+#: Per (N, dtype, device): a ``[1, N]`` zero row, read (never written) by :func:`_gather`.
+_ZERO_ROWS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _inverse(lay: Layout, slots: int, k: int, device: torch.device, tokens: bool) -> torch.Tensor:
+    """``[NR * cap]`` int64: for each row of the expert blocks, the slot whose row it holds (with
+    ``tokens``, that slot's token), and for a padding row one past the last slot (token): a gather
+    from a slot-order (token-order) source with a zero row appended fills the blocks
+    (:func:`_gather`). A gather copies whole rows, where the indexed write of :func:`_pad_tokens`
+    goes element by element: at a small layer's sizes it is about twice as fast, its index included."""
+    if tokens:
+        key = (slots, k, device)
+        src = _SLOT_TOKENS.get(key)
+        if src is None:
+            src = _SLOT_TOKENS[key] = torch.arange(slots, device=device) // k
+        fill = slots // k
+    else:
+        src, fill = _arange(slots, device), slots
+    inv = torch.full((lay.padded,), fill, dtype=torch.int64, device=device).index_copy_(0, lay.rows, src)
+    return inv if not lay.dump else inv[:-1]  # the dump row is never read
+
+
+def _gather(src_RN: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``src``'s rows at ``inv``, a zero row where ``inv`` is ``len(src)``."""
+    key = (src_RN.shape[1], src_RN.dtype, src_RN.device)
+    zero = _ZERO_ROWS.get(key)
+    if zero is None:
+        zero = _ZERO_ROWS[key] = src_RN.new_zeros(1, src_RN.shape[1])
+    return torch.cat((src_RN, zero)).index_select(0, inv)
 
 
 def _check(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
@@ -129,6 +160,11 @@ def _pad_tokens(src_TN: torch.Tensor, k: int, lay: Layout) -> torch.Tensor:
     return src_TN.new_zeros(lay.padded, N).index_put_((lay.rows.view(T, k),), src_TN.unsqueeze(1))
 
 
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]`` (``t`` itself when it has ``n`` rows: no view to make)."""
+    return t if t.shape[0] == n else t[:n]
+
+
 def _blocks(t: torch.Tensor, num_local: int, cap: int) -> torch.Tensor:
     """The ``[NR, cap, .]`` expert blocks of a padded buffer (its dump row left out)."""
     if t.shape[0] != num_local * cap:
@@ -145,6 +181,18 @@ def _batched(a: torch.Tensor, b: torch.Tensor, lay: Layout) -> torch.Tensor:
     torch.bmm(a, b, out=out[: NR * lay.cap].view(NR, lay.cap, b.shape[-1]))
     out[NR * lay.cap:].zero_()
     return out
+
+
+def _sum_k(t_TKN: torch.Tensor) -> torch.Tensor:
+    """``t [T, K, N]`` summed over K. For K <= 2 that is one add (or none), which is what the
+    reduction computes for so few terms, without its setup (a reduction over a middle dimension of
+    two costs several times the add at a small layer's sizes)."""
+    k = t_TKN.shape[1]
+    if k == 1:
+        return t_TKN[:, 0]
+    if k == 2:
+        return torch.add(t_TKN[:, 0], t_TKN[:, 1])
+    return t_TKN.sum(1)
 
 
 def experts_forward(
@@ -168,7 +216,7 @@ def experts_forward(
     y_PH = _batched(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI.mT, lay)
     y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
     w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = y_TKH.mul_(w.unsqueeze(-1)).sum(1)
+    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
     # Rows of the dump (other ranks' choices) read the last block row: never used.
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
     saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
@@ -190,7 +238,7 @@ def experts_backward(
         return (torch.zeros_like(x_TH), torch.zeros_like(w_gate_up_N2IH), torch.zeros_like(w_down_NHI),
                 torch.zeros_like(weights_TK))
     f32 = torch.float32
-    gu = _blocks(_pad(gate_up_S2I[: T * K], lay), NR, lay.cap)
+    gu = _blocks(_pad(_first(gate_up_S2I, T * K), lay), NR, lay.cap)
     gu = gu if gu.dtype == f32 else gu.float()
     gate, up = gu.chunk(2, -1)
     silu = torch.nn.functional.silu(gate)
@@ -217,7 +265,7 @@ def experts_backward(
         d_gu = d_gu.to(dtype)
     dw_gate_up = torch.bmm(d_gu.mT, _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap))  # [NR, 2I, H]
     dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
-    dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
+    dx_TH = _sum_k(dx_PH.index_select(0, lay.rows).view(T, K, H))
     return dx_TH, dw_gate_up, dw_down, dweights_TK
 
 
@@ -239,8 +287,19 @@ def _scaled_bmm(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tenso
     """``scaling * a @ b`` per batch, one call."""
     if scaling == 1.0:
         return torch.bmm(a, b)
-    return torch.baddbmm(_NONE.to(a.device, a.dtype) if a.device.type != "cpu" or a.dtype != _NONE.dtype else _NONE,
+    return torch.baddbmm(_NONE if a.is_cpu and a.dtype is _NONE.dtype else _NONE.to(a.device, a.dtype),
                          a, b, beta=0, alpha=scaling)
+
+
+#: ``silu_backward`` into a given tensor (looked up once: the ``torch.ops`` namespaces are Python).
+_SILU_BACKWARD = torch.ops.aten.silu_backward.grad_input
+
+
+def _expert_rows(y: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The ``[P, N]`` padded rows of the ``[NR, cap, N]`` blocks ``y``: a view, or with the dump row
+    (zero) after them."""
+    flat = y.view(-1, y.shape[-1])
+    return flat if not lay.dump else torch.cat((flat, flat.new_zeros(1, y.shape[-1])))
 
 
 def lora_experts_forward(
@@ -258,20 +317,20 @@ def lora_experts_forward(
     lay = layout(topk_idx_TK, expert_start, num_local)
     if lay.cap == 0:
         return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan
-    xp = _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap)  # [NR, cap, H]
+    xp = _gather(x_TH, _inverse(lay, T * K, K, x_TH.device, tokens=True)).view(NR, lay.cap, H)
     gate_up = torch.bmm(xp, w_gate_up_N2IH.mT)  # [NR, cap, 2I]
     if a1 is not None:
         gate_up.baddbmm_(_scaled_bmm(xp, a1.mT, s1), b1.mT)
     g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
     gate, up = g.chunk(2, -1)
-    h = torch.nn.functional.silu(gate).mul_(up)
+    h = torch._C._nn.silu(gate).mul_(up)
     h = h if h.dtype == x_TH.dtype else h.to(x_TH.dtype)
-    y_PH = _batched(h, w_down_NHI.mT, lay)
+    y = torch.bmm(h, w_down_NHI.mT)  # [NR, cap, H]
     if a2 is not None:
-        y_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
-    y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
+        y.baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
+    y_TKH = _expert_rows(y, lay).index_select(0, lay.rows).view(T, K, H)
     w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = y_TKH.mul_(w.unsqueeze(-1)).sum(1)
+    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
     saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
     return out_TH, saved, lay.plan
@@ -290,24 +349,27 @@ def lora_experts_backward(
     K = weights_TK.shape[1]
     dtype, f32 = x_TH.dtype, torch.float32
     lay = Layout.of_plan(plan, num_local)
-    empty = [x_TH.new_zeros(0) for _ in range(4)]
     if lay.cap == 0:
-        grads = [torch.zeros_like(t) if t is not None else e for t, e in zip((a1, b1, a2, b2), empty)]
+        grads = [torch.zeros_like(t) if t is not None else x_TH.new_zeros(0) for t in (a1, b1, a2, b2)]
         return (torch.zeros_like(x_TH), torch.zeros_like(weights_TK), *grads)
-    dA1, dB1, dA2, dB2 = empty
-    gu = _blocks(_pad(gate_up_S2I[: T * K], lay), NR, lay.cap)
+    inv = _inverse(lay, T * K, K, x_TH.device, tokens=False)  # padded row -> slot
+    inv_t = inv if K == 1 else inv // K  # padded row -> token
+    gu = _gather(_first(gate_up_S2I, T * K), inv).view(NR, lay.cap, I2)
     gu = gu if gu.dtype == f32 else gu.float()
     gate, up = gu.chunk(2, -1)
-    silu = torch.nn.functional.silu(gate)
+    silu = torch._C._nn.silu(gate)
     h = silu * up  # [NR, cap, I] fp32
-    dout_blocks = _blocks(_pad_tokens(dout_TH if dout_TH.dtype == dtype else dout_TH.to(dtype), K, lay), NR, lay.cap)
-    w_blocks = _blocks(_pad(weights_TK.reshape(T * K, 1).to(f32), lay), NR, lay.cap)
+    dout_blocks = _gather(dout_TH if dout_TH.dtype == dtype else dout_TH.to(dtype), inv_t).view(NR, lay.cap, H)
+    w_S1 = weights_TK.reshape(T * K, 1)
+    w_blocks = _gather(w_S1 if w_S1.dtype == f32 else w_S1.float(), inv).view(NR, lay.cap, 1)
     # Unweighted dout @ W_down[e] (and @ B2[e]): their dots with h (and t2) are the router-weight gradient.
     g = torch.bmm(dout_blocks, w_down_NHI)
     g = g if g.dtype == f32 else g.float()
     dw_rows = torch.linalg.vecdot(g, h)
     g.mul_(w_blocks)  # dh of the base GEMM
-    if a2 is not None:
+    if a2 is None:
+        dA2, dB2 = x_TH.new_zeros(0), x_TH.new_zeros(0)  # absent adapter (distinct: outputs may not alias)
+    else:
         h_in = h if h.dtype == dtype else h.to(dtype)
         t2 = _scaled_bmm(h_in, a2.mT, s2)  # [NR, cap, r2]
         u = torch.bmm(dout_blocks, b2)  # [NR, cap, r2]
@@ -325,18 +387,20 @@ def lora_experts_backward(
     dweights_TK = dw_rows.index_select(0, lay.rows).view(T, K)
     if dweights_TK.dtype != weights_TK.dtype:
         dweights_TK = dweights_TK.to(weights_TK.dtype)
-    d_gu = torch.empty(NR, lay.cap, I2, dtype=f32, device=x_TH.device)
+    d_gu = g.new_empty(NR, lay.cap, I2)
     d_gate, d_up = d_gu.chunk(2, -1)
-    torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+    _SILU_BACKWARD(g * up, gate, grad_input=d_gate)
     torch.mul(g, silu, out=d_up)
     if dtype != f32:
         d_gu = d_gu.to(dtype)
-    dx_PH = _batched(d_gu, w_gate_up_N2IH, lay)
-    if a1 is not None:
-        xp = _blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap)
+    dx = torch.bmm(d_gu, w_gate_up_N2IH)  # [NR, cap, H]
+    if a1 is None:
+        dA1, dB1 = x_TH.new_zeros(0), x_TH.new_zeros(0)
+    else:
+        xp = _gather(x_TH, inv_t).view(NR, lay.cap, H)
         dB1 = torch.bmm(d_gu.mT, _scaled_bmm(xp, a1.mT, s1))  # [NR, 2I, r1]
         v = _scaled_bmm(d_gu, b1, s1)  # [NR, cap, r1]
         dA1 = torch.bmm(v.mT, xp)  # [NR, r1, H]
-        dx_PH[: NR * lay.cap].view(NR, lay.cap, H).baddbmm_(v, a1)
-    dx_TH = dx_PH.index_select(0, lay.rows).view(T, K, H).sum(1)
+        dx.baddbmm_(v, a1)
+    dx_TH = _sum_k(_expert_rows(dx, lay).index_select(0, lay.rows).view(T, K, H))
     return dx_TH, dweights_TK, dA1, dB1, dA2, dB2
