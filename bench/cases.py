@@ -54,7 +54,7 @@ class Case:
         """
         p = self.preset
         fwd = 6.0 * p.hidden * p.intermediate * self.rows
-        return {"fwd": fwd, "bwd": 2.0 * fwd, "fwdbwd": 3.0 * fwd}
+        return {"fwd": fwd, "bwd": 2.0 * fwd, "fwdbwd": 3.0 * fwd, "infer": fwd}
 
     def describe(self) -> dict:
         c = self.counts_N

@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"presets to run ({', '.join(PRESETS)}, 'all' (the Mula presets) or 'sweep' (tiny, decode T=1/8/64, the Mula-7B layer)); default: mula-7b-a1b-small mula-7b-a1b")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--out", default="bench_out", help="directory for results.json, results.csv and the chart")
-    ap.add_argument("--mode", default="fwdbwd", choices=[*MODES, "stages"],
-                    help="fwd: forward only; bwd / fwdbwd: forward and backward (both reported, "
-                         "the table shows the chosen one); stages: fastmoe launcher by launcher")
+    ap.add_argument("--mode", default="fwdbwd", choices=[*MODES, "infer", "stages"],
+                    help="fwd: forward only (of a training step: autograd on); bwd / fwdbwd: forward and "
+                         "backward (both reported, the table shows the chosen one); infer: forward under "
+                         "torch.no_grad (generation, evaluation); stages: fastmoe launcher by launcher")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed interleaved rounds (after one cold call; default 5, --table3 3, --quick 1)")
     ap.add_argument("--min-sample-ms", type=float, default=1e3 * MIN_SAMPLE_S,
@@ -199,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"# wrote {out_dir / 'stages.json'}")
         return 0
 
-    backward = args.mode != "fwd"
+    backward = args.mode not in ("fwd", "infer")
     mode = args.mode
     fast_names = [n for n in names if n.startswith("fastmoe/")]
     fast = default_fastmoe(device)
@@ -213,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
         ceiling_n = args.ceiling_size or (256 if p.name.startswith("tiny") else 4096)
         res = run_case(case, names, backward=backward, rounds=args.rounds, budget_s=args.budget,
                        ceiling_n=ceiling_n, progress=progress, log=log, gemm_engine=args.gemm_engine,
-                       min_sample_s=args.min_sample_ms / 1e3)
+                       min_sample_s=args.min_sample_ms / 1e3, inference=args.mode == "infer")
         derive(res, fast_names)
         print()
         print(format_case(res, mode, fast), flush=True)

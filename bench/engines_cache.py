@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastmoe_xpu.kernels import timing
+from fastmoe_xpu.kernels import registry, timing
 
 
 def _ms(v: Any) -> str:
@@ -30,7 +30,9 @@ def describe_entries(entries: dict[str, dict[str, Any]]) -> list[str]:
         lines.append("    F+B ms: " + ", ".join(f"{n} {_ms(s)}" + ("*" if n == e["engine"] else "")
                                               for n, s in sorted(seconds.items(), key=lambda kv: kv[1])))
         if forward:
-            lines.append("    forward ms: " + ", ".join(f"{n} {_ms(s)}" for n, s in sorted(forward.items())))
+            infer = registry.inference_engine(e["engine"], forward)
+            lines.append("    forward ms: " + ", ".join(f"{n} {_ms(s)}" for n, s in sorted(forward.items()))
+                         + (f"  (forward calls without a backward run {infer})" if infer != e["engine"] else ""))
         if timed:
             starved = timed.get("starved") or {}
             threads = timed.get("threads", "?")

@@ -76,17 +76,20 @@ def stats(samples: list[float]) -> dict:
 
 
 def timed_call(
-    prov: Provider, case: Case, *, backward: bool, capture: bool = False
+    prov: Provider, case: Case, *, backward: bool, capture: bool = False, grad: bool = True,
 ) -> tuple[float, float, dict | None]:
     """One training step of the layer: fresh leaves, no gradients held, forward (autograd on) and,
-    with ``backward``, backward of ``dout``. Returns ``(forward_s, backward_s, captured)``."""
+    with ``backward``, backward of ``dout``. ``grad=False``: one inference call instead, the forward
+    under ``torch.no_grad`` (no backward). Returns ``(forward_s, backward_s, captured)``."""
     prov.zero_grads()
-    x = case.x_TH.detach().requires_grad_()
-    w = case.weights_TK.detach().requires_grad_()
+    x = case.x_TH.detach().requires_grad_(grad)
+    w = case.weights_TK.detach().requires_grad_(grad)
+    backward = backward and grad
     dev = case.device
     synchronize(dev)
     t0 = _clock()
-    out = prov.forward(x, w, case.topk_idx_TK)
+    with torch.set_grad_enabled(grad):
+        out = prov.forward(x, w, case.topk_idx_TK)
     synchronize(dev)
     t1 = _clock()
     if backward:
@@ -146,7 +149,7 @@ def saved_bytes(prov: Provider, case: Case) -> int:
     return sum(seen.values())
 
 
-def peak_bytes(prov: Provider, case: Case, *, backward: bool) -> int | None:
+def peak_bytes(prov: Provider, case: Case, *, backward: bool, grad: bool = True) -> int | None:
     """Device memory one training step of the layer adds at its peak over what was allocated before it
     (activations, workspaces, gradients; not the inputs or weights): from the allocator's peak counter on
     CUDA and XPU, None on the CPU (no such counter)."""
@@ -157,7 +160,7 @@ def peak_bytes(prov: Provider, case: Case, *, backward: bool) -> int | None:
     synchronize(dev)
     mod.reset_peak_memory_stats(dev)
     before = mod.memory_allocated(dev)
-    timed_call(prov, case, backward=backward)
+    timed_call(prov, case, backward=backward, grad=grad)
     synchronize(dev)
     return int(mod.max_memory_allocated(dev) - before)
 

@@ -21,7 +21,8 @@ import torch
 from fastmoe_xpu.device import cpu_model
 
 MODES = ("fwd", "bwd", "fwdbwd")
-MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward",
+              "infer": "forward under torch.no_grad (inference)"}
 
 
 # ---------------------------------------------------------------- machine
@@ -82,7 +83,7 @@ def derive(result: dict, fast_names: list[str]) -> dict:
     ceil = result["ceiling"]
     ceiling_gflops = ceil["flops"] / ceil["min_s"] / 1e9
     metrics: dict = {}
-    modes = MODES if result["backward"] else ("fwd",)
+    modes = ("infer",) if result.get("inference") else MODES if result["backward"] else ("fwd",)
     for mode in modes:
         b = result["bound"][mode]
         bound_gflops = flops[mode] / b["min_s"] / 1e9

@@ -67,6 +67,7 @@ def run_case(
     ceiling: DenseCeiling | None = None,
     min_sample_s: float = MIN_SAMPLE_S,
     reference_out: dict | None = None,
+    inference: bool = False,
 ) -> dict:
     """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
     engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs).
@@ -75,9 +76,11 @@ def run_case(
     against; ``ceiling``: the dense matmul to time beside them (default the ``ceiling_n`` square);
     ``min_sample_s``: contestants whose calls are shorter take the mean of several calls as one sample
     (0: always one call). ``reference_out``: outputs and gradients to check every provider against
-    instead of a reference provider's (an fp32 reference computed apart, say)."""
+    instead of a reference provider's (an fp32 reference computed apart, say). ``inference``: time
+    forward calls under ``torch.no_grad`` (generation, evaluation), reported as mode ``infer``."""
+    backward = backward and not inference
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
-                    "budget_s": budget_s}
+                    "budget_s": budget_s, "inference": inference}
     providers: dict[str, Provider] = {}
     for name in provider_names:
         try:
@@ -101,7 +104,7 @@ def run_case(
 
     contestants: dict[str, Callable[[], tuple[float, float]]] = {CEILING: run_ceiling, BOUND: run_bound}
     for name, prov in providers.items():
-        contestants[name] = (lambda p: lambda: timed_call(p, case, backward=backward)[:2])(prov)
+        contestants[name] = (lambda p: lambda: timed_call(p, case, backward=backward, grad=not inference)[:2])(prov)
 
     allowed: dict[str, int] = {}
     calls: dict[str, int] = {}  # calls per sample
@@ -122,15 +125,16 @@ def run_case(
     for name in order:
         if name in providers:
             prov = providers[name]
-            f, b, got = timed_call(prov, case, backward=backward, capture=True)
+            f, b, got = timed_call(prov, case, backward=backward, capture=True, grad=not inference)
             entry = result["providers"][name] = {"status": "ok", "note": prov.note, "cold_s": f + b}
             if name == reference and reference_out is None:
                 ref_out = got
             if ref_out is not None:
                 entry["correct"] = compare(got, ref_out, case.dtype, prov.precision)
             del got
-            entry["saved_bytes"] = saved_bytes(prov, case)
-            peak = peak_bytes(prov, case, backward=backward)
+            # under torch.no_grad nothing is kept for a backward
+            entry["saved_bytes"] = 0 if inference else saved_bytes(prov, case)
+            peak = peak_bytes(prov, case, backward=backward, grad=not inference)
             if peak is not None:
                 entry["peak_bytes"] = peak
             cold = f + b
@@ -179,7 +183,7 @@ def run_case(
 
     def split(name: str) -> dict:
         s = samples[name]
-        out = {"fwd": stats([f for f, _ in s])}
+        out = {"infer" if inference else "fwd": stats([f for f, _ in s])}
         if backward:
             out["bwd"] = stats([b for _, b in s])
             out["fwdbwd"] = stats([f + b for f, b in s])

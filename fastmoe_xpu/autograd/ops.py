@@ -199,17 +199,25 @@ def resolve_watched(
 ) -> tuple[KernelBackend, Any]:
     """:func:`resolve_kernels`, and the registry's :class:`~fastmoe_xpu.kernels.registry.Watch` of an
     ``auto`` choice (None otherwise), to which the caller reports the call's time. ``forward``: a
-    forward call, where a due check may re-time the candidates on these tensors."""
+    forward call, where a due check may re-time the candidates on these tensors. A request ending in
+    :data:`INFERENCE` (``"torch+auto:inference"``) is a forward call no backward follows: ``auto``
+    answers with its fastest engine by forward time."""
     base, _, request = name.partition("+")
     if not request:
         return kernels(base), None
+    request, _, inference = request.partition(":")
     engine, watch = engine_choice(
         request, backend=base, device=x_TH.device, dtype=x_TH.dtype,
         shape=(w_gate_up_N2IH.shape[2], w_down_NHI.shape[2], w_gate_up_N2IH.shape[0], weights_TK.numel()),
         measure=engine_measure(base, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows),
-        group=_group(group_name), check=forward,
+        group=_group(group_name), check=forward, inference=inference == INFERENCE,
     )
     return kernels(kernel_set_name(base, engine)), watch
+
+
+#: The suffix of a kernel set's request for a forward call no backward will follow (see
+#: :func:`resolve_watched`).
+INFERENCE = "inference"
 
 
 # ---------------------------------------------------------------- stages 2-3
@@ -354,7 +362,7 @@ def _mlp_combine(
         return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
     t0 = time.perf_counter()
     out = mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
-    watch.saw(True, time.perf_counter() - t0, weights_TK.numel())
+    watch.saw(True, time.perf_counter() - t0, weights_TK.numel(), inference=kernels_name.endswith(":" + INFERENCE))
     return out
 
 

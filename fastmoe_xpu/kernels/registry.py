@@ -502,10 +502,14 @@ def engine_choice(
     group: Any = None,
     use_disk: bool = True,
     check: bool = False,
+    inference: bool = False,
 ) -> tuple[str, "Watch | None"]:
     """:func:`choose_engine`, and the :class:`Watch` of an ``auto`` choice that is checked in use (None
     for a fixed one). ``check``: this is a forward call, where a due check of the choice may re-time
-    the candidates (with ``measure``) and change it."""
+    the candidates (with ``measure``) and change it. ``inference``: a forward call no backward will
+    follow (autograd off or nothing requires a gradient): an ``auto`` choice answers with its
+    fastest engine by forward time (:attr:`Watch.inference_engine`), which may differ from the one
+    chosen for forward+backward; under expert parallelism the group's one choice holds."""
     answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
     answer = _ANSWERS.get(answer_key)
     if answer is None:
@@ -515,7 +519,7 @@ def engine_choice(
         return answer, None
     if check and answer.calls >= answer.next_check:
         answer.check(measure, shape[3])
-    return answer.engine, answer
+    return (answer.inference_engine if inference else answer.engine), answer
 
 
 #: In-use checks of an ``auto`` choice (:class:`Watch`): every CHECK_EVERY forward calls of a shape
@@ -524,6 +528,10 @@ def engine_choice(
 #: from an untrusted timing is re-timed after RETIME_FIRST calls. After every re-timing the next
 #: waits twice as long, at most RETIME_MAX calls.
 CHECK_EVERY, WINDOW, SLOW, RETIME_FIRST, RETIME_MAX = 4, 6, 1.25, 16, 4096
+#: A forward call without a backward takes another engine than the forward+backward choice only when
+#: that engine's timed forward is at least this much faster (a difference within the timing's noise
+#: is not worth a second engine's buffers).
+INFERENCE_GAIN = 0.05
 
 
 def _rows_scale(rows: int, timed_rows: int | None) -> float:
@@ -534,6 +542,20 @@ def _rows_scale(rows: int, timed_rows: int | None) -> float:
         return 1.0
     r = rows / timed_rows
     return r if r >= 1 else 0.5 + 0.5 * r
+
+
+def inference_engine(engine: str, forwards: Mapping[str, float | None], options: list[str] | None = None) -> str:
+    """The engine that runs forward calls without a backward when ``engine`` was chosen for
+    forward+backward and ``forwards`` are the candidates' timed forwards (of the same timing): the
+    fastest of ``options`` (default: all of them) by forward time, where it beats ``engine``'s by
+    :data:`INFERENCE_GAIN` at least; else ``engine``."""
+    own = forwards.get(engine)
+    timed = [(t, i, e) for i, (e, t) in enumerate(forwards.items())
+             if (options is None or e in options) and t and t > 0]
+    if not own or own <= 0 or not timed:
+        return engine
+    fastest, _, other = min(timed)
+    return other if fastest < (1 - INFERENCE_GAIN) * own else engine
 
 
 class Watch:
@@ -552,7 +574,7 @@ class Watch:
 
     __slots__ = ("device", "name", "key", "options", "engine", "trusted", "use_disk", "watch_speed", "expected",
                  "expected_forward", "timed_rows", "calls", "next_check", "retime_at", "gap", "fwd", "bwd",
-                 "retimes", "history", "last_probe")
+                 "retimes", "history", "last_probe", "inference_engine", "expected_inference", "inf")
 
     def __init__(self, device: torch.device, name: str, key: ShapeKey, options: list[str], use_disk: bool) -> None:
         self.device, self.name, self.key, self.options, self.use_disk = device, name, key, options, use_disk
@@ -564,42 +586,61 @@ class Watch:
         self.retime_at = 0
         self.fwd: list[float] = []
         self.bwd: list[float] = []
+        self.inf: list[float] = []  # forward calls without a backward, on inference_engine
         self.last_probe: tuple[float, int | None] | None = None
         self._quiet_since_last_check()  # the first check looks back to here
         #: (forward calls so far, what happened) for each re-timing: logs, the benchmark, tests.
         self.history: list[tuple[int, str]] = []
 
     def adopt(self, engine: str, trusted: bool, seconds: float | None, forward: float | None,
-              rows: int | None) -> None:
+              rows: int | None, forwards: Mapping[str, float | None] | None = None) -> None:
+        """Take ``engine`` (timed at ``seconds`` forward+backward, ``forward`` of it the forward, on
+        ``rows`` routed rows). ``forwards``: every candidate's timed forward, from the same timing;
+        the fastest (by :data:`INFERENCE_GAIN` at least) runs forward calls without a backward."""
         self.engine, self.trusted = engine, trusted
         self.expected = seconds if seconds and seconds > 0 else None
         self.expected_forward = forward if forward and self.expected and 0 < forward < self.expected else None
+        self.inference_engine, self.expected_inference = engine, self.expected_forward
+        if self.expected_forward is not None and forwards:
+            self.inference_engine = inference_engine(engine, forwards, self.options)
+            self.expected_inference = forwards[self.inference_engine]
         self.timed_rows = rows
         self.fwd.clear()
         self.bwd.clear()
+        self.inf.clear()
         _CHOSEN[(self.name, self.key)] = engine
 
-    def saw(self, forward: bool, seconds: float, rows: int) -> None:
+    def saw(self, forward: bool, seconds: float, rows: int, inference: bool = False) -> None:
         """One call of the fused op's forward (``forward``) or backward body took ``seconds`` wall time
-        on ``rows`` routed rows."""
+        on ``rows`` routed rows; ``inference``: a forward call without a backward, which ran
+        :attr:`inference_engine`."""
         if forward:
             self.calls += 1
         if not self.watch_speed or self.expected is None:
             return
-        times = self.fwd if forward else self.bwd
+        times = self.inf if inference else self.fwd if forward else self.bwd
         times.append(seconds / _rows_scale(rows, self.timed_rows))
         if len(times) > WINDOW:
             del times[0]
 
     def slowdown(self) -> float | None:
-        """The layer's recent time over its timed time (None: not enough calls seen to tell)."""
-        if self.expected is None or len(self.fwd) < 3:
+        """The layer's recent time over its timed time (None: not enough calls seen to tell): the
+        forward+backward calls', else the forward calls', else the inference calls' (the forward
+        time of the engine they ran, :meth:`slow_engine`)."""
+        if self.expected is None:
             return None
-        if len(self.bwd) >= 3:
-            return (min(self.fwd) + min(self.bwd)) / self.expected
-        if self.expected_forward is not None:
-            return min(self.fwd) / self.expected_forward
+        if len(self.fwd) >= 3:
+            if len(self.bwd) >= 3:
+                return (min(self.fwd) + min(self.bwd)) / self.expected
+            if self.expected_forward is not None:
+                return min(self.fwd) / self.expected_forward
+        if len(self.inf) >= 3 and self.expected_inference is not None:
+            return min(self.inf) / self.expected_inference
         return None
+
+    def slow_engine(self) -> str:
+        """The engine whose calls :meth:`slowdown` judged."""
+        return self.engine if len(self.fwd) >= 3 else self.inference_engine
 
     def check(self, measure: Callable[[str], Any] | None, rows: int) -> None:
         """The due check of a forward call (see the class docstring)."""
@@ -617,7 +658,7 @@ class Watch:
         # timing tells (interleaved samples under the same load), busy or not; the next waits longer.
         slow = self.slowdown() if self.watch_speed else None
         if slow is not None and slow >= SLOW:
-            self.retime(measure, rows, f"re-timed in use: {self.engine} ran {slow:.2f}x its timed speed")
+            self.retime(measure, rows, f"re-timed in use: {self.slow_engine()} ran {slow:.2f}x its timed speed")
 
     def _quiet_since_last_check(self) -> bool:
         """Whether this process went without waiting for a CPU since the last check (beyond the share a
@@ -638,15 +679,16 @@ class Watch:
         was, before = self.engine, self.trusted
         t = timing.time_interleaved(self.options, measure, check=timing.starvation_check(self.device))
         if t.trusted:
-            self.adopt(t.best, True, t.seconds[t.best], t.forward[t.best], rows)
+            self.adopt(t.best, True, t.seconds[t.best], t.forward[t.best], rows, t.forward)
             if self.use_disk:
                 timing.store(self.name, self.key, t.best, t.seconds, forward=t.forward, rows=rows,
                              timed=t.record(reason))
         elif not before or _dominates(t.samples[t.best], t.samples[was]):
-            self.adopt(t.best, False, t.seconds[t.best], t.forward[t.best], rows)
+            self.adopt(t.best, False, t.seconds[t.best], t.forward[t.best], rows, t.forward)
         else:
             self.fwd.clear()
             self.bwd.clear()
+            self.inf.clear()
         self._quiet_since_last_check()  # the next check looks back to the end of this timing
         self.retimes += 1
         self.gap = min(2 * self.gap, RETIME_MAX)
@@ -713,12 +755,12 @@ def _decide(dev: torch.device, name: str, key: ShapeKey, options: list[str], mea
         if entry is not None and entry["engine"] in options:
             engine = entry["engine"]
             seconds, forward = entry.get("seconds") or {}, entry.get("forward") or {}
-            watch.adopt(engine, True, seconds.get(engine), forward.get(engine), entry.get("rows"))
+            watch.adopt(engine, True, seconds.get(engine), forward.get(engine), entry.get("rows"), forward)
             return watch
     if measure is None:
         raise RuntimeError("choose_engine: gemm_engine='auto' needs a measure to time the candidates")
     t = timing.time_interleaved(options, measure, check=timing.starvation_check(dev))
-    watch.adopt(t.best, t.trusted, t.seconds[t.best], t.forward[t.best], rows)
+    watch.adopt(t.best, t.trusted, t.seconds[t.best], t.forward[t.best], rows, t.forward)
     if not t.trusted:
         watch.retime_at = RETIME_FIRST
     if use_disk and t.trusted:

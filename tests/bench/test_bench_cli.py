@@ -163,3 +163,43 @@ def test_page_faults_count_fresh_memory():
     before = page_faults()
     torch.frombuffer(fresh, dtype=torch.uint8).fill_(1)
     assert page_faults() - before >= (64 << 20) // (2 << 20)  # at least one fault per 2 MiB huge page
+
+
+def test_infer_mode_times_forward_calls_without_autograd(tmp_path, capsys):
+    """``--mode infer``: every provider's forward runs under torch.no_grad (nothing records a
+    graph), is checked against the reference's output, and is reported as its own mode."""
+    grad_seen: list[bool] = []
+    real = build_provider
+
+    def spying(name, case, *args):
+        prov = real(name, case, *args)
+        forward = prov.forward
+
+        def spy(x, w, idx):
+            out = forward(x, w, idx)
+            grad_seen.append(torch.is_grad_enabled() or out.requires_grad)
+            return out
+
+        prov.forward = spy
+        return prov
+
+    import bench.runner as runner
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(runner, "build_provider", spying)
+    try:
+        rc = main(["--preset", "tiny", "--mode", "infer", "--rounds", "2", "--out", str(tmp_path), "--no-progress",
+                   "--threads", "1", "--providers", "hf_v5_grouped_mm", "fastmoe/torch"])
+    finally:
+        monkey.undo()
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert grad_seen and not any(grad_seen)
+    (c,) = json.loads((tmp_path / "results.json").read_text())["cases"]
+    assert c["inference"] and not c["backward"]
+    for name in ("hf_v5_grouped_mm", "fastmoe/torch"):
+        p = c["providers"][name]
+        assert p["status"] == "ok" and p["correct"]["ok"] and p["infer"]["n"] == 2 and "fwd" not in p
+    assert set(c["metrics"]) == {"infer"}
+    assert "forward under torch.no_grad (inference)" in printed
+    assert (tmp_path / "chart_infer.png").stat().st_size > 1000

@@ -254,10 +254,14 @@ def test_a_timing_on_busy_cores_is_not_stored(cache_file):
     block = FastSparseMoeBlock(_cfg(256, 128, 8, 2), backend="torch")
     x = torch.randn(2, 128, 256, requires_grad=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # cores + 1: one thread of this process waits half its time whichever core it runs on
-    procs = _busy(cores + 1)
+    # 2 * cores + 1: this process's thread waits two thirds of its time whichever core it runs on
+    procs = _busy(2 * cores + 1)
     try:
-        time.sleep(0.2)  # let them take the cores
+        # Let them take the cores, spinning meanwhile: a process that slept comes back with credit
+        # the scheduler repays by running it first for a while (EEVDF's lag), unstarved.
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
         _fb(block, x)
     finally:
         for p in procs:
@@ -268,3 +272,84 @@ def test_a_timing_on_busy_cores_is_not_stored(cache_file):
     assert not watch.trusted and "starved" in watch.history[0][1], watch.history
     assert not _entries(cache_file)
     assert watch.engine in _CANDIDATES
+
+
+def _other(engine: str) -> str:
+    return next(e for e in _CANDIDATES if e != engine)
+
+
+def test_a_forward_without_backward_takes_the_fastest_forward(cache_file, unknown_load):
+    """The forward+backward choice holds for training calls; a call no backward follows takes the
+    engine whose timed forward is fastest, but only when it is faster by INFERENCE_GAIN or more."""
+    key = registry.ShapeKey("torch", "float32", 16, 8, 4, 64)
+    quick = _other("loop")
+    forward = {e: 0.4 for e in _CANDIDATES} | {quick: 0.2}
+    timing.store(timing.device_name("cpu"), key, "loop", {e: 1.0 if e == "loop" else 1.5 for e in _CANDIDATES},
+                 forward=forward, rows=64, timed={"reason": "first use"})
+    measure = lambda engine: pytest.fail("a stored choice is not timed")  # noqa: E731
+    engine, watch = _choice(measure)
+    assert engine == "loop" and watch.inference_engine == quick and watch.expected_inference == 0.2
+    inf = registry.engine_choice("auto", backend="torch", device="cpu", dtype=torch.float32, shape=_SHAPE,
+                                 measure=measure, inference=True)
+    assert inf == (quick, watch)
+    # Within the gain: one engine for both.
+    registry.forget_choices()
+    timing.store(timing.device_name("cpu"), key, "loop", {e: 1.0 if e == "loop" else 1.5 for e in _CANDIDATES},
+                 forward={e: 0.4 if e == "loop" else 0.39 for e in _CANDIDATES}, rows=64)
+    engine, watch = _choice(measure)
+    assert engine == watch.inference_engine == "loop"
+
+
+def test_slow_inference_calls_time_the_choice_again(cache_file, unknown_load):
+    """Forward calls without a backward are watched against their own engine's timed forward: far
+    slower, the candidates are timed again."""
+    key = registry.ShapeKey("torch", "float32", 16, 8, 4, 64)
+    quick = _other("loop")
+    timing.store(timing.device_name("cpu"), key, "loop", {e: 1.0 if e == "loop" else 1.5 for e in _CANDIDATES},
+                 forward={e: 0.4 for e in _CANDIDATES} | {quick: 0.2}, rows=64)
+    timed: list[str] = []
+
+    def measure(engine):
+        timed.append(engine)
+        return Sample(1.0 if engine == "loop" else 1.5, 0.4)
+
+    def infer(seconds):
+        registry.engine_choice("auto", backend="torch", device="cpu", dtype=torch.float32, shape=_SHAPE,
+                               measure=measure, check=True, inference=True)
+        watch.saw(True, seconds, 64, inference=True)
+
+    _, watch = _choice(measure)
+    for _ in range(2 * registry.CHECK_EVERY):  # at its timed forward speed: nothing to do
+        infer(0.21)
+    assert not timed and watch.slowdown() < registry.SLOW
+    while not timed:  # 2.5x its timed forward
+        assert watch.calls <= 5 * registry.CHECK_EVERY, "slow inference calls were not timed again"
+        infer(0.5)
+    assert watch.history[-1][1].startswith(f"re-timed in use: {quick} ran 2.50x")
+    # The new timing's forwards are equal: both kinds of call run the forward+backward choice.
+    assert watch.engine == watch.inference_engine == "loop"
+
+
+def test_no_grad_calls_run_the_inference_engine(cache_file, monkeypatch):
+    """A real layer: with autograd on, the forward+backward choice runs; under torch.no_grad the
+    fastest forward's engine, with the same numbers."""
+    from fastmoe_xpu.autograd import ops
+
+    torch.manual_seed(0)
+    block = FastSparseMoeBlock(_cfg(128, 64, 6, 2), backend="torch", gemm_engine="auto")
+    x = torch.randn(2, 96, 128)
+    quick = _other("loop")
+    key = registry.ShapeKey("torch", "float32", 128, 64, 6, registry.rows_bucket(2 * 96 * 2))
+    timing.store(timing.device_name("cpu"), key, "loop", {e: 1.0 if e == "loop" else 1.5 for e in _CANDIDATES},
+                 forward={e: 0.4 for e in _CANDIDATES} | {quick: 0.2}, rows=2 * 96 * 2)
+    ran: list[str] = []
+    kernels = ops.kernels
+    monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
+    trained = block(x.requires_grad_())
+    trained.sum().backward()
+    assert registry.kernel_set_name("torch", quick) not in ran and "torch" in ran
+    ran.clear()
+    with torch.no_grad():
+        inferred = block(x)
+    assert registry.kernel_set_name("torch", quick) in ran
+    torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-6)
