@@ -384,6 +384,9 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
             # the in-process timed choice; else (FASTMOE_GEMM_ENGINE names one) the engine auto resolves to
             chosen = registry.chosen_for(backend, case.device, case.x_TH.dtype, shape) or registry.choose_engine(
                 "auto", backend=backend, device=case.device, dtype=case.x_TH.dtype, shape=shape)
+            infer = registry.chosen_for(backend, case.device, case.x_TH.dtype, shape, inference=True)
+            if infer is not None and infer != chosen:
+                chosen = f"{chosen} (forward calls without a backward: {infer})"
         note = f"FastSparseMoE stages 2-5, {backend} backend, GEMM engine auto -> {chosen}"
 
     def forward(x_TH, weights_TK, idx_TK):

@@ -797,8 +797,9 @@ def describe(choices: Mapping[tuple[str, ShapeKey], str] | None = None) -> list[
 
 
 def chosen_for(backend: str, device: torch.device | str, dtype: torch.dtype,
-               shape: tuple[int, int, int, int]) -> str | None:
-    """The in-process auto choice for these shapes without expert parallelism (None if none yet)."""
+               shape: tuple[int, int, int, int], inference: bool = False) -> str | None:
+    """The in-process auto choice for these shapes without expert parallelism (None if none yet);
+    ``inference``: the engine of forward calls without a backward (:attr:`Watch.inference_engine`)."""
     from .timing import device_name
 
     options = candidates(backend, device, dtype)
@@ -806,4 +807,7 @@ def chosen_for(backend: str, device: torch.device | str, dtype: torch.dtype,
         return options[0]
     H, I, NR, rows = shape
     key = ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR), rows_bucket(rows))
+    if inference:
+        watch = _WATCHES.get((device_name(device), key))
+        return watch.inference_engine if watch is not None else None
     return _CHOSEN.get((device_name(device), key))

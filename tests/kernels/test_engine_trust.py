@@ -353,3 +353,6 @@ def test_no_grad_calls_run_the_inference_engine(cache_file, monkeypatch):
         inferred = block(x)
     assert registry.kernel_set_name("torch", quick) in ran
     torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-6)
+    shape = (128, 64, 6, 2 * 96 * 2)
+    assert registry.chosen_for("torch", "cpu", torch.float32, shape) == "loop"
+    assert registry.chosen_for("torch", "cpu", torch.float32, shape, inference=True) == quick
