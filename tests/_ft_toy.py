@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optim", default="sharded", choices=sorted(OPTIMIZERS))
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to kill mid-run)")
+    ap.add_argument("--checkpoint-sleep", type=float, default=0.0,
+                    help="seconds in the checkpoint phase before each periodic write (to stop a rank there)")
     ap.add_argument("--dump", default=None, help="directory for per-rank state dumps at the end")
     args = ap.parse_args(argv)
     stop = StopRequest().install()  # SIGTERM / SIGINT (or the launcher's SIGUSR1 / SIGUSR2): trainer/ft/stop.py
@@ -291,6 +293,8 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
             saved = None
             if mgr.due(step + 1):
                 hb.beat(step + 1, "checkpoint")
+                if args.checkpoint_sleep:
+                    time.sleep(args.checkpoint_sleep)  # a slow write: a signal lands in this phase
                 saved = mgr.save(step + 1, model, opt, meta={"next_step": step + 1}).path
             if mgr.model_due(step + 1):
                 mgr.save_model(step + 1, model)

@@ -48,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 # the shared records live in a leaf module (the watchdog writes them too); re-exported here
-from .records import FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats  # noqa: F401
+from .records import (  # noqa: F401
+    FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats, record_hang,
+)
 from .watchdog import Watchdog
 
 EXIT_SOFT_FAILURE = 75

@@ -63,7 +63,7 @@ if _QUIET_CPP:
     os.environ[_CPP_LOG_ENV] = "ERROR"
 
 from .fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, HOST_ENV, check_out_dir
-from .records import append_jsonl, read_failures
+from .records import append_jsonl, read_failures, read_heartbeats, record_hang
 from .stop import FORWARD_AS, LAUNCHER_ENV, STOP_SIGNALS, signal_name
 from .watchdog import (
     CHECKPOINT_TIMEOUT_ENV, EXIT_HANG, PARENT_ENV, STARTUP_TIMEOUT_ENV, TIMEOUT_ENV,
@@ -475,6 +475,8 @@ def _make_agent_class():
             self.guard = guard
             self.job = job
             job.agent = self
+            #: worker pid -> when this agent first saw it stopped (SIGSTOP, a frozen cgroup)
+            self._stopped_since: dict[int, float] = {}
 
         def _last_errors(self, result: Any) -> dict[str, str]:
             """Each failed rank's last error line from its stderr log (workers' stderr goes to
@@ -492,6 +494,36 @@ def _make_agent_class():
                         line = f"killed by signal {-code}"
                 out[str(rank)] = line
             return out
+
+        def _stopped_workers(self, worker_group: Any) -> list[dict[str, Any]]:
+            """The hang records (written to ``failures.jsonl``) of this node's workers that have been
+            stopped (process state ``T``) for longer than ``--heartbeat-timeout``; [] otherwise."""
+            pcontext = getattr(self, "_pcontext", None)
+            pids = pcontext.pids() if pcontext is not None and hasattr(pcontext, "pids") else {}
+            # Half as long again as the watchdogs wait: where they can tell (a stall inside a step),
+            # they name the rank first, from every rank's progress and pulses.
+            now, limit = time.monotonic(), 1.5 * self.opts.heartbeat_timeout
+            records = []
+            for local_rank, pid in pids.items():
+                if not process_stopped(pid):
+                    self._stopped_since.pop(pid, None)
+                    continue
+                since = self._stopped_since.setdefault(pid, now)
+                if now - since <= limit:
+                    continue
+                workers = getattr(worker_group, "workers", [])
+                rank = workers[local_rank].global_rank if local_rank < len(workers) else local_rank
+                beat = read_heartbeats(self.opts.out).get(rank, {})
+                stopped_s = now - since
+                rec = record_hang(self.opts.out, {
+                    "time": time.time(), "kind": "hang", "rank": rank, "host": self.opts.label, "pid": pid,
+                    "stall_step": int(beat.get("step", -1)), "phase": beat.get("phase"),
+                    "why": f"its process stopped (state T: SIGSTOP or a frozen cgroup) for {stopped_s:.1f}s",
+                    "reported_by": f"launcher {self.opts.label}", "seconds_silent": round(stopped_s, 3)},
+                    time.time() - stopped_s)
+                if rec.get("host") == self.opts.label:  # a watchdog may have named another node for this stall
+                    records.append(rec)
+            return records
 
         def _blame_records(self) -> list[dict[str, Any]]:
             return [r for r in read_failures(self.opts.out)
@@ -569,6 +601,12 @@ def _make_agent_class():
             blamed = [r for r in self._blame_records() if r.get("kind") == "hang"]
             if blamed:
                 return self._leave(blamed, {})
+            # A worker of this node stopped for longer than the heartbeat timeout: a hang whatever its
+            # phase (the watchdogs allow a checkpoint write half an hour, and a stopped process's own
+            # watchdog is stopped with it), blamed on this node.
+            stopped = self._stopped_workers(worker_group)
+            if stopped:
+                return self._leave(stopped, {})
             result = super()._monitor_workers(worker_group)
             if result.state != WorkerState.FAILED:
                 return result
@@ -705,6 +743,18 @@ def _tail(path: str | os.PathLike, size: int = 65536) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T`` or ``t`` in ``/proc/<pid>/stat``); False where
+    that cannot be read (not Linux, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]  # the field after the command's closing ")"
+    return state in (b"T", b"t")
 
 
 def _describe_failure(rec: dict[str, Any]) -> str:

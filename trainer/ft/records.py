@@ -6,6 +6,7 @@ files, and none of them needs the others to do so. ``trainer.ft.fault`` re-expor
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,20 @@ def append_jsonl(path: str | os.PathLike, record: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def record_hang(out_dir: str | os.PathLike, record: dict[str, Any], since: float) -> dict[str, Any]:
+    """Append ``record`` (a ``"hang"`` record) to ``OUT/failures.jsonl`` unless a hang of the same
+    stall (recorded at ``since`` or later, wall time) is there already: one record per stall, under a
+    lock of that file, whichever process finds the stall first (a rank's watchdog, a node
+    launcher). Returns the stall's record, this one or the earlier."""
+    with open(Path(out_dir) / FAILURES_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for r in read_failures(out_dir):
+            if r.get("kind") == "hang" and float(r.get("time", 0)) >= since:
+                return r
+        append_jsonl(Path(out_dir) / FAILURES_FILE, record)
+        return record
 
 
 def read_failures(out_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -72,7 +72,9 @@ class Job:
         self._next = 0
 
     def start(self, nodes: int) -> None:
-        """A new store and ``nodes`` node launchers (the first start, or a restart after a stop)."""
+        """A new store and ``nodes`` node launchers (the first start, or a restart after a stop), started
+        together as docs/fault.md's batch scripts start them (the store in the background; a launcher
+        waits for it, up to its ``read_timeout``)."""
         from .launch import free_port
 
         self.started = time.time()
@@ -81,13 +83,14 @@ class Job:
         self.out.mkdir(parents=True, exist_ok=True)
         self.store = subprocess.Popen([sys.executable, "-m", _pkg("launch"), "--serve-store", self.endpoint, "--out",
                                        str(ready)], env=self.env, stdout=subprocess.DEVNULL, start_new_session=True)
+        for _ in range(nodes):
+            self.add_node()
+        deadline = time.time() + 60
         while not ready.exists():
-            if self.store.poll() is not None:
+            if self.store.poll() is not None or time.time() > deadline:
                 raise RuntimeError("the rendezvous store did not start")
             time.sleep(0.05)
         ready.unlink()
-        for _ in range(nodes):
-            self.add_node()
 
     def add_node(self) -> str:
         label = f"n{self._next}"

@@ -29,7 +29,6 @@ off in a plain ``python -m trainer`` run.
 from __future__ import annotations
 
 import faulthandler
-import fcntl
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .records import FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats
+from .records import HEARTBEAT_DIR, read_heartbeats, record_hang
 
 #: Exit code of a rank stopped by its watchdog (no progress within the timeout).
 EXIT_HANG = 77
@@ -238,14 +237,10 @@ class Watchdog:
             bad, why = culprit(beats, self.world, read_pulses(self.out))
             rec = beats.get(bad, {})
             since = time.time() - silent  # this stall began after this rank's last progress
-            # one record per stall, under a lock: the ranks whose watchdogs fire later find it there
-            with open(self.out / FAILURES_FILE, "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not any(r.get("kind") == "hang" and float(r.get("time", 0)) >= since
-                           for r in read_failures(self.out)):
-                    append_jsonl(self.out / FAILURES_FILE, {
-                        "time": time.time(), "kind": "hang", "rank": bad, "host": rec.get("host"),
-                        "pid": rec.get("pid"), "stall_step": int(rec.get("step", -1)), "phase": rec.get("phase"),
-                        "why": why, "reported_by": self.rank, "seconds_silent": round(silent, 3)})
+            # one record per stall: the ranks whose watchdogs fire later find it there
+            record_hang(self.out, {
+                "time": time.time(), "kind": "hang", "rank": bad, "host": rec.get("host"), "pid": rec.get("pid"),
+                "stall_step": int(rec.get("step", -1)), "phase": rec.get("phase"), "why": why,
+                "reported_by": self.rank, "seconds_silent": round(silent, 3)}, since)
         finally:
             os._exit(EXIT_HANG)

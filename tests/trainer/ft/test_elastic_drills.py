@@ -212,6 +212,39 @@ def test_a_stopped_rank_is_blamed_its_node_leaves_and_it_is_killed_at_once(tmp_p
     _assert_same(out, reference)
 
 
+def test_a_rank_stopped_while_a_checkpoint_is_written_is_found_by_its_launcher(tmp_path: Path, reference) -> None:
+    """SIGSTOP of rank 1's worker inside the checkpoint phase, where the watchdogs allow a write half
+    an hour: its node launcher sees the process stopped for longer than the heartbeat timeout, records
+    the hang on its node and leaves; the stopped worker is killed, the spare joins, and the run ends
+    with an uninterrupted run's exact state, well inside the checkpoint limit."""
+    out = tmp_path / "run"
+    p = _launch(out, "--step-sleep", "0.1", "--checkpoint-sleep", "1.5",
+                launcher=("--heartbeat-timeout", "3", "--kill-grace", "2"))
+    end = time.time() + LIMIT
+    while time.time() < end and p.poll() is None:
+        b = fault.read_heartbeats(out).get(1)
+        if b and b["phase"] == "checkpoint" and b["step"] >= INTERVAL:
+            break
+        time.sleep(0.02)
+    else:
+        _kill_tree(p.pid)
+        pytest.fail("rank 1 never reached a checkpoint:\n" + p.communicate()[0][-3000:])
+    stopped_at = time.time()
+    os.kill(b["pid"], signal.SIGSTOP)
+    first_new = _first_new_step(out, stopped_at, end, p)
+    _finish(p)
+    ev = read_events(out)
+    hangs = [r for r in fault.read_failures(out) if r["kind"] == "hang"]
+    assert [(r["rank"], r["host"]) for r in hangs] == [(1, b["host"])], hangs
+    assert hangs[0]["phase"] == "checkpoint" and "process stopped" in hangs[0]["why"], hangs
+    assert hangs[0]["time"] - stopped_at < 3 * 1.5 + 5, hangs  # 1.5 x the heartbeat timeout, and the polls
+    assert [e["node"] for e in ev if e["event"] == "left"] == [b["host"]]
+    with pytest.raises(ProcessLookupError):
+        os.kill(b["pid"], 0)
+    assert first_new is not None and first_new - hangs[0]["time"] < RECOVERY_BOUND, (first_new, hangs[0])
+    _assert_same(out, reference)
+
+
 def test_too_few_nodes_the_job_stops_with_one_line(tmp_path: Path) -> None:
     """Two nodes and no spare; ``kill -9`` of one node's tree. The survivor waits at most
     ``--quorum-timeout`` for a second node, then stops with one line saying it has 1 of the 2 nodes

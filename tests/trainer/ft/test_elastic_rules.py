@@ -4,8 +4,10 @@ line and exit 2 before any rendezvous."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -350,3 +352,41 @@ def test_a_second_signal_to_a_launcher_aborts_at_once(tmp_path: Path) -> None:
     except FileNotFoundError:
         pass
     assert [e["event"] for e in read_events(out)][-1] == "aborted"
+
+
+def test_process_stopped_reads_the_process_state() -> None:
+    """The launcher's stopped-worker check: a SIGSTOP'd process reads as stopped, running or gone as not."""
+    from trainer.ft.launch import process_stopped
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc/<pid>/stat")
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not process_stopped(p.pid)
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while not process_stopped(p.pid):
+            assert time.time() < deadline, "SIGSTOP never showed in /proc"
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGCONT)
+        deadline = time.time() + 10
+        while process_stopped(p.pid):
+            assert time.time() < deadline, "SIGCONT never showed in /proc"
+            time.sleep(0.01)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    assert not process_stopped(p.pid)  # gone
+
+
+def test_one_hang_record_per_stall(tmp_path: Path) -> None:
+    """A rank's watchdog and a node launcher that find the same stall write one record between them:
+    the later finder gets the earlier record back."""
+    from trainer.ft.records import read_failures, record_hang
+
+    t0 = time.time()
+    first = record_hang(tmp_path, {"time": t0 + 1, "kind": "hang", "host": "n1", "why": "watchdog"}, t0)
+    again = record_hang(tmp_path, {"time": t0 + 2, "kind": "hang", "host": "n1", "why": "launcher"}, t0)
+    assert again == first and [r["why"] for r in read_failures(tmp_path)] == ["watchdog"]
+    later = record_hang(tmp_path, {"time": t0 + 10, "kind": "hang", "host": "n0", "why": "next stall"}, t0 + 5)
+    assert later["why"] == "next stall" and len(read_failures(tmp_path)) == 2
