@@ -217,3 +217,28 @@ def test_fused_op_equals_the_stage_alone_ops_on_an_ep_slice(exact_rows):
     # Non-local choices get no router-weight gradient.
     local = (idx >= 2) & (idx < 5)
     assert torch.equal(grads_f[3][~local], torch.zeros_like(grads_f[3][~local]))
+
+
+def test_constant_result_marks_a_function_as_torch_does(monkeypatch):
+    """The package marks its compile-time constants without importing torch._dynamo (a second at
+    every process start): the mark must be exactly what torch.compiler.assume_constant_result sets,
+    on this torch, and importing the package must leave torch._dynamo unloaded."""
+    import subprocess
+    import sys
+
+    from fastmoe_xpu.autograd.moe_experts import constant_result
+
+    def a():
+        return 0
+
+    def b():
+        return 0
+
+    monkeypatch.delitem(sys.modules, "torch._dynamo")
+    constant_result(a)
+    monkeypatch.undo()
+    torch.compiler.assume_constant_result(b)
+    assert vars(a) == vars(b) and vars(a)
+    code = "import sys, fastmoe_xpu; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -11,6 +11,7 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR local expert
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -26,7 +27,18 @@ from .ops import INFERENCE, ExpertRows, call, combine, experts, mlp_combine, rou
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
 
 
-@torch.compiler.assume_constant_result
+def constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when nothing has
+    yet: that import takes about a second, in every process that imports this package (each rank,
+    each node launcher, every command), and the decorator only marks the function
+    (``tests/test_compile_block.py`` checks that the mark is the one torch's decorator sets)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@constant_result
 def _kernel_backend(backend: str, device_type: str, device_index: int) -> str:
     """:func:`resolve_backend` run outside any traced graph: the compiler calls it once while
     tracing and keeps its answer as a constant (it reads the settings and looks for triton, which
@@ -41,7 +53,7 @@ def kernel_backend(backend: str, device: torch.device) -> str:
     return _kernel_backend(backend, device.type, -1 if device.index is None else device.index)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _precision_engine(precision: str, base: str, device_type: str, device_index: int, dtype: torch.dtype) -> str:
     """:func:`precision_engine` outside any traced graph (it probes the device with a tiny GEMM once)."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
