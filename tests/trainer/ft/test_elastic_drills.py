@@ -130,14 +130,26 @@ def _first_new_step(out: Path, since: float, end: float, p: subprocess.Popen) ->
     return None
 
 
-def _beat_at(out: Path, rank: int, step: int, p: subprocess.Popen, end: float) -> dict:
+def _beat_at(out: Path, rank: int, step: int, p: subprocess.Popen, end: float, phase: str = "start") -> dict:
     while time.time() < end and p.poll() is None:
         b = fault.read_heartbeats(out).get(rank)
-        if b and b["phase"] == "start" and b["step"] >= step:
+        if b and b["phase"] == phase and b["step"] >= step:
             return b
         time.sleep(0.02)
     _kill_tree(p.pid)
-    pytest.fail(f"rank {rank} never reached step {step}:\n{p.communicate()[0][-3000:]}")
+    pytest.fail(f"rank {rank} never reached step {step} ({phase}):\n{p.communicate()[0][-3000:]}")
+
+
+def _stop_rank(out: Path, b: dict, p: subprocess.Popen, end: float) -> tuple[float, float | None, list, dict]:
+    """SIGSTOP of the worker of heartbeat ``b``, then the run to its end: (when it was stopped, the
+    first new step, the events, the one hang record, which must name that rank's node)."""
+    stopped_at = time.time()
+    os.kill(b["pid"], signal.SIGSTOP)
+    first_new = _first_new_step(out, stopped_at, end, p)
+    _finish(p)
+    hangs = [r for r in fault.read_failures(out) if r["kind"] == "hang"]
+    assert [(r["rank"], r["host"]) for r in hangs] == [(b["rank"], b["host"])], hangs
+    return stopped_at, first_new, read_events(out), hangs[0]
 
 
 def test_rank_kill_one_round_and_a_late_spare_restarts_nobody(tmp_path: Path, reference) -> None:
@@ -193,20 +205,14 @@ def test_a_stopped_rank_is_blamed_its_node_leaves_and_it_is_killed_at_once(tmp_p
     p = _launch(out, "--step-sleep", "0.3", launcher=("--heartbeat-timeout", "4", "--kill-grace", "2"))
     end = time.time() + LIMIT
     b = _beat_at(out, 1, INTERVAL + 1, p, end)
-    stopped_at = time.time()
-    os.kill(b["pid"], signal.SIGSTOP)
-    first_new = _first_new_step(out, stopped_at, end, p)
-    _finish(p)
-    ev = read_events(out)
-    hangs = [r for r in fault.read_failures(out) if r["kind"] == "hang"]
-    assert [(r["rank"], r["host"]) for r in hangs] == [(1, b["host"])], hangs
-    assert "stopped answering" in hangs[0]["why"]
+    stopped_at, first_new, ev, hang = _stop_rank(out, b, p, end)
+    assert "stopped answering" in hang["why"]
     assert [e["node"] for e in ev if e["event"] == "left"] == [b["host"]]
     left = [e for e in ev if e["event"] == "left"][0]
     assert left["stop_s"] < 2 + 1.5, left  # SIGSTOP'd worker gone within the grace
     with pytest.raises(ProcessLookupError):
         os.kill(b["pid"], 0)
-    detected = hangs[0]["time"]
+    detected = hang["time"]
     assert first_new is not None and first_new - detected < RECOVERY_BOUND, (first_new, detected)
     assert _rounds_after(ev, stopped_at) == 1
     _assert_same(out, reference)
@@ -221,27 +227,14 @@ def test_a_rank_stopped_while_a_checkpoint_is_written_is_found_by_its_launcher(t
     p = _launch(out, "--step-sleep", "0.1", "--checkpoint-sleep", "1.5",
                 launcher=("--heartbeat-timeout", "3", "--kill-grace", "2"))
     end = time.time() + LIMIT
-    while time.time() < end and p.poll() is None:
-        b = fault.read_heartbeats(out).get(1)
-        if b and b["phase"] == "checkpoint" and b["step"] >= INTERVAL:
-            break
-        time.sleep(0.02)
-    else:
-        _kill_tree(p.pid)
-        pytest.fail("rank 1 never reached a checkpoint:\n" + p.communicate()[0][-3000:])
-    stopped_at = time.time()
-    os.kill(b["pid"], signal.SIGSTOP)
-    first_new = _first_new_step(out, stopped_at, end, p)
-    _finish(p)
-    ev = read_events(out)
-    hangs = [r for r in fault.read_failures(out) if r["kind"] == "hang"]
-    assert [(r["rank"], r["host"]) for r in hangs] == [(1, b["host"])], hangs
-    assert hangs[0]["phase"] == "checkpoint" and "process stopped" in hangs[0]["why"], hangs
-    assert hangs[0]["time"] - stopped_at < 3 * 1.5 + 5, hangs  # 1.5 x the heartbeat timeout, and the polls
+    b = _beat_at(out, 1, INTERVAL, p, end, phase="checkpoint")
+    stopped_at, first_new, ev, hang = _stop_rank(out, b, p, end)
+    assert hang["phase"] == "checkpoint" and "process stopped" in hang["why"], hang
+    assert hang["time"] - stopped_at < 3 * 1.5 + 5, hang  # 1.5 x the heartbeat timeout, and the polls
     assert [e["node"] for e in ev if e["event"] == "left"] == [b["host"]]
     with pytest.raises(ProcessLookupError):
         os.kill(b["pid"], 0)
-    assert first_new is not None and first_new - hangs[0]["time"] < RECOVERY_BOUND, (first_new, hangs[0])
+    assert first_new is not None and first_new - hang["time"] < RECOVERY_BOUND, (first_new, hang)
     _assert_same(out, reference)
 
 
