@@ -218,6 +218,7 @@ def resolve_watched(
 #: The suffix of a kernel set's request for a forward call no backward will follow (see
 #: :func:`resolve_watched`).
 INFERENCE = "inference"
+_INFERENCE_SUFFIX = ":" + INFERENCE
 
 
 # ---------------------------------------------------------------- stages 2-3
@@ -362,7 +363,7 @@ def _mlp_combine(
         return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
     t0 = time.perf_counter()
     out = mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
-    watch.saw(True, time.perf_counter() - t0, weights_TK.numel(), inference=kernels_name.endswith(":" + INFERENCE))
+    watch.saw(True, time.perf_counter() - t0, weights_TK.numel(), inference=kernels_name.endswith(_INFERENCE_SUFFIX))
     return out
 
 

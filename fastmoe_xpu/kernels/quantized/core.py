@@ -209,15 +209,10 @@ def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_count
         row = torch.where(valid, idx.index_select(0, row).to(torch.int64), 0)
     v = torch.where(valid[:, None], v.index_select(0, row).float(), 0.0)  # the pads: zero, whatever v holds
     eid = torch.where(valid, e, NR)
-    amax = v.new_zeros(NR + 1, v.shape[1]).scatter_reduce_(0, eid[:, None].expand(length, v.shape[1]), v.abs(), "amax")
-    qm = _QMAX[dtype]
-    inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
-    q = v * inv.index_select(0, eid)
-    if dtype == torch.int8:
-        q.round_()
+    q, scales = _scaled_per_expert(v, eid, NR, dtype)
     codes = torch.empty(v.shape[1], length, dtype=dtype, device=v.device)
     codes.t().copy_(q)
-    return codes, amax[:NR] / qm
+    return codes, scales
 
 
 def quantize_cols_grouped(v: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor,
@@ -233,14 +228,22 @@ def quantize_cols_grouped(v: torch.Tensor, dtype: torch.dtype, cum_token_counts:
     eid = expert_of_rows(cum_token_counts, R)  # rows past RT: NR, a slot of their own, dropped
     if idx is not None:
         v = v.index_select(0, torch.where(eid < NR, idx[:R].to(torch.int64), 0))
-    v = v[:R].float()
-    amax = v.new_zeros(NR + 1, v.shape[1]).scatter_reduce_(0, eid[:, None].expand(R, v.shape[1]), v.abs(), "amax")
+    q, scales = _scaled_per_expert(v[:R].float(), eid, NR, dtype)
+    return q.to(dtype), scales
+
+
+def _scaled_per_expert(v: torch.Tensor, eid: torch.Tensor, NR: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales [NR, N])``: the fp32 rows ``v [R, N]`` over their column scales, one set per expert
+    (row r belongs to expert ``eid[r]``; ``eid = NR``: a row of no expert, in a slot that is dropped),
+    rounded for int8 (still fp32: the caller casts or copies into its codes)."""
+    amax = v.new_zeros(NR + 1, v.shape[1]).scatter_reduce_(0, eid[:, None].expand(v.shape), v.abs(), "amax")
     qm = _QMAX[dtype]
     inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
     q = v * inv.index_select(0, eid)
     if dtype == torch.int8:
         q.round_()
-    return q.to(dtype), amax[:NR] / qm
+    return q, amax[:NR] / qm
 
 
 # ---------------------------------------------------------------- the GEMM
