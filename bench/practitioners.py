@@ -104,7 +104,7 @@ def rows_of(res: dict) -> list[dict]:
                     "correct": pr.get("correct", {}).get("ok"), "note": pr.get("note", ""),
                     "peak_mb": pr["peak_bytes"] / 2**20 if "peak_bytes" in pr else None,
                     "max_error": max(pr["correct"]["max_rel_error"].values()) if pr.get("correct") else None,
-                    "budget_note": pr.get("budget_note", "")})
+                    "budget_note": pr.get("budget_note", ""), "auto_note": pr.get("auto_note", "")})
     return out
 
 
@@ -173,7 +173,7 @@ def format_table(res: dict) -> str:
                                         _num(r["fwd_vs_mm"], ".2f"), _num(r["fwdbwd_ms"], ".2f"),
                                         _num(r["fwdbwd_tflops"], ".3f"), _num(r["fwdbwd_vs_mm"], ".2f"),
                                         _num(r["peak_mb"], ".0f"), _num(r["max_error"], ".1e"), ok)) + " |")
-    lines += [f"* {r['provider']}: {r['budget_note']}" for r in rows_of(res) if r.get("budget_note")]
+    lines += [f"* {r['provider']}: {r[k]}" for r in rows_of(res) for k in ("budget_note", "auto_note") if r.get(k)]
     for name, q in precision_speedups(res).items():
         lines.append(f"{name} over {name.split(':', 1)[0]} (same run): forward {_num(q['fwd'], '.2f')}x, "
                      f"F+B {_num(q['fwdbwd'], '.2f')}x")

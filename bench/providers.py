@@ -64,6 +64,9 @@ class Provider:
     precision: str | None = None
     """Quantized expert GEMMs (``"int8"``, ``"fp8"``): checked against the reference with that
     precision's tolerance."""
+    state: Callable[[], dict | None] | None = None
+    """What the provider tells of itself after its rounds (``auto``: its choice in use, whether it was
+    trusted, the calls it saw and the re-timings among them), recorded beside its times."""
 
     def zero_grads(self) -> None:
         for p in self.params:
@@ -361,6 +364,7 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         if reason is not None:
             raise ProviderSkipped(f"{gemm_engine} engine: {reason}")
     note = f"FastSparseMoE stages 2-5, {backend} backend, {gemm_engine} GEMM engine"
+    state = None
     if precision is not None:
         try:
             engine = registry.precision_engine(precision, backend, case.device, case.x_TH.dtype)
@@ -388,6 +392,8 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
             if infer is not None and infer != chosen:
                 chosen = f"{chosen} (forward calls without a backward: {infer})"
         note = f"FastSparseMoE stages 2-5, {backend} backend, GEMM engine auto -> {chosen}"
+        if layer is None:
+            state = _auto_state(backend, case, shape)
 
     def forward(x_TH, weights_TK, idx_TK):
         return moe_experts_forward(x_TH, weights_TK, idx_TK, w_gu, w_d, backend=backend, expert_start=0,
@@ -396,4 +402,20 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
     def merged_grads():
         return tuple(w.grad if w.grad is not None else torch.zeros_like(w) for w in (w_gu, w_d))
 
-    return Provider(name, forward, [w_gu, w_d], merged_grads, note, precision=precision)
+    return Provider(name, forward, [w_gu, w_d], merged_grads, note, precision=precision, state=state)
+
+
+def _auto_state(backend: str, case: Case, shape: tuple[int, int, int, int]) -> Callable[[], dict | None]:
+    """The ``auto`` provider's report after its rounds: a choice re-timed while it was measured ran
+    its candidates' timings inside some samples, which a time beside the chosen engine's own shows."""
+    watch = registry.watch_for(backend, case.device, case.x_TH.dtype, shape)
+    if watch is None:
+        return lambda: None
+    calls0, retimes0 = watch.calls, watch.retimes
+
+    def state() -> dict:
+        return {"engine": watch.engine, "inference_engine": watch.inference_engine, "trusted": watch.trusted,
+                "forward_calls": watch.calls - calls0, "retimes": watch.retimes - retimes0,
+                "history": [f"call {c}: {what}" for c, what in watch.history[retimes0:]]}
+
+    return state

@@ -208,8 +208,10 @@ def _case_rows(result: dict, mode: str, fast: str, sep: str) -> list[dict]:
     return rows
 
 
-def _budget_notes(result: dict) -> list[tuple[str, str]]:
-    return [(name, p["budget_note"]) for name, p in result["providers"].items() if p.get("budget_note")]
+def _case_notes(result: dict) -> list[tuple[str, str]]:
+    """The notes under a case's table: rounds cut by the time budget, ``auto`` re-timed while measured."""
+    return [(name, p[k]) for name, p in result["providers"].items() for k in ("budget_note", "auto_note")
+            if p.get(k)]
 
 
 def format_case(result: dict, mode: str, fast: str) -> str:
@@ -228,7 +230,7 @@ def format_case(result: dict, mode: str, fast: str) -> str:
         lines.append(f"  {r['name']:<18} {r['median']:>10} {r['spread']:>6.1f}% {r['min']:>10} {r['gflops']:>8} "
                      f"{r['ceil']:>5.0f}% {r['x_bound']:>8.2f} {100 / r['x_bound']:>5.0f}% {r['x_paired']:>7} "
                      f"{r['speedup']:>23} {r['saved']:>9} {r['faults']:>7} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
-    lines += [f"  * {name}: {note}" for name, note in _budget_notes(result)]
+    lines += [f"  * {name}: {note}" for name, note in _case_notes(result)]
     lines.append(f"  {BOUND_LINE}")
     lines += [f"  {c}" for c in CASE_COLUMNS]
     return "\n".join(lines)
@@ -425,7 +427,7 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
             out.append(f"| {name} | {row['median']} | {row['spread']:.0f}% | {row['min']} | {row['gflops']} | "
                        f"{row['ceil']:.0f}% | {row['x_bound']:.2f} / {row['x_paired']} | {speedup} | {row['saved']} | "
                        f"{row['faults']} | {row['rounds']}{row['star']} | {row['correct']} |")
-        out += [f"\n\\* {name}: {note}" for name, note in _budget_notes(r)]
+        out += [f"\n\\* {name}: {note}" for name, note in _case_notes(r)]
         out.append("")
     return "\n".join(out)
 

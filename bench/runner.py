@@ -202,7 +202,15 @@ def run_case(
     result["bound"] = split(BOUND)
     result["bound"]["page_faults_per_call"] = median_faults(BOUND)
     result["bound"]["calls_per_sample"] = calls[BOUND]
-    for name in providers:
+    for name, prov in providers.items():
+        state = prov.state() if prov.state is not None else None
+        if state is not None:
+            result["providers"][name]["auto"] = state
+            if state["retimes"]:
+                result["providers"][name]["auto_note"] = (
+                    f"auto re-timed its engines {state['retimes']} time(s) in the {state['forward_calls']} calls it ran here "
+                    f"calls ({'; '.join(state['history'])}); a sample holding a re-timing is slower than the "
+                    "engine alone")
         result["providers"][name].update(split(name))
         result["providers"][name]["rounds"] = len(samples[name])
         result["providers"][name]["page_faults_per_call"] = median_faults(name)

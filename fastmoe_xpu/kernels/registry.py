@@ -800,14 +800,26 @@ def chosen_for(backend: str, device: torch.device | str, dtype: torch.dtype,
                shape: tuple[int, int, int, int], inference: bool = False) -> str | None:
     """The in-process auto choice for these shapes without expert parallelism (None if none yet);
     ``inference``: the engine of forward calls without a backward (:attr:`Watch.inference_engine`)."""
-    from .timing import device_name
-
     options = candidates(backend, device, dtype)
     if len(options) == 1:
         return options[0]
-    H, I, NR, rows = shape
-    key = ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR), rows_bucket(rows))
     if inference:
-        watch = _WATCHES.get((device_name(device), key))
+        watch = watch_for(backend, device, dtype, shape)
         return watch.inference_engine if watch is not None else None
-    return _CHOSEN.get((device_name(device), key))
+    return _CHOSEN.get(_choice_key(backend, device, dtype, shape))
+
+
+def watch_for(backend: str, device: torch.device | str, dtype: torch.dtype,
+              shape: tuple[int, int, int, int]) -> "Watch | None":
+    """The in-process :class:`Watch` of the ``auto`` choice for these shapes without expert parallelism
+    (None: no timed choice yet, or only one candidate): its engine, trust, calls and re-timings."""
+    return _WATCHES.get(_choice_key(backend, device, dtype, shape))
+
+
+def _choice_key(backend: str, device: torch.device | str, dtype: torch.dtype,
+                shape: tuple[int, int, int, int]) -> tuple[str, ShapeKey]:
+    from .timing import device_name
+
+    H, I, NR, rows = shape
+    return device_name(device), ShapeKey(backend, str(dtype).removeprefix("torch."), int(H), int(I), int(NR),
+                                         rows_bucket(rows))

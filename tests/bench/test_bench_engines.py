@@ -68,3 +68,46 @@ def test_engines_command_lists_and_clears_the_cached_choices(tmp_path, capsys):
         assert "1 cached engine choice removed" in capsys.readouterr().out and not path.exists()
         assert main(["--engines", "list"]) == 0
         assert ": 0 cached engine choices" in capsys.readouterr().out
+
+
+def test_auto_provider_reports_its_choice_and_a_retiming_while_it_was_measured(tmp_path, monkeypatch):
+    """The auto provider's row records the choice in use after its rounds; a choice re-timed during
+    them (here: an untrusted one, re-timed after one call) is named under the case's table, since
+    a sample holding a re-timing is slower than the chosen engine alone."""
+    from bench.report import derive, format_case
+    from bench.runner import run_case
+
+    wider = make_case(Preset("wider", 256, 128, 8, 2, 96, 1, "above the padded budget"), dtype="fp32", device="cpu",
+                      seed=0)
+    registry.forget_choices()
+    try:
+        with settings.override(gemm_engine=None, gemm_cache=str(tmp_path / "c.json")):
+            quiet = run_case(wider, ["fastmoe/torch"], rounds=2, budget_s=30.0, ceiling_n=32, progress=False,
+                             reference="fastmoe/torch")
+            state = quiet["providers"]["fastmoe/torch"]["auto"]
+            assert state["engine"] == quiet["providers"]["fastmoe/torch"]["note"].rsplit("auto -> ", 1)[1]
+            assert state["forward_calls"] >= 2 and state["trusted"] in (True, False)
+            if state["retimes"] == 0:  # a trusted choice on a quiet machine: nothing to say under the table
+                assert "auto_note" not in quiet["providers"]["fastmoe/torch"]
+            registry.forget_choices()
+
+            def untrusted():
+                p = build_provider("fastmoe/torch", wider)
+                watch = registry.watch_for("torch", wider.device, wider.x_TH.dtype,
+                                           (256, 128, 8, wider.topk_idx_TK.numel()))
+                watch.trusted, watch.retime_at, watch.next_check = False, 0, watch.calls + 1
+                return p
+
+            monkeypatch.setattr(registry, "CHECK_EVERY", 10**6)  # one re-timing, at the first check
+            # whatever else runs on the machine (the re-timing of an untrusted choice waits for a quiet stretch)
+            monkeypatch.setattr(registry.Watch, "_quiet_since_last_check", lambda self: True)
+            res = run_case(wider, ["fastmoe/torch"], rounds=2, budget_s=30.0, ceiling_n=32, progress=False,
+                           reference="fastmoe/torch", build=lambda name, case: untrusted())
+    finally:
+        registry.forget_choices()
+    entry = res["providers"]["fastmoe/torch"]
+    assert entry["auto"]["retimes"] == 1
+    assert "re-timed: the last timing was not trusted" in entry["auto"]["history"][0]
+    assert entry["auto_note"].startswith("auto re-timed its engines 1 time(s) in ")
+    derive(res, ["fastmoe/torch"])
+    assert f"* fastmoe/torch: {entry['auto_note']}" in format_case(res, "fwdbwd", "fastmoe/torch")
