@@ -208,8 +208,8 @@ def run_case(
             result["providers"][name]["auto"] = state
             if state["retimes"]:
                 result["providers"][name]["auto_note"] = (
-                    f"auto re-timed its engines {state['retimes']} time(s) in the {state['forward_calls']} calls it ran here "
-                    f"calls ({'; '.join(state['history'])}); a sample holding a re-timing is slower than the "
+                    f"auto re-timed its engines {state['retimes']} time(s) in the {state['forward_calls']} calls it "
+                    f"ran here ({'; '.join(state['history'])}); a sample holding a re-timing is slower than the "
                     "engine alone")
         result["providers"][name].update(split(name))
         result["providers"][name]["rounds"] = len(samples[name])
