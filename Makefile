@@ -9,6 +9,8 @@
 #               sanitizers, one summary (scripts/gpu_check.sh; uses the Python found there, no venv step;
 #               `bash scripts/gpu_check.sh` does the same where make is missing)
 PY := .venv/bin/python
+# Extra pytest arguments for make test, e.g. PYTEST_ARGS='-m "not drill"' (.ci/run splits the suite so).
+PYTEST_ARGS :=
 # What test-compat runs (docs/compat.md): the whole suite but the fault drills (minutes each; make test runs them).
 COMPAT_TESTS := -m "not drill" tests
 
@@ -28,7 +30,7 @@ demo: venv
 	$(PY) -m bench --demo --out bench_out/demo
 
 test: venv xpu-venv
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 compat-venv:
 	bash scripts/setup_compat_venv.sh
