@@ -64,7 +64,7 @@ class Provider:
     precision: str | None = None
     """Quantized expert GEMMs (``"int8"``, ``"fp8"``): checked against the reference with that
     precision's tolerance."""
-    state: Callable[[], dict | None] | None = None
+    state: Callable[[], dict] | None = None
     """What the provider tells of itself after its rounds (``auto``: its choice in use, whether it was
     trusted, the calls it saw and the re-timings among them), recorded beside its times."""
 
@@ -405,12 +405,13 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
     return Provider(name, forward, [w_gu, w_d], merged_grads, note, precision=precision, state=state)
 
 
-def _auto_state(backend: str, case: Case, shape: tuple[int, int, int, int]) -> Callable[[], dict | None]:
-    """The ``auto`` provider's report after its rounds: a choice re-timed while it was measured ran
-    its candidates' timings inside some samples, which a time beside the chosen engine's own shows."""
+def _auto_state(backend: str, case: Case, shape: tuple[int, int, int, int]) -> Callable[[], dict] | None:
+    """The ``auto`` provider's report after its rounds (None: no watched choice): a choice re-timed while
+    it was measured ran its candidates' timings inside some samples, which a time beside the chosen
+    engine's own shows."""
     watch = registry.watch_for(backend, case.device, case.x_TH.dtype, shape)
     if watch is None:
-        return lambda: None
+        return None
     calls0, retimes0, seen = watch.calls, watch.retimes, len(watch.history)  # the history holds its first timing
 
     def state() -> dict:

@@ -203,8 +203,8 @@ def run_case(
     result["bound"]["page_faults_per_call"] = median_faults(BOUND)
     result["bound"]["calls_per_sample"] = calls[BOUND]
     for name, prov in providers.items():
-        state = prov.state() if prov.state is not None else None
-        if state is not None:
+        if prov.state is not None:
+            state = prov.state()
             result["providers"][name]["auto"] = state
             if state["retimes"]:
                 result["providers"][name]["auto_note"] = (
