@@ -1,7 +1,7 @@
 """Every ``FASTMOE_*`` environment switch, read once into one typed, frozen object.
 
 Code asks :func:`get` instead of ``os.environ``, so a switch is parsed and validated in one place and
-a bad value fails at import with a message naming the variable. The README's "Environment
+a bad value fails at import with a message naming the variable. docs/guide.md's "Environment
 switches" table lists the same fields. Tests that change the environment re-read it with
 :func:`reloaded` (restored on exit); :func:`override` replaces fields without touching the
 environment (``kernels.configs.use`` is built on it).

@@ -6,7 +6,7 @@ file's package, ``importlib.import_module("literal", ...)`` included. An import 
 loads, not the packages above it (``from a.b import c`` is an edge to ``a.b.c`` when that is a
 module of the tree, else to ``a.b``): the rule is about files importing files.
 
-These are the rules of the restructured tree (docs: README "Architecture", no two files importing
+These are the rules of the restructured tree (docs/architecture.md, no two files importing
 each other): the tests are meant to pass from the restructuring on and are deliberately not
 xfailed, so that a new circle fails the suite. The asserts print every offending edge with its
 line, so a failure says where to cut without bisecting.
