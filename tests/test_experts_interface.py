@@ -304,6 +304,54 @@ def test_save_and_load_unchanged(tmp_path) -> None:
     assert set(eager.state_dict()) == set(model.state_dict())
 
 
+@pytest.mark.slow
+def test_saved_choice_loads_without_fastmoe_and_with_it(tmp_path) -> None:
+    """A model saved after ``experts_implementation="fastmoe"`` loads in a process that never imports
+    fastmoe_xpu (transformers' default implementation, the same logits), and comes back as fastmoe
+    where fastmoe_xpu is imported, without naming it again."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from fastmoe_xpu.integrations.experts import SAVED_CHOICE_KEY
+
+    cfg = tiny_config("qwen3_moe")
+    torch.manual_seed(0)
+    model, _ = build_model(cfg, "fastmoe")
+    model.save_pretrained(tmp_path / "m")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert saved.get(SAVED_CHOICE_KEY) == "fastmoe" and "experts_implementation" not in saved
+    ids = torch.randint(3, cfg.vocab_size, (1, 6))
+    torch.save(ids, tmp_path / "ids.pt")
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r})\n"
+        f"ids = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        "with torch.no_grad():\n"
+        f"    torch.save(m(input_ids=ids).logits, {str(tmp_path / 'logits.pt')!r})\n"
+        "assert not any(n.startswith('fastmoe_xpu') for n in sys.modules), 'fastmoe_xpu was imported'\n"
+        "print(m.config._experts_implementation)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] != "fastmoe"
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, atol=1e-5, rtol=1e-5)
+    # here fastmoe_xpu is imported: the saved choice comes back, and an explicit one still wins
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert again.config._experts_implementation == "fastmoe"
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, want, atol=0, rtol=0)
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="eager")
+    assert other.config._experts_implementation == "eager"
+    other.save_pretrained(tmp_path / "e")
+    assert SAVED_CHOICE_KEY not in json.loads((tmp_path / "e" / "config.json").read_text())
+
+
 def test_triton_plain_path_under_interpreter() -> None:
     """The plain path's grouped GEMMs and our stages on the Triton launchers (biases, transposed)."""
     pytest.importorskip("triton")

@@ -435,28 +435,58 @@ def register(interface: Any = None) -> bool:
     return True
 
 
+#: The key under which ``config.json`` keeps the choice of :data:`NAME`. transformers takes a key it
+#: does not know as a plain attribute, so a saved model loads where ``fastmoe_xpu`` is not imported
+#: (with transformers' default experts implementation, the same numbers); where it is imported, the
+#: key brings :data:`NAME` back.
+SAVED_CHOICE_KEY = "fastmoe_experts_implementation"
+
+
+class _SavedChoiceField:
+    """:data:`SAVED_CHOICE_KEY` on every transformers config: reads :data:`NAME` when that is the
+    config's experts implementation, else None. Set from a loaded ``config.json`` (transformers sets
+    every unknown key as an attribute, after the public ``experts_implementation``), it makes
+    :data:`NAME` the choice unless one was given (an explicit ``from_pretrained(...,
+    experts_implementation=...)`` is applied after the config is built, so it still wins)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return NAME if obj.__dict__.get("_experts_implementation_internal") == NAME else None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if value == NAME and obj.__dict__.get("_experts_implementation_internal") is None:
+            obj._experts_implementation = NAME
+
+    def __delete__(self, obj: Any) -> None:
+        pass
+
+
 def record_in_saved_configs() -> bool:
-    """Make ``save_pretrained`` keep the choice of :data:`NAME`.
+    """Make ``save_pretrained`` keep the choice of :data:`NAME`, in a form that loads anywhere.
 
     transformers drops its internal ``_experts_implementation`` when it writes ``config.json``, so
-    a model saved with ``"fastmoe"`` came back as ``grouped_mm`` without a word. A config whose
-    experts implementation is :data:`NAME` now also writes the public key ``experts_implementation``,
-    which transformers' ``PretrainedConfig.__init__`` reads back as the choice (an explicit
-    ``from_pretrained(..., experts_implementation=...)`` still wins). Loading such a model needs
-    ``import fastmoe_xpu`` first, as creating one does. Other implementations are saved unchanged.
-    Returns False when transformers' config class cannot be patched."""
+    a model saved with ``"fastmoe"`` would come back as ``grouped_mm`` without a word; writing the
+    public key ``experts_implementation: "fastmoe"`` instead would make the checkpoint fail to load
+    wherever this package is not imported. A config whose experts implementation is :data:`NAME`
+    therefore writes :data:`SAVED_CHOICE_KEY`, which :class:`_SavedChoiceField` reads back. Other
+    implementations are saved unchanged. Returns False when transformers' config class cannot be
+    patched."""
     try:
         from transformers.configuration_utils import PretrainedConfig
     except ImportError:
         return False
+    if not isinstance(PretrainedConfig.__dict__.get(SAVED_CHOICE_KEY), _SavedChoiceField):
+        setattr(PretrainedConfig, SAVED_CHOICE_KEY, _SavedChoiceField())
     to_dict = PretrainedConfig.to_dict
     if getattr(to_dict, "_keeps_fastmoe", False):
         return True
 
     def to_dict_keeping_fastmoe(self: Any) -> dict[str, Any]:
         out = to_dict(self)
+        out.pop(SAVED_CHOICE_KEY, None)
         if getattr(self, "_experts_implementation_internal", None) == NAME:
-            out["experts_implementation"] = NAME
+            out[SAVED_CHOICE_KEY] = NAME
         return out
 
     to_dict_keeping_fastmoe._keeps_fastmoe = True  # type: ignore[attr-defined]
