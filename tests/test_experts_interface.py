@@ -310,6 +310,7 @@ def test_saved_choice_loads_without_fastmoe_and_with_it(tmp_path) -> None:
     fastmoe_xpu (transformers' default implementation, the same logits), and comes back as fastmoe
     where fastmoe_xpu is imported, without naming it again."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -341,6 +342,13 @@ def test_saved_choice_loads_without_fastmoe_and_with_it(tmp_path) -> None:
     with torch.no_grad():
         want = model(input_ids=ids).logits
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, atol=1e-5, rtol=1e-5)
+    # a fresh process that imports fastmoe_xpu first gets the saved choice back from config.json
+    code = ("import fastmoe_xpu\nfrom transformers import AutoModelForCausalLM\n"
+            f"print(AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}).config._experts_implementation)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "fastmoe"
     # here fastmoe_xpu is imported: the saved choice comes back, and an explicit one still wins
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert again.config._experts_implementation == "fastmoe"

@@ -462,7 +462,7 @@ class _SavedChoiceField:
         pass
 
 
-def record_in_saved_configs() -> bool:
+def record_in_saved_configs(module: Any = None) -> bool:
     """Make ``save_pretrained`` keep the choice of :data:`NAME`, in a form that loads anywhere.
 
     transformers drops its internal ``_experts_implementation`` when it writes ``config.json``, so
@@ -472,9 +472,15 @@ def record_in_saved_configs() -> bool:
     therefore writes :data:`SAVED_CHOICE_KEY`, which :class:`_SavedChoiceField` reads back. Other
     implementations are saved unchanged. Returns False when transformers' config class cannot be
     patched."""
-    try:
-        from transformers.configuration_utils import PretrainedConfig
-    except ImportError:
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module(CONFIG_MODULE)
+        except ImportError:
+            return False
+    PretrainedConfig = getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
+    if PretrainedConfig is None:
         return False
     if not isinstance(PretrainedConfig.__dict__.get(SAVED_CHOICE_KEY), _SavedChoiceField):
         setattr(PretrainedConfig, SAVED_CHOICE_KEY, _SavedChoiceField())
@@ -607,7 +613,9 @@ def register_lazily() -> str:
         return _eager()  # raises the ImportError naming the version
     # from_pretrained(..., fastmoe_expert_precision=...) is parsed by the config class, before the
     # experts interface is imported
+    # and a saved config.json's choice is read back (record_in_saved_configs) at the same point
     when_imported(CONFIG_MODULE, accept_precision_in_configs)
+    when_imported(CONFIG_MODULE, record_in_saved_configs)
     when_interface_imported(lambda mod: register(mod.ALL_EXPERTS_FUNCTIONS))
     return "on import"
 
