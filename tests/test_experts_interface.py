@@ -360,6 +360,79 @@ def test_saved_choice_loads_without_fastmoe_and_with_it(tmp_path) -> None:
     assert SAVED_CHOICE_KEY not in json.loads((tmp_path / "e" / "config.json").read_text())
 
 
+def _unrouted_family_configs():
+    """Tiny configs of families whose experts transformers does not route through the interface."""
+    import transformers
+
+    configs = []
+    if hasattr(transformers, "Llama4TextConfig"):
+        configs.append(transformers.Llama4TextConfig(
+            hidden_size=32, intermediate_size=16, intermediate_size_mlp=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, vocab_size=64, num_local_experts=4, head_dim=16))
+    if hasattr(transformers, "JetMoeConfig"):
+        configs.append(transformers.JetMoeConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                 kv_channels=16, intermediate_size=16, num_local_experts=4,
+                                                 vocab_size=64))
+    return configs
+
+
+def test_fastmoe_where_the_family_does_not_run_it(tmp_path, monkeypatch) -> None:
+    """A family whose experts never call the interface runs its own experts with one warning naming
+    it, answers "eager", and no saved config names fastmoe; set_experts_implementation says the same."""
+    import json
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from fastmoe_xpu.integrations import experts as experts_mod
+
+    configs = _unrouted_family_configs()
+    if not configs:
+        pytest.skip("this transformers has none of the unrouted families")
+    for cfg in configs:
+        monkeypatch.setattr(experts_mod, "_WARNED", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = AutoModelForCausalLM.from_config(cfg, experts_implementation="fastmoe")
+        said = [str(w.message) for w in caught if "does not run" in str(w.message)]
+        assert len(said) == 1 and cfg.model_type in said[0] and '"eager"' in said[0], said
+        assert model.config._experts_implementation == "eager"
+        model.save_pretrained(tmp_path / cfg.model_type)
+        saved = json.loads((tmp_path / cfg.model_type / "config.json").read_text())
+        assert "fastmoe" not in json.dumps(saved)
+        monkeypatch.setattr(experts_mod, "_WARNED", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.set_experts_implementation("fastmoe")
+        assert [w for w in caught if "does not run" in str(w.message)]
+        assert model.config._experts_implementation == "eager"
+
+
+def test_precision_without_fastmoe_is_warned_once(monkeypatch) -> None:
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from fastmoe_xpu.integrations import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "_WARNED", set())
+    cfg = tiny_config("qwen3_moe")
+    cfg.fastmoe_expert_precision = "int8"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AutoModelForCausalLM.from_config(cfg)
+    said = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+    assert len(said) == 1 and "fastmoe_expert_precision='int8'" in said[0], said
+    cfg = tiny_config("qwen3_moe")
+    cfg.fastmoe_expert_precision = "int8"
+    monkeypatch.setattr(experts_mod, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_config(cfg, experts_implementation="fastmoe")
+    assert not [w for w in caught if "has no effect" in str(w.message)]
+    assert model.config._experts_implementation == "fastmoe"
+
+
 def test_triton_plain_path_under_interpreter() -> None:
     """The plain path's grouped GEMMs and our stages on the Triton launchers (biases, transposed)."""
     pytest.importorskip("triton")

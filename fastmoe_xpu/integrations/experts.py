@@ -432,6 +432,7 @@ def register(interface: Any = None) -> bool:
     interface.register(NAME, fastmoe_experts_forward)
     record_in_saved_configs()
     accept_precision_in_configs()
+    check_where_fastmoe_runs()
     return True
 
 
@@ -498,6 +499,77 @@ def record_in_saved_configs(module: Any = None) -> bool:
     to_dict_keeping_fastmoe._keeps_fastmoe = True  # type: ignore[attr-defined]
     to_dict_keeping_fastmoe.__doc__ = to_dict.__doc__
     PretrainedConfig.to_dict = to_dict_keeping_fastmoe  # type: ignore[method-assign]
+    return True
+
+
+#: The module that defines transformers' model base class.
+MODEL_MODULE = "transformers.modeling_utils"
+#: What was said once already by :func:`check_where_fastmoe_runs` (one warning per family and case).
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: tuple[str, str], message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _family(model: Any) -> str:
+    return getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+
+
+def check_where_fastmoe_runs(module: Any = None) -> bool:
+    """Make transformers' choice of an experts implementation say when :data:`NAME` would not run.
+
+    A family whose experts transformers does not route through ``@use_experts_implementation``
+    (Llama4-text, JetMoE, ...) accepted ``experts_implementation="fastmoe"`` and never called it,
+    and its saved config then named it. Such a model now runs what it runs anyway, its own experts
+    (``"eager"``), with one warning naming the family; ``set_experts_implementation`` says the same.
+    A config that asks for quantized expert GEMMs (``fastmoe_expert_precision``) on another
+    implementation is warned once too: only the fastmoe experts quantize. Returns False where
+    transformers' model class lacks the hook (nothing changed)."""
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module(MODEL_MODULE)
+        except ImportError:
+            return False
+    cls = getattr(module, "PreTrainedModel", None)
+    choose = getattr(cls, "get_correct_experts_implementation", None)
+    if choose is None or not hasattr(cls, "_can_set_experts_implementation"):
+        return False
+    if getattr(choose, "_checks_fastmoe", False):
+        return True
+
+    def get_correct_experts_implementation(self: Any, requested: Any) -> Any:
+        name = type(self).__name__
+        if requested == NAME and not type(self)._can_set_experts_implementation():
+            try:
+                import inspect
+
+                mentions_experts = "expert" in inspect.getsource(inspect.getmodule(type(self))).lower()
+            except (OSError, TypeError):
+                mentions_experts = True
+            if mentions_experts:
+                _warn_once((_family(self), "not run"), (
+                    f'experts_implementation="{NAME}" does not run in {name} ({_family(self)}): transformers does not '
+                    f"route this family's experts through @use_experts_implementation, so its own experts run "
+                    f'("eager"); the fastmoe experts run in the families docs/families.md lists'))
+            requested = "eager"
+        chosen = choose(self, requested)
+        precision = getattr(getattr(self, "config", None), PRECISION_ATTRIBUTE, None)
+        if precision is not None and chosen != NAME:
+            _warn_once((_family(self), "precision"), (
+                f"{PRECISION_ATTRIBUTE}={precision!r} has no effect on {name}: its experts run {chosen!r} at the "
+                f'weights\' precision; only experts_implementation="{NAME}" quantizes them'))
+        return chosen
+
+    get_correct_experts_implementation._checks_fastmoe = True  # type: ignore[attr-defined]
+    get_correct_experts_implementation.__doc__ = choose.__doc__
+    cls.get_correct_experts_implementation = get_correct_experts_implementation
     return True
 
 
@@ -616,6 +688,7 @@ def register_lazily() -> str:
     # and a saved config.json's choice is read back (record_in_saved_configs) at the same point
     when_imported(CONFIG_MODULE, accept_precision_in_configs)
     when_imported(CONFIG_MODULE, record_in_saved_configs)
+    when_imported(MODEL_MODULE, check_where_fastmoe_runs)
     when_interface_imported(lambda mod: register(mod.ALL_EXPERTS_FUNCTIONS))
     return "on import"
 
