@@ -595,3 +595,23 @@ def test_layout_flags_follow_the_module() -> None:
         describe_layout(module)
     module.down_proj = down
     assert describe_layout(module)["fused"]
+
+
+def test_no_warning_from_our_code_under_torch_compile() -> None:
+    """A compiled forward and backward of a family on "fastmoe" warns about nothing of ours (dynamo
+    warned about every functools.lru_cache-wrapped function it traced in the experts function)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("qwen3_moe")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="fastmoe")
+    ids = torch.randint(3, cfg.vocab_size, (2, 8))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model)(input_ids=ids).logits.sum().backward()
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+            if "fastmoe_xpu" in w.filename or "fastmoe" in str(w.message) or "lru_cache" in str(w.message)]
+    assert not ours, ours

@@ -55,22 +55,30 @@ class ExpertsLayoutError(ValueError):
     """An experts module whose layout the fastmoe implementation cannot honour."""
 
 
-@functools.lru_cache(maxsize=None)
+#: What the two look-ups below found, filled on first use. A plain dict rather than
+#: ``functools.lru_cache``: torch.compile warns about every lru_cache-wrapped function it traces.
+_FOUND: dict[str, Any] = {}
+
+
 def _default_apply_gate() -> Any:
-    try:
-        from transformers.integrations.moe import _default_apply_gate as fn
-    except Exception:  # transformers too old to have the decorator: nothing can carry the default gate
-        return None
-    return fn
+    if "apply_gate" not in _FOUND:
+        try:
+            from transformers.integrations.moe import _default_apply_gate as fn
+        except Exception:  # transformers too old to have the decorator: nothing can carry the default gate
+            fn = None
+        _FOUND["apply_gate"] = fn
+    return _FOUND["apply_gate"]
 
 
-@functools.lru_cache(maxsize=None)
 def _silu_classes() -> tuple[type, ...]:
-    try:
-        from transformers.activations import SiLUActivation
-    except Exception:
-        return (nn.SiLU,)
-    return (nn.SiLU, SiLUActivation)
+    if "silu" not in _FOUND:
+        try:
+            from transformers.activations import SiLUActivation
+        except Exception:
+            _FOUND["silu"] = (nn.SiLU,)
+        else:
+            _FOUND["silu"] = (nn.SiLU, SiLUActivation)
+    return _FOUND["silu"]
 
 
 def _is_silu(act: Any) -> bool:
