@@ -336,6 +336,47 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
         assert torch.equal(buf, want), cols_first
 
 
+@pytest.mark.slow
+def test_int8_layer_compiles_nothing_after_warm_up(monkeypatch, tmp_path):
+    """The int8 layer's fused passes compile while it warms up and never after: calls whose rows per
+    expert change (each a new routing, an empty expert among them) run the compiled passes without
+    a recompile (dynamo counted every frame it compiled). Before, one compiled function served every
+    reduced dimension, scale set and parameter type, guarded on each, and ran past dynamo's
+    recompile limit into recompiles and eager fallbacks inside the calls. Marked slow: inductor
+    compiles each pass once (tens of seconds on two shared cores)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("FASTMOE_GEMM_CACHE", str(tmp_path / "engines.json"))
+    if core._FUSED_FAILED:
+        pytest.skip(f"fused int8 passes unavailable: {core._FUSED_FAILED[0]}")
+    monkeypatch.setattr(core, "_FUSED", {})
+    # two layers of other widths in one model, ~512 rows per expert: every product past FUSED_MIN_ELEMENTS
+    blocks = []
+    for H, I in ((512, 256), (384, 512)):
+        cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=False, hidden_act="silu")
+        torch.manual_seed(0)
+        blocks.append(FastSparseMoeBlock(cfg, backend="torch", gemm_engine="loop", expert_precision="int8"))
+
+    def call(seed: int, empty_expert: bool = False) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for block in blocks:
+            x = torch.randn(1024, block.gate.weight.shape[1], generator=g, requires_grad=True)
+            if empty_expert:  # the router never picks expert 0
+                with torch.no_grad():
+                    block.gate.weight[0] = -1e3 * block.gate.weight[0].sign().clamp(min=0)
+            block(x).sum().backward()
+
+    for seed in (0, 1):
+        call(seed)
+    assert core._FUSED, "the layers ran none of the fused passes"
+    frames = counters["frames"]["total"]
+    for seed in (2, 3):
+        call(seed)
+    call(5, empty_expert=True)
+    assert counters["frames"]["total"] == frames, "the int8 layer compiled inside its calls after warm-up"
+
+
 def test_unavailable_reason_keeps_the_sentence_that_says_why():
     """torch's internal asserts put the reason after the bug-report request (torch 2.11's CPU
     ``_scaled_mm`` with row-wise scales): the probe's reason keeps that sentence."""

@@ -92,40 +92,88 @@ def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: 
 # ---------------------------------------------------------------- fused passes (int8, large tensors)
 #: Tensors of at least this many elements are quantized and dequantized by the fused kernels below.
 FUSED_MIN_ELEMENTS = 1 << 18
-_FUSED: dict[str, object] = {}
+_FUSED: dict[tuple, object] = {}
 _FUSED_FAILED: list[str] = []
 
 
-def _fused(name: str):  # noqa: ANN202
-    """The same computation as the eager function ``name``, compiled by inductor into one loop nest
+def _quantize_rows(v, col_scales):  # noqa: ANN001, ANN202
+    return _quantize_eager(v, torch.int8, -1, col_scales)
+
+
+def _quantize_rows_unscaled(v):  # noqa: ANN001, ANN202
+    return _quantize_eager(v, torch.int8, -1, None)
+
+
+def _quantize_cols(v):  # noqa: ANN001, ANN202
+    return _quantize_eager(v, torch.int8, -2, None)
+
+
+def _epilogue_rows(out, acc, sa):  # noqa: ANN001, ANN202
+    out.copy_(acc.float() * sa[:, None])
+
+
+def _epilogue_rows_cols(out, acc, sa, sb):  # noqa: ANN001, ANN202
+    out.copy_(acc.float() * sa[:, None] * sb[None, :])
+
+
+def _epilogue_cols_rows(out, acc, sa, sb):  # noqa: ANN001, ANN202
+    out.copy_(acc.float() * sb[None, :] * sa[:, None])
+
+
+def _variant(name: str, args: tuple) -> tuple[tuple, object, tuple]:
+    """``(key, function, its arguments)`` of one call of the fused pass ``name``: every choice that
+    is not a tensor size (the reduced dimension, which scales are given, their order, the rank) picks
+    a function of its own, compiled on its own, so that dynamo guards on nothing but sizes (which
+    ``dynamic=True`` keeps symbolic) and no variant's recompiles count against another's limit.
+    Parameters are passed detached: their type and static sizes would guard too."""
+    if name == "quantize":
+        v, dim, col_scales = args
+        v = v.detach()
+        dim = dim - v.dim() if dim >= 0 else dim
+        if dim == -1:
+            if col_scales is None:
+                return ("quantize", "rows", v.dim()), _quantize_rows_unscaled, (v,)
+            return ("quantize", "rows-scaled", v.dim()), _quantize_rows, (v, col_scales.detach())
+        if dim == -2 and col_scales is None:
+            return ("quantize", "cols", v.dim()), _quantize_cols, (v,)
+        raise ValueError(f"no fused quantize over dim {dim} with column scales {col_scales is not None}")
+    out, acc, sa, sb, *rest = args
+    cols_first = bool(rest[0]) if rest else False
+    if sb is None:
+        return ("epilogue", "rows"), _epilogue_rows, (out, acc, sa)
+    if cols_first:
+        return ("epilogue", "cols-rows"), _epilogue_cols_rows, (out, acc, sa, sb)
+    return ("epilogue", "rows-cols"), _epilogue_rows_cols, (out, acc, sa, sb)
+
+
+def _fused(key: tuple, fn):  # noqa: ANN001, ANN202
+    """The same computation as the eager function ``fn``, compiled by inductor into one loop nest
     (the amax, then codes in one pass; the epilogue in one pass): the same IEEE operations in the
     same order, so the same bits (tests/test_precision.py checks it), at a third to a sixth of the
-    eager passes' time on the CPU. None where it cannot be compiled (no C++ compiler)."""
+    eager passes' time on the CPU. One compiled function per :func:`_variant` key, each over a code
+    object of its own (dynamo keeps its cache and its recompile count per code object). None where
+    it cannot be compiled (no C++ compiler)."""
     if _FUSED_FAILED:
         return None
-    fn = _FUSED.get(name)
-    if fn is None:
-        def epilogue(out, acc, sa, sb, cols_first: bool = False):  # noqa: ANN001, ANN202
-            if cols_first:
-                out.copy_(acc.float() * sb[None, :] * sa[:, None])
-                return
-            res = acc.float() * sa[:, None]
-            out.copy_(res if sb is None else res * sb[None, :])
+    compiled = _FUSED.get(key)
+    if compiled is None:
+        import types
 
-        def quantize(v, dim: int, col_scales):  # noqa: ANN001, ANN202
-            return _quantize_eager(v, torch.int8, dim, col_scales)
-
-        fn = _FUSED[name] = torch.compile({"epilogue": epilogue, "quantize": quantize}[name], dynamic=True)
-    return fn
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{'_'.join(map(str, key[1:]))}".replace("-", "_"))
+        own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        compiled = _FUSED[key] = torch.compile(own, dynamic=True)
+    return compiled
 
 
 def _run_fused(name: str, *args):  # noqa: ANN001, ANN202
-    """``(True, result)``, or ``(False, None)`` where the fused kernel cannot run."""
-    fn = _fused(name)
-    if fn is None:
+    """``(True, result)``, or ``(False, None)`` where the fused kernel cannot run. ``name`` is
+    ``"quantize"`` (``v, dim, col_scales``) or ``"epilogue"`` (``out, acc, sa, sb[, cols_first]``)."""
+    key, fn, call_args = _variant(name, args)
+    compiled = _fused(key, fn)
+    if compiled is None:
         return False, None
     try:
-        return True, fn(*args)
+        return True, compiled(*call_args)
     except Exception as exc:  # no compiler, or a compiler that fails: the eager passes, same numbers
         import warnings
 
