@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES, ENGINES
 
 from .harness.cases import DTYPES, make_case
 from .harness.measure import run_options
 from .harness.presets import PRESETS, resolve_presets
-from .harness.providers import FASTMOE_BACKENDS, default_fastmoe, expand_names, with_precisions
+from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, default_fastmoe, expand_names,
+                                with_precisions)
 from .harness.report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header,
                              write_chart, write_csv, write_json)
 from .harness.runner import MIN_SAMPLE_S, run_case
@@ -47,8 +48,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     description = ("Benchmark FastSparseMoE's expert layer against transformers' references (hf_v4, hf_v5_eager, "
-                   "hf_v5_grouped_mm), with the dense-matmul ceiling and the layer's GEMM-only bound measured in "
-                   "the same run.")
+                   "hf_v5_grouped_mm) and, on request, the peers' MoE layers (liger, sonicmoe), with the "
+                   "dense-matmul ceiling and the layer's GEMM-only bound measured in the same run.")
     ap = argparse.ArgumentParser(
         prog="fastmoe-bench", usage="%(prog)s [options]\n       %(prog)s STUDY [options]",
         description=description, epilog=_studies_help(), formatter_class=_HelpFormatter,
@@ -71,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch intra-op threads (default: this process's share of the cores, less cores other "
                          "work keeps busy at start; printed)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton, "
-                         "or fastmoe/<backend>@<engine> for one grouped-GEMM engine (triton, grouped_mm, loop) "
+                    help=f"subset of {' '.join(ALL_PROVIDERS)} (the default: all of these) or fastmoe (every "
+                         f"backend); the peers {' and '.join(EXTERNAL_PROVIDERS)} (other projects' MoE layers on "
+                         "the case's routing, run when named); fastmoe/<backend>@<engine> for one grouped-GEMM "
+                         f"engine ({', '.join(ENGINES)}) "
                          "(hf_v4 always runs: it is the correctness reference)")
     ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
                     help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "

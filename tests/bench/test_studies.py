@@ -1,5 +1,5 @@
-"""``fastmoe-bench --help`` lists every study under bench/studies/, and each study without a flag
-runs as ``fastmoe-bench NAME``."""
+"""``fastmoe-bench --help`` lists every study under bench/studies/ and every provider, and each study
+without a flag runs as ``fastmoe-bench NAME``."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +10,7 @@ import pytest
 
 import bench.studies
 from bench.cli import build_parser, main
+from bench.harness.providers import ALL_PROVIDERS, EXTERNAL_PROVIDERS
 from bench.studies import STUDIES, SUBCOMMANDS
 
 
@@ -32,3 +33,9 @@ def test_a_subcommand_is_the_study_s_own_command_line(name, capsys):
         main([name, "--help"])
     assert exc.value.code == 0
     assert f"usage: fastmoe-bench {name}" in capsys.readouterr().out
+
+
+def test_help_names_every_provider():
+    text = build_parser().format_help()
+    for name in (*ALL_PROVIDERS, *EXTERNAL_PROVIDERS):
+        assert name in text, name
