@@ -26,7 +26,7 @@ PACKAGE_DIRS = {"fastmoe_xpu": "fastmoe_xpu", "fastmoe_trainer": "trainer", "fas
 CHECKOUT_ONLY_PACKAGES = ("fastmoe_xpu.tools",)
 #: Single modules, as (package, module), that stay in the repository: the demo and the plain-PyTorch
 #: references the tests compare with. (fastmoe_xpu.dist.testing stays in the wheel:
-#: fastmoe_xpu.dist.comm_bytes and fastmoe_bench.table3 start their gloo processes with it.)
+#: fastmoe_xpu.dist.comm_bytes and fastmoe_bench.studies.table3.table start their gloo processes with it.)
 CHECKOUT_ONLY_MODULES = (("fastmoe_xpu", "demo"), ("fastmoe_xpu", "reference"))
 
 

@@ -1,32 +1,58 @@
-"""``fastmoe-bench``: every provider side by side in one process; table, JSON, CSV and PNG."""
+"""``fastmoe-bench``: every provider side by side in one process; table, JSON, CSV and PNG; and the
+studies (``bench/studies/``), each by its flag or as ``fastmoe-bench NAME``."""
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
 
-from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
+from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES, ENGINES
 
-from .cases import DTYPES, make_case
-from .measure import run_options
-from .presets import PRESETS, resolve_presets
-from .providers import FASTMOE_BACKENDS, default_fastmoe, expand_names, with_precisions
-from .report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header, write_chart,
-                     write_csv, write_json)
-from .runner import MIN_SAMPLE_S, run_case
+from .harness.cases import DTYPES, make_case
+from .harness.measure import run_options
+from .harness.presets import PRESETS, resolve_presets
+from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, default_fastmoe, expand_names,
+                                with_precisions)
+from .harness.report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header,
+                             write_chart, write_csv, write_json)
+from .harness.runner import MIN_SAMPLE_S, run_case
+from .studies import STUDIES, SUBCOMMANDS
+
+
+def _studies_help(width: int = 100) -> str:
+    """The epilog of ``--help``: every study, how to run it and what it measures, one entry each."""
+    lines = ["studies (bench/studies/): a flag of this command, or 'fastmoe-bench NAME [options]' "
+             "('NAME --help' for its options):"]
+    for s in STUDIES:
+        run = s.run or f"fastmoe-bench {s.name}"
+        head = f"  {s.name:<14}{run:<30}"
+        lines += textwrap.wrap(s.measures, width, initial_indent=head, subsequent_indent=" " * len(head))
+    return "\n".join(lines)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout, except that a text of several lines (the studies' table) is printed as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    description = ("Benchmark FastSparseMoE's expert layer against transformers' references (hf_v4, hf_v5_eager, "
+                   "hf_v5_grouped_mm) and, on request, the peers' MoE layers (liger, sonicmoe), with the "
+                   "dense-matmul ceiling and the layer's GEMM-only bound measured in the same run.")
     ap = argparse.ArgumentParser(
-        prog="fastmoe-bench",
-        description="Benchmark FastSparseMoE's expert layer against transformers' references "
-                    "(hf_v4, hf_v5_eager, hf_v5_grouped_mm), with the dense-matmul ceiling and the "
-                    "layer's GEMM-only bound measured in the same run.",
+        prog="fastmoe-bench", usage="%(prog)s [options]\n       %(prog)s STUDY [options]",
+        description=description, epilog=_studies_help(), formatter_class=_HelpFormatter,
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"])
     ap.add_argument("--preset", nargs="+", metavar="NAME",
@@ -46,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch intra-op threads (default: this process's share of the cores, less cores other "
                          "work keeps busy at start; printed)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
-                    help="subset of hf_v4 hf_v5_eager hf_v5_grouped_mm fastmoe fastmoe/torch fastmoe/triton, "
-                         "or fastmoe/<backend>@<engine> for one grouped-GEMM engine (triton, grouped_mm, loop) "
+                    help=f"subset of {' '.join(ALL_PROVIDERS)} (the default: all of these) or fastmoe (every "
+                         f"backend); the peers {' and '.join(EXTERNAL_PROVIDERS)} (other projects' MoE layers on "
+                         "the case's routing, run when named); fastmoe/<backend>@<engine> for one grouped-GEMM "
+                         f"engine ({', '.join(ENGINES)}) "
                          "(hf_v4 always runs: it is the correctness reference)")
     ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
                     help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "
@@ -75,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="list the auto engine choices cached on disk with their timings and how they were taken "
                          "(list, the default), or remove them (clear); nothing is benchmarked")
     fam = ap.add_argument_group("families", "one experts layer of a transformers MoE family at its published "
-                                "shape: the family's eager and grouped_mm against fastmoe (bench/families.py)")
+                                "shape: the family's eager and grouped_mm against fastmoe (bench/studies/families.py)")
     fam.add_argument("--family", default=None, metavar="NAME", help="qwen3_moe, gpt_oss or mixtral")
     fam.add_argument("--family-scale", type=int, default=1,
                      help="with --family: divide H and I by this (a layer too large or slow here; printed)")
     fam.add_argument("--tokens", type=int, default=None, help="with --family: tokens of the layer call (default 2048)")
     sh = ap.add_argument_group("shapes", "one MoE layer at each shape of a published set, in TFLOP/s beside a dense "
-                               "torch.mm of the same FLOPs (bench/practitioners.py)")
+                               "torch.mm of the same FLOPs (bench/studies/practitioners.py)")
     sh.add_argument("--shapes", default=None, choices=["practitioners"],
                     help="OLMoE-1B-7B, Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-20B, Mixtral-8x7B, DeepSeek-V3 EP=8 slice")
     sh.add_argument("--shape-tokens", type=int, default=None, help="with --shapes: T (default 32768 on a GPU, 256 here)")
@@ -89,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --shapes: only these shapes of the set (e.g. qwen3-30b-a3b olmoe-1b-7b)")
     sh.add_argument("--shape-scale", type=int, default=None,
                     help="with --shapes: divide H and I by this (default 1 on a GPU, 8 on the CPU)")
-    cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/compiled.py)")
+    cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/studies/compiled.py)")
     cg.add_argument("--compile", action="store_true",
                     help="fastmoe and transformers grouped_mm, eager and compiled, compile time apart from step time")
     cg.add_argument("--compile-models", nargs="+", metavar="NAME", default=None,
                     help="with --compile: tiny-moe and/or olmoe-mid (default both)")
-    t3 = ap.add_argument_group("Table 3", "the published speedup table, layer to training step (bench/table3.py)")
+    t3 = ap.add_argument_group("Table 3", "the published speedup table, layer to training step (bench/studies/table3/table.py)")
     t3.add_argument("--table3", action="store_true",
                     help="measure the five Table-3 columns for the four Mula models, the published rows beside")
     t3.add_argument("--demo", action="store_true",
@@ -124,6 +152,10 @@ def _check_device(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:  # a study with a command line of its own
+        study = importlib.import_module(f"{__package__}.studies.{argv[0]}")
+        return study.main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -133,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.engines:
-        from .engines_cache import run_engines
+        from .harness.engines_cache import run_engines
 
         return run_engines(args.engines)
     _check_device(args.device)
@@ -141,23 +173,23 @@ def _run(args: argparse.Namespace) -> int:
 
     print(f"fastmoe-bench: {configure(args.threads).summary}", file=sys.stderr, flush=True)
     if args.family:
-        from .families import run_family
+        from .studies.families import run_family
 
         return run_family(args)
     if args.shapes:
-        from .practitioners import run_shapes
+        from .studies.practitioners import run_shapes
 
         return run_shapes(args)
     if args.compile:
-        from .compiled import main_compile
+        from .studies.compiled import main_compile
 
         return main_compile(args)
     if args.demo:
-        from .demo import run_demo
+        from .studies.demo import run_demo
 
         return run_demo(args)
     if args.table3:
-        from .table3 import main_table3
+        from .studies.table3.table import main_table3
 
         return main_table3(args)
     training_only = [p for p in args.precision if p in ("bf16", "bf16-sr")]
@@ -184,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
 
     torch.set_grad_enabled(True)
     if args.mode == "stages":
-        from .stages import format_stages, run_stages
+        from .studies.stages import format_stages, run_stages
 
         results = []
         backends = [n.split("/", 1)[1] for n in names if n.startswith("fastmoe/")] or list(FASTMOE_BACKENDS)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastmoe_xpu import FastSparseMoeBlock
-from bench.baselines import HFv4SparseMoeBlock
+from bench.harness.baselines import HFv4SparseMoeBlock
 from fastmoe_xpu.reference import reference_moe_forward
 from tests.tolerances import assert_close
 

@@ -5,7 +5,7 @@ expert-parallel group of 2 (allgather dispatch, gloo), the LM head, cross-entrop
 load-balancing and router z-losses, backward, gradient clipping and an optimizer step. After one
 warm-up step (as a capture needs), a second step runs under two detectors: the profiler's count of
 ``aten::_local_scalar_dense`` (every ``.item()`` / ``int(t)`` / ``bool(t)`` of a tensor) and
-``bench.audit``'s hooks on ``Tensor.tolist`` / ``.item`` / ``__int__`` / ``__bool__`` ... plus its
+``bench.studies.audit``'s hooks on ``Tensor.tolist`` / ``.item`` / ``__int__`` / ``__bool__`` ... plus its
 dispatch-level list of host-reading ops (``nonzero``, boolean indexing, ``bincount`` ...). Both
 must find nothing (``torch._assert_async``, the dispatch's device-side input check, reads its flag
 on CPU tensors; on a GPU it is a kernel, so the read under it is counted apart); a control step with the input agreement's host read (the eager default) shows
@@ -72,7 +72,7 @@ def _rank_steps() -> tuple[dict, dict]:
 
 
 def _audited_step(model, opt, ids, targets, capture: bool) -> dict:  # noqa: ANN001
-    from bench.audit import Audit
+    from bench.studies.audit import Audit
     from fastmoe_xpu.dist import dispatch
 
     with pytest.MonkeyPatch.context() as mp:

@@ -51,7 +51,7 @@ from fastmoe_xpu.dist.comm_bytes import (
     worst_case_remote_rows,
 )
 from fastmoe_xpu.dist.testing import run_distributed
-from bench.baselines import HFv4SparseMoeBlock
+from bench.harness.baselines import HFv4SparseMoeBlock
 from tolerances import assert_close
 
 

@@ -70,7 +70,7 @@ OP_NAMES = (
 # ``torch.library.custom_op`` + ``register_autograd`` build as well, less the per-call layers that
 # cost more than a small layer's arithmetic on the CPU (a schema walk that is quadratic in the
 # argument count, dynamo-disable wrappers, output alias checks): with mlp_combine's schema the op
-# path adds 29 us per forward+backward instead of 58 us (``python -m bench.op_overhead``), against
+# path adds 29 us per forward+backward instead of 58 us (``python -m bench op_overhead``), against
 # about 300 us for a whole layer's forward+backward in transformers at T=48 H=64 E=8 K=2. Eager,
 # ``torch.compile`` and ``torch.export`` all go through these same kernels.
 _LIB = torch.library.Library("fastmoe", "FRAGMENT")
@@ -140,7 +140,7 @@ def call(op: Any, *args: Any) -> Any:
     """``op(*args)``. In plain eager execution, the op's Autograd kernel (or, for an op without a
     gradient, its body) called directly: what the
     dispatcher would run, less boxing the arguments into the op's schema and the results out of it,
-    which costs about as much as a small layer's combine (``python -m bench.op_overhead``). Anything
+    which costs about as much as a small layer's combine (``python -m bench op_overhead``). Anything
     traced (a compiler, a dispatch mode, a tensor subclass) calls the op itself and sees it."""
     if _traced(args):
         return op(*args)
@@ -165,7 +165,7 @@ def _below_autograd(op: Any, *args: Any) -> Any:
     """``op(*args)`` below the Autograd key. In plain eager execution that is the op's body, called
     directly: the kernel the dispatcher would choose, less boxing the arguments into the op's schema
     and out again, which costs more than a small layer's arithmetic on the CPU (a forward+backward
-    of the fused op at T=48 H=64 E=8 K=2, ``python -m bench.op_overhead``). Anything traced goes
+    of the fused op at T=48 H=64 E=8 K=2, ``python -m bench op_overhead``). Anything traced goes
     through the dispatcher and sees the op."""
     if not _traced(args):
         return _BODY_OF[op](*args)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.bounds import GemmBound
-from bench.cases import make_case
 from bench.cli import main
-from bench.measure import page_faults, saved_bytes, timed_call
-from bench.presets import PRESETS
-from bench.providers import build_provider
-from bench.runner import run_case
+from bench.harness.bounds import GemmBound
+from bench.harness.cases import make_case
+from bench.harness.measure import page_faults, saved_bytes, timed_call
+from bench.harness.presets import PRESETS
+from bench.harness.providers import build_provider
+from bench.harness.runner import run_case
 
 
 def test_cli_tiny_end_to_end(tmp_path, capsys):
@@ -183,7 +183,7 @@ def test_infer_mode_times_forward_calls_without_autograd(tmp_path, capsys):
         prov.forward = spy
         return prov
 
-    import bench.runner as runner
+    import bench.harness.runner as runner
 
     monkey = pytest.MonkeyPatch()
     monkey.setattr(runner, "build_provider", spying)

@@ -1,4 +1,4 @@
-"""``python -m bench.engine_choice``: the wrong-cache scenario with and without the in-use check, at a
+"""``python -m bench engine_choice``: the wrong-cache scenario with and without the in-use check, at a
 small layer above the padded budget (what it prints about speed is the benchmark's; here: that it
 runs, and that without the check nothing ever changes the wrong choice)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from bench.engine_choice import main
+from bench.studies.engine_choice import main
 
 
 def test_engine_choice_scenarios_run(tmp_path, capsys) -> None:

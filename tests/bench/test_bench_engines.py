@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.cases import make_case
-from bench.presets import PRESETS, Preset
-from bench.providers import ProviderSkipped, build_provider, expand_names
+from bench.harness.cases import make_case
+from bench.harness.presets import PRESETS, Preset
+from bench.harness.providers import ProviderSkipped, build_provider, expand_names
 from fastmoe_xpu import settings
 from fastmoe_xpu.kernels import registry
 from tolerances import assert_close
@@ -74,8 +74,8 @@ def test_auto_provider_reports_its_choice_and_a_retiming_while_it_was_measured(t
     """The auto provider's row records the choice in use after its rounds; a choice re-timed during
     them (here: an untrusted one, re-timed after one call) is named under the case's table, since
     a sample holding a re-timing is slower than the chosen engine alone."""
-    from bench.report import derive, format_case
-    from bench.runner import run_case
+    from bench.harness.report import derive, format_case
+    from bench.harness.runner import run_case
 
     wider = make_case(Preset("wider", 256, 128, 8, 2, 96, 1, "above the padded budget"), dtype="fp32", device="cpu",
                       seed=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.cli import main
-from bench.families import FAMILY_SHAPES, family_preset
+from bench.studies.families import FAMILY_SHAPES, family_preset
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

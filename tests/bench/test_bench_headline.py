@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-import bench.demo as demo
+import bench.studies.demo as demo
 from bench.cli import main
-from bench.presets import PRESETS
-from bench.cases import make_case
-from bench.report import (BASELINE_NAMES, BOUND_LINE, BUDGET_NOTE, CASE_COLUMNS, derive, format_case,
+from bench.harness.cases import make_case
+from bench.harness.presets import PRESETS
+from bench.harness.report import (BASELINE_NAMES, BOUND_LINE, BUDGET_NOTE, CASE_COLUMNS, derive, format_case,
                           format_markdown, format_summary, headline)
-from bench.runner import run_case
+from bench.harness.runner import run_case
 
 FAST = "fastmoe/torch"
 NAMES = ["hf_v4", "hf_v5_grouped_mm", "hf_v5_eager", FAST]

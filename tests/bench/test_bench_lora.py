@@ -1,4 +1,4 @@
-"""``python -m bench.lora``: a tiny LoRA step of a family's experts layer, grouped_mm against fastmoe,
+"""``python -m bench lora``: a tiny LoRA step of a family's experts layer, grouped_mm against fastmoe,
 with CPU time, wall clock and the step's peak of allocator bytes."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from bench.lora import main, peak_bytes  # noqa: E402
+from bench.studies.lora import main, peak_bytes  # noqa: E402
 
 
 def test_peak_bytes_follows_the_allocator() -> None:
@@ -46,7 +46,7 @@ def test_lora_bench_tiny(tmp_path, capsys) -> None:
 def test_lora_bench_tiny_and_decode_shapes(tmp_path, capsys) -> None:
     """``--shapes tiny decode``: the tiny models' experts (H=96, T=66) and a decode step (T=8) of the
     scaled bench shape, each printed with its speed-up over grouped_mm."""
-    from bench.lora import DECODE_TOKENS, TINY_TOKENS, cases
+    from bench.studies.lora import DECODE_TOKENS, TINY_TOKENS, cases
 
     assert [(c.hidden, c.experts, c.tokens) for c in cases(["tiny"], ["mixtral", "qwen3_moe", "olmoe"], 4, 1024)] == [
         (96, 6, TINY_TOKENS), (96, 10, TINY_TOKENS)]  # olmoe has no tiny shape

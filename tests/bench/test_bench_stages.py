@@ -3,9 +3,9 @@ forward and backward appears once (the unweighted row sum of the input gradient 
 and the timed run computes what the op computes."""
 import torch
 
-from bench.cases import make_case
-from bench.presets import PRESETS
-from bench.stages import _pipeline, _TimedLaunchers, format_stages, run_stages
+from bench.harness.cases import make_case
+from bench.harness.presets import PRESETS
+from bench.studies.stages import _pipeline, _TimedLaunchers, format_stages, run_stages
 from fastmoe_xpu.autograd.ops import mlp_combine_forward, route_rows
 from fastmoe_xpu.kernels import kernels
 from fastmoe_xpu.kernels.contract import LAUNCHERS
@@ -40,7 +40,7 @@ def test_stage_table_has_a_share_for_every_launcher():
 
 def test_a_quantized_provider_times_its_kernel_set(monkeypatch):
     """``fastmoe/<backend>:<precision>`` runs kernel set ``<backend>+<precision>`` stage by stage."""
-    import bench.stages as stages
+    import bench.studies.stages as stages
 
     asked = []
     real = stages.kernels

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from bench.cases import make_case
-from bench.measure import compare, timed_call
-from bench.practitioners import fp32_reference
-from bench.presets import Preset
-from bench.providers import EXTERNAL_PROVIDERS, ProviderSkipped, build_provider, expand_names
+from bench.harness.cases import make_case
+from bench.harness.measure import compare, timed_call
+from bench.harness.presets import Preset
+from bench.harness.providers import EXTERNAL_PROVIDERS, ProviderSkipped, build_provider, expand_names
+from bench.studies.practitioners import fp32_reference
 
 # T=37 tokens over E=7 experts, H and I neither a power of two nor a multiple of the kernels' tiles.
 AWKWARD = Preset("awkward", 33, 21, 7, 3, 37, 1, "awkward shape for the provider tests")

@@ -1,5 +1,5 @@
-"""``python -m bench.op_overhead`` runs and reports the three ways of calling one op."""
-from bench import op_overhead
+"""``python -m bench op_overhead`` runs and reports the three ways of calling one op."""
+from bench.studies import op_overhead
 
 
 def test_op_overhead_reports_each_registration(capsys):

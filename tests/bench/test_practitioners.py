@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.cli import main
-from bench.presets import SHAPE_SETS, shape_set
+from bench.harness.presets import SHAPE_SETS, shape_set
 
 
 def test_practitioner_shapes_are_the_published_layers():

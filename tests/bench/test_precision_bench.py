@@ -1,13 +1,13 @@
 """The benchmark's precision surface: quantized providers by name, ``--precision`` expansion, and
-``bench.precision`` (layer timing, the convergence report's table and chart) on tiny inputs."""
+``bench.studies.precision`` (layer timing, the convergence report's table and chart) on tiny inputs."""
 from __future__ import annotations
 
 import pytest
 
-from bench.precision import chart, layer, markdown
-from bench.providers import build_provider, expand_names, with_precisions
-from bench.cases import make_case
-from bench.presets import PRESETS
+from bench.harness.cases import make_case
+from bench.harness.presets import PRESETS
+from bench.harness.providers import build_provider, expand_names, with_precisions
+from bench.studies.precision import chart, layer, markdown
 
 
 def test_precision_providers_by_name():

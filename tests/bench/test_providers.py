@@ -11,10 +11,10 @@ import torch
 # the timing half of every test is the pytest-benchmark fixture; without the plugin nothing here can run
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed (pip install -e .[test])")
 
-from bench.cases import make_case  # noqa: E402
-from bench.measure import compare, timed_call  # noqa: E402
-from bench.presets import PRESETS  # noqa: E402
-from bench.providers import ALL_PROVIDERS, REFERENCE, ProviderSkipped, build_provider  # noqa: E402
+from bench.harness.cases import make_case  # noqa: E402
+from bench.harness.measure import compare, timed_call  # noqa: E402
+from bench.harness.presets import PRESETS  # noqa: E402
+from bench.harness.providers import ALL_PROVIDERS, REFERENCE, ProviderSkipped, build_provider  # noqa: E402
 
 PRESET_NAMES = ["tiny", "tiny-ep"]
 

@@ -1,11 +1,11 @@
-"""``bench.saved --precision``: what a quantized block keeps for its backward, measured."""
+"""``bench.studies.saved --precision``: what a quantized block keeps for its backward, measured."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.presets import PRESETS
-from bench.saved import _config, _table, precision_bytes, saved
+from bench.harness.presets import PRESETS
+from bench.studies.saved import _config, _table, precision_bytes, saved
 from fastmoe_xpu import FastSparseMoeBlock
 
 

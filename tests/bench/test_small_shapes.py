@@ -1,7 +1,7 @@
-"""``python -m bench.small_shapes``: one row per shape with every variant timed, and clear errors."""
+"""``python -m bench small_shapes``: one row per shape with every variant timed, and clear errors."""
 import pytest
 
-from bench import small_shapes
+from bench.studies import small_shapes
 
 
 def test_one_row_per_shape_with_every_variant(capsys):

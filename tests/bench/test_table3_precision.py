@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench.cli import main
-from bench.table3 import QUICK, precision_fb_cell, precision_training_cell, run_table3
+from bench.studies.table3.table import QUICK, precision_fb_cell, precision_training_cell, run_table3
 
 MODEL = "mula-7b-a1b"  # no EP in the paper: no gloo processes at all
 

@@ -1,4 +1,4 @@
-"""bench/traffic.py: the passes of a layer counted on the meta device (real shapes, no
+"""bench/studies/traffic.py: the passes of a layer counted on the meta device (real shapes, no
 storage), and what they show about the Triton fp8 path: every pass over a row buffer or a weight is a
 Triton kernel (the torch operators left touch only the per-expert bounds), no host read."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from bench import traffic  # noqa: E402
+from bench.studies import traffic  # noqa: E402
 
 T, H, I, E, K = 64, 48, 40, 12, 4
 

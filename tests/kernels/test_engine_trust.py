@@ -3,7 +3,7 @@ trusted only when its interleaved samples ran unstarved and agree; an untrusted 
 not stored, and timed again later; a stored choice whose layer runs far slower than its stored time
 is timed again in use.
 
-Speed itself is the benchmark's (``python -m bench.engine_choice``); these tests check the rules
+Speed itself is the benchmark's (``python -m bench engine_choice``); these tests check the rules
 with injected samples, and with real busy processes that a loaded timing is not stored.
 """
 from __future__ import annotations

@@ -305,7 +305,7 @@ def test_lora_experts_on_triton_kernels() -> None:
 def test_opcheck_lora_ops(which) -> None:
     """Every LoRA op through torch.library's opcheck (schema, fake, autograd registration, dispatch),
     on worst-case row buffers as a traced call sees them; the ops' bodies are in ops.BODIES, where
-    bench.audit finds them."""
+    bench.studies.audit finds them."""
     from fastmoe_xpu.autograd import lora_ops, ops
 
     assert set(lora_ops.LORA_OP_NAMES) <= set(ops.BODIES)

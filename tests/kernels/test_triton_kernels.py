@@ -39,7 +39,7 @@ from fastmoe_xpu import settings  # noqa: E402
 from fastmoe_xpu.kernels import configs  # noqa: E402
 from fastmoe_xpu.kernels import torch as torch_ops  # noqa: E402
 from fastmoe_xpu.kernels import triton as tops  # noqa: E402
-from bench.audit import audit_layer  # noqa: E402
+from bench.studies.audit import audit_layer  # noqa: E402
 from stage4_shapes import stage4_cases  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 

@@ -4,10 +4,10 @@ shape, run by the family's own experts module with ``experts_implementation`` ``
 
 The three contestants are one module (the family's decorated experts class, so its own layout:
 transposed, interleaved, biased, custom gate) whose ``config._experts_implementation`` is switched
-per call, so they share every weight. Inputs and routing come from :func:`bench.cases.make_case`
+per call, so they share every weight. Inputs and routing come from :func:`bench.harness.cases.make_case`
 (a softmax top-K router on random weights: the family's router is not part of the experts layer);
 timing, the GEMM-only bound, the dense ceiling and the correctness check against ``eager`` are
-:func:`bench.runner.run_case`'s, the table :func:`bench.report.format_case`'s.
+:func:`bench.harness.runner.run_case`'s, the table :func:`bench.harness.report.format_case`'s.
 
 ``--family-scale S`` divides H and I by S (rounded to a multiple of 8) and ``--tokens T`` sets the
 tokens, for machines where the published layer does not fit or takes too long; the output says so.
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .cases import Case, make_case
-from .presets import Preset
-from .providers import Provider
-from .report import MODES, derive, format_case, run_header
-from .runner import run_case
+from ..harness.cases import Case, make_case
+from ..harness.presets import Preset
+from ..harness.providers import Provider
+from ..harness.report import MODES, derive, format_case, run_header
+from ..harness.runner import run_case
 
 #: Implementations every family is run with, the family's eager first (the correctness reference).
 IMPLEMENTATIONS = ("eager", "grouped_mm", "fastmoe")
@@ -134,7 +134,7 @@ def family_providers(family: str, case: Case, seed: int = 0) -> dict[str, Provid
 
 def run_family(args: Any) -> int:
     """The ``--family`` entry of ``fastmoe-bench`` (``args`` from :func:`bench.cli.build_parser`)."""
-    from .measure import run_options
+    from ..harness.measure import run_options
 
     if args.mode not in MODES:
         raise SystemExit(f"--family runs --mode {' / '.join(MODES)}, got {args.mode!r}")

@@ -1,6 +1,6 @@
 """Memory traffic and launches of the fused expert layer's passes at a real shape, without a GPU.
 
-``python -m bench.traffic [--shape qwen3-30b-a3b] [--sets triton triton+fp8] [--table cuda]
+``python -m bench traffic [--shape qwen3-30b-a3b] [--sets triton triton+fp8] [--table cuda]
 [--detail]``
 
 Runs stages 4 and 5 of one layer's forward and backward (:func:`..autograd.ops.mlp_combine_forward`
@@ -231,10 +231,10 @@ def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .presets import SHAPE_SETS  # the shapes the kit times
+    from ..harness.presets import SHAPE_SETS  # the shapes the kit times
 
     shapes = {p.name: p for p in SHAPE_SETS["practitioners"]}
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fastmoe-bench traffic", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(shapes))
     parser.add_argument("--sets", nargs="+", default=["triton", "triton+fp8"], help="kernel sets to count")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))

@@ -1,9 +1,9 @@
-"""``python -m bench.lora``: one LoRA fine-tuning step (forward + backward) of a family's experts layer
+"""``python -m bench lora``: one LoRA fine-tuning step (forward + backward) of a family's experts layer
 with PEFT's adapters (``target_parameters`` on ``gate_up_proj`` and ``down_proj``), transformers'
 default experts implementation (``grouped_mm``) against ``"fastmoe"``, in one run.
 
 Both contestants are one module: the family's own experts class at its bench shape
-(:data:`bench.families.FAMILY_SHAPES`, ``--scale`` divides H and I), wrapped by PEFT exactly as
+(:data:`bench.studies.families.FAMILY_SHAPES`, ``--scale`` divides H and I), wrapped by PEFT exactly as
 ``LoraConfig(target_parameters=[...])`` wraps it in a model; ``config._experts_implementation`` is
 switched per call, so every weight and adapter is shared. ``--low-rank ENGINE`` adds a ``fastmoe``
 contestant whose adapters' ``r``-wide products run on ``ENGINE`` instead of the registry's choice;
@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from .families import FAMILY_SHAPES, experts_module, family_preset
-from .presets import Preset
+from ..harness.presets import Preset
 
 BASELINE, OURS = "grouped_mm", "fastmoe"
 
@@ -245,7 +245,7 @@ HEADER = ("| family | shapes | H | I | E | K | T | ours | grouped_mm CPU ms | ou
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="fastmoe-bench lora", description=__doc__.splitlines()[0])
     ap.add_argument("--family", action="append", choices=sorted(FAMILY_SHAPES),
                     help="family (repeat; default: all bench families)")
     ap.add_argument("--shapes", nargs="+", choices=SHAPE_SETS, default=["bench"],

@@ -1,6 +1,6 @@
 """What one differentiable custom op costs per forward+backward on the CPU, by registration style.
 
-``python -m bench.op_overhead``: two copies of an op with the schema of ``fastmoe::mlp_combine``
+``python -m bench op_overhead``: two copies of an op with the schema of ``fastmoe::mlp_combine``
 (eleven arguments, two outputs) and a trivial body, one registered with ``torch.library.custom_op``
 + ``register_autograd``, one the way :mod:`fastmoe_xpu.autograd.ops` registers its ops (a library
 fragment, the body as the CompositeExplicitAutograd kernel, a plain ``autograd.Function`` as the
@@ -93,7 +93,7 @@ def _fragment():  # noqa: ANN202
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.op_overhead", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="fastmoe-bench op_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--calls", type=int, default=10, help="calls per timed round")
     args = ap.parse_args(argv)

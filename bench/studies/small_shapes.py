@@ -1,6 +1,6 @@
 """Where the small-layer path pays: transformers, the staged chain and the ``padded`` experts op, side by side.
 
-``python -m bench.small_shapes`` times, for each layer shape, transformers' ``grouped_mm`` experts
+``python -m bench small_shapes`` times, for each layer shape, transformers' ``grouped_mm`` experts
 (OLMoE's), the staged chain (``fastmoe::route`` + ``fastmoe::mlp_combine``; the best of the CPU's
 full-precision engines, ``loop``, ``grouped_mm`` and ``onednn`` where it runs) and ``fastmoe::experts`` on the registry's ``padded`` entry, forward
 (no autograd) and forward+backward, fp32 on the CPU, interleaved, minimum over rounds of CPU thread
@@ -81,7 +81,7 @@ def measure(shape: tuple[int, int, int, int, int], rounds: int, reps: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.small_shapes", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="fastmoe-bench small_shapes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", type=_parse_shape, default=SHAPES, metavar="T,H,I,E,K")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the minimum counts (default 7)")
     ap.add_argument("--reps", type=int, default=5, help="calls per timed round (default 5)")

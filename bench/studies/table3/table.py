@@ -4,7 +4,7 @@ measured on the machine at hand, each measured row printed above the published o
 Columns (a speedup is the baseline's time over ours, min over rounds; >1: ours is faster):
 
 - ``fsmoe_fb``: forward+backward of one MoE layer, FastSparseMoE against ``hf_v4`` (the paper's
-  baseline; ``hf_v5_grouped_mm`` beside it): :func:`bench.runner.run_case`, the layer benchmark, on
+  baseline; ``hf_v5_grouped_mm`` beside it): :func:`bench.harness.runner.run_case`, the layer benchmark, on
   the preset's real H, I, E, K and, for EP models, one rank's local slice (as the layer presets do).
 - ``fsmoe_training``: a whole training step of the scaled model through the trainer,
   ``--model.moe_impl fastmoe`` against ``hf``, one process, interleaved.
@@ -15,7 +15,7 @@ Columns (a speedup is the baseline's time over ours, min over rounds; >1: ours i
   training step at each precision against the same fastmoe run in fp32, side by side. F+B:
   ``fastmoe/<backend>:<precision>`` in the same interleaved rounds as the fp32 provider (int8 and
   fp8 only: bf16 weights are a training mode, the CPU layer runs fp32). Training: two trainers of
-  the scaled model, fp32 and the precision (:func:`bench.table3_workers.precision_steps`), stepped
+  the scaled model, fp32 and the precision (:func:`bench.studies.table3.workers.precision_steps`), stepped
   in turn, one pair per precision so that never more than two are alive.
 - ``combined``: both changes against neither. transformers' block cannot run under EP in the
   trainer, so it is derived: the product of the two measured training speedups (marked so).
@@ -43,12 +43,12 @@ from typing import Any, Callable
 
 import torch
 
-from .cases import make_case
-from .presets import Preset
-from .providers import REFERENCE, default_fastmoe
-from .report import derive, run_header, write_json
-from .runner import _progress, run_case
-from .table3_workers import (TRAIN_PRECISIONS, StepSpec, check_steps, moe_impl_steps, optimizer_steps_rank,
+from ...harness.cases import make_case
+from ...harness.presets import Preset
+from ...harness.providers import REFERENCE, default_fastmoe
+from ...harness.report import derive, run_header, write_json
+from ...harness.runner import _progress, run_case
+from .workers import (TRAIN_PRECISIONS, StepSpec, check_steps, moe_impl_steps, optimizer_steps_rank,
                              precision_steps, trainer_module)
 
 COLUMNS = ("fsmoe_fb", "fsmoe_training", "epso_optimizer", "epso_training", "combined")

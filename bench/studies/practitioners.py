@@ -9,7 +9,7 @@ CPU) the default is T = 256 with H and I divided by 8, printed in every shape's 
 FLOPs are the usual count over the routed rows RT (= T*K without expert parallelism): forward
 ``6*RT*H*I``, backward ``12*RT*H*I``; TFLOP/s = FLOPs / median seconds. ``vs mm`` is that rate over
 the rate of the dense ``[RT, H] @ [H, 3I]`` product (the forward's FLOPs in one ``torch.mm``),
-timed interleaved with the providers (:func:`bench.runner.run_case`).
+timed interleaved with the providers (:func:`bench.harness.runner.run_case`).
 
 Providers: transformers' ``grouped_mm`` experts (every user's default), FastSparseMoE on the default
 backend (its ``auto`` engine choice named) and on each grouped-GEMM engine that runs here
@@ -40,13 +40,13 @@ import torch
 from fastmoe_xpu import reference as fp32_ref
 from fastmoe_xpu.kernels import registry
 
-from .bounds import DenseCeiling
-from .cases import make_case
-from .measure import run_options
-from .presets import shape_set
-from .providers import EXTERNAL_PROVIDERS, build_provider, default_fastmoe
-from .report import run_header
-from .runner import run_case
+from ..harness.bounds import DenseCeiling
+from ..harness.cases import make_case
+from ..harness.measure import run_options
+from ..harness.presets import shape_set
+from ..harness.providers import EXTERNAL_PROVIDERS, build_provider, default_fastmoe
+from ..harness.report import run_header
+from ..harness.runner import run_case
 
 #: Defaults off a GPU: a layer small enough for a shared CPU.
 CPU_TOKENS, CPU_SCALE = 256, 8

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .cases import make_case
-from .measure import check_rounds
-from .presets import Preset
-from .providers import REFERENCE, default_fastmoe
-from .report import BOUND_LINE, derive, run_header
+from ..harness.cases import make_case
+from ..harness.measure import check_rounds
+from ..harness.presets import Preset
+from ..harness.providers import REFERENCE, default_fastmoe
+from ..harness.report import BOUND_LINE, derive, run_header
 
 #: transformers' default experts implementation, and the published baseline.
 DEFAULT_IMPL = "hf_v5_grouped_mm"
@@ -41,7 +41,7 @@ PUBLISHED_FB = 2.83
 def measure_demo(device: torch.device, dtype: str = "fp32", rounds: int = DEMO_ROUNDS, progress: bool = True,
                  log=lambda s: None) -> dict:
     """The demo's case measured: ``run_case``'s result with ``metrics`` derived."""
-    from .runner import run_case
+    from ..harness.runner import run_case
 
     fast = default_fastmoe(device)
     case = make_case(DEMO_PRESET, dtype=dtype, device=device, seed=0)

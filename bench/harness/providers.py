@@ -1,6 +1,6 @@
-"""Providers: the same expert layer computed four ways, built from one :class:`~bench.cases.Case`.
+"""Providers: the same expert layer computed four ways, built from one :class:`~bench.harness.cases.Case`.
 
-- ``hf_v4``: transformers-4-style block (``bench.baselines.HFv4SparseMoeBlock``): a ``ModuleList`` of
+- ``hf_v4``: transformers-4-style block (``bench.harness.baselines.HFv4SparseMoeBlock``): a ``ModuleList`` of
   per-expert MLPs looped with masks, ``index_add_`` to combine.
 - ``hf_v5_eager`` / ``hf_v5_grouped_mm``: transformers v5's own ``OlmoeExperts`` with
   ``config._experts_implementation`` set to ``"eager"`` or ``"grouped_mm"`` (v5's default);

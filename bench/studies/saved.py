@@ -19,8 +19,8 @@ apart, the bytes of the weight codes it keeps from the forward for the backward 
 weight and one fp32 scale per output channel, outside autograd's saved tensors). ``--time`` also times forward+backward of ``fastmoe`` and
 ``fastmoe@BASE`` in the same process, interleaved, min over rounds, same weights and input.
 
-    python -m fastmoe_bench.saved --base dc12205 --tokens 128 2048 --time --rounds 3
-    python -m fastmoe_bench.saved --preset mula-7b-a1b --tokens 2048 --precision int8 fp8
+    python -m fastmoe_bench saved --base dc12205 --tokens 128 2048 --time --rounds 3
+    python -m fastmoe_bench saved --preset mula-7b-a1b --tokens 2048 --precision int8 fp8
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .presets import PRESETS, Preset
+from ..harness.presets import PRESETS, Preset
 
 MULA = [p for name, p in PRESETS.items() if name.startswith("mula")]
 
@@ -152,7 +152,7 @@ def _table(rows: list[dict], precisions: list[str], timed: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastmoe_bench.saved", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="fastmoe-bench saved", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", nargs="+", default=[p.name for p in MULA], choices=sorted(PRESETS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[128, 2048])
     ap.add_argument("--base", default=None, help="git revision whose block is measured beside this tree's")

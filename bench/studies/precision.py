@@ -1,6 +1,6 @@
 """Convergence and training speed of the precisions, one run each on the same seed and data.
 
-``python -m bench.precision --steps 150 --out docs/bench_results/precision`` trains the ``tiny-moe``
+``python -m bench precision --steps 150 --out docs/bench_results/precision`` trains the ``tiny-moe``
 preset (or ``--preset``) from the same seed on the embedded corpus in every variant:
 
 =============  ====================================================================================
@@ -20,7 +20,7 @@ to the int8-trained model's validation loss. Runs go one after another: on a sha
 steps/s column is as noisy as the load; the layer benchmark (``python -m bench --precision``)
 interleaves its variants instead.
 
-``python -m bench.precision --layer mula-7b-a1b --rounds 3`` times one expert layer's forward +
+``python -m bench precision --layer mula-7b-a1b --rounds 3`` times one expert layer's forward +
 backward (stages 2-5, the torch backend on the ``loop`` engine) in fp32 against each quantized
 precision, interleaved in the same rounds (the order rotating each round), and prints the minimum
 over rounds and the median of same-round ratios: the comparison a shared machine allows. The first
@@ -174,8 +174,8 @@ def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[d
 
     from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 
-    from .cases import make_case
-    from .presets import resolve_presets
+    from ..harness.cases import make_case
+    from ..harness.presets import resolve_presets
 
     rows = []
     for preset in resolve_presets(preset_names):
@@ -215,7 +215,7 @@ def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="fastmoe-bench precision", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny-moe")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--context", type=int, default=32)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.layer:
         rows = layer(args.layer, args.precision, args.rounds)
-        cmd = (f"python -m bench.precision --layer {' '.join(args.layer)} --precision {' '.join(args.precision)} "
+        cmd = (f"python -m bench precision --layer {' '.join(args.layer)} --precision {' '.join(args.precision)} "
                f"--rounds {args.rounds}" + (f" --threads {args.threads}" if args.threads else ""))
         (out / "layer.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
         return 0
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         sets[key] = int(value) if value.lstrip("-").isdigit() else value
     results = run(args.preset, args.steps, out / "runs", args.variants, args.context, args.micro_batch, args.seed,
                   sets)
-    cmd = (f"python -m bench.precision --preset {args.preset} --steps {args.steps} --context {args.context} "
+    cmd = (f"python -m bench precision --preset {args.preset} --steps {args.steps} --context {args.context} "
            f"--micro-batch {args.micro_batch} --seed {args.seed}" + (f" --threads {args.threads}" if args.threads else "")
            + (f" --variants {' '.join(args.variants)}" if args.variants != list(VARIANTS) else "")
            + (f" --set {' '.join(args.set)}" if args.set else ""))

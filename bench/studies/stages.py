@@ -18,11 +18,11 @@ from fastmoe_xpu.autograd.ops import mlp_combine_backward_math, mlp_combine_forw
 from fastmoe_xpu.kernels import kernels
 from fastmoe_xpu.routing import topk_routing
 
-from .bounds import GemmBound
-from .cases import Case
-from .measure import stats, time_fn
-from .providers import ProviderSkipped, build_provider
-from .runner import _progress
+from ..harness.bounds import GemmBound
+from ..harness.cases import Case
+from ..harness.measure import stats, time_fn
+from ..harness.providers import ProviderSkipped, build_provider
+from ..harness.runner import _progress
 
 #: Launcher stage -> the bound's GEMM group it contains (None: no GEMM in it).
 BOUND_PART = {
@@ -116,7 +116,7 @@ def run_stages(case: Case, backends: list[str], *, rounds: int = 5, progress: bo
 
 
 def format_stages(res: dict) -> str:
-    from .report import case_title
+    from ..harness.report import case_title
 
     lines = [f"{case_title(res)} -- per stage (min over rounds, ms)"]
     for b, r in res["backends"].items():

@@ -1,6 +1,6 @@
 """Count kernel launches and host synchronisations of one MoE layer, forward and backward.
 
-``python -m fastmoe_bench.audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
+``python -m fastmoe_bench audit [--experts 64 --top-k 8 --tokens 32]`` prints, for our block
 on the Triton backend (the CPU runs it under ``TRITON_INTERPRET=1``), our block on the torch
 backend and the transformers-v4-style reference block: Triton launches, other device ops
 dispatched by PyTorch, and host synchronisations, per phase.
@@ -156,7 +156,7 @@ def compare(experts: int = 64, top_k: int = 8, tokens: int = 32, hidden: int = 1
     """Audit our block (Triton and torch backends) and the v4-style reference on one input."""
     from fastmoe_xpu.block import FastSparseMoeBlock
 
-    from .baselines import HFv4SparseMoeBlock
+    from ..harness.baselines import HFv4SparseMoeBlock
 
     torch.manual_seed(seed)
     cfg = _olmoe_like(experts, top_k, hidden, inter)
@@ -188,7 +188,8 @@ def compare(experts: int = 64, top_k: int = 8, tokens: int = 32, hidden: int = 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kernel launches and host syncs per MoE layer")
+    parser = argparse.ArgumentParser(prog="fastmoe-bench audit",
+                                     description="kernel launches and host syncs per MoE layer")
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)

@@ -1,4 +1,4 @@
-"""``python -m bench.engine_choice``: the ``auto`` engine choice under a wrong cache and under load.
+"""``python -m bench engine_choice``: the ``auto`` engine choice under a wrong cache and under load.
 
 Three scenarios on one MoE layer (``FastSparseMoeBlock``, fp32, forward+backward), in one process:
 
@@ -159,7 +159,7 @@ def busy_timing(H: int, I: int, E: int, K: int, T: int, busy: int, cache: Path) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="fastmoe-bench engine_choice", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="512,256,16,4,256", metavar="H,I,E,K,T",
                     help="the layer (default 512,256,16,4,256: above the small-layer budget, so stage 4 is timed)")
     ap.add_argument("--calls", type=int, default=30, help="forward+backward calls on the wrong cache (default 30)")

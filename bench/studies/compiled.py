@@ -20,7 +20,7 @@ import torch.nn as nn
 from fastmoe_xpu import patch_olmoe
 from fastmoe_xpu.compiling import compile_decoder, compile_seconds
 
-from .measure import check_rounds
+from ..harness.measure import check_rounds
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.cli import main
-from bench.table3 import COLUMNS, MODELS, PUBLISHED, _cell, combined_cell, state_bytes_match
+from bench.studies.table3.table import COLUMNS, MODELS, PUBLISHED, _cell, combined_cell, state_bytes_match
 from trainer.optim import state_bytes_formula
 
 
