@@ -172,17 +172,9 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
     return answer
 
 
-def choose_engine(
-    gemm_engine: str,
-    *,
-    backend: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int, int],
-    measure: Callable[[str], Any] | None = None,
-    group: Any = None,
-    use_disk: bool = True,
-) -> str:
+def choose_engine(gemm_engine: str, *, backend: str, device: torch.device | str, dtype: torch.dtype,
+                  shape: tuple[int, int, int, int], measure: Callable[[str], Any] | None = None, group: Any = None,
+                  use_disk: bool = True) -> str:
     """The engine that runs stage 4.
 
     ``shape``: ``(H, I, NR, routed rows T*K)``. ``gemm_engine`` other than ``auto`` is checked and
@@ -197,19 +189,9 @@ def choose_engine(
                          group=group, use_disk=use_disk)[0]
 
 
-def engine_choice(
-    gemm_engine: str,
-    *,
-    backend: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int, int],
-    measure: Callable[[str], Any] | None = None,
-    group: Any = None,
-    use_disk: bool = True,
-    check: bool = False,
-    inference: bool = False,
-) -> tuple[str, "Watch | None"]:
+def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str, dtype: torch.dtype,
+                  shape: tuple[int, int, int, int], measure: Callable[[str], Any] | None = None, group: Any = None,
+                  use_disk: bool = True, check: bool = False, inference: bool = False) -> tuple[str, "Watch | None"]:
     """:func:`choose_engine`, and the :class:`Watch` of an ``auto`` choice that is checked in use (None
     for a fixed one). ``check``: this is a forward call, where a due check of the choice may re-time
     the candidates (with ``measure``) and change it. ``inference``: a forward call no backward will
@@ -476,16 +458,8 @@ def _decide(dev: torch.device, name: str, key: ShapeKey, options: list[str], mea
     return watch
 
 
-def select(
-    backend: str,
-    gemm_engine: str,
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    shape: tuple[int, int, int, int],
-    measure: Callable[[str], float] | None = None,
-    group: Any = None,
-) -> str:
+def select(backend: str, gemm_engine: str, *, device: torch.device | str, dtype: torch.dtype,
+           shape: tuple[int, int, int, int], measure: Callable[[str], float] | None = None, group: Any = None) -> str:
     """The kernel set that runs stages 2-5: the name of :func:`kernels`. ``backend``: ``"auto"``,
     ``"torch"`` or ``"triton"``; ``gemm_engine``: see :func:`choose_engine`, whose arguments the
     rest are."""

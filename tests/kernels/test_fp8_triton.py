@@ -20,9 +20,10 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
-from fastmoe_xpu.kernels.quantized import core as qcore, launchers as qlaunchers, reference as qref  # noqa: E402
+from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import fp8_gemm, launch  # noqa: E402
 from fastmoe_xpu.routing import topk_routing  # noqa: E402
+from quantized_util import check_layer, no_host_bounds, wgrad_case  # noqa: E402, F401  (a fixture)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_KERNELS = {"_fp8_grouped_mm_kernel", "_fp8_grouped_wgrad_kernel"}
@@ -51,19 +52,6 @@ def _close(got, want, what, tol):
     scale = want.abs().max().item() if want.numel() else 1.0
     torch.testing.assert_close(got.detach().float().cpu(), want.float().cpu(), rtol=tol["rtol"],
                                atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{what}: {m}")
-
-
-@pytest.fixture
-def no_host_bounds(monkeypatch):
-    """The quantized launchers' host read of the expert bounds, made to fail: the Triton fp8 path
-    must never take it. Returns a function that allows it again (for the torch-base launchers)."""
-    real = qlaunchers._groups
-
-    def refuse(cum_token_counts):
-        raise AssertionError("the expert bounds were read on the host")
-
-    monkeypatch.setattr(qlaunchers, "_groups", refuse)
-    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
 def _codes(shape, dtype, g, spread=40.0):
@@ -118,7 +106,7 @@ def test_padded_column_codes():
     expert's rows alone (and as the row-major :func:`core.quantize_cols_grouped`); the rows past RT
     (NaN, inf, out-of-range indices) never read."""
     counts = [19, 0, 1, 16, 33]
-    cum, grad, x, idx = _wgrad_case(counts, 21, 37, seed=1)
+    cum, grad, x, idx = wgrad_case(counts, 21, 37, seed=1)
     pcum = qcore.padded_bounds(cum)
     assert pcum.tolist() == [0, 32, 32, 48, 64, 112]
     R = len(idx)
@@ -144,23 +132,6 @@ def test_padded_column_codes():
         assert codes[:, ~filled].float().eq(0).all()
 
 
-def _wgrad_case(counts, M, N, seed):
-    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
-    and out-of-range indices in the rows past RT (unspecified there: never read)."""
-    g = torch.Generator().manual_seed(seed)
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    rt, R, T = sum(counts), sum(counts) + 3, 13
-    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
-    grad[rt:] = float("nan")
-    grad[rt + 1:, 0] = float("inf")
-    x = torch.randn(T, N, generator=g)
-    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
-    idx[rt:] = 10**6
-    if rt > 2:
-        grad[1] = 0  # a zero row within an expert
-    return cum, grad, x, idx
-
-
 @pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_wgrad_kernel_matches_reference(dev, counts, transposed, launched):
@@ -170,7 +141,7 @@ def test_wgrad_kernel_matches_reference(dev, counts, transposed, launched):
     ``[In, O]`` layout; zero for empty experts. M = 21, N = 37: partial tiles; an expert of 33 rows:
     three row chunks of the interpreter's 16."""
     M, N = 21, 37
-    cum, grad, x, idx = _wgrad_case(counts, M, N, seed=len(counts))
+    cum, grad, x, idx = wgrad_case(counts, M, N, seed=len(counts))
     nr = len(counts)
     pcum = qcore.padded_bounds(cum.to(dev))
     length = qcore.padded_length(len(idx), nr)
@@ -235,11 +206,7 @@ def test_triton_fp8_layer_matches_reference(dev, shape, launched, no_host_bounds
     out.backward(dout.to(dev))
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8")
     tol = _layer_tol(dev)
-    _close(out, want[0], "output", tol)
-    _close(leaves[0].grad, want[1], "input gradient", tol)
-    _close(leaves[2].grad, want[2], "gate_up weight gradient", tol)
-    _close(leaves[3].grad, want[3], "down weight gradient", tol)
-    _close(leaves[1].grad, want[4], "router-weight gradient", tol)
+    check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_fp8_grouped_mm_kernel") == 4, launched
     assert launched.count("_fp8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients
@@ -386,7 +353,7 @@ def test_quantize_cols_grouped_kernel_same_codes(dev, counts, dtype):
     """The weight gradients' column codes (``fp8_gemm.quantize_cols_grouped_t``, one kernel) against
     ``core.quantize_cols_grouped_t`` bit for bit, plain and gathered rows, the rows past RT (NaN,
     inf, indices out of range) never read, the pads and the tail zero."""
-    cum, grad, x, idx = _wgrad_case(counts, 21, 37, seed=5)
+    cum, grad, x, idx = wgrad_case(counts, 21, 37, seed=5)
     pcum = qcore.padded_bounds(cum)
     length = qcore.padded_length(len(idx), len(counts))
     for v, vidx in ((grad, None), (x, idx)):
@@ -474,11 +441,7 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
         qcore._quantize_eager, qcore.quantize_cols_grouped_t = real
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8", expert_start=start)
     tol = _layer_tol(dev)
-    _close(out, want[0], "output", tol)
-    _close(leaves[0].grad, want[1], "input gradient", tol)
-    _close(leaves[2].grad, want[2], "gate_up weight gradient", tol)
-    _close(leaves[3].grad, want[3], "down weight gradient", tol)
-    _close(leaves[1].grad, want[4], "router-weight gradient", tol)
+    check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
     # two weights quantized in the forward, none again in the backward
     assert launched.count("_fp8q_rows_kernel") == 2 + 2 + 2, launched  # + x, h; + two input gradients
     assert launched.count("_fp8q_cols_kernel") == 4, launched
@@ -498,7 +461,7 @@ def test_overlapped_promotion_gives_the_same_sums(dev, monkeypatch):
     qa, sa = _codes((29, K), E4M3, g), torch.rand(29, generator=g)
     idx = torch.randint(0, 29, (R,), generator=g, dtype=torch.int32)
     qw, sw = _codes((4, N, K), E4M3, g), torch.rand(4, N, generator=g)
-    _, grad, x, widx = _wgrad_case(counts, N, K, seed=10)
+    _, grad, x, widx = wgrad_case(counts, N, K, seed=10)
     pcum = qcore.padded_bounds(cum)
     length = qcore.padded_length(len(widx), len(counts))
     ql, sl = qcore.quantize_cols_grouped_t(grad, E5M2, cum, pcum, length)

@@ -15,9 +15,10 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels  # noqa: E402
-from fastmoe_xpu.kernels.quantized import core as qcore, launchers as qlaunchers, reference as qref  # noqa: E402
+from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import int8_gemm, launch  # noqa: E402
 from fastmoe_xpu.routing import topk_routing  # noqa: E402
+from quantized_util import check_layer, no_host_bounds, wgrad_case  # noqa: E402, F401  (a fixture)
 
 # The integer sums are exact and the epilogue rounds as the reference does: only the combine's
 # summation order differs (the tolerance of tests/test_precision.py).
@@ -36,19 +37,6 @@ def dev(device):
     if not int8_gemm.available(device):
         pytest.skip(f"the Triton int8 kernels have no configs for {device}")
     return device
-
-
-@pytest.fixture
-def no_host_bounds(monkeypatch):
-    """The quantized launchers' host read of the expert bounds, made to fail: the Triton int8 path
-    must never take it. Returns a function that allows it again (for the torch-base launchers)."""
-    real = qlaunchers._groups
-
-    def refuse(cum_token_counts):
-        raise AssertionError("the expert bounds were read on the host")
-
-    monkeypatch.setattr(qlaunchers, "_groups", refuse)
-    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
 @pytest.mark.parametrize("trans_w", [True, False])
@@ -86,23 +74,6 @@ def test_kernel_is_exact(trans_w, gather, dev):
         assert out[rt:].eq(7.0).all()
 
 
-def _wgrad_case(counts, M, N, seed):
-    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
-    and out-of-range indices in the rows past RT (unspecified there: never read)."""
-    g = torch.Generator().manual_seed(seed)
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    rt, R, T = sum(counts), sum(counts) + 3, 13
-    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
-    grad[rt:] = float("nan")
-    grad[rt + 1:, 0] = float("inf")
-    x = torch.randn(T, N, generator=g)
-    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
-    idx[rt:] = 10**6
-    if rt > 2:
-        grad[1] = 0  # a zero row within an expert
-    return cum, grad, x, idx
-
-
 @pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_wgrad_kernel_equals_reference(counts, transposed, launched, dev):
@@ -112,7 +83,7 @@ def test_wgrad_kernel_equals_reference(counts, transposed, launched, dev):
     empty experts; rows past RT (NaN, inf, out-of-range indices) never read. M = 21, N = 37: partial
     tiles; an expert of 33 rows: three row chunks of the interpreter's 16."""
     M, N = 21, 37
-    cum, grad, x, idx = _wgrad_case(counts, M, N, seed=len(counts))
+    cum, grad, x, idx = wgrad_case(counts, M, N, seed=len(counts))
     nr = len(counts)
     qg, sg = qcore.quantize_cols_grouped(grad.to(dev), torch.int8, cum.to(dev))
     qx, sx = qcore.quantize_cols_grouped(x.to(dev), torch.int8, cum.to(dev), idx=idx.to(dev))
@@ -166,11 +137,7 @@ def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds, de
                               expert_precision="int8")
     out.backward(dout.to(dev))
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8")
-    _close(out.cpu(), want[0], "output")
-    _close(leaves[0].grad.cpu(), want[1], "input gradient")
-    _close(leaves[2].grad.cpu(), want[2], "gate_up weight gradient")
-    _close(leaves[3].grad.cpu(), want[3], "down weight gradient")
-    _close(leaves[1].grad.cpu(), want[4], "router-weight gradient")
+    check_layer(lambda got, ref, what: _close(got.cpu(), ref, what), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_int8_grouped_mm_kernel") == 4, launched
     assert launched.count("_int8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients

@@ -413,12 +413,8 @@ def check_down_fwd_inputs(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
 
 
-def gate_up_fwd(
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
     ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
     check_gate_up_fwd_inputs(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
@@ -540,13 +536,9 @@ def down_bwd(
     return dh, dw
 
 
-def down_weighted_bwd(
-    dy_RH: torch.Tensor,
-    gate_up_R2I: torch.Tensor,
-    row_weights_R: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_down_NHI: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                      cum_token_counts: torch.Tensor,
+                      w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
@@ -608,13 +600,8 @@ def silu_mul_bwd(
     return d_gate_up
 
 
-def gate_up_bwd(
-    d_gate_up_R2I: torch.Tensor,
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
     (the gather fused into the weight-gradient loads; zero for empty experts)."""
     check_gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)

@@ -1,0 +1,52 @@
+"""What the tests of the Triton int8 and fp8 grouped GEMMs share (tests/kernels/test_int8_triton.py,
+tests/kernels/test_fp8_triton.py): the weight-gradient case, the fixture that refuses a host read
+of the expert bounds, and the comparison of a layer's output and gradients with the reference's."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from fastmoe_xpu.kernels.quantized import launchers as qlaunchers
+
+
+def wgrad_case(counts, M, N, seed):  # noqa: ANN001, ANN201
+    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
+    and out-of-range indices in the rows past RT (unspecified there: never read)."""
+    g = torch.Generator().manual_seed(seed)
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    rt, R, T = sum(counts), sum(counts) + 3, 13
+    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
+    grad[rt:] = float("nan")
+    grad[rt + 1:, 0] = float("inf")
+    x = torch.randn(T, N, generator=g)
+    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
+    idx[rt:] = 10**6
+    if rt > 2:
+        grad[1] = 0  # a zero row within an expert
+    return cum, grad, x, idx
+
+
+@pytest.fixture
+def no_host_bounds(monkeypatch):  # noqa: ANN001, ANN201
+    """The quantized launchers' host read of the expert bounds, made to fail: the Triton int8 and fp8
+    paths must never take it. Returns a function that allows it again (for the torch-base launchers)."""
+    real = qlaunchers._groups
+
+    def refuse(cum_token_counts):  # noqa: ANN001, ANN202
+        raise AssertionError("the expert bounds were read on the host")
+
+    monkeypatch.setattr(qlaunchers, "_groups", refuse)
+    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
+
+
+def check_layer(close: Callable[[torch.Tensor, torch.Tensor, str], None], out: torch.Tensor,
+                leaves: list[torch.Tensor], want: tuple[torch.Tensor, ...]) -> None:
+    """``close`` on a layer's output and the gradients of its leaves ``(x, weights, w_gate_up, w_down)``
+    against the reference's ``(out, dx, dw_gate_up, dw_down, dweights)``."""
+    close(out, want[0], "output")
+    close(leaves[0].grad, want[1], "input gradient")
+    close(leaves[2].grad, want[2], "gate_up weight gradient")
+    close(leaves[3].grad, want[3], "down weight gradient")
+    close(leaves[1].grad, want[4], "router-weight gradient")
