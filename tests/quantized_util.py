@@ -8,7 +8,39 @@ from typing import Callable
 import pytest
 import torch
 
-from fastmoe_xpu.kernels.quantized import launchers as qlaunchers
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
+from fastmoe_xpu.kernels.quantized import launchers as qlaunchers, reference as qref
+from fastmoe_xpu.routing import topk_routing
+
+#: The layers ``(T, H, I, E, K)`` the layer tests run: awkward widths, a layer whose routing leaves
+#: experts empty (T = 5, see :func:`run_layer`) and a single token.
+LAYER_SHAPES = pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
+                                       ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+
+
+def layer_case(T, H, I, E, K, seed=0, empty=False):  # noqa: ANN001, ANN201
+    """``(x, weights, topk_idx, w_gate_up, w_down, dout)`` of a layer; ``empty``: the routing avoids
+    the experts past K + 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    if empty:
+        logits[:, K + 1:] -= 100
+    weights, idx = topk_routing(logits, K, True)
+    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
+            torch.randn(T, H, generator=g))
+
+
+def run_layer(shape, dev: torch.device, fmt: str):  # noqa: ANN001, ANN201
+    """The layer of ``shape`` (:data:`LAYER_SHAPES`; experts left empty for T = 5) in
+    ``expert_precision=fmt`` on the Triton base, forward and backward on ``dev``, and the reference's
+    numbers: ``(out, leaves (x, weights, w_gate_up, w_down), reference, topk_idx)``."""
+    x, weights, idx, w_gu, w_d, dout = layer_case(*shape, empty=shape[0] == 5)
+    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                              expert_precision=fmt)
+    out.backward(dout.to(dev))
+    return out, leaves, qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, fmt), idx
 
 
 def wgrad_case(counts, M, N, seed):  # noqa: ANN001, ANN201

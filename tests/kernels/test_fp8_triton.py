@@ -22,8 +22,9 @@ from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import fp8_gemm, launch  # noqa: E402
-from fastmoe_xpu.routing import topk_routing  # noqa: E402
-from quantized_util import check_layer, no_host_bounds, wgrad_case  # noqa: E402, F401  (a fixture)
+from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
+    LAYER_SHAPES, check_layer, layer_case, no_host_bounds, run_layer, wgrad_case,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_KERNELS = {"_fp8_grouped_mm_kernel", "_fp8_grouped_wgrad_kernel"}
@@ -183,28 +184,11 @@ def test_kernels_reject_bad_operands():
         fp8_gemm.fp8_grouped_wgrad(q, s[:, :4], q[:3], s[:, :3], cum, torch.empty(1, 4, 4))
 
 
-def _case(T, H, I, E, K, seed=0, empty=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    logits = torch.randn(T, E, generator=g)
-    if empty:
-        logits[:, K + 1:] -= 100
-    weights, idx = topk_routing(logits, K, True)
-    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
-            torch.randn(T, H, generator=g))
-
-
-@pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
-                         ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+@LAYER_SHAPES
 def test_triton_fp8_layer_matches_reference(dev, shape, launched, no_host_bounds):
     """``expert_precision="fp8"`` on the Triton base: output and every gradient against the reference,
     all six expert GEMMs in the fp8 kernels (none in the bf16 ones), no host read of the bounds."""
-    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
-    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
-                              expert_precision="fp8")
-    out.backward(dout.to(dev))
-    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8")
+    out, leaves, want, idx = run_layer(shape, dev, "fp8")
     tol = _layer_tol(dev)
     check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
@@ -256,7 +240,7 @@ def test_triton_fp8_down_launchers_both_layouts(dev, transposed, launched, no_ho
 def test_triton_fp8_bf16_close_to_reference(dev):
     """bf16 activations and weights: the Triton base's fp8 layer agrees with the reference (on the
     same bf16 values in fp32) up to fp8 noise, output and every gradient."""
-    x, weights, idx, w_gu, w_d, dout = _case(23, 24, 14, 5, 2, seed=2)
+    x, weights, idx, w_gu, w_d, dout = layer_case(23, 24, 14, 5, 2, seed=2)
     x, weights, w_gu, w_d, dout = (t.to(torch.bfloat16) for t in (x, weights, w_gu, w_d, dout))
     leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
     out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
@@ -423,7 +407,7 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
     the fp8 path), some empty: output and every gradient against the reference, every operand
     quantized by the one-pass kernels (no eager quantization: ``core``'s quantizers made to fail),
     the weights quantized once per forward and found again by the backward."""
-    x, weights, idx, w_gu, w_d, dout = _case(29, 24, 20, 16, 4, seed=8)
+    x, weights, idx, w_gu, w_d, dout = layer_case(29, 24, 20, 16, 4, seed=8)
     start, nl = 3, 9
     w_gu, w_d = w_gu[start:start + nl].contiguous(), w_d[start:start + nl].contiguous()
     leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]

@@ -17,8 +17,9 @@ from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import int8_gemm, launch  # noqa: E402
-from fastmoe_xpu.routing import topk_routing  # noqa: E402
-from quantized_util import check_layer, no_host_bounds, wgrad_case  # noqa: E402, F401  (a fixture)
+from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
+    LAYER_SHAPES, check_layer, layer_case, no_host_bounds, run_layer, wgrad_case,
+)
 
 # The integer sums are exact and the epilogue rounds as the reference does: only the combine's
 # summation order differs (the tolerance of tests/test_precision.py).
@@ -117,26 +118,9 @@ def test_wgrad_kernel_rejects_mismatched_shapes():
         int8_gemm.int8_grouped_wgrad(q, s, q, s, torch.tensor([0, 4], dtype=torch.int32), torch.empty(1, 3, 4))
 
 
-def _case(T, H, I, E, K, seed=0, empty=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    logits = torch.randn(T, E, generator=g)
-    if empty:
-        logits[:, K + 1:] -= 100
-    weights, idx = topk_routing(logits, K, True)
-    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
-            torch.randn(T, H, generator=g))
-
-
-@pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
-                         ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+@LAYER_SHAPES
 def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds, dev):
-    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
-    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
-                              expert_precision="int8")
-    out.backward(dout.to(dev))
-    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8")
+    out, leaves, want, idx = run_layer(shape, dev, "int8")
     check_layer(lambda got, ref, what: _close(got.cpu(), ref, what), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_int8_grouped_mm_kernel") == 4, launched
@@ -184,7 +168,7 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
 def test_triton_int8_bf16_equals_torch_base(dev):
     """bf16 activations: the Triton base's int8 layer (on the suite's device) agrees with the torch
     base's int8 layer (on the CPU)."""
-    x, weights, idx, w_gu, w_d, dout = _case(23, 24, 14, 5, 2, seed=2)
+    x, weights, idx, w_gu, w_d, dout = layer_case(23, 24, 14, 5, 2, seed=2)
     res = {}
     for backend, where in (("torch", torch.device("cpu")), ("triton", dev)):
         leaves = [t.to(where, torch.bfloat16).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
