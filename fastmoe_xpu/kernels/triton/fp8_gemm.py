@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..configs import CONFIGS, QUANTIZED_ROW_ALIGN as ROW_ALIGN, table_for
 from . import launch as _launch
-from .common import grouped_rows, inverse_scale, silu, tile, to_float, to_fp8
+from .common import gate_up_halves, grouped_rows, inverse_scale, line_values, silu, tile, to_float, to_fp8
 from .gemm_family import dot_k_loop, quantized_grouped_mm, quantized_row_tiles, quantized_wgrad, scaled_weight_grad_store
 
 #: The config key of :func:`fp8_grouped_mm` in ``configs.py``.
@@ -113,27 +113,6 @@ def _fp8_grouped_wgrad_kernel(l_ptr, sl_ptr, r_ptr, sr_ptr, pcum_ptr, out_ptr, M
 # Triton pass each, with no fp32 copy of a whole tensor and no host read.
 
 @triton.jit
-def _line_values(v_ptr, base, step, offs, c_mask, L, cs_rows, HAS_CS: tl.constexpr):
-    """fp32 values at positions ``offs`` of the lines starting at ``base`` (``step`` apart), times their
-    expert's column scales ``cs_rows`` (``HAS_CS``); their offsets and mask."""
-    mask = c_mask[:, None] & (offs[None, :] < L)
-    at = base + offs.to(tl.int64)[None, :] * step
-    v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    if HAS_CS:
-        v = v * tl.load(cs_rows + offs[None, :], mask=mask, other=0.0)
-    return v, at, mask
-
-
-@triton.jit
-def _gate_up(gate_up_ptr, offs_r, offs_i, mask, I):
-    """fp32 gate and up columns ``offs_i`` of rows ``offs_r`` (int64) of ``gate_up [R, 2I]``."""
-    gu = gate_up_ptr + offs_r[:, None] * 2 * I + offs_i[None, :]
-    gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
-    return gate, up
-
-
-@triton.jit
 def _fp8q_rows_kernel(
     v_ptr,
     cs_ptr,
@@ -187,13 +166,13 @@ def _fp8q_rows_kernel(
         cs_rows = cs_ptr  # not read
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for l0 in range(0, L, BLOCK_L):
-        v, at, mask = _line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
+        v, at, mask = line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     inv, scale = inverse_scale(amax, QMAX)
     tl.store(s_ptr + b * C + offs_c, scale, mask=c_mask)
     code_ty = q_ptr.dtype.element_ty
     for l0 in range(0, L, BLOCK_L):
-        v, at, mask = _line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
+        v, at, mask = line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
         tl.store(q_ptr + at, to_fp8(v * inv[:, None], code_ty, MANT, MIN_EXP, ROUND_FIRST), mask=mask)
 
 
@@ -296,7 +275,7 @@ def _fp8q_silu_mul_kernel(
     for i0 in range(0, I, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask = r_mask[:, None] & (offs_i[None, :] < I)
-        gate, up = _gate_up(gate_up_ptr, offs_r, offs_i, mask, I)
+        gate, up = gate_up_halves(gate_up_ptr, offs_r, offs_i, mask, I)
         h = silu(gate) * up
         tl.store(h_ptr + offs_r[:, None] * I + offs_i[None, :], to_float(h, out_ty, ROUND_FIRST), mask=mask)
 
@@ -328,7 +307,7 @@ def _fp8q_row_dot_kernel(
     for i0 in range(0, I, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask = r_mask[:, None] & (offs_i[None, :] < I)
-        gate, up = _gate_up(gate_up_ptr, offs_r, offs_i, mask, I)
+        gate, up = gate_up_halves(gate_up_ptr, offs_r, offs_i, mask, I)
         at = offs_r[:, None] * I + offs_i[None, :]
         g = tl.load(g_ptr + at, mask=mask, other=0.0)
         dot += tl.sum(g * (silu(gate) * up), axis=1)
