@@ -43,6 +43,19 @@ def run_layer(shape, dev: torch.device, fmt: str):  # noqa: ANN001, ANN201
     return out, leaves, qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, fmt), idx
 
 
+def down_case(transposed: bool):  # noqa: ANN201
+    """The down launchers' case: ``(counts, cum_token_counts, a [R, 11], w [4, 13, 11], the weight as
+    stored (``transposed``: ``[4, 11, 13]``), dy [R, 13])`` with counts 5, 0, 19, 1 and two rows past RT."""
+    g = torch.Generator().manual_seed(3)
+    counts = [5, 0, 19, 1]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    a = torch.randn(sum(counts) + 2, 11, generator=g)
+    w = torch.randn(4, 13, 11, generator=g)
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    return counts, cum, a, w, stored, dy
+
+
 def wgrad_case(counts, M, N, seed):  # noqa: ANN001, ANN201
     """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
     and out-of-range indices in the rows past RT (unspecified there: never read)."""

@@ -23,7 +23,7 @@ from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import fp8_gemm, launch  # noqa: E402
 from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
-    LAYER_SHAPES, check_layer, layer_case, no_host_bounds, run_layer, wgrad_case,
+    LAYER_SHAPES, check_layer, down_case, layer_case, no_host_bounds, run_layer, wgrad_case,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -205,13 +205,7 @@ def test_triton_fp8_down_launchers_both_layouts(dev, transposed, launched, no_ho
     """``down_fwd`` / ``down_bwd`` of ``triton+fp8`` in the stored and transposed layouts against the
     reference per expert and, where it runs, against the torch base's per-expert ``torch._scaled_mm``
     path (the same codes and scales; fp32 sums in another order)."""
-    g = torch.Generator().manual_seed(3)
-    counts = [5, 0, 19, 1]
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    a = torch.randn(sum(counts) + 2, 11, generator=g)
-    w = torch.randn(4, 13, 11, generator=g)
-    stored = w.transpose(1, 2).contiguous() if transposed else w
-    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    counts, cum, a, w, stored, dy = down_case(transposed)
     tri = kernels("triton+fp8")
     rt = sum(counts)
     y = tri.down_fwd(a.to(dev), cum.to(dev), stored.to(dev), transposed=transposed).cpu()

@@ -18,7 +18,7 @@ from fastmoe_xpu.kernels import kernels  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import int8_gemm, launch  # noqa: E402
 from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
-    LAYER_SHAPES, check_layer, layer_case, no_host_bounds, run_layer, wgrad_case,
+    LAYER_SHAPES, check_layer, down_case, layer_case, no_host_bounds, run_layer, wgrad_case,
 )
 
 # The integer sums are exact and the epilogue rounds as the reference does: only the combine's
@@ -136,13 +136,7 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
     """``down_fwd`` / ``down_bwd`` of ``triton+int8`` against the torch-base launchers, bit for bit
     (the same quantized maths, per expert there, grouped here), stored and transposed layouts; the
     weight gradients bit for bit against the reference as well."""
-    g = torch.Generator().manual_seed(3)
-    counts = [5, 0, 19, 1]
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    a = torch.randn(sum(counts) + 2, 11, generator=g)
-    w = torch.randn(4, 13, 11, generator=g)
-    stored = w.transpose(1, 2).contiguous() if transposed else w
-    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    counts, cum, a, w, stored, dy = down_case(transposed)
     tri, ref = kernels("triton+int8"), kernels("torch+int8")
     rt = sum(counts)
     on = [t.to(dev) for t in (a, cum, stored, dy)]
