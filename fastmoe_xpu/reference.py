@@ -44,14 +44,9 @@ def reference_count_tokens(
 
 
 # ---------------------------------------------------------------- stage 3
-def reference_build_indices(
-    topk_idx_TK: torch.Tensor,
-    partial_cum_token_counts: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-    expert_start: int,
-    num_local: int,
-    block_size: int = 8,
-) -> RowIndices:
+def reference_build_indices(topk_idx_TK: torch.Tensor, partial_cum_token_counts: torch.Tensor,
+                            cum_expert_counts: torch.Tensor, expert_start: int, num_local: int,
+                            block_size: int = 8) -> RowIndices:
     """Stage 3 by the algorithm's definition: :class:`RowIndices` with RT entries each."""
     idx = topk_idx_TK.tolist()
     T = len(idx)

@@ -108,12 +108,8 @@ def _gather_rows(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_coun
     return x_TH.index_select(0, safe)
 
 
-def gate_up_fwd(
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group (one grouped GEMM)
     and ``h [R, I] = silu(gate) * up``; rows past RT unspecified."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
@@ -148,13 +144,9 @@ def down_bwd(
     return dh_RI, dw_NHI
 
 
-def down_weighted_bwd(
-    dy_RH: torch.Tensor,
-    gate_up_R2I: torch.Tensor,
-    row_weights_R: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_down_NHI: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                      cum_token_counts: torch.Tensor,
+                      w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weighted down backward of the contract on this engine's GEMMs: ``down_bwd(dy, w * h)``
     gives the unweighted ``dy @ W_e`` and ``dW = dy^T (w * h)``; ``h = silu(gate) * up`` is
     recomputed from ``gate_up`` as a temporary, the row dot products and scaling run in fp32."""
@@ -169,13 +161,8 @@ def down_weighted_bwd(
     return (g_RI.float() * w).to(dy_RH.dtype), dw_NHI, d_row_weights_R
 
 
-def gate_up_bwd(
-    d_gate_up_R2I: torch.Tensor,
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
     (the input rows gathered again, as the other engines do: they are never saved)."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")

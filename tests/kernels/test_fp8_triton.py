@@ -20,9 +20,11 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
-from fastmoe_xpu.kernels.quantized import core as qcore, launchers as qlaunchers, reference as qref  # noqa: E402
+from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import fp8_gemm, launch  # noqa: E402
-from fastmoe_xpu.routing import topk_routing  # noqa: E402
+from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
+    LAYER_SHAPES, check_layer, down_case, layer_case, no_host_bounds, run_layer, wgrad_case,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_KERNELS = {"_fp8_grouped_mm_kernel", "_fp8_grouped_wgrad_kernel"}
@@ -51,19 +53,6 @@ def _close(got, want, what, tol):
     scale = want.abs().max().item() if want.numel() else 1.0
     torch.testing.assert_close(got.detach().float().cpu(), want.float().cpu(), rtol=tol["rtol"],
                                atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{what}: {m}")
-
-
-@pytest.fixture
-def no_host_bounds(monkeypatch):
-    """The quantized launchers' host read of the expert bounds, made to fail: the Triton fp8 path
-    must never take it. Returns a function that allows it again (for the torch-base launchers)."""
-    real = qlaunchers._groups
-
-    def refuse(cum_token_counts):
-        raise AssertionError("the expert bounds were read on the host")
-
-    monkeypatch.setattr(qlaunchers, "_groups", refuse)
-    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
 def _codes(shape, dtype, g, spread=40.0):
@@ -118,7 +107,7 @@ def test_padded_column_codes():
     expert's rows alone (and as the row-major :func:`core.quantize_cols_grouped`); the rows past RT
     (NaN, inf, out-of-range indices) never read."""
     counts = [19, 0, 1, 16, 33]
-    cum, grad, x, idx = _wgrad_case(counts, 21, 37, seed=1)
+    cum, grad, x, idx = wgrad_case(counts, 21, 37, seed=1)
     pcum = qcore.padded_bounds(cum)
     assert pcum.tolist() == [0, 32, 32, 48, 64, 112]
     R = len(idx)
@@ -144,23 +133,6 @@ def test_padded_column_codes():
         assert codes[:, ~filled].float().eq(0).all()
 
 
-def _wgrad_case(counts, M, N, seed):
-    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
-    and out-of-range indices in the rows past RT (unspecified there: never read)."""
-    g = torch.Generator().manual_seed(seed)
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    rt, R, T = sum(counts), sum(counts) + 3, 13
-    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
-    grad[rt:] = float("nan")
-    grad[rt + 1:, 0] = float("inf")
-    x = torch.randn(T, N, generator=g)
-    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
-    idx[rt:] = 10**6
-    if rt > 2:
-        grad[1] = 0  # a zero row within an expert
-    return cum, grad, x, idx
-
-
 @pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_wgrad_kernel_matches_reference(dev, counts, transposed, launched):
@@ -170,7 +142,7 @@ def test_wgrad_kernel_matches_reference(dev, counts, transposed, launched):
     ``[In, O]`` layout; zero for empty experts. M = 21, N = 37: partial tiles; an expert of 33 rows:
     three row chunks of the interpreter's 16."""
     M, N = 21, 37
-    cum, grad, x, idx = _wgrad_case(counts, M, N, seed=len(counts))
+    cum, grad, x, idx = wgrad_case(counts, M, N, seed=len(counts))
     nr = len(counts)
     pcum = qcore.padded_bounds(cum.to(dev))
     length = qcore.padded_length(len(idx), nr)
@@ -212,34 +184,13 @@ def test_kernels_reject_bad_operands():
         fp8_gemm.fp8_grouped_wgrad(q, s[:, :4], q[:3], s[:, :3], cum, torch.empty(1, 4, 4))
 
 
-def _case(T, H, I, E, K, seed=0, empty=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    logits = torch.randn(T, E, generator=g)
-    if empty:
-        logits[:, K + 1:] -= 100
-    weights, idx = topk_routing(logits, K, True)
-    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
-            torch.randn(T, H, generator=g))
-
-
-@pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
-                         ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+@LAYER_SHAPES
 def test_triton_fp8_layer_matches_reference(dev, shape, launched, no_host_bounds):
     """``expert_precision="fp8"`` on the Triton base: output and every gradient against the reference,
     all six expert GEMMs in the fp8 kernels (none in the bf16 ones), no host read of the bounds."""
-    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
-    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
-                              expert_precision="fp8")
-    out.backward(dout.to(dev))
-    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8")
+    out, leaves, want, idx = run_layer(shape, dev, "fp8")
     tol = _layer_tol(dev)
-    _close(out, want[0], "output", tol)
-    _close(leaves[0].grad, want[1], "input gradient", tol)
-    _close(leaves[2].grad, want[2], "gate_up weight gradient", tol)
-    _close(leaves[3].grad, want[3], "down weight gradient", tol)
-    _close(leaves[1].grad, want[4], "router-weight gradient", tol)
+    check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_fp8_grouped_mm_kernel") == 4, launched
     assert launched.count("_fp8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients
@@ -254,13 +205,7 @@ def test_triton_fp8_down_launchers_both_layouts(dev, transposed, launched, no_ho
     """``down_fwd`` / ``down_bwd`` of ``triton+fp8`` in the stored and transposed layouts against the
     reference per expert and, where it runs, against the torch base's per-expert ``torch._scaled_mm``
     path (the same codes and scales; fp32 sums in another order)."""
-    g = torch.Generator().manual_seed(3)
-    counts = [5, 0, 19, 1]
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    a = torch.randn(sum(counts) + 2, 11, generator=g)
-    w = torch.randn(4, 13, 11, generator=g)
-    stored = w.transpose(1, 2).contiguous() if transposed else w
-    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    counts, cum, a, w, stored, dy = down_case(transposed)
     tri = kernels("triton+fp8")
     rt = sum(counts)
     y = tri.down_fwd(a.to(dev), cum.to(dev), stored.to(dev), transposed=transposed).cpu()
@@ -289,7 +234,7 @@ def test_triton_fp8_down_launchers_both_layouts(dev, transposed, launched, no_ho
 def test_triton_fp8_bf16_close_to_reference(dev):
     """bf16 activations and weights: the Triton base's fp8 layer agrees with the reference (on the
     same bf16 values in fp32) up to fp8 noise, output and every gradient."""
-    x, weights, idx, w_gu, w_d, dout = _case(23, 24, 14, 5, 2, seed=2)
+    x, weights, idx, w_gu, w_d, dout = layer_case(23, 24, 14, 5, 2, seed=2)
     x, weights, w_gu, w_d, dout = (t.to(torch.bfloat16) for t in (x, weights, w_gu, w_d, dout))
     leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
     out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
@@ -386,7 +331,7 @@ def test_quantize_cols_grouped_kernel_same_codes(dev, counts, dtype):
     """The weight gradients' column codes (``fp8_gemm.quantize_cols_grouped_t``, one kernel) against
     ``core.quantize_cols_grouped_t`` bit for bit, plain and gathered rows, the rows past RT (NaN,
     inf, indices out of range) never read, the pads and the tail zero."""
-    cum, grad, x, idx = _wgrad_case(counts, 21, 37, seed=5)
+    cum, grad, x, idx = wgrad_case(counts, 21, 37, seed=5)
     pcum = qcore.padded_bounds(cum)
     length = qcore.padded_length(len(idx), len(counts))
     for v, vidx in ((grad, None), (x, idx)):
@@ -456,7 +401,7 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
     the fp8 path), some empty: output and every gradient against the reference, every operand
     quantized by the one-pass kernels (no eager quantization: ``core``'s quantizers made to fail),
     the weights quantized once per forward and found again by the backward."""
-    x, weights, idx, w_gu, w_d, dout = _case(29, 24, 20, 16, 4, seed=8)
+    x, weights, idx, w_gu, w_d, dout = layer_case(29, 24, 20, 16, 4, seed=8)
     start, nl = 3, 9
     w_gu, w_d = w_gu[start:start + nl].contiguous(), w_d[start:start + nl].contiguous()
     leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
@@ -474,11 +419,7 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
         qcore._quantize_eager, qcore.quantize_cols_grouped_t = real
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8", expert_start=start)
     tol = _layer_tol(dev)
-    _close(out, want[0], "output", tol)
-    _close(leaves[0].grad, want[1], "input gradient", tol)
-    _close(leaves[2].grad, want[2], "gate_up weight gradient", tol)
-    _close(leaves[3].grad, want[3], "down weight gradient", tol)
-    _close(leaves[1].grad, want[4], "router-weight gradient", tol)
+    check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
     # two weights quantized in the forward, none again in the backward
     assert launched.count("_fp8q_rows_kernel") == 2 + 2 + 2, launched  # + x, h; + two input gradients
     assert launched.count("_fp8q_cols_kernel") == 4, launched
@@ -498,7 +439,7 @@ def test_overlapped_promotion_gives_the_same_sums(dev, monkeypatch):
     qa, sa = _codes((29, K), E4M3, g), torch.rand(29, generator=g)
     idx = torch.randint(0, 29, (R,), generator=g, dtype=torch.int32)
     qw, sw = _codes((4, N, K), E4M3, g), torch.rand(4, N, generator=g)
-    _, grad, x, widx = _wgrad_case(counts, N, K, seed=10)
+    _, grad, x, widx = wgrad_case(counts, N, K, seed=10)
     pcum = qcore.padded_bounds(cum)
     length = qcore.padded_length(len(widx), len(counts))
     ql, sl = qcore.quantize_cols_grouped_t(grad, E5M2, cum, pcum, length)

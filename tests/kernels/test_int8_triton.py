@@ -15,9 +15,11 @@ pytest.importorskip("triton")
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels  # noqa: E402
-from fastmoe_xpu.kernels.quantized import core as qcore, launchers as qlaunchers, reference as qref  # noqa: E402
+from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import int8_gemm, launch  # noqa: E402
-from fastmoe_xpu.routing import topk_routing  # noqa: E402
+from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
+    LAYER_SHAPES, check_layer, down_case, layer_case, no_host_bounds, run_layer, wgrad_case,
+)
 
 # The integer sums are exact and the epilogue rounds as the reference does: only the combine's
 # summation order differs (the tolerance of tests/test_precision.py).
@@ -36,19 +38,6 @@ def dev(device):
     if not int8_gemm.available(device):
         pytest.skip(f"the Triton int8 kernels have no configs for {device}")
     return device
-
-
-@pytest.fixture
-def no_host_bounds(monkeypatch):
-    """The quantized launchers' host read of the expert bounds, made to fail: the Triton int8 path
-    must never take it. Returns a function that allows it again (for the torch-base launchers)."""
-    real = qlaunchers._groups
-
-    def refuse(cum_token_counts):
-        raise AssertionError("the expert bounds were read on the host")
-
-    monkeypatch.setattr(qlaunchers, "_groups", refuse)
-    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
 @pytest.mark.parametrize("trans_w", [True, False])
@@ -86,23 +75,6 @@ def test_kernel_is_exact(trans_w, gather, dev):
         assert out[rt:].eq(7.0).all()
 
 
-def _wgrad_case(counts, M, N, seed):
-    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
-    and out-of-range indices in the rows past RT (unspecified there: never read)."""
-    g = torch.Generator().manual_seed(seed)
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    rt, R, T = sum(counts), sum(counts) + 3, 13
-    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
-    grad[rt:] = float("nan")
-    grad[rt + 1:, 0] = float("inf")
-    x = torch.randn(T, N, generator=g)
-    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
-    idx[rt:] = 10**6
-    if rt > 2:
-        grad[1] = 0  # a zero row within an expert
-    return cum, grad, x, idx
-
-
 @pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_wgrad_kernel_equals_reference(counts, transposed, launched, dev):
@@ -112,7 +84,7 @@ def test_wgrad_kernel_equals_reference(counts, transposed, launched, dev):
     empty experts; rows past RT (NaN, inf, out-of-range indices) never read. M = 21, N = 37: partial
     tiles; an expert of 33 rows: three row chunks of the interpreter's 16."""
     M, N = 21, 37
-    cum, grad, x, idx = _wgrad_case(counts, M, N, seed=len(counts))
+    cum, grad, x, idx = wgrad_case(counts, M, N, seed=len(counts))
     nr = len(counts)
     qg, sg = qcore.quantize_cols_grouped(grad.to(dev), torch.int8, cum.to(dev))
     qx, sx = qcore.quantize_cols_grouped(x.to(dev), torch.int8, cum.to(dev), idx=idx.to(dev))
@@ -146,31 +118,10 @@ def test_wgrad_kernel_rejects_mismatched_shapes():
         int8_gemm.int8_grouped_wgrad(q, s, q, s, torch.tensor([0, 4], dtype=torch.int32), torch.empty(1, 3, 4))
 
 
-def _case(T, H, I, E, K, seed=0, empty=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    logits = torch.randn(T, E, generator=g)
-    if empty:
-        logits[:, K + 1:] -= 100
-    weights, idx = topk_routing(logits, K, True)
-    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
-            torch.randn(T, H, generator=g))
-
-
-@pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
-                         ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+@LAYER_SHAPES
 def test_triton_int8_layer_matches_reference(shape, launched, no_host_bounds, dev):
-    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
-    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
-                              expert_precision="int8")
-    out.backward(dout.to(dev))
-    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8")
-    _close(out.cpu(), want[0], "output")
-    _close(leaves[0].grad.cpu(), want[1], "input gradient")
-    _close(leaves[2].grad.cpu(), want[2], "gate_up weight gradient")
-    _close(leaves[3].grad.cpu(), want[3], "down weight gradient")
-    _close(leaves[1].grad.cpu(), want[4], "router-weight gradient")
+    out, leaves, want, idx = run_layer(shape, dev, "int8")
+    check_layer(lambda got, ref, what: _close(got.cpu(), ref, what), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_int8_grouped_mm_kernel") == 4, launched
     assert launched.count("_int8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients
@@ -185,13 +136,7 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
     """``down_fwd`` / ``down_bwd`` of ``triton+int8`` against the torch-base launchers, bit for bit
     (the same quantized maths, per expert there, grouped here), stored and transposed layouts; the
     weight gradients bit for bit against the reference as well."""
-    g = torch.Generator().manual_seed(3)
-    counts = [5, 0, 19, 1]
-    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    a = torch.randn(sum(counts) + 2, 11, generator=g)
-    w = torch.randn(4, 13, 11, generator=g)
-    stored = w.transpose(1, 2).contiguous() if transposed else w
-    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    counts, cum, a, w, stored, dy = down_case(transposed)
     tri, ref = kernels("triton+int8"), kernels("torch+int8")
     rt = sum(counts)
     on = [t.to(dev) for t in (a, cum, stored, dy)]
@@ -217,7 +162,7 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
 def test_triton_int8_bf16_equals_torch_base(dev):
     """bf16 activations: the Triton base's int8 layer (on the suite's device) agrees with the torch
     base's int8 layer (on the CPU)."""
-    x, weights, idx, w_gu, w_d, dout = _case(23, 24, 14, 5, 2, seed=2)
+    x, weights, idx, w_gu, w_d, dout = layer_case(23, 24, 14, 5, 2, seed=2)
     res = {}
     for backend, where in (("torch", torch.device("cpu")), ("triton", dev)):
         leaves = [t.to(where, torch.bfloat16).requires_grad_(True) for t in (x, weights, w_gu, w_d)]

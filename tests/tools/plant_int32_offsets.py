@@ -31,6 +31,7 @@ from fastmoe_xpu.tools.offset_check import int32_offset_products  # noqa: E402
 HEADER = """import triton
 import triton.language as tl
 from fastmoe_xpu.kernels.triton.common import *  # noqa: F401,F403
+from fastmoe_xpu.kernels.triton.gemm_family import *  # noqa: F401,F403
 """
 
 #: case -> (spec name, kernel, text to replace, replacement); None: the kernel unchanged (a control).

@@ -55,13 +55,8 @@ def _use_csr(y_RH: torch.Tensor) -> bool:
     return y_RH.device.type == "cpu" and y_RH.dtype in _CSR_DTYPES and _MKL and settings.get().cpu_csr
 
 
-def combine_fwd(
-    y_RH: torch.Tensor,
-    weights_TK: torch.Tensor | None,
-    output_indices: torch.Tensor,
-    selected_expert_indices: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-) -> torch.Tensor:
+def combine_fwd(y_RH: torch.Tensor, weights_TK: torch.Tensor | None, output_indices: torch.Tensor,
+                selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum over slots i of t of weights[t, sel[i]] * y[output_indices[i]]`` (``[T, H]``);
     ``weights_TK=None`` sums unweighted (the input gradient's reduction).
 
@@ -101,13 +96,9 @@ def _slot_flat(weights_TK: torch.Tensor, selected_expert_indices: torch.Tensor, 
     return _slot_tokens(cum_expert_counts) * K + selected_expert_indices[:n_slots].to(torch.int64)
 
 
-def combine_bwd(
-    dout_TH: torch.Tensor,
-    weights_TK: torch.Tensor,
-    output_indices: torch.Tensor,
-    selected_expert_indices: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_bwd(dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                selected_expert_indices: torch.Tensor,
+                cum_expert_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dy[row] = dout[t]`` (unweighted) and ``row_weights[row] = weights[t, k]`` (fp32) for each
     slot (t, k, row): the weights and the indices are all this needs, the expert outputs are not
     kept. The weight is applied by ``down_bwd``, where the router-weight gradient is formed.
@@ -139,13 +130,8 @@ def combine_bwd(
     return dy_RH, row_w
 
 
-def router_weights_bwd(
-    d_row_weights_R: torch.Tensor,
-    weights_TK: torch.Tensor,
-    output_indices: torch.Tensor,
-    selected_expert_indices: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-) -> torch.Tensor:
+def router_weights_bwd(d_row_weights_R: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                       selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor) -> torch.Tensor:
     """``dweights[t, k] = d_row_weights[row]`` for each slot (t, k, row); zero for non-local choices."""
     T = weights_TK.shape[0]
     n_slots = int(cum_expert_counts[-1]) if T else 0

@@ -157,12 +157,8 @@ def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
     """This engine's stage-4 launchers with ``mm`` as their GEMM (:func:`mm_into` for ``loop``;
     ``kernels/torch/onednn.py`` passes oneDNN's), each with the contract's signature."""
 
-    def gate_up_fwd(
-        x_TH: torch.Tensor,
-        input_indices: torch.Tensor,
-        cum_token_counts: torch.Tensor,
-        w_gate_up_N2IH: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                    w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group, and
         ``h [R, I] = silu(gate) * up``. R is ``input_indices``' length (at least RT); rows past RT
         are zero, so a caller that sizes for the worst case (the custom ops, R = T*K) gets defined rows.
@@ -235,13 +231,9 @@ def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
                 mm(dy_RH[s:t].t(), h_RI[s:t], dw_NHI[e])
         return dh_RI, dw_NHI
 
-    def down_weighted_bwd(
-        dy_RH: torch.Tensor,
-        gate_up_R2I: torch.Tensor,
-        row_weights_R: torch.Tensor,
-        cum_token_counts: torch.Tensor,
-        w_down_NHI: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                          cum_token_counts: torch.Tensor,
+                          w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Backward of the weighted down GEMM, ``y_r = w_r * h_r @ w_down[e]^T``, given the unweighted
         row gradients ``dy``: ``dh = w_r * dy_r @ w_down[e]``, ``dw_down [NR, H, I] = sum_r w_r dy_r^T h_r``
         (zero for empty experts) and the router-weight gradient per row ``<dy_r @ w_down[e], h_r>``
@@ -284,13 +276,9 @@ def launchers_on(mm: MatMul) -> dict[str, Callable[..., Any]]:
                 mm(dy_RH[p0:p1].t(), h, dw_NHI[e], accumulate=p0 != s)
         return dh_RI, dw_NHI, d_row_w
 
-    def gate_up_bwd(
-        d_gate_up_R2I: torch.Tensor,
-        x_TH: torch.Tensor,
-        input_indices: torch.Tensor,
-        cum_token_counts: torch.Tensor,
-        w_gate_up_N2IH: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                    cum_token_counts: torch.Tensor,
+                    w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``;
         the expert's input rows are gathered again into a small cached buffer, never stored."""
         bounds = _bounds(cum_token_counts)

@@ -11,14 +11,8 @@ from ..contract import INDEX_DTYPE, RowIndices, check_count_inputs
 from .counting import all_local
 
 
-def build_indices(
-    topk_idx_TK: torch.Tensor,
-    partial_cum_token_counts: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-    expert_start: int,
-    num_local: int,
-    block_size: int = 8,
-) -> RowIndices:
+def build_indices(topk_idx_TK: torch.Tensor, partial_cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
+                  expert_start: int, num_local: int, block_size: int = 8) -> RowIndices:
     """Returns :class:`~fastmoe_xpu.kernels.contract.RowIndices` (``input_indices [R]``, ``output_indices [R]``,
     ``selected_expert_indices [R]``), int32, R = RT.
 

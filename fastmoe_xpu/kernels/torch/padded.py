@@ -195,6 +195,21 @@ def _sum_k(t_TKN: torch.Tensor) -> torch.Tensor:
     return t_TKN.sum(1)
 
 
+def _combine_rows(y_PH: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor,
+                  lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's end: ``out [T, H]``, each token's rows of ``y_PH`` (one per block row) weighted and
+    summed, the routed rows of ``gate_up [NR, cap, 2I]`` saved for backward, and the plan."""
+    T, K = weights_TK.shape
+    NR, cap, I2 = gate_up.shape
+    y_TKH = y_PH.index_select(0, lay.rows).view(T, K, y_PH.shape[-1])
+    w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
+    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
+    # Rows of the dump (other ranks' choices) read the last block row: never used.
+    rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * cap - 1)
+    saved = gate_up.view(NR * cap, I2).index_select(0, rows)
+    return out_TH, saved, lay.plan
+
+
 def experts_forward(
     x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int,
@@ -205,7 +220,7 @@ def experts_forward(
     _check(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
     T, H = x_TH.shape
     NR, I2, _ = w_gate_up_N2IH.shape
-    I, K = I2 // 2, topk_idx_TK.shape[1]
+    K = topk_idx_TK.shape[1]
     lay = layout(topk_idx_TK, expert_start, num_local)
     if lay.cap == 0:  # no choice of a local expert
         return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan
@@ -214,13 +229,7 @@ def experts_forward(
     gate, up = g.chunk(2, -1)
     h = torch.nn.functional.silu(gate).mul_(up)
     y_PH = _batched(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI.mT, lay)
-    y_TKH = y_PH.index_select(0, lay.rows).view(T, K, H)
-    w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
-    # Rows of the dump (other ranks' choices) read the last block row: never used.
-    rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
-    saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
-    return out_TH, saved, lay.plan
+    return _combine_rows(y_PH, weights_TK, gate_up, lay)
 
 
 def experts_backward(
@@ -328,12 +337,7 @@ def lora_experts_forward(
     y = torch.bmm(h, w_down_NHI.mT)  # [NR, cap, H]
     if a2 is not None:
         y.baddbmm_(_scaled_bmm(h, a2.mT, s2), b2.mT)
-    y_TKH = _expert_rows(y, lay).index_select(0, lay.rows).view(T, K, H)
-    w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
-    rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * lay.cap - 1)
-    saved = gate_up.view(NR * lay.cap, I2).index_select(0, rows)
-    return out_TH, saved, lay.plan
+    return _combine_rows(_expert_rows(y, lay), weights_TK, gate_up, lay)
 
 
 def lora_experts_backward(

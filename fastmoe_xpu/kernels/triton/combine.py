@@ -128,13 +128,8 @@ def _router_weights_bwd_kernel(
 
 
 # ---------------------------------------------------------------- launchers
-def combine_fwd(
-    y_RH: torch.Tensor,
-    weights_TK: torch.Tensor | None,
-    output_indices: torch.Tensor,
-    selected_expert_indices: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-) -> torch.Tensor:
+def combine_fwd(y_RH: torch.Tensor, weights_TK: torch.Tensor | None, output_indices: torch.Tensor,
+                selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum over slots i of t of weights[t, sel[i]] * y[output_indices[i]]`` (``[T, H]``);
     ``weights_TK=None`` sums unweighted (the input gradient's reduction)."""
     dev = y_RH.device
@@ -181,13 +176,9 @@ def _check_slots(op: str, weights_TK: torch.Tensor, output_indices: torch.Tensor
     return T, K
 
 
-def combine_bwd(
-    dout_TH: torch.Tensor,
-    weights_TK: torch.Tensor,
-    output_indices: torch.Tensor,
-    selected_expert_indices: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_bwd(dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                selected_expert_indices: torch.Tensor,
+                cum_expert_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dy[row] = dout[t]`` (unweighted) and ``row_weights[row] = weights[t, k]`` (fp32) for each
     slot (t, k, row), from the weights and the indices alone. ``R = len(output_indices)`` rows;
     rows no slot points at are unspecified."""
@@ -214,13 +205,8 @@ def combine_bwd(
     return dy, row_w
 
 
-def router_weights_bwd(
-    d_row_weights_R: torch.Tensor,
-    weights_TK: torch.Tensor,
-    output_indices: torch.Tensor,
-    selected_expert_indices: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-) -> torch.Tensor:
+def router_weights_bwd(d_row_weights_R: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                       selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor) -> torch.Tensor:
     """``dweights [T, K]`` (weights' dtype): ``dweights[t, k] = d_row_weights[row]`` for each local
     slot (t, k, row), zero for choices of experts elsewhere; each element written once."""
     T, K = _check_slots("router_weights_bwd", weights_TK, output_indices, selected_expert_indices, cum_expert_counts)

@@ -178,3 +178,24 @@ def grouped_rows(v_ptr, idx_ptr, rw_ptr, rows, r_mask, offs_n, n_mask, N, stride
     if ROW_W:
         v = v * tl.load(rw_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[:, None]
     return v
+
+
+@triton.jit
+def line_values(v_ptr, base, step, offs, c_mask, L, cs_rows, HAS_CS: tl.constexpr):
+    """fp32 values at positions ``offs`` of the lines starting at ``base`` (``step`` apart), times their
+    expert's column scales ``cs_rows`` (``HAS_CS``); their offsets and mask."""
+    mask = c_mask[:, None] & (offs[None, :] < L)
+    at = base + offs.to(tl.int64)[None, :] * step
+    v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CS:
+        v = v * tl.load(cs_rows + offs[None, :], mask=mask, other=0.0)
+    return v, at, mask
+
+
+@triton.jit
+def gate_up_halves(gate_up_ptr, offs_r, offs_i, mask, I):
+    """fp32 gate and up columns ``offs_i`` of rows ``offs_r`` (int64) of ``gate_up [R, 2I]``."""
+    gu = gate_up_ptr + offs_r[:, None] * 2 * I + offs_i[None, :]
+    gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
+    return gate, up

@@ -42,10 +42,9 @@ import triton
 import triton.language as tl
 
 from ..configs import CONFIGS, QUANTIZED_ROW_ALIGN as ROW_ALIGN, table_for
-from . import autotune
 from . import launch as _launch
-from .common import expert_rows, grouped_rows, inverse_scale, silu, tile, to_float, to_fp8, weight_tile_ptrs
-from .grouped_gemm import quantized_grouped_mm
+from .common import gate_up_halves, grouped_rows, inverse_scale, line_values, silu, tile, to_float, to_fp8
+from .gemm_family import dot_k_loop, quantized_grouped_mm, quantized_row_tiles, quantized_wgrad, scaled_weight_grad_store
 
 #: The config key of :func:`fp8_grouped_mm` in ``configs.py``.
 KERNEL = "fp8_grouped_mm"
@@ -56,24 +55,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
-def _fp8_grouped_mm_kernel(
-    a_ptr,
-    sa_ptr,
-    idx_ptr,
-    w_ptr,
-    sw_ptr,
-    cum_token_ptr,
-    out_ptr,
-    N,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    TRANS_W: tl.constexpr,
-    GATHER: tl.constexpr,
-    HAS_SW: tl.constexpr,
-    OVERLAP: tl.constexpr = False,
-):
+def _fp8_grouped_mm_kernel(a_ptr, sa_ptr, idx_ptr, w_ptr, sw_ptr, cum_token_ptr, out_ptr, N, K,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_W: tl.constexpr,
+                           GATHER: tl.constexpr, HAS_SW: tl.constexpr, OVERLAP: tl.constexpr = False):
     """Grid ``(P, ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of
     expert e and output columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``qa [rows, K]`` fp8, ``sa
     [rows]`` fp32, ``idx [R]`` int32 (``GATHER``), ``W`` fp8, ``sw [NR, N]`` fp32 (``HAS_SW``),
@@ -81,67 +65,17 @@ def _fp8_grouped_mm_kernel(
     ``OVERLAP``: each k-step's ``tl.dot`` starts from zero into a second accumulator and the previous
     k-step's partial is added to ``acc`` after it is issued, so the fp32 additions run beside the
     tensor cores instead of after them; the same partial sums added in the same order as
-    ``max_num_imprecise_acc = BLOCK_K`` does, hence the same result.
+    ``max_num_imprecise_acc = BLOCK_K`` does, hence the same result. The body is the family's
+    (:func:`.gemm_family.quantized_row_tiles`).
     """
-    e, row_start, n_rows = expert_rows(cum_token_ptr)
-    row0 = row_start.to(tl.int64)
-    w_e = w_ptr + e.to(tl.int64) * N * K
-    offs_n, n_mask = tile(tl.program_id(1), BLOCK_N, N)
-    offs_k = tl.arange(0, BLOCK_K)
-    out_ty = out_ptr.dtype.element_ty
-    if HAS_SW:
-        sw = tl.load(sw_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    for tile_m in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-        offs_m, m_mask = tile(tile_m, BLOCK_M, n_rows)
-        rows = row0 + offs_m
-        if GATHER:
-            src = tl.load(idx_ptr + rows, mask=m_mask, other=0).to(tl.int64)
-        else:
-            src = rows
-        sa = tl.load(sa_ptr + src, mask=m_mask, other=0.0)
-        a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
-        b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if OVERLAP:
-                nxt = tl.dot(a, b, out_dtype=tl.float32)
-                acc += part
-                part = nxt
-            else:
-                acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-            a_ptrs += BLOCK_K
-            b_ptrs += b_step
-        if OVERLAP:
-            acc += part
-        res = acc * sa[:, None]
-        if HAS_SW:
-            res = res * sw[None, :]
-        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], res.to(out_ty, fp_downcast_rounding="rtne"),
-                 mask=m_mask[:, None] & n_mask[None, :])
+    quantized_row_tiles(a_ptr, sa_ptr, idx_ptr, w_ptr, sw_ptr, cum_token_ptr, out_ptr, N, K, BLOCK_M, BLOCK_N,
+                        BLOCK_K, TRANS_W, GATHER, HAS_SW, "fp8", OVERLAP)
 
 
 @triton.jit
-def _fp8_grouped_wgrad_kernel(
-    l_ptr,
-    sl_ptr,
-    r_ptr,
-    sr_ptr,
-    pcum_ptr,
-    out_ptr,
-    M,
-    N,
-    LD,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
-    LEFT_SCALE_FIRST: tl.constexpr,
-    OVERLAP: tl.constexpr = False,
-):
+def _fp8_grouped_wgrad_kernel(l_ptr, sl_ptr, r_ptr, sr_ptr, pcum_ptr, out_ptr, M, N, LD, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                              LEFT_SCALE_FIRST: tl.constexpr, OVERLAP: tl.constexpr = False):
     """The weight gradient ``out[e] = (ql_e^T @ qr_e) * sl[e][:, None] * sr[e][None, :]`` over
     expert e's block of rows.
 
@@ -169,33 +103,9 @@ def _fp8_grouped_wgrad_kernel(
     lt_ptrs = l_ptr + offs_m[:, None].to(tl.int64) * LD + (row0 + offs_k[None, :])  # ql_e^T [BLOCK_M, BLOCK_K]
     r_ptrs = r_ptr + offs_n[None, :].to(tl.int64) * LD + (row0 + offs_k[:, None])  # qr_e [BLOCK_K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, length, BLOCK_K):
-        k_mask = offs_k < length - k0
-        a = tl.load(lt_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(r_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if OVERLAP:
-            nxt = tl.dot(a, b, out_dtype=tl.float32)
-            acc += part
-            part = nxt
-        else:
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-        lt_ptrs += BLOCK_K
-        r_ptrs += BLOCK_K
-    if OVERLAP:
-        acc += part
-    sl = tl.load(sl_ptr + e.to(tl.int64) * M + offs_m, mask=m_mask, other=0.0)
-    sr = tl.load(sr_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    res = acc
-    if LEFT_SCALE_FIRST:
-        res = res * sl[:, None]
-        res = res * sr[None, :]
-    else:
-        res = res * sr[None, :]
-        res = res * sl[:, None]
-    out_ptrs = out_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-             mask=m_mask[:, None] & n_mask[None, :])
+    acc = dot_k_loop(acc, lt_ptrs, BLOCK_K, r_ptrs, BLOCK_K, m_mask, n_mask, offs_k, length, BLOCK_K, "fp8", "ieee",
+                     OVERLAP)
+    scaled_weight_grad_store(acc, out_ptr, sl_ptr, sr_ptr, e, M, N, offs_m, offs_n, m_mask, n_mask, LEFT_SCALE_FIRST)
 
 
 # ---------------------------------------------------------------- the quantization and row passes
@@ -252,25 +162,17 @@ def _fp8q_rows_kernel(
             bound = tl.load(cum_token_ptr + 1 + offs_e, mask=offs_e < NR, other=2147483647)
             below += tl.sum((bound[None, :] <= offs_c[:, None]).to(tl.int32), axis=1)
         cs_rows = cs_ptr + tl.minimum(below, NR - 1).to(tl.int64)[:, None] * L
+    else:
+        cs_rows = cs_ptr  # not read
     amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for l0 in range(0, L, BLOCK_L):
-        offs = l0 + offs_l
-        mask = c_mask[:, None] & (offs[None, :] < L)
-        at = base + offs.to(tl.int64)[None, :] * step
-        v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CS:
-            v = v * tl.load(cs_rows + offs[None, :], mask=mask, other=0.0)
+        v, at, mask = line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     inv, scale = inverse_scale(amax, QMAX)
     tl.store(s_ptr + b * C + offs_c, scale, mask=c_mask)
     code_ty = q_ptr.dtype.element_ty
     for l0 in range(0, L, BLOCK_L):
-        offs = l0 + offs_l
-        mask = c_mask[:, None] & (offs[None, :] < L)
-        at = base + offs.to(tl.int64)[None, :] * step
-        v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CS:
-            v = v * tl.load(cs_rows + offs[None, :], mask=mask, other=0.0)
+        v, at, mask = line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
         tl.store(q_ptr + at, to_fp8(v * inv[:, None], code_ty, MANT, MIN_EXP, ROUND_FIRST), mask=mask)
 
 
@@ -373,9 +275,7 @@ def _fp8q_silu_mul_kernel(
     for i0 in range(0, I, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask = r_mask[:, None] & (offs_i[None, :] < I)
-        gu = gate_up_ptr + offs_r[:, None] * 2 * I + offs_i[None, :]
-        gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
+        gate, up = gate_up_halves(gate_up_ptr, offs_r, offs_i, mask, I)
         h = silu(gate) * up
         tl.store(h_ptr + offs_r[:, None] * I + offs_i[None, :], to_float(h, out_ty, ROUND_FIRST), mask=mask)
 
@@ -398,18 +298,16 @@ def _fp8q_row_dot_kernel(
     """After the down input gradient ``g [R, I]`` (fp32): ``d_row[r] = <g_r, h_r>`` (fp32, ``h =
     silu(gate) * up`` recomputed from ``gate_up [R, 2I]``) and ``dh_r = rw[r] * g_r`` in dh's dtype,
     for the RT routed rows. Grid ``(ceil(R/BLOCK_R),)``."""
+    out_ty = dh_ptr.dtype.element_ty
     row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
     offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     r_mask = offs_r < row_end
     rw = tl.load(rw_ptr + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    out_ty = dh_ptr.dtype.element_ty
     for i0 in range(0, I, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         mask = r_mask[:, None] & (offs_i[None, :] < I)
-        gu = gate_up_ptr + offs_r[:, None] * 2 * I + offs_i[None, :]
-        gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
+        gate, up = gate_up_halves(gate_up_ptr, offs_r, offs_i, mask, I)
         at = offs_r[:, None] * I + offs_i[None, :]
         g = tl.load(g_ptr + at, mask=mask, other=0.0)
         dot += tl.sum(g * (silu(gate) * up), axis=1)
@@ -469,24 +367,8 @@ def fp8_grouped_wgrad(ql: torch.Tensor, sl: torch.Tensor, qr: torch.Tensor, sr: 
         raise ValueError(f"fp8_grouped_wgrad: codes {tuple(ql.shape)} and {tuple(qr.shape)} (by column, rows a "
                          f"multiple of {ROW_ALIGN}), scales {tuple(sl.shape)} and {tuple(sr.shape)} do not fit out "
                          f"{tuple(out.shape)} over {padded_cum.numel() - 1} experts")
-    if out.numel() == 0:
-        return out
-    ld = ql.shape[1]
-    if ld == 0:
-        return out.zero_()
-    ql, qr = ql.contiguous(), qr.contiguous()
-    sl, sr = sl.float().contiguous(), sr.float().contiguous()
-    dev = out.device
-    table = table_for(dev)
-
-    def go(cfg):
-        grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(_fp8_grouped_wgrad_kernel, grid, (ql, sl, qr, sr, padded_cum, out, M, N, ld), cfg, dev,
-                       ROW_ALIGN=ROW_ALIGN, LEFT_SCALE_FIRST=left_scale_first)
-
-    # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    go(autotune.choose(WGRAD_KERNEL, table, N, M, ld, NR, dev, go))
-    return out
+    return quantized_wgrad(_fp8_grouped_wgrad_kernel, WGRAD_KERNEL, ql, sl, qr, sr, padded_cum, out, ql.shape[1],
+                           ql.shape[1], ROW_ALIGN=ROW_ALIGN, LEFT_SCALE_FIRST=left_scale_first)
 
 
 # ---------------------------------------------------------------- launchers of the quantization passes

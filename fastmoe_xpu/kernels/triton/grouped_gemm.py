@@ -39,9 +39,10 @@ import triton.language as tl
 
 from ..configs import table_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
-from . import autotune
 from . import launch as _launch
 from .common import block_ptr_dot, expert_rows, tile, weight_tile_ptrs
+from .gemm_family import dot_k_loop, row_grid, tile_grid
+from .launch import timed_launch
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _gate_up_fwd_kernel(
 ):
     """``gate_up[r] = x[input_indices[r]] @ W_e^T`` and ``h[r] = silu(gate) * up``.
 
-    Grid ``(P, ceil(I/BLOCK_N), NR)`` with P row programs per expert (``_row_programs``); program
+    Grid ``(P, ceil(I/BLOCK_N), NR)`` with P row programs per expert (:func:`.gemm_family.row_programs`); program
     ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of expert e's rows and output columns
     ``[n*BLOCK_N, (n+1)*BLOCK_N)`` of the gate half, the same columns of the up half, and of ``h``. Reads ``x [T, H]``,
     ``input_indices [R]`` int32, ``cum_token_counts [NR+1]`` int32, ``gate_up_proj [NR, 2I, H]``;
@@ -188,13 +189,8 @@ def _grouped_mm_fwd_kernel(
         else:
             a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
             b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
-            for k0 in range(0, K, BLOCK_K):
-                k_mask = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                a_ptrs += BLOCK_K
-                b_ptrs += b_step
+            acc = dot_k_loop(acc, a_ptrs, BLOCK_K, b_ptrs, b_step, m_mask, n_mask, offs_k, K, BLOCK_K, "float",
+                             DOT_PRECISION, False)
         if LORA:
             lb_e = lb_ptr + e.to(tl.int64) * N * RANK
             for r0 in range(0, RANK, BLOCK_R):
@@ -417,49 +413,8 @@ def check_down_fwd_inputs(h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_
     check_index("down_fwd", h_RI.device, cum_token_counts=cum_token_counts)
 
 
-#: Row-tile programs per expert, as a multiple of the fair share ``R / NR`` rows: routing up to this
-#: imbalanced runs fully parallel; an expert with more rows loops (grid-stride) over its extra tiles.
-ROW_SLACK = 2
-
-
-def _row_programs(R: int, num_experts: int, block_m: int) -> int:
-    return max(1, triton.cdiv(ROW_SLACK * triton.cdiv(R, num_experts), block_m))
-
-
-def quantized_grouped_mm(kernel, key: str, qa: torch.Tensor, sa: torch.Tensor, idx: torch.Tensor | None,  # noqa: ANN001
-                         qw: torch.Tensor, sw: torch.Tensor | None, cum_token_counts: torch.Tensor, out: torch.Tensor,
-                         trans_w: bool) -> torch.Tensor:
-    """The launch the int8 and fp8 grouped GEMMs share (their codes checked by the caller): ``kernel``
-    (``(qa, sa, idx, w, sw, cum, out, N, K)`` with ``TRANS_W``, ``GATHER``, ``HAS_SW``) over the grid
-    ``(row programs, ceil(N/BLOCK_N), NR)`` with the config ``key``'s timed choice; nothing runs for an
-    empty product."""
-    NR = qw.shape[0]
-    N, K = (qw.shape[1], qw.shape[2]) if trans_w else (qw.shape[2], qw.shape[1])
-    R = out.shape[0]
-    if R == 0 or N == 0 or qa.shape[0] == 0:
-        return out
-    qa, qw, sa = qa.contiguous(), qw.contiguous(), sa.float().contiguous()
-    dev = out.device
-
-    def go(cfg):
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(
-            kernel, grid,
-            (qa, sa, idx if idx is not None else cum_token_counts, qw, sw if sw is not None else sa,
-             cum_token_counts, out, N, K), cfg, dev,
-            TRANS_W=trans_w, GATHER=idx is not None, HAS_SW=sw is not None,
-        )
-
-    go(autotune.choose(key, table_for(dev), N, K, R, NR, dev, go))
-    return out
-
-
-def gate_up_fwd(
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
     ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
     check_gate_up_fwd_inputs(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
@@ -475,16 +430,9 @@ def gate_up_fwd(
     if R == 0 or T == 0:
         return gate_up, h
     table = table_for(dev)
-
-    def go(cfg):
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(I, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(
-            _gate_up_fwd_kernel, grid,
-            (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I),
-            cfg, dev, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, x_TH.dtype),
-        )
-
-    go(autotune.choose("gate_up_fwd", table, I, H, R, NR, dev, go))
+    timed_launch(_gate_up_fwd_kernel, "gate_up_fwd", table, (I, H, R, NR), row_grid(R, I, NR),
+                 (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I), dev,
+                 BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, x_TH.dtype))
     return gate_up, h
 
 
@@ -503,17 +451,11 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
     dev = a_RK.device
     table = table_for(dev)
 
-    def go(cfg):
-        grid = (_row_programs(R, NR, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        t, lb = lora if lora is not None else (a_RK, w)  # not read without LORA
-        _launch.launch(
-            _grouped_mm_fwd_kernel, grid,
-            (a_RK, w, cum_token_counts, out, t, lb, N, K, t.shape[1] if lora is not None else 0), cfg, dev,
-            TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
-            LORA=lora is not None, BLOCK_R=LORA_BLOCK_R,
-        )
-
-    go(autotune.choose("grouped_mm_fwd", table, N, K, R, NR, dev, go))
+    t, lb = lora if lora is not None else (a_RK, w)  # not read without LORA
+    timed_launch(_grouped_mm_fwd_kernel, "grouped_mm_fwd", table, (N, K, R, NR), row_grid(R, N, NR),
+                 (a_RK, w, cum_token_counts, out, t, lb, N, K, t.shape[1] if lora is not None else 0), dev,
+                 TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
+                 LORA=lora is not None, BLOCK_R=LORA_BLOCK_R)
     return out
 
 
@@ -527,18 +469,12 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     table = table_for(dev)
     kernel = "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu"
 
-    def go(cfg):
-        grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(
-            _grouped_mm_bwd_kernel, grid,
-            (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
-             row_weights if row_weights is not None else dw, dw, M, N), cfg, dev,
-            GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table),
-            DOT_PRECISION=dot_precision(table, a_RM.dtype), SILU_B=row_weights is not None,
-        )
-
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    go(autotune.choose(kernel, table, N, M, a_RM.shape[0], NR, dev, go))
+    timed_launch(_grouped_mm_bwd_kernel, kernel, table, (N, M, a_RM.shape[0], NR), tile_grid(M, N, NR),
+                 (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
+                  row_weights if row_weights is not None else dw, dw, M, N), dev,
+                 GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RM.dtype),
+                 SILU_B=row_weights is not None)
     return dw
 
 
@@ -600,13 +536,9 @@ def down_bwd(
     return dh, dw
 
 
-def down_weighted_bwd(
-    dy_RH: torch.Tensor,
-    gate_up_R2I: torch.Tensor,
-    row_weights_R: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_down_NHI: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                      cum_token_counts: torch.Tensor,
+                      w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
@@ -668,13 +600,8 @@ def silu_mul_bwd(
     return d_gate_up
 
 
-def gate_up_bwd(
-    d_gate_up_R2I: torch.Tensor,
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
     (the gather fused into the weight-gradient loads; zero for empty experts)."""
     check_gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)

@@ -68,14 +68,8 @@ def _build_indices_fwd_kernel(
     tl.store(selected_ptr + slot, jk, mask=local)
 
 
-def build_indices(
-    topk_idx_TK: torch.Tensor,
-    partial_cum_token_counts: torch.Tensor,
-    cum_expert_counts: torch.Tensor,
-    expert_start: int,
-    num_local: int,
-    block_size: int = 8,
-) -> RowIndices:
+def build_indices(topk_idx_TK: torch.Tensor, partial_cum_token_counts: torch.Tensor, cum_expert_counts: torch.Tensor,
+                  expert_start: int, num_local: int, block_size: int = 8) -> RowIndices:
     """Returns :class:`~fastmoe_xpu.kernels.contract.RowIndices` (``input_indices [R]``, ``output_indices [R]``,
     ``selected_expert_indices [R]``), int32, with
     R = T*K (the worst case); entries past RT = ``partial_cum_token_counts[-1]`` are unspecified."""

@@ -25,10 +25,8 @@ import triton
 import triton.language as tl
 
 from ..configs import table_for, CONFIGS
-from . import autotune
-from . import launch as _launch
-from .common import expert_rows, tile, weight_tile_ptrs
-from .grouped_gemm import quantized_grouped_mm
+from .common import expert_rows, tile
+from .gemm_family import dot_k_loop, quantized_grouped_mm, quantized_row_tiles, quantized_wgrad, scaled_weight_grad_store
 
 #: The config key of :func:`int8_grouped_mm` in ``configs.py``.
 KERNEL = "int8_grouped_mm"
@@ -37,75 +35,22 @@ WGRAD_KERNEL = "int8_grouped_wgrad"
 
 
 @triton.jit
-def _int8_grouped_mm_kernel(
-    a_ptr,
-    sa_ptr,
-    idx_ptr,
-    w_ptr,
-    sw_ptr,
-    cum_token_ptr,
-    out_ptr,
-    N,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    TRANS_W: tl.constexpr,
-    GATHER: tl.constexpr,
-    HAS_SW: tl.constexpr,
-):
+def _int8_grouped_mm_kernel(a_ptr, sa_ptr, idx_ptr, w_ptr, sw_ptr, cum_token_ptr, out_ptr, N, K,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            TRANS_W: tl.constexpr, GATHER: tl.constexpr, HAS_SW: tl.constexpr):
     """Grid ``(P, ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns row tiles ``m, m + P, ...`` of
     expert e and output columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``. Reads ``qa [rows, K]`` int8, ``sa
     [rows]`` fp32, ``idx [R]`` int32 (``GATHER``), ``W`` int8, ``sw [NR, N]`` fp32 (``HAS_SW``),
     ``cum_token_counts [NR+1]`` int32; writes ``out [R, N]`` (its dtype) for the experts' rows only.
+    The body is the family's (:func:`.gemm_family.quantized_row_tiles`), on int8 codes summed in int32.
     """
-    e, row_start, n_rows = expert_rows(cum_token_ptr)
-    row0 = row_start.to(tl.int64)
-    w_e = w_ptr + e.to(tl.int64) * N * K
-    offs_n, n_mask = tile(tl.program_id(1), BLOCK_N, N)
-    offs_k = tl.arange(0, BLOCK_K)
-    out_ty = out_ptr.dtype.element_ty
-    if HAS_SW:
-        sw = tl.load(sw_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    for tile_m in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
-        offs_m, m_mask = tile(tile_m, BLOCK_M, n_rows)
-        rows = row0 + offs_m
-        if GATHER:
-            src = tl.load(idx_ptr + rows, mask=m_mask, other=0).to(tl.int64)
-        else:
-            src = rows
-        sa = tl.load(sa_ptr + src, mask=m_mask, other=0.0)
-        a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
-        b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # explicit: triton 3.6 takes fp32 as the default
-            a_ptrs += BLOCK_K
-            b_ptrs += b_step
-        res = acc.to(tl.float32) * sa[:, None]
-        if HAS_SW:
-            res = res * sw[None, :]
-        tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], res.to(out_ty, fp_downcast_rounding="rtne"), mask=m_mask[:, None] & n_mask[None, :])
+    quantized_row_tiles(a_ptr, sa_ptr, idx_ptr, w_ptr, sw_ptr, cum_token_ptr, out_ptr, N, K, BLOCK_M, BLOCK_N,
+                        BLOCK_K, TRANS_W, GATHER, HAS_SW, "int8", False)
 
 
 @triton.jit
-def _int8_grouped_wgrad_kernel(
-    l_ptr,
-    sl_ptr,
-    r_ptr,
-    sr_ptr,
-    cum_token_ptr,
-    out_ptr,
-    M,
-    N,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    LEFT_SCALE_FIRST: tl.constexpr,
-):
+def _int8_grouped_wgrad_kernel(l_ptr, sl_ptr, r_ptr, sr_ptr, cum_token_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LEFT_SCALE_FIRST: tl.constexpr):
     """The weight gradient ``out[e] = (ql_e^T @ qr_e) * sl[e][:, None] * sr[e][None, :]`` over the
     rows ``cum_token_counts[e] .. cum_token_counts[e+1]`` of expert e.
 
@@ -125,25 +70,9 @@ def _int8_grouped_wgrad_kernel(
     lt_ptrs = l_ptr + (row0 + offs_k[None, :]) * M + offs_m[:, None]  # ql_e^T tile [BLOCK_M, BLOCK_K]
     r_ptrs = r_ptr + (row0 + offs_k[:, None]) * N + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, n_rows, BLOCK_K):
-        k_mask = offs_k < n_rows - k0
-        a = tl.load(lt_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0)
-        b = tl.load(r_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        lt_ptrs += BLOCK_K * M
-        r_ptrs += BLOCK_K * N
-    sl = tl.load(sl_ptr + e.to(tl.int64) * M + offs_m, mask=m_mask, other=0.0)
-    sr = tl.load(sr_ptr + e.to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
-    res = acc.to(tl.float32)
-    if LEFT_SCALE_FIRST:
-        res = res * sl[:, None]
-        res = res * sr[None, :]
-    else:
-        res = res * sr[None, :]
-        res = res * sl[:, None]
-    out_ptrs = out_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-             mask=m_mask[:, None] & n_mask[None, :])
+    acc = dot_k_loop(acc, lt_ptrs, BLOCK_K * M, r_ptrs, BLOCK_K * N, m_mask, n_mask, offs_k, n_rows, BLOCK_K, "int8",
+                     "ieee", False)
+    scaled_weight_grad_store(acc, out_ptr, sl_ptr, sr_ptr, e, M, N, offs_m, offs_n, m_mask, n_mask, LEFT_SCALE_FIRST)
 
 
 def available(device: torch.device) -> bool:
@@ -180,20 +109,5 @@ def int8_grouped_wgrad(ql: torch.Tensor, sl: torch.Tensor, qr: torch.Tensor, sr:
         raise ValueError(f"int8_grouped_wgrad: codes {ql.dtype} {tuple(ql.shape)} and {qr.dtype} {tuple(qr.shape)}, "
                          f"scales {tuple(sl.shape)} and {tuple(sr.shape)} do not fit out {tuple(out.shape)} "
                          f"over {cum_token_counts.numel() - 1} experts")
-    if out.numel() == 0:
-        return out
-    if ql.shape[0] == 0:
-        return out.zero_()
-    ql, qr = ql.contiguous(), qr.contiguous()
-    sl, sr = sl.float().contiguous(), sr.float().contiguous()
-    dev = out.device
-    table = table_for(dev)
-
-    def go(cfg):
-        grid = (triton.cdiv(M, cfg.meta["BLOCK_M"]), triton.cdiv(N, cfg.meta["BLOCK_N"]), NR)
-        _launch.launch(_int8_grouped_wgrad_kernel, grid, (ql, sl, qr, sr, cum_token_counts, out, M, N), cfg, dev,
-                       LEFT_SCALE_FIRST=left_scale_first)
-
-    # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    go(autotune.choose(WGRAD_KERNEL, table, N, M, ql.shape[0], NR, dev, go))
-    return out
+    return quantized_wgrad(_int8_grouped_wgrad_kernel, WGRAD_KERNEL, ql, sl, qr, sr, cum_token_counts, out, ql.shape[0],
+                           LEFT_SCALE_FIRST=left_scale_first)

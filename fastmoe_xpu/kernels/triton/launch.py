@@ -1,11 +1,12 @@
 """The one place every Triton launcher goes through to start a kernel (tests count launches here)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..configs import KernelConfig
+from . import autotune
 
 
 def _check_runnable(kernel: Any, device: torch.device) -> None:
@@ -47,3 +48,23 @@ def launch(
         num_stages=config.num_stages,
         **config.extra_options,
     )
+
+
+def timed_launch(
+    kernel: Any,
+    key: str,
+    table: str,
+    shape: tuple[int, int, int, int],
+    grid: Callable[[dict[str, Any]], Sequence[int]],
+    args: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]],
+    device: torch.device,
+    **constexprs: Any,
+) -> None:
+    """The launch preamble of the grouped GEMMs: :func:`launch` with the config of ``key`` that
+    :func:`.autotune.choose` picks for ``shape`` (``(N, K, rows, NR)``, its key) on ``table``, over
+    ``grid(meta)`` of the config's tile sizes; ``args`` a sequence, or ``args(meta)`` where the
+    arguments depend on the tile sizes (tensor descriptors)."""
+    def go(cfg: KernelConfig) -> None:
+        launch(kernel, grid(cfg.meta), args(cfg.meta) if callable(args) else args, cfg, device, **constexprs)
+
+    go(autotune.choose(key, table, *shape, device, go))

@@ -47,9 +47,8 @@ import triton.language as tl
 
 from ..configs import CONFIGS, dot_precision, table_for
 from ..contract import check_float, check_index, check_stored_gemm_inputs
-from . import autotune
 from . import grouped_gemm as _plain
-from . import launch as _launch
+from .launch import timed_launch
 from .common import item_tile, next_expert, row_walk_start, tile
 
 
@@ -293,12 +292,14 @@ def _routed_program_bound(R: int, NR: int, block_m: int, tiles_n: int) -> int:
     return (triton.cdiv(R, block_m) + NR) * tiles_n
 
 
-def gate_up_fwd(
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _routed_grid(device: torch.device, R: int, N: int, NR: int):  # noqa: ANN202
+    """The persistent grid of a row GEMM of an ``N``-wide output, for a config's tile sizes."""
+    return lambda meta: (num_programs(device, _routed_program_bound(R, NR, meta["BLOCK_M"],
+                                                                    triton.cdiv(N, meta["BLOCK_N"]))),)
+
+
+def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up [R, 2I] = x[input_indices] @ w_gate_up[e]^T`` per expert group and
     ``h [R, I] = silu(gate) * up``; R = ``len(input_indices)``, rows past RT unspecified."""
     _plain.check_gate_up_fwd_inputs(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
@@ -315,18 +316,13 @@ def gate_up_fwd(
     if not descriptor_ready(w_gate_up_N2IH, gate_up[:, :I], gate_up[:, I:], h):
         return _plain.gate_up_fwd(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
 
-    def go(cfg):
-        bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-        grid = (num_programs(dev, _routed_program_bound(R, NR, bm, triton.cdiv(I, bn))),)
-        _launch.launch(
-            _tma_gate_up_fwd_kernel, grid,
-            (x_TH, input_indices, cum_token_counts, _desc(w_gate_up_N2IH, [1, bn, bk]),
-             _desc(gate_up[:, :I], [bm, bn]), _desc(gate_up[:, I:], [bm, bn]), _desc(h, [bm, bn]),
-             gate_up, h, H, I, NR),
-            cfg, dev, DOT_PRECISION=dot_precision(table, x_TH.dtype),
-        )
+    def args(meta):
+        bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+        return (x_TH, input_indices, cum_token_counts, _desc(w_gate_up_N2IH, [1, bn, bk]), _desc(gate_up[:, :I], [bm, bn]),
+                _desc(gate_up[:, I:], [bm, bn]), _desc(h, [bm, bn]), gate_up, h, H, I, NR)
 
-    go(autotune.choose("tma_gate_up_fwd", table, I, H, R, NR, dev, go))
+    timed_launch(_tma_gate_up_fwd_kernel, "tma_gate_up_fwd", table, (I, H, R, NR), _routed_grid(dev, R, I, NR), args,
+                 dev, DOT_PRECISION=dot_precision(table, x_TH.dtype))
     return gate_up, h
 
 
@@ -343,17 +339,13 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
     if not descriptor_ready(a_RK, w, out):
         return _plain._grouped_mm(a_RK, w, cum_token_counts, trans_w)
 
-    def go(cfg):
-        bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-        grid = (num_programs(dev, _routed_program_bound(R, NR, bm, triton.cdiv(N, bn))),)
+    def args(meta):
+        bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
         w_box = [1, bn, bk] if trans_w else [1, bk, bn]
-        _launch.launch(
-            _tma_grouped_mm_kernel, grid,
-            (_desc(a_RK, [bm, bk]), _desc(w, w_box), cum_token_counts, _desc(out, [bm, bn]), out, N, K, NR),
-            cfg, dev, TRANS_W=trans_w, DOT_PRECISION=dot_precision(table, a_RK.dtype),
-        )
+        return _desc(a_RK, [bm, bk]), _desc(w, w_box), cum_token_counts, _desc(out, [bm, bn]), out, N, K, NR
 
-    go(autotune.choose("tma_grouped_mm", table, N, K, R, NR, dev, go))
+    timed_launch(_tma_grouped_mm_kernel, "tma_grouped_mm", table, (N, K, R, NR), _routed_grid(dev, R, N, NR), args,
+                 dev, TRANS_W=trans_w, DOT_PRECISION=dot_precision(table, a_RK.dtype))
     return out
 
 
@@ -372,9 +364,8 @@ def _wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_to
     dw = torch.empty_like(w_like)
     kernel = "tma_grouped_mm_bwd_silu" if silu else "tma_grouped_mm_bwd"
 
-    def go(cfg):
-        bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-        items = NR * triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    def args(meta):
+        bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
         a_desc = _desc(a_RM, [bk, bm])
         if silu:
             b_desc, u_desc = _desc(b_views[0], [bk, bn]), _desc(b_views[1], [bk, bn])
@@ -382,14 +373,14 @@ def _wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_to
             b_desc = u_desc = _desc(b, [bk, bn])
         else:  # gathered rows: pointer loads; the descriptor arguments are unread stand-ins
             b_desc = u_desc = a_desc
-        _launch.launch(
-            _tma_wgrad_kernel, (num_programs(dev, items),),
-            (a_desc, b_desc, u_desc, b, idx if idx is not None else cum_token_counts, cum_token_counts,
-             row_weights if silu else a_RM, _desc(dw, [1, bm, bn]), M, N, NR),
-            cfg, dev, GATHER=idx is not None, SILU_B=silu, DOT_PRECISION=dot_precision(table, a_RM.dtype),
-        )
+        return (a_desc, b_desc, u_desc, b, idx if idx is not None else cum_token_counts, cum_token_counts,
+                row_weights if silu else a_RM, _desc(dw, [1, bm, bn]), M, N, NR)
 
-    go(autotune.choose(kernel, table, N, M, R, NR, dev, go))
+    def grid(meta):
+        return (num_programs(dev, NR * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    timed_launch(_tma_wgrad_kernel, kernel, table, (N, M, R, NR), grid, args, dev, GATHER=idx is not None, SILU_B=silu,
+                 DOT_PRECISION=dot_precision(table, a_RM.dtype))
     return dw
 
 
@@ -422,13 +413,9 @@ def down_bwd(
     return dh, _wgrad(dy_RH, h_RI, None, cum_token_counts, w_down_NHI)
 
 
-def down_weighted_bwd(
-    dy_RH: torch.Tensor,
-    gate_up_R2I: torch.Tensor,
-    row_weights_R: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_down_NHI: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
+                      cum_token_counts: torch.Tensor,
+                      w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
@@ -440,13 +427,8 @@ def down_weighted_bwd(
     return dh, dw, d_row_w
 
 
-def gate_up_bwd(
-    d_gate_up_R2I: torch.Tensor,
-    x_TH: torch.Tensor,
-    input_indices: torch.Tensor,
-    cum_token_counts: torch.Tensor,
-    w_gate_up_N2IH: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
+                cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
     (the gather fused into the weight-gradient loads; zero for empty experts)."""
     _plain.check_gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)

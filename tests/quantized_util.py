@@ -1,0 +1,97 @@
+"""What the tests of the Triton int8 and fp8 grouped GEMMs share (tests/kernels/test_int8_triton.py,
+tests/kernels/test_fp8_triton.py): the weight-gradient case, the fixture that refuses a host read
+of the expert bounds, and the comparison of a layer's output and gradients with the reference's."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
+from fastmoe_xpu.kernels.quantized import launchers as qlaunchers, reference as qref
+from fastmoe_xpu.routing import topk_routing
+
+#: The layers ``(T, H, I, E, K)`` the layer tests run: awkward widths, a layer whose routing leaves
+#: experts empty (T = 5, see :func:`run_layer`) and a single token.
+LAYER_SHAPES = pytest.mark.parametrize("shape", [(37, 33, 20, 7, 3), (5, 16, 9, 9, 2), (1, 12, 10, 4, 2)],
+                                       ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+
+
+def layer_case(T, H, I, E, K, seed=0, empty=False):  # noqa: ANN001, ANN201
+    """``(x, weights, topk_idx, w_gate_up, w_down, dout)`` of a layer; ``empty``: the routing avoids
+    the experts past K + 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    if empty:
+        logits[:, K + 1:] -= 100
+    weights, idx = topk_routing(logits, K, True)
+    return (x, weights, idx, torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3,
+            torch.randn(T, H, generator=g))
+
+
+def run_layer(shape, dev: torch.device, fmt: str):  # noqa: ANN001, ANN201
+    """The layer of ``shape`` (:data:`LAYER_SHAPES`; experts left empty for T = 5) in
+    ``expert_precision=fmt`` on the Triton base, forward and backward on ``dev``, and the reference's
+    numbers: ``(out, leaves (x, weights, w_gate_up, w_down), reference, topk_idx)``."""
+    x, weights, idx, w_gu, w_d, dout = layer_case(*shape, empty=shape[0] == 5)
+    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                              expert_precision=fmt)
+    out.backward(dout.to(dev))
+    return out, leaves, qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, fmt), idx
+
+
+def down_case(transposed: bool):  # noqa: ANN201
+    """The down launchers' case: ``(counts, cum_token_counts, a [R, 11], w [4, 13, 11], the weight as
+    stored (``transposed``: ``[4, 11, 13]``), dy [R, 13])`` with counts 5, 0, 19, 1 and two rows past RT."""
+    g = torch.Generator().manual_seed(3)
+    counts = [5, 0, 19, 1]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    a = torch.randn(sum(counts) + 2, 11, generator=g)
+    w = torch.randn(4, 13, 11, generator=g)
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    dy = torch.randn(sum(counts) + 2, 13, generator=g)
+    return counts, cum, a, w, stored, dy
+
+
+def wgrad_case(counts, M, N, seed):  # noqa: ANN001, ANN201
+    """Gradient rows ``g [R, M]`` and input rows ``x [T, N]`` gathered by ``idx [R]``, with NaN, inf
+    and out-of-range indices in the rows past RT (unspecified there: never read)."""
+    g = torch.Generator().manual_seed(seed)
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    rt, R, T = sum(counts), sum(counts) + 3, 13
+    grad = torch.randn(R, M, generator=g) * torch.rand(M, generator=g) * 4  # columns of different sizes
+    grad[rt:] = float("nan")
+    grad[rt + 1:, 0] = float("inf")
+    x = torch.randn(T, N, generator=g)
+    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32)
+    idx[rt:] = 10**6
+    if rt > 2:
+        grad[1] = 0  # a zero row within an expert
+    return cum, grad, x, idx
+
+
+@pytest.fixture
+def no_host_bounds(monkeypatch):  # noqa: ANN001, ANN201
+    """The quantized launchers' host read of the expert bounds, made to fail: the Triton int8 and fp8
+    paths must never take it. Returns a function that allows it again (for the torch-base launchers)."""
+    real = qlaunchers._groups
+
+    def refuse(cum_token_counts):  # noqa: ANN001, ANN202
+        raise AssertionError("the expert bounds were read on the host")
+
+    monkeypatch.setattr(qlaunchers, "_groups", refuse)
+    return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
+
+
+def check_layer(close: Callable[[torch.Tensor, torch.Tensor, str], None], out: torch.Tensor,
+                leaves: list[torch.Tensor], want: tuple[torch.Tensor, ...]) -> None:
+    """``close`` on a layer's output and the gradients of its leaves ``(x, weights, w_gate_up, w_down)``
+    against the reference's ``(out, dx, dw_gate_up, dw_down, dweights)``."""
+    close(out, want[0], "output")
+    close(leaves[0].grad, want[1], "input gradient")
+    close(leaves[2].grad, want[2], "gate_up weight gradient")
+    close(leaves[3].grad, want[3], "down weight gradient")
+    close(leaves[1].grad, want[4], "router-weight gradient")
