@@ -402,17 +402,23 @@ def _class_field(cls: type) -> Any:
     return None
 
 
-def accept_precision_in_configs(module: Any = None) -> bool:
-    """Give transformers' config base class the :data:`PRECISION_ATTRIBUTE` field (once). Returns
-    False when transformers is not installed."""
+def _config_base(module: Any = None) -> Any:
+    """transformers' config base class, from ``module`` (its defining module) or imported; None
+    without transformers."""
     if module is None:
         try:
             import importlib
 
             module = importlib.import_module(CONFIG_MODULE)
         except ImportError:
-            return False
-    cls = getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
+            return None
+    return getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
+
+
+def accept_precision_in_configs(module: Any = None) -> bool:
+    """Give transformers' config base class the :data:`PRECISION_ATTRIBUTE` field (once). Returns
+    False when transformers is not installed."""
+    cls = _config_base(module)
     if cls is None:
         return False
     if not isinstance(cls.__dict__.get(PRECISION_ATTRIBUTE), _PrecisionField):
@@ -481,14 +487,7 @@ def record_in_saved_configs(module: Any = None) -> bool:
     therefore writes :data:`SAVED_CHOICE_KEY`, which :class:`_SavedChoiceField` reads back. Other
     implementations are saved unchanged. Returns False when transformers' config class cannot be
     patched."""
-    if module is None:
-        try:
-            import importlib
-
-            module = importlib.import_module(CONFIG_MODULE)
-        except ImportError:
-            return False
-    PretrainedConfig = getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
+    PretrainedConfig = _config_base(module)
     if PretrainedConfig is None:
         return False
     if not isinstance(PretrainedConfig.__dict__.get(SAVED_CHOICE_KEY), _SavedChoiceField):
