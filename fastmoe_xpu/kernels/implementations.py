@@ -57,6 +57,7 @@ import torch
 
 from .. import settings
 from .contract import LAUNCHERS, STAGE4_LAUNCHERS, KernelBackend
+from .timing import apart_from_caller
 
 #: The stages an implementation may provide, and the launchers each stage consists of.
 STAGES: Mapping[str, tuple[str, ...]] = {
@@ -107,7 +108,8 @@ def _tma_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 def _module_reason(module: str) -> Callable[[torch.device, torch.dtype], str | None]:
     """The ``unsupported_reason(device, dtype)`` of an engine's own module, imported on first use."""
     def reason(device: torch.device, dtype: torch.dtype) -> str | None:
-        return importlib.import_module(module, __package__).unsupported_reason(device, dtype)
+        with apart_from_caller():
+            return importlib.import_module(module, __package__).unsupported_reason(device, dtype)
 
     return reason
 
@@ -116,7 +118,8 @@ def _quantized_reason(fmt: str) -> Callable[..., str | None]:
     def reason(device: torch.device, dtype: torch.dtype, base: str | None = None) -> str | None:
         from .quantized.core import unsupported_reason
 
-        return unsupported_reason(fmt, device, dtype, base)
+        with apart_from_caller():
+            return unsupported_reason(fmt, device, dtype, base)
 
     return reason
 

@@ -25,6 +25,7 @@ from .implementations import (  # noqa: F401  (re-exported: the registry's one i
     _low_rank_set, _triton_available, check_choice, kernel_set_name, kernels, low_rank_kernels, module_of,
     triton_interpreting, unavailable_reason,
 )
+from .timing import apart_from_caller
 
 
 # ---------------------------------------------------------------- the base: stages 2, 3 and 5
@@ -201,12 +202,14 @@ def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str,
     answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
     answer = _ANSWERS.get(answer_key)
     if answer is None:
-        answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure,
-                                                group, use_disk)
+        with apart_from_caller():
+            answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure,
+                                                    group, use_disk)
     if answer.__class__ is str:
         return answer, None
     if check and answer.calls >= answer.next_check:
-        answer.check(measure, shape[3])
+        with apart_from_caller():
+            answer.check(measure, shape[3])
     return (answer.inference_engine if inference else answer.engine), answer
 
 

@@ -57,6 +57,27 @@ import torch
 from .. import settings
 from ..device import cpu_model
 
+
+#: Device types whose autocast state a probe or a timing leaves behind (see :func:`apart_from_caller`).
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu")
+
+
+@contextlib.contextmanager
+def apart_from_caller():
+    """Run the package's own probes and timings as they would run alone: outside any autocast region
+    of the caller (autocast would change the dtypes they compare and time: a probe's fp32 check met
+    a bf16 product and raised) and without autograd (they call launchers, not differentiable ops)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in AUTOCAST_DEVICE_TYPES:
+            try:
+                on = torch.is_autocast_enabled(device_type)
+            except (RuntimeError, TypeError):  # a device type this torch build does not know
+                continue
+            if on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        stack.enter_context(torch.no_grad())
+        yield
+
 FORMAT = 2
 #: Formats of earlier versions, ignored quietly (their choices were timed without checks).
 OLD_FORMATS = (1,)
