@@ -177,3 +177,19 @@ def test_fullgraph_compile_with_adapters_in_experts(family, monkeypatch) -> None
     with torch.no_grad():
         assert_close(ours(input_ids=ids, use_cache=False).logits, ref(input_ids=ids, use_cache=False).logits,
                      msg="grouped_mm after the switch")
+
+
+def test_adapters_on_quantized_experts_are_refused_when_attached() -> None:
+    """LoRA with an int8 expert precision is refused where the adapters are handed to the experts
+    (run_adapters_in_experts, which the trainer calls after attaching them), naming the way out,
+    rather than at the first forward; without the precision the same call sets them up."""
+    from fastmoe_xpu.integrations.experts import run_adapters_in_experts
+
+    _, ours = _pair("qwen3_moe")
+    experts = [m for m in ours.modules() if type(m).__name__.endswith("Experts") and hasattr(m, "has_gate")]
+    assert experts
+    ours.base_model.model.config.fastmoe_expert_precision = "int8"
+    with pytest.raises(ValueError, match="expert precision 'int8' are not supported.*fastmoe_expert_precision='none'"):
+        run_adapters_in_experts(ours)
+    ours.base_model.model.config.fastmoe_expert_precision = None
+    assert run_adapters_in_experts(ours) == len(experts)

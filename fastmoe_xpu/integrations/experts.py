@@ -718,6 +718,12 @@ def run_adapters_in_experts(model: nn.Module) -> int:
         _, experts = wrapper_chain(outer)
         if not hasattr(getattr(experts, "config", None), "_experts_implementation"):
             continue  # not a transformers experts module (FastSparseMoeBlock unwraps its experts itself)
+        precision = expert_precision(experts)
+        if precision is not None and experts.config._experts_implementation == NAME:
+            # refused here, where the adapters are attached, rather than at the first forward
+            raise ValueError(f"LoRA adapters on experts running expert precision {precision!r} are not supported: "
+                             "train the adapters in the weights' precision (load without fastmoe_expert_precision, "
+                             "or pass fastmoe_expert_precision='none')")
         peft_forward = type(outer).forward.__get__(outer)
 
         def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
