@@ -12,11 +12,11 @@ import types
 
 import pytest
 
-from trainer import wandb_writer
+from trainer.records import wandb_writer
 from trainer.cli import EXIT_CONFIG_ERROR, main
 from trainer.config import ConfigError
-from trainer.metrics import MetricsWriter, read_metrics
-from trainer.tb_writer import record_scalars
+from trainer.records.metrics import MetricsWriter, read_metrics
+from trainer.records.tb_writer import record_scalars
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
 

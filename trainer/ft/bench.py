@@ -72,8 +72,8 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
 
 def formula_table() -> list[dict[str, Any]]:
     """Checkpoint bytes per rank at the Mula presets (fp32 weights, EPSO), for a few layouts."""
-    from ..model import param_counts
-    from ..presets import get_preset
+    from ..model.build import param_counts
+    from ..config.presets import get_preset
 
     rows = []
     layouts = {"mula-7b-a1b": [(1, 64, 1), (1, 8, 8), (1, 128, 8)], "mula-20b-a2b": [(1, 32, 12)],

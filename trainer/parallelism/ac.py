@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .ac_spec import AC_CHOICES, parse_ac
+from ..config.ac_spec import AC_CHOICES, parse_ac
 
 __all__ = [
     "AC_CHOICES", "SavedTensorCounter", "SavedTensorStats", "ac_targets", "apply_activation_checkpointing",

@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ac_spec import AC_CHOICES, parse_ac
+from ..config.ac_spec import AC_CHOICES, parse_ac
 
 GiB = 1024 ** 3
 OPT_STATE_BYTES = 12  # fp32 master weight, exp_avg, exp_avg_sq
@@ -71,7 +71,7 @@ DEFAULT_VOCAB = 258
 
 def preset_shape(name: str) -> tuple[ModelShape, int, int, int]:
     """(shape, micro batch, context, global batch) of trainer preset ``name``."""
-    from ..presets import get_preset
+    from ..config.presets import get_preset
 
     cfg = get_preset(name)
     return (ModelShape.of(cfg.model, cfg.model.vocab_size or DEFAULT_VOCAB), cfg.schedule.micro_batch,

@@ -24,7 +24,7 @@ Per-expert load is measured where every family agrees: a forward pre-hook on eac
 module reads the ``top_k_index`` it is handed (on the device; one all-reduce and one host read per
 step). Data, expert and pipeline parallelism, activation checkpointing and compilation are applied
 as for the OLMoE model (:func:`trainer.parallelism.apply.parallelize`, :mod:`trainer.parallelism.ep`,
-:mod:`trainer.parallelism.pipeline`); TP is refused by :func:`trainer.hf_config.check_hf`.
+:mod:`trainer.parallelism.pipeline`); TP is refused by :func:`trainer.config.hf.check_hf`.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .hf_config import EXPERTS_IMPLEMENTATIONS, family_losses, hf_model_config
+from ..config import ModelConfig
+from ..config.errors import ConfigError
+from ..config.hf import EXPERTS_IMPLEMENTATIONS, family_losses, hf_model_config
 
 
 def build_hf_model(m: ModelConfig, context: int, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
@@ -148,7 +148,7 @@ class HfMoeRun:
         read), the bias update, and the step's load metrics. Resets the loads. ``stages_group`` (a
         pipeline's PP group): each stage updates its own layers' biases, and the metrics cover every
         stage's layers (their rows gathered over it, in layer order)."""
-        from .layout import all_reduce_sum
+        from ..layout import all_reduce_sum
 
         all_reduce_sum(self.loads, group)
         loads = self.loads.clone()

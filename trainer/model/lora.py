@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .errors import ConfigError
+from ..config.errors import ConfigError
 
 TARGETS = ("gate_up_proj", "down_proj")
 #: The name of every adapter file's keys start with, as ``PeftModel.save_pretrained`` writes them.

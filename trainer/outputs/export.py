@@ -34,7 +34,7 @@ import torch
 
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
-from .checkpoint import (MANIFEST, META, CheckpointError, CheckpointInfo, _storage_reader, latest_valid,
+from ..checkpoint import (MANIFEST, META, CheckpointError, CheckpointInfo, _storage_reader, latest_valid,
                          model_checkpoints, read_info, verify)
 
 DEFAULT_MAX_SHARD = 2 << 30
@@ -224,9 +224,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
     training config dict, the manifest's tokenizer description). Raises :class:`ExportError`."""
     from safetensors.torch import save_file
 
-    from .config import TrainConfig
-    from .hf_tokenizer import write_tokenizer
-    from .model import hf_config
+    from ..config import TrainConfig
+    from ..model.hf_tokenizer import write_tokenizer
+    from ..model.build import hf_config
 
     t0 = time.perf_counter()
     if max_shard_bytes < 1:
@@ -385,8 +385,8 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
     built once on the CPU (not streamed as the OLMoE export is)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .hf_config import hf_model_config
-    from .hf_tokenizer import write_tokenizer
+    from ..config.hf import hf_model_config
+    from ..model.hf_tokenizer import write_tokenizer
 
     m = cfg.model
     meta = info.meta.get("meta", {}) or {}

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .layout import all_reduce_sum
+from ..config import ModelConfig
+from ..layout import all_reduce_sum
 
 IGNORE_INDEX = -100
 

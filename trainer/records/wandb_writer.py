@@ -4,7 +4,7 @@ The ``wandb`` package is optional (the ``wandb`` extra: ``pip install 'fastmoe_x
 for it without the package installed is one ``error:`` line before any work
 (:func:`check_available`, called by the config's validation).
 
-Rank 0 logs the scalars TensorBoard gets (:func:`trainer.tb_writer.record_scalars`: every numeric
+Rank 0 logs the scalars TensorBoard gets (:func:`trainer.records.tb_writer.record_scalars`: every numeric
 field of a step's record, the MoE health lists per layer as ``<name>/layer_<l>``) at the record's
 step, with the run's config. W&B itself reads its usual environment: ``WANDB_MODE=offline`` writes
 the run under ``OUT/wandb`` to ``wandb sync`` later, ``WANDB_ENTITY``, ``WANDB_API_KEY``, ...
@@ -22,7 +22,7 @@ import os
 import secrets
 from typing import Any
 
-from .errors import ConfigError
+from ..config.errors import ConfigError
 from .tb_writer import record_scalars
 
 #: The file in OUT that keeps the W&B run id across resumes.

@@ -1,6 +1,6 @@
 """Training configuration: nested dataclasses, one docstring per field.
 
-Presets (``trainer.presets``) fill these in; the CLI (``trainer.cli``) overrides single fields on
+Presets (``trainer.config.presets``) fill these in; the CLI (``trainer.cli``) overrides single fields on
 top (``--optim.lr 1e-3`` or the short alias ``--lr 1e-3``). No file is ever executed as config.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastmoe_xpu.kernels.registry import PRECISIONS
 
 from .errors import ConfigError
 
-from .parallelism.ac_spec import parse_ac
+from .ac_spec import parse_ac
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ModelConfig:
 
     arch: str = "olmoe"
     """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM), ``"olmo"`` (dense OlmoForCausalLM) or ``"hf"``
-    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; DP, EP, PP)."""
+    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/model/family.py; DP, EP, PP)."""
     num_layers: int = 2
     """Decoder layers (L)."""
     hidden_size: int = 64
@@ -76,7 +76,7 @@ class ModelConfig:
     """Dtype of the model's weights and gradients: ``"fp32"`` or ``"bf16"`` (fp32 master weights stay in the optimizer)."""
     init_from: str | None = None
     """Model weights file (safetensors or torch.save state dict) or a transformers model directory (``python -m
-    trainer.export``'s output), read by rank 0 only and sent to every rank."""
+    trainer.outputs.export``'s output), read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
     hf_config: str | None = None
@@ -100,7 +100,7 @@ class ModelConfig:
 
     @property
     def is_hf(self) -> bool:
-        """Any transformers MoE family (trainer/hf_family.py)."""
+        """Any transformers MoE family (trainer/model/family.py)."""
         return self.arch == "hf"
 
 
@@ -239,7 +239,7 @@ class LoggingConfig:
     """Write TensorBoard scalars to ``OUT/tensorboard`` (tensorboardX, or the tensorboard package)."""
     wandb: bool = False
     """Log the same scalars to Weights & Biases (the optional wandb package; ``WANDB_MODE=offline`` keeps the run
-    in ``OUT/wandb`` to sync later; trainer/wandb_writer.py)."""
+    in ``OUT/wandb`` to sync later; trainer/records/wandb_writer.py)."""
     wandb_project: str = "fastmoe"
     """The W&B project of ``--logging.wandb`` (the run is named after OUT)."""
     plot: bool = True
@@ -278,7 +278,7 @@ class EvalConfig:
 
 @dataclass
 class LoraSection:
-    """LoRA fine-tuning of the expert weights (PEFT adapters, run inside the grouped GEMMs; trainer/lora.py)."""
+    """LoRA fine-tuning of the expert weights (PEFT adapters, run inside the grouped GEMMs; trainer/model/lora.py)."""
 
     rank: int = 0
     """Adapter rank r of every targeted expert weight; 0 trains the whole model instead."""
@@ -387,7 +387,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
     size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
     m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
-    from .lora import check_lora_config
+    from ..model.lora import check_lora_config
 
     check_lora_config(cfg)
     if m.hf_config and m.arch == "olmoe":
@@ -422,7 +422,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     if o.lr < 0 or s.min_lr < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError("--optim.lr, --schedule.min_lr, --optim.grad_clip and --optim.weight_decay must be >= 0")
     if m.is_hf:
-        from .hf_config import check_hf
+        from .hf import check_hf
 
         check_hf(cfg)  # fills the size fields from the transformers config
     elif m.hf_config or m.hf_family:
@@ -474,7 +474,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
                               "of a stage); 0 shards over all of them")
     check_parallel(cfg)
     if cfg.logging.wandb:
-        from .wandb_writer import check_available
+        from ..records.wandb_writer import check_available
 
         check_available()  # an optional package: one line now, not a traceback at the first step
     if world_size is not None:
