@@ -6,6 +6,7 @@ top (``--optim.lr 1e-3`` or the short alias ``--lr 1e-3``). No file is ever exec
 from __future__ import annotations
 
 import ast
+import importlib.util
 import dataclasses
 import inspect
 import json
@@ -387,8 +388,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
     size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
     m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
-    from ..model.lora import check_lora_config
-
     check_lora_config(cfg)
     if m.hf_config and m.arch == "olmoe":
         m.arch = "hf"  # --model.hf_config on top of any preset trains that config
@@ -474,9 +473,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
                               "of a stage); 0 shards over all of them")
     check_parallel(cfg)
     if cfg.logging.wandb:
-        from ..records.wandb_writer import check_available
-
-        check_available()  # an optional package: one line now, not a traceback at the first step
+        check_wandb_available()  # an optional package: one line now, not a traceback at the first step
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
         cfg._validated_world = world_size  # type: ignore[attr-defined]
@@ -495,6 +492,56 @@ def validated_for(cfg: TrainConfig, world_size: int) -> bool:
     """Whether :func:`validate` passed ``cfg`` for ``world_size`` (edits after it are not noticed:
     validate last)."""
     return getattr(cfg, "_validated_world", None) == world_size
+
+
+#: The expert weights LoRA adapts (``--lora.targets``, see trainer/model/lora.py).
+LORA_TARGETS = ("gate_up_proj", "down_proj")
+
+
+def lora_targets(section: Any) -> list[str]:
+    return [t.strip() for t in section.targets.split(",") if t.strip()]
+
+
+def check_lora_config(cfg: Any) -> None:
+    """ConfigError (one line) for a LoRA section this trainer cannot run."""
+    lo, p, m = cfg.lora, cfg.parallel, cfg.model
+    if lo.rank < 0:
+        raise ConfigError(f"--lora.rank must be >= 0, got {lo.rank}")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"--lora.alpha must be > 0, got {lo.alpha}")
+    bad = [t for t in lora_targets(lo) if t not in LORA_TARGETS] or ([] if lora_targets(lo) else ["(none)"])
+    if bad:
+        raise ConfigError(f"--lora.targets must name some of {list(LORA_TARGETS)}, got {lo.targets!r}")
+    if m.arch == "olmo":
+        raise ConfigError("--lora.rank adapts expert weights; --model.arch olmo has none")
+    if m.moe_impl != "fastmoe":
+        raise ConfigError(f"--lora.rank needs --model.moe_impl fastmoe (the adapters run in its GEMMs), got {m.moe_impl!r}")
+    for name, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)):
+        if value > 1:
+            raise ConfigError(f"--lora.rank trains with data parallelism only, got --parallel.{name} {value}")
+    if m.compile:
+        raise ConfigError("--lora.rank runs eagerly; drop --model.compile")
+    if cfg.checkpoint.init_from:
+        raise ConfigError("--lora.rank starts from --model.init_from (a transformers checkpoint), "
+                          "not --checkpoint.init_from")
+    if cfg.eval.export_hf:
+        raise ConfigError("--lora.rank exports the adapter (--lora.export), not the whole model (--eval.export_hf)")
+
+
+WANDB_INSTALL_HINT = "pip install wandb (or the package's wandb extra: pip install 'fastmoe_xpu[wandb]')"
+
+
+def check_wandb_available() -> None:
+    """Raise :class:`ConfigError` with one line when the ``wandb`` package is not installed."""
+    try:
+        found = importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"--logging.wandb needs the wandb package, which is not installed: {WANDB_INSTALL_HINT}; "
+                          "or leave --logging.wandb out (TensorBoard and metrics.jsonl stay)")
 
 
 def check_fsdp(cfg: TrainConfig) -> None:

@@ -71,6 +71,12 @@ def _layer_of(name: str) -> int:
         raise ValueError(f"cannot find the layer index in module name {name!r}") from None
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """transformers decoder layers of ``model`` (anything with self_attn, mlp and the two norms)."""
+    return [m for m in model.modules()
+            if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))]
+
+
 def experts_modules(model: nn.Module) -> dict[int, nn.Module]:
     """{layer: experts module} of every decorated experts module, by layer."""
     return {_layer_of(n): mod for n, mod in model.named_modules()

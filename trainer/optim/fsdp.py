@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, *, is_expert: Callable[[str], bool],
     ``reduce_dtype`` (``--optim.grad_reduce_dtype``); returns the number of modules sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..parallelism.ac import decoder_layers
+    from ..model.family import decoder_layers
 
     ignored = {p for n, p in model.named_parameters() if is_expert(n)}
     mp = MixedPrecisionPolicy(reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce_dtype])

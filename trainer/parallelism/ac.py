@@ -29,19 +29,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..config.ac_spec import AC_CHOICES, parse_ac
+from ..model.family import decoder_layers
 
 __all__ = [
     "AC_CHOICES", "SavedTensorCounter", "SavedTensorStats", "ac_targets", "apply_activation_checkpointing",
-    "checkpointed_modules", "decoder_layers", "parse_ac", "remove_activation_checkpointing", "saved_bytes",
+    "checkpointed_modules", "parse_ac", "remove_activation_checkpointing", "saved_bytes",
 ]
 
 _ORIG = "_ac_original_forward"
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """transformers decoder layers of ``model`` (anything with self_attn, mlp and the two norms)."""
-    return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))]
 
 
 def _final_norms(model: nn.Module) -> list[nn.Module]:

@@ -159,7 +159,7 @@ class StepProbe:
     def __enter__(self) -> "StepProbe":
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from .ac import decoder_layers
+        from ..model.family import decoder_layers
 
         probe = self
 
