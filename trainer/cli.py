@@ -303,7 +303,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
         # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    from .checkpoint import CheckpointError
+    from .checkpoint.slots import CheckpointError
     from .ft.fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
     trainer.stop = stop

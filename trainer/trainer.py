@@ -42,7 +42,9 @@ from fastmoe_xpu.compiling import compile_seconds
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from .ft import fault
-from .checkpoint import CheckpointManager, load_model, sync_master_from_model
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.optim_state import sync_master_from_model
+from .checkpoint.restore import load_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .model.loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss

@@ -133,12 +133,13 @@ def test_fsdp_checkpoint_holds_every_rank_shard(data_cache, tmp_path) -> None:  
     index keeps the pieces), under the plain keys every layout reads; the manifest lists every file."""
     import json
 
-    from trainer import checkpoint as ck
+    from trainer.checkpoint.dcp_io import storage_reader
+    from trainer.checkpoint.slots import verify
 
     run_workers(_save_worker, 2, data_cache, str(tmp_path / "fsdp"), {"parallel__ep": 1}, 2)
     slot = tmp_path / "fsdp" / "checkpoints" / "slot-A"
-    assert ck.verify(slot) is None
-    md = ck._storage_reader(slot).read_metadata()
+    assert verify(slot) is None
+    md = storage_reader(slot).read_metadata()
     files: dict[str, set] = {}
     for idx, info in md.storage_data.items():
         files.setdefault(idx.fqn, set()).add(info.relative_path)

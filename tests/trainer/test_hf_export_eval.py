@@ -202,7 +202,8 @@ def _export_worker(data_cache: str, out: str, over: dict) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("over,world", [({"parallel__ep": 2}, 4), ({"parallel__pp": 2}, 2)])
 def test_export_gathers_expert_and_pipeline_checkpoints(data_cache, tmp_path, over, world):
-    from trainer.checkpoint import load_model, model_checkpoints
+    from trainer.checkpoint.restore import load_model
+    from trainer.checkpoint.slots import model_checkpoints
     from transformers import AutoModelForCausalLM
 
     run_workers(_export_worker, world, data_cache, str(tmp_path / "run"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import latest_valid
+from trainer.checkpoint.slots import latest_valid
 from trainer.cli import main
 from trainer.config import ConfigError
 from trainer.records.metrics import MetricsWriter, read_metrics

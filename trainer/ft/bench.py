@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint as ck
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.save import SaveStats
+from ..checkpoint.slots import latest_valid, verify
+from ..checkpoint.writers import checkpoint_bytes
 from . import fault
 
 SMALL = ["--preset", "tiny-moe", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
@@ -47,14 +50,14 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     t = Trainer(cfg)
     t.fit()
     root = out / "tiny" / "bench-ckpt"
-    mgr = ck.CheckpointManager(root, is_expert=t.checkpoints.is_expert, model_dtype="bf16")
-    stats: list[ck.SaveStats] = []
+    mgr = CheckpointManager(root, is_expert=t.checkpoints.is_expert, model_dtype="bf16")
+    stats: list[SaveStats] = []
     save_s = _median_time(lambda: stats.append(mgr.save(t.step, t.model, t.optimizer,
                                                          meta={"data": t.loader.state_dict()})), repeats)
-    model_stats: list[ck.SaveStats] = []
+    model_stats: list[SaveStats] = []
     model_s = _median_time(lambda: model_stats.append(mgr.save_model(t.step, t.model)), repeats)
-    info = ck.latest_valid(root)
-    verify_s = _median_time(lambda: ck.verify(info.path), repeats)
+    info = latest_valid(root)
+    verify_s = _median_time(lambda: verify(info.path), repeats)
     restore_s = _median_time(lambda: mgr.restore(t.model, t.optimizer, info), repeats)
     grads = [b.flat_grad for b in t.optimizer.buckets]
     check_s = _median_time(lambda: fault.local_nonfinite(t._local_loss, grads), max(repeats, 20))
@@ -82,7 +85,7 @@ def formula_table() -> list[dict[str, Any]]:
         m = get_preset(name).model
         pc = param_counts(m)
         for pp, dp, ep in lays:
-            b = ck.checkpoint_bytes(pc.total - pc.expert, pc.expert, pp=pp, dp=dp, ep=ep)
+            b = checkpoint_bytes(pc.total - pc.expert, pc.expert, pp=pp, dp=dp, ep=ep)
             rows.append({"preset": name, "pp": pp, "dp": dp, "ep": ep, **b})
     return rows
 

@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint as ck
+from ..checkpoint.dcp_io import dcp_load, storage_reader
+from ..checkpoint.slots import latest_valid
 from . import fault
 
 FAULT_KINDS = ("rank", "node", "hang", "nan", "slot", "stop")
@@ -232,7 +233,7 @@ def inject(kind: str, job: Job, out: Path, nan_spec: Path, done: int, lost_nodes
         f["nan_step"] = int(b1["step"]) + 2
         nan_spec.write_text(f"step={f['nan_step']},host={b1['host']},once={out / 'nan.fired'}\n")
     elif kind == "slot":
-        newest = ck.latest_valid(out / "checkpoints")
+        newest = latest_valid(out / "checkpoints")
         f["damaged"] = str(newest.path) if newest else None
         if newest is not None:
             with open(Path(newest.path) / "meta.json", "a") as fh:
@@ -275,10 +276,10 @@ def read_state(path: Path) -> dict[str, Any]:
     """Every tensor of a full checkpoint, read in this process (no process group)."""
     import torch
 
-    md = ck._storage_reader(path).read_metadata().state_dict_metadata
+    md = storage_reader(path).read_metadata().state_dict_metadata
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()
             if hasattr(m, "size")}
-    ck._dcp_load(want, path)
+    dcp_load(want, path)
     return want
 
 
@@ -291,7 +292,7 @@ def same_state(a: Path, b: Path) -> tuple[bool, int, list[str]]:
 
 
 def _final(out: Path, steps: int) -> Path | None:
-    info = ck.latest_valid(out / "checkpoints")
+    info = latest_valid(out / "checkpoints")
     return Path(info.path) if info is not None and info.step == steps else None
 
 

@@ -34,8 +34,9 @@ import torch
 
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
-from ..checkpoint import (MANIFEST, META, CheckpointError, CheckpointInfo, _storage_reader, latest_valid,
-                         model_checkpoints, read_info, verify)
+from ..checkpoint.dcp_io import storage_reader
+from ..checkpoint.slots import (CheckpointError, CheckpointInfo, latest_valid, MANIFEST, META, model_checkpoints,
+                                read_info, verify)
 
 DEFAULT_MAX_SHARD = 2 << 30
 #: TP-split weights: name suffix -> dimension their ``/tp<r>`` parts are concatenated along
@@ -132,7 +133,7 @@ class _Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.md = _storage_reader(path).read_metadata().state_dict_metadata
+            self.md = storage_reader(path).read_metadata().state_dict_metadata
         except Exception as e:
             raise ExportError(f"{path / '.metadata'}: cannot read the checkpoint index: {e}") from None
 
@@ -155,7 +156,7 @@ class _Reader:
 
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.load(box, storage_reader=_storage_reader(self.path), no_dist=True)
+                dcp.load(box, storage_reader=storage_reader(self.path), no_dist=True)
         except Exception as e:  # a truncated or missing data file
             raise ExportError(f"{self.path}: reading tensor {key!r} failed: {' '.join(str(e).split())[:400]}") from None
         return box[key]

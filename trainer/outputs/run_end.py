@@ -42,7 +42,7 @@ def finish_run(trainer: Any) -> dict[str, Any]:
 
 
 def _export(trainer: Any, art: dict[str, Any]) -> None:
-    from ..checkpoint import save_model
+    from ..checkpoint.save import save_model
     from .export import ExportError, export_hf
 
     cfg, lay = trainer.cfg, trainer.layout

@@ -22,7 +22,7 @@ import torch
 
 import _ft_toy as toy
 from trainer.ft import fault
-from trainer.checkpoint import latest_valid
+from trainer.checkpoint.slots import latest_valid
 from trainer.ft.launch import descendants, free_port, read_events
 
 pytestmark = pytest.mark.drill
