@@ -106,7 +106,8 @@ def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, he
     Returns the seconds from the fault to its detection (the first ``failure``/``leave`` event or,
     for a hang, the watchdog's record), to the new rendezvous round, and to the first training
     step completed after it, the rounds formed (one per failure is the goal) and the exit codes."""
-    from .launch import descendants, free_port, read_events
+    from .elastic.job import read_events
+    from .elastic.local_nodes import descendants, free_port
 
     run = out / f"recovery-{fault_kind}-{time.time_ns()}"
     run.mkdir(parents=True)

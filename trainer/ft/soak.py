@@ -76,7 +76,7 @@ class Job:
         """A new store and ``nodes`` node launchers (the first start, or a restart after a stop), started
         together as docs/fault.md's batch scripts start them (the store in the background; a launcher
         waits for it, up to its ``read_timeout``)."""
-        from .launch import free_port
+        from .elastic.local_nodes import free_port
 
         self.started = time.time()
         self.endpoint = f"127.0.0.1:{free_port()}"
@@ -117,7 +117,7 @@ class Job:
         return [label for label, p in self.nodes.items() if p.poll() is None]
 
     def kill_node(self, label: str) -> None:
-        from .launch import descendants
+        from .elastic.local_nodes import descendants
 
         p = self.nodes[label]
         for pid in [p.pid, *descendants(p.pid)]:
@@ -249,7 +249,7 @@ def inject(kind: str, job: Job, out: Path, nan_spec: Path, done: int, lost_nodes
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
-    from .launch import read_events
+    from .elastic.job import read_events
 
     return read_events(out)
 

@@ -18,7 +18,8 @@ import _ft_toy as toy
 from trainer.checkpoint.optim_state import optimizer_steps
 from trainer.checkpoint.slots import verify
 from trainer.ft import fault
-from trainer.ft.launch import descendants, read_events
+from trainer.ft.elastic.job import read_events
+from trainer.ft.elastic.local_nodes import descendants
 
 REPO = Path(__file__).resolve().parents[3]
 # tiny-moe with one layer, 8 instances of 16 tokens per step, warmup 1 step: quick, still MoE with EPSO
