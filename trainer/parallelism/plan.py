@@ -97,8 +97,19 @@ def plan_from_config(cfg: Any, world: int, ranks_per_node: int = 12) -> str:
 
 
 # ----------------------------------------------------------------------------- parameters
+class _Total:
+    """``total``: the non-expert and expert parameters together."""
+
+    non_expert: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.non_expert + self.expert
+
+
 @dataclass(frozen=True)
-class LayerParams:
+class LayerParams(_Total):
     """Parameters of one decoder layer."""
 
     attn: int
@@ -112,10 +123,6 @@ class LayerParams:
     @property
     def non_expert(self) -> int:
         return self.attn + self.norms + self.router + self.dense_mlp
-
-    @property
-    def total(self) -> int:
-        return self.non_expert + self.expert
 
     @property
     def active(self) -> int:
@@ -173,7 +180,7 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
 
 
 @dataclass(frozen=True)
-class StageParams:
+class StageParams(_Total):
     stage: int
     layers: range
     non_expert: int
@@ -181,10 +188,6 @@ class StageParams:
     active: int
     has_embedding: bool
     has_head: bool
-
-    @property
-    def total(self) -> int:
-        return self.non_expert + self.expert
 
 
 def stage_params(s: ModelShape, pp: int) -> list[StageParams]:
