@@ -14,9 +14,6 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
-from fastmoe_xpu.kernels.registry import PRECISIONS
-
 from .errors import ConfigError
 
 from .ac_spec import parse_ac
@@ -365,23 +362,29 @@ def section_classes() -> dict[str, type]:
 
 
 # ----------------------------------------------------------------------------- validation
-_CHOICES = {
-    ("model", "arch"): ("olmoe", "olmo", "hf"),
-    ("parallel", "dp_shard"): ("none", "fsdp"),
-    ("model", "moe_impl"): ("fastmoe", "hf"),
-    ("model", "moe_backend"): ("auto", "torch", "triton"),
-    ("model", "gemm_engine"): GEMM_ENGINES,
-    ("model", "expert_precision"): ("none", *PRECISIONS),
-    ("model", "ep_dispatch"): ("allgather", "alltoall"),
-    ("model", "param_dtype"): ("fp32", "bf16"),
-    ("model", "autocast"): ("auto", "bf16", "none"),
-    ("optim", "name"): ("adamw", "sharded", "epso"),
-    ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
-    ("optim", "moments_dtype"): ("fp32", "bf16"),
-    ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
-    ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
-    ("checkpoint", "model_dtype"): ("bf16", "fp32"),
-}
+def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The options with a fixed set of values. The kernel registry's sets are read here, on use, so
+    that importing the configuration (the planner does, for :mod:`.ac_spec`) does not load torch."""
+    from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
+    from fastmoe_xpu.kernels.registry import PRECISIONS
+
+    return {
+        ("model", "arch"): ("olmoe", "olmo", "hf"),
+        ("parallel", "dp_shard"): ("none", "fsdp"),
+        ("model", "moe_impl"): ("fastmoe", "hf"),
+        ("model", "moe_backend"): ("auto", "torch", "triton"),
+        ("model", "gemm_engine"): GEMM_ENGINES,
+        ("model", "expert_precision"): ("none", *PRECISIONS),
+        ("model", "ep_dispatch"): ("allgather", "alltoall"),
+        ("model", "param_dtype"): ("fp32", "bf16"),
+        ("model", "autocast"): ("auto", "bf16", "none"),
+        ("optim", "name"): ("adamw", "sharded", "epso"),
+        ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+        ("optim", "moments_dtype"): ("fp32", "bf16"),
+        ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
+        ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
+        ("checkpoint", "model_dtype"): ("bf16", "fp32"),
+    }
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
@@ -391,7 +394,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     check_lora_config(cfg)
     if m.hf_config and m.arch == "olmoe":
         m.arch = "hf"  # --model.hf_config on top of any preset trains that config
-    for (section, name), allowed in _CHOICES.items():
+    for (section, name), allowed in _choices().items():
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"--{section}.{name} must be one of {list(allowed)}, got {value!r}")
