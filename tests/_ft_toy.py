@@ -30,7 +30,11 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastmoe_xpu.dist.sharding import is_expert_weight  # noqa: E402
-from trainer import checkpoint as ck  # noqa: E402
+from trainer.checkpoint.dcp_io import dcp_load, storage_reader  # noqa: E402
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.optim_state import bucket_segments, OPTIM_STATES, optimizer_steps
+from trainer.checkpoint.slots import CheckpointError
+from trainer.checkpoint.writers import model_segments, segment_tensor
 from trainer.ft import fault  # noqa: E402
 from trainer.optim import OPTIMIZERS  # noqa: E402
 from trainer.ft.stop import StopRequest, Stopped, signal_name  # noqa: E402
@@ -139,14 +143,14 @@ def dump_state(model: Toy, opt: Any) -> dict[str, Any]:
     for b in opt.buckets:
         lo_me = b.group_rank * b.shard_numel
         hi_me = min(b.numel, lo_me + b.shard_numel)
-        for os_ in ck._bucket_segments(model, b, is_expert_weight):
+        for os_ in bucket_segments(model, b, is_expert_weight):
             lo, hi = max(os_.offset, lo_me), min(os_.offset + os_.seg.numel, hi_me)
             if lo < hi:
-                for state, t in zip(ck.OPTIM_STATES, (b.master, b.exp_avg, b.exp_avg_sq)):
+                for state, t in zip(OPTIM_STATES, (b.master, b.exp_avg, b.exp_avg_sq)):
                     pieces.setdefault((state, os_.seg.key), []).append((lo - os_.offset, t[lo - lo_me:hi - lo_me].clone()))
     params = dict(model.named_parameters())
-    weights = {s.key: ck._segment_tensor(params, s).detach().clone() for s in ck.model_segments(model)}
-    return {"pieces": pieces, "weights": weights, "steps": ck.optimizer_steps(opt)}
+    weights = {s.key: segment_tensor(params, s).detach().clone() for s in model_segments(model)}
+    return {"pieces": pieces, "weights": weights, "steps": optimizer_steps(opt)}
 
 
 def spawn(world: int, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 300.0) -> list[int]:
@@ -213,9 +217,9 @@ def assemble(dumps: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors in :func:`assemble`'s naming, read in this process (no process group)."""
     path = Path(path)
-    md = ck._storage_reader(path).read_metadata().state_dict_metadata
+    md = storage_reader(path).read_metadata().state_dict_metadata
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()}
-    ck._dcp_load(want, path)
+    dcp_load(want, path)
     out = {}
     for k, t in want.items():
         kind, _, rest = k.partition("/")
@@ -264,7 +268,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     np.random.seed(seed + lay.rank)
     random.seed(seed + lay.rank)
     model, opt = build(args.optim, lay, seed)
-    mgr = ck.CheckpointManager(out / "checkpoints", layout=lay, interval=args.interval,
+    mgr = CheckpointManager(out / "checkpoints", layout=lay, interval=args.interval,
                                model_interval=args.model_interval)
     hb = fault.Heartbeat(out, lay.rank)
     hb.beat(0, "startup")
@@ -272,7 +276,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     if args.resume == "auto":
         try:
             res = mgr.restore(model, opt)
-        except ck.CheckpointError as e:  # every slot damaged: the trainer's exit 76, on every rank
+        except CheckpointError as e:  # every slot damaged: the trainer's exit 76, on every rank
             print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
             return fault.EXIT_CHECKPOINT_FAILURE
         if res is not None:
@@ -312,7 +316,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             torch.save(dump_state(model, opt), Path(args.dump) / f"rank-{lay.rank:05d}.pt")
         return fault.EXIT_SOFT_FAILURE
-    except ck.CheckpointError as e:
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return fault.EXIT_CHECKPOINT_FAILURE
     if args.dump:

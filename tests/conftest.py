@@ -55,7 +55,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 # (last component of the defining module, qualified name) of every function that starts processes
 _LAUNCHERS = {("testing", "run_distributed"), ("parallel_util", "run_workers"), ("_ft_toy", "spawn"),
-              ("launch", "run_node"), ("launch", "run_local_nodes")}
+              ("node", "run_node"), ("local_nodes", "run_local_nodes")}
 # the node launcher started as a subprocess: a multi-process training run under fault tolerance
 _LAUNCHER_MODULE = "trainer.ft.launch"
 _TRITON_PACKAGE = "fastmoe_xpu.kernels.triton"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer.config import TrainConfig
-from trainer.presets import get_preset
+from trainer.config.presets import get_preset
 
 RTOL, ATOL = 1e-5, 1e-5
 

@@ -18,8 +18,8 @@ import typing
 from typing import Any, Sequence
 
 from .config import ConfigError, TrainConfig, field_docs, section_classes, validate
-from .config_file import field_types as _field_types, parse_value as _parse_value
-from .presets import PRESETS, get_preset
+from .config.file import field_types as _field_types, parse_value as _parse_value
+from .config.presets import PRESETS, get_preset
 
 #: Short aliases of frequently changed fields.
 ALIASES: dict[str, str] = {
@@ -144,7 +144,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
     early = pre.parse_known_args(argv)[0]
     from_file: dict[str, Any] = {}
     if early.config is not None:
-        from .config_file import read_config_file
+        from .config.file import read_config_file
 
         from_file = read_config_file(early.config)
     preset = early.preset or from_file.get("preset") or DEFAULT_PRESET
@@ -178,10 +178,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
 
 
 def _preset_and_file(preset: str, from_file: dict[str, Any], path: str | None) -> TrainConfig:
-    """The preset with the ``--config`` file's values on top (trainer/config_file.py)."""
+    """The preset with the ``--config`` file's values on top (trainer/config/file.py)."""
     cfg = get_preset(preset)
     if from_file:
-        from .config_file import apply_config_values
+        from .config.file import apply_config_values
 
         apply_config_values(cfg, from_file, str(path))
     return cfg
@@ -205,7 +205,7 @@ def _human(n: int) -> str:
 
 
 def list_presets() -> str:
-    from .model import param_counts
+    from .model.build import param_counts
 
     rows = ["preset           arch   layers hidden heads  I      E    K  total        active"]
     for name, fn in PRESETS.items():
@@ -289,7 +289,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
         # the only check: the Trainer takes the validated config as it is
         validate(cfg, (args.world if args.print_config else None) or env_world_size())
         if args.print_config:
-            from .config_file import dump_config
+            from .config.file import dump_config
 
             print(dump_config(as_given, args.print_config, get_preset(args.preset)), end="")
             return 0
@@ -303,7 +303,7 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
         # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    from .checkpoint import CheckpointError
+    from .checkpoint.slots import CheckpointError
     from .ft.fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
     trainer.stop = stop

@@ -2,7 +2,7 @@
 and composes the parallelisms the config asks for.
 
 One step: every data-parallel rank takes its own micro-batches of the global batch; each
-micro-batch's loss is normalised over the *global* batch (:mod:`trainer.loss`), so gradients are
+micro-batch's loss is normalised over the *global* batch (:mod:`trainer.model.loss`), so gradients are
 plain sums across ranks and the logged loss is the global-batch mean whatever the layout. Then the
 sharded optimizer reduces, clips (after warmup), updates and re-publishes the weights.
 
@@ -42,18 +42,20 @@ from fastmoe_xpu.compiling import compile_seconds
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from .ft import fault
-from .checkpoint import CheckpointManager, load_model, sync_master_from_model
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.optim_state import sync_master_from_model
+from .checkpoint.restore import load_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
-from .loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
-from .metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops, plot_loss
-from .model import build_model, flops_per_token, param_counts, torch_dtype
+from .model.loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
+from .records.metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops, plot_loss
+from .model.build import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
 from .parallelism.apply import parallelize
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
 from .parallelism.tp import tp_localize
-from .schedule import clipping_active, lr_at
+from .optim.schedule import clipping_active, lr_at
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
@@ -104,17 +106,17 @@ class Trainer:
         from .optim.fsdp import is_fsdp
 
         self.fsdp = is_fsdp(self.model)  # --parallel.dp_shard fsdp on more than one rank
-        self.hf = None  # arch="hf": the family's loss, expert loads and router bias (trainer/hf_family.py)
+        self.hf = None  # arch="hf": the family's loss, expert loads and router bias (trainer/model/family.py)
         if m.is_hf:
-            from .hf_family import HfMoeRun
+            from .model.family import HfMoeRun
 
             self.hf = HfMoeRun(self.model, m, self.device)
             if self.pipeline is not None:
                 pipe = self.pipeline
                 self.hf.paused = lambda: pipe.inferring
-        self.lora_config = None  # --lora.rank: PEFT adapters on the expert weights, the rest frozen (trainer/lora.py)
+        self.lora_config = None  # --lora.rank: PEFT adapters on the expert weights, the rest frozen (trainer/model/lora.py)
         if cfg.lora.rank > 0:
-            from .lora import apply_lora
+            from .model.lora import apply_lora
 
             self.lora_config = apply_lora(self.model, cfg.lora)
         self.optimizer: ZeroAdamW = self.build_optimizer()
@@ -264,7 +266,7 @@ class Trainer:
     # ------------------------------------------------------------------------------ one step
     def micro_batch_loss(self, logits: torch.Tensor, labels: torch.Tensor,
                          router_logits: Sequence[torch.Tensor] | None, global_targets: float) -> tuple[torch.Tensor, MicroLoss]:
-        """The loss of one micro-batch (see :func:`trainer.loss.micro_batch_loss`)."""
+        """The loss of one micro-batch (see :func:`trainer.model.loss.micro_batch_loss`)."""
         return micro_batch_loss(self.cfg.model, logits, labels, router_logits, global_targets=global_targets,
                                 micro_batches_global=self.micro_batches_global)
 
@@ -352,7 +354,7 @@ class Trainer:
             "compile_s": compile_s,
         }
         if self.mfu is not None:
-            rec["mfu"] = self.mfu(tok_s)  # never above 1 (trainer/metrics.py: MfuMeter)
+            rec["mfu"] = self.mfu(tok_s)  # never above 1 (trainer/records/metrics.py: MfuMeter)
         if m.is_moe:
             tpe = (parts.tokens_per_expert / m.num_layers).tolist()
             rec["tokens_per_expert"] = tpe
@@ -376,12 +378,12 @@ class Trainer:
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
                                         start_step=self.step, wandb=wandb)
             self._write_run_info()
-            from .startup import startup_summary
+            from .records.startup import startup_summary
 
             print(startup_summary(self), flush=True)
         bar = None
         if lay.is_main and cfg.logging.progress:
-            from .progress import progress_bar
+            from .records.progress import progress_bar
 
             bar = progress_bar(total=total, initial=self.step, desc=cfg.preset, unit="step")
         stop, stopped = self.stop, None
@@ -449,16 +451,16 @@ class Trainer:
         path = os.path.join(self.out_dir, "metrics.jsonl")
         if self.writer is None or not os.path.isfile(path):
             return list(self.history)
-        from .metrics import read_metrics
+        from .records.metrics import read_metrics
 
         by_step = {int(r["step"]): r for r in read_metrics(path) if "step" in r and int(r["step"]) <= self.step}
         return [by_step[k] for k in sorted(by_step)]
 
     # ------------------------------------------------------------------------------ evaluation and artefacts
     def _init_extras(self) -> None:
-        """The validation split and the MoE health hooks (see :mod:`trainer.evaluate`, :mod:`trainer.moe_health`)."""
-        from .evaluate import load_validation
-        from .moe_health import MoeHealth
+        """The validation split and the MoE health hooks (see :mod:`trainer.outputs.evaluate`, :mod:`trainer.records.moe_health`)."""
+        from .outputs.evaluate import load_validation
+        from .records.moe_health import MoeHealth
 
         cfg = self.cfg
         if cfg.eval.export_hf and os.path.exists(cfg.eval.export_hf) and not cfg.eval.overwrite:
@@ -488,8 +490,8 @@ class Trainer:
         return out
 
     def evaluate(self) -> dict[str, Any]:
-        """Loss and perplexity on the validation split (collective; see :func:`trainer.evaluate.evaluate`)."""
-        from .evaluate import evaluate
+        """Loss and perplexity on the validation split (collective; see :func:`trainer.outputs.evaluate.evaluate`)."""
+        from .outputs.evaluate import evaluate
 
         if self.val_rows is None:
             raise ValueError(f"data set {self.manifest_path} keeps no validation split (preprocess with --valid)")
@@ -506,10 +508,10 @@ class Trainer:
     def finish_run(self) -> None:
         """End-of-run artefacts: MoE charts; with ``--eval.export_hf`` the transformers export
         (from an fp32 model-only checkpoint) and generated samples; a summary of the paths (rank 0)."""
-        from .run_end import finish_run
+        from .outputs.run_end import finish_run
 
         if self.lora_config is not None and self.layout.is_main:
-            from .lora import export_adapter
+            from .model.lora import export_adapter
 
             self.artefacts["lora_adapter"] = export_adapter(
                 self.model, self.lora_config, self.cfg.lora.export or os.path.join(self.out_dir, "lora"))

@@ -47,7 +47,7 @@ PTQ = ("fp32", "bf16-mixed")
 
 
 def _config(preset: str, steps: int, out: Path, over: dict[str, Any], context: int, micro_batch: int, seed: int):
-    from trainer.presets import get_preset
+    from trainer.config.presets import get_preset
 
     cfg = get_preset(preset)
     cfg.seed = seed

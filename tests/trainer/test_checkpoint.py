@@ -14,7 +14,17 @@ import pytest
 import torch
 
 import _ft_toy as toy
-from trainer import checkpoint as ck
+from trainer.checkpoint import dcp_io as ck_dcp_io
+from trainer.checkpoint import save as ck_save
+from trainer.checkpoint.dcp_io import storage_reader
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.optim_state import optimizer_steps, sync_master_from_model
+from trainer.checkpoint.restore import load_model, restore_full
+from trainer.checkpoint.save import save_model
+from trainer.checkpoint.slots import CheckpointError, latest_valid, model_checkpoints, read_info, scan, verify
+from trainer.checkpoint.writers import (balance, checkpoint_bytes, Coords, coords_of, model_segments,
+                                        model_shard_writer, model_writes, Segment, shard_chunks, tp_rank_of,
+                                        writer_plan)
 
 
 # ============================================================================ writer plan (pure)
@@ -28,12 +38,12 @@ from trainer import checkpoint as ck
     (3, 5, 7),      # prime sizes
 ])
 def test_writer_plan_spreads_shards_over_dp_ranks(pp: int, dp: int, ep: int) -> None:
-    plan = ck.writer_plan(pp, dp, ep)
+    plan = writer_plan(pp, dp, ep)
     assert len(plan) == pp * ep
     assert len(set(plan.values())) == pp * ep, "two shards share a writer"
     nodes: dict[tuple[int, int], int] = {}
     for (p, e), r in plan.items():
-        c = ck.Coords(rank=r, pp=pp, dp=dp, ep=ep)
+        c = Coords(rank=r, pp=pp, dp=dp, ep=ep)
         assert (c.pp_rank, c.ep_rank) == (p, e), "the writer must hold the shard it writes"
         assert c.dp_rank == (p * ep + e) % dp
         assert 0 <= r < pp * dp * ep
@@ -45,7 +55,7 @@ def test_writer_plan_spreads_shards_over_dp_ranks(pp: int, dp: int, ep: int) -> 
 
 def test_writer_plan_rejects_out_of_mesh_shards() -> None:
     with pytest.raises(ValueError, match="outside"):
-        ck.model_shard_writer(0, 4, pp=1, dp=2, ep=4)
+        model_shard_writer(0, 4, pp=1, dp=2, ep=4)
 
 
 @pytest.mark.parametrize("sizes,bins", [
@@ -56,8 +66,8 @@ def test_writer_plan_rejects_out_of_mesh_shards() -> None:
     (list(range(1, 50)), 8),    # many items
 ])
 def test_balance_is_within_one_item_of_perfect(sizes: list[int], bins: int) -> None:
-    out = ck.balance(sizes, bins)
-    assert out == ck.balance(sizes, bins), "must be deterministic (every rank computes it)"
+    out = balance(sizes, bins)
+    assert out == balance(sizes, bins), "must be deterministic (every rank computes it)"
     loads = [sum(s for s, b in zip(sizes, out) if b == k) for k in range(bins)]
     assert sum(loads) == sum(sizes)
     assert max(loads) - min(loads) <= max(sizes, default=0)
@@ -73,17 +83,17 @@ def test_balance_is_within_one_item_of_perfect(sizes: list[int], bins: int) -> N
 ])
 def test_model_writes_cover_every_segment_exactly_once(pp: int, dp: int, ep: int) -> None:
     experts = 8 * ep
-    def segments(pp_rank: int, ep_rank: int) -> list[ck.Segment]:
-        dense = [ck.Segment(f"s{pp_rank}.w{i}", f"s{pp_rank}.w{i}", None, (i % 7 + 1, 3)) for i in range(90)]
+    def segments(pp_rank: int, ep_rank: int) -> list[Segment]:
+        dense = [Segment(f"s{pp_rank}.w{i}", f"s{pp_rank}.w{i}", None, (i % 7 + 1, 3)) for i in range(90)]
         per = experts // ep
-        ex = [ck.Segment(f"s{pp_rank}.experts.gate_up_proj/{e}", f"s{pp_rank}.experts.gate_up_proj",
+        ex = [Segment(f"s{pp_rank}.experts.gate_up_proj/{e}", f"s{pp_rank}.experts.gate_up_proj",
                          e - ep_rank * per, (4, 2), inner=True) for e in range(ep_rank * per, (ep_rank + 1) * per)]
         return dense[:5] + ex + dense[5:]
     written: dict[str, int] = {}
     per_rank = []
     for r in range(pp * dp * ep):
-        c = ck.Coords(rank=r, pp=pp, dp=dp, ep=ep)
-        mine = ck.model_writes(segments(c.pp_rank, c.ep_rank), c)
+        c = Coords(rank=r, pp=pp, dp=dp, ep=ep)
+        mine = model_writes(segments(c.pp_rank, c.ep_rank), c)
         per_rank.append(sum(s.numel for s in mine))
         for s in mine:
             assert s.key not in written, f"{s.key} written by ranks {written[s.key]} and {r}"
@@ -92,12 +102,12 @@ def test_model_writes_cover_every_segment_exactly_once(pp: int, dp: int, ep: int
             assert all(s.key.startswith(f"s{c.pp_rank}.") for s in mine)
     expected = {s.key for p in range(pp) for e in range(ep) for s in segments(p, e)}
     assert set(written) == expected
-    chunks = ck.shard_chunks(pp, dp, ep)
+    chunks = shard_chunks(pp, dp, ep)
     writers = [b for b in per_rank if b]
     assert len(writers) == pp * ep * chunks  # a chunk per writer, the other replicas write nothing
     total = sum(per_rank)
     assert max(writers) <= total / len(writers) + 3 * 7  # balanced within a few segments
-    bound = ck.checkpoint_bytes(0, total, pp=pp, dp=dp, ep=ep, weight_bytes=1)
+    bound = checkpoint_bytes(0, total, pp=pp, dp=dp, ep=ep, weight_bytes=1)
     assert max(writers) == pytest.approx(bound["rank_writer"] - bound["rank_other"], abs=3 * 7)
 
 
@@ -111,16 +121,16 @@ def test_tensor_parallel_weights_are_keyed_by_tp_rank() -> None:
     keys = {}
     for r in range(8):  # PP 1 x DP 4 x TP 2
         lay = SimpleNamespace(rank=r, pp=1, dp=4, ep=1, tp=2, tp_rank=r % 2)
-        c = ck.coords_of(lay)
+        c = coords_of(lay)
         assert (c.ep, c.ep_rank, c.dp_rank) == (2, r % 2, r // 2)
-        segs = ck.model_segments(model, tp_rank=ck.tp_rank_of(lay))
+        segs = model_segments(model, tp_rank=tp_rank_of(lay))
         assert [s.key for s in segs] == [f"0.weight/tp{r % 2}", "0.bias", "1.weight", "1.bias"]
-        for s in ck.model_writes(segs, c):
+        for s in model_writes(segs, c):
             assert s.key not in keys
             keys[s.key] = r
     assert set(keys) == {"0.weight/tp0", "0.weight/tp1", "0.bias", "1.weight", "1.bias"}
     assert keys["0.weight/tp1"] % 2 == 1  # written by a TP-rank-1 process
-    assert ck.tp_rank_of(SimpleNamespace(rank=0, pp=1, dp=1, ep=2)) is None  # no TP: plain names
+    assert tp_rank_of(SimpleNamespace(rank=0, pp=1, dp=1, ep=2)) is None  # no TP: plain names
 
 
 # ============================================================================ single process
@@ -145,7 +155,7 @@ def _tree_hashes(path: Path) -> dict[str, str]:
 
 
 def _tensor_bytes(path: Path) -> int:
-    md = ck._storage_reader(path).read_metadata().state_dict_metadata
+    md = storage_reader(path).read_metadata().state_dict_metadata
     return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in md.values())
 
 
@@ -161,7 +171,7 @@ def test_full_restore_is_exact(tmp_path: Path, optim: str) -> None:
     torch.manual_seed(1)
     lay, model, opt = _fresh(optim)
     _train(model, opt, lay, range(0, 3), tmp_path)
-    mgr = ck.CheckpointManager(tmp_path / "ck", interval=3)
+    mgr = CheckpointManager(tmp_path / "ck", interval=3)
     stats = mgr.save(3, model, opt, meta={"next_instance": 24}, rank_extra={"loader": 7})
     assert stats.total_bytes == sum(f.stat().st_size for f in stats.path.iterdir())
     _train(model, opt, lay, range(3, 5), tmp_path)  # consumes RNG; the restore must rewind it
@@ -169,10 +179,10 @@ def test_full_restore_is_exact(tmp_path: Path, optim: str) -> None:
 
     torch.manual_seed(99)  # a different RNG state and fresh weights
     lay, model2, opt2 = _fresh(optim)
-    res = ck.CheckpointManager(tmp_path / "ck").restore(model2, opt2)
+    res = CheckpointManager(tmp_path / "ck").restore(model2, opt2)
     assert res is not None and res.info.step == 3 and res.same_layout
     assert res.meta == {"next_instance": 24} and res.rank_extra == {"loader": 7}
-    assert ck.optimizer_steps(opt2) == {b.name: 3 for b in opt2.buckets}
+    assert optimizer_steps(opt2) == {b.name: 3 for b in opt2.buckets}
     _train(model2, opt2, lay, range(3, 5), tmp_path)
     for k, v in _weights(model2).items():
         assert torch.equal(v, expected[k]), k
@@ -181,7 +191,7 @@ def test_full_restore_is_exact(tmp_path: Path, optim: str) -> None:
 def _two_slots(root: Path):
     """Checkpoints at steps 2 (slot A) and 4 (slot B); returns the model/opt and the step-4 weights."""
     lay, model, opt = _fresh()
-    mgr = ck.CheckpointManager(root, interval=2)
+    mgr = CheckpointManager(root, interval=2)
     _train(model, opt, lay, range(0, 2), root)
     a = mgr.save(2, model, opt)
     w2 = _weights(model)
@@ -214,19 +224,19 @@ def _flip(p: Path) -> None:
 def test_corrupt_newest_slot_falls_back_to_the_other(tmp_path: Path, target: str, damage) -> None:
     root = tmp_path / "ck"
     lay, model, opt, w2, w4 = _two_slots(root)
-    assert ck.latest_valid(root).step == 4
+    assert latest_valid(root).step == 4
     damage(root / "slot-B" / target)
-    info = ck.latest_valid(root)
+    info = latest_valid(root)
     assert info is not None and info.step == 2 and info.path.name == "slot-A"
-    reasons = {p.name: r for p, _, r in ck.scan(root)}
+    reasons = {p.name: r for p, _, r in scan(root)}
     assert reasons["slot-A"] is None and reasons["slot-B"]
     _, model2, opt2 = _fresh()
-    ck.CheckpointManager(root).restore(model2, opt2)
+    CheckpointManager(root).restore(model2, opt2)
     for k, v in _weights(model2).items():
         assert torch.equal(v, w2[k]), k
     # the next write reuses the damaged slot, never the valid one
-    stats = ck.CheckpointManager(root, interval=2).save(4, model2, opt2)
-    assert stats.path.name == "slot-B" and ck.verify(root / "slot-A") is None
+    stats = CheckpointManager(root, interval=2).save(4, model2, opt2)
+    assert stats.path.name == "slot-B" and verify(root / "slot-A") is None
 
 
 class _Died(BaseException):
@@ -242,21 +252,21 @@ def test_crash_while_writing_leaves_the_other_slot(tmp_path: Path, monkeypatch) 
         (tmp / "MANIFEST.json").write_bytes(b'{"format": 1, "fi')  # torn mid-write
         raise _Died()
 
-    monkeypatch.setattr(ck, "_write_manifest", die)
+    monkeypatch.setattr(ck_save, "_write_manifest", die)
     with pytest.raises(_Died):
-        ck.CheckpointManager(root, interval=2).save(6, model, opt)
+        CheckpointManager(root, interval=2).save(6, model, opt)
     monkeypatch.undo()
     assert (root / "slot-A.tmp").exists() and not (root / "slot-A").exists()
-    info = ck.latest_valid(root)
+    info = latest_valid(root)
     assert info.step == 4 and info.path.name == "slot-B"
     # a restarted run resumes from B and its next checkpoint cleans up and takes slot A
     _, model2, opt2 = _fresh()
-    mgr = ck.CheckpointManager(root, interval=2)
+    mgr = CheckpointManager(root, interval=2)
     mgr.restore(model2, opt2)
     assert all(torch.equal(v, w4[k]) for k, v in _weights(model2).items())
     _train(model2, opt2, lay, range(4, 6), root)
     assert mgr.save(6, model2, opt2).path.name == "slot-A"
-    assert not (root / "slot-A.tmp").exists() and ck.latest_valid(root).step == 6
+    assert not (root / "slot-A.tmp").exists() and latest_valid(root).step == 6
 
 
 class _NoSpaceWriter:
@@ -288,24 +298,24 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_pat
     lay, model, opt, w2, w4 = _two_slots(root)
     before = _tree_hashes(root / "slot-B")
     if where == "data":
-        real = ck._storage_writer
-        monkeypatch.setattr(ck, "_storage_writer", lambda path: _NoSpaceWriter(real(path)))
+        real = ck_dcp_io.storage_writer
+        monkeypatch.setattr(ck_dcp_io, "storage_writer", lambda path: _NoSpaceWriter(real(path)))
     else:
-        real_write = ck.write_file
+        real_write = ck_save.write_file
 
         def write_file(path: Path, data: bytes) -> None:
             if path.name == "MANIFEST.json":
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             real_write(path, data)
 
-        monkeypatch.setattr(ck, "write_file", write_file)
-    with pytest.raises(ck.CheckpointError) as err:
-        ck.CheckpointManager(root, interval=2).save(6, model, opt)
+        monkeypatch.setattr(ck_save, "write_file", write_file)
+    with pytest.raises(CheckpointError) as err:
+        CheckpointManager(root, interval=2).save(6, model, opt)
     msg = str(err.value)
     assert "step 6" in msg and "no space left on device" in msg and "slot-B (step 4) is untouched" in msg
     monkeypatch.undo()
     assert _tree_hashes(root / "slot-B") == before
-    assert ck.latest_valid(root).step == 4
+    assert latest_valid(root).step == 4
     assert not (root / "slot-A.tmp").exists(), "the partial write must be cleaned up"
 
 
@@ -333,27 +343,27 @@ def test_read_only_directory_gives_a_clear_error_and_keeps_the_previous_checkpoi
     if how is None:
         pytest.skip("cannot make a directory read-only here (root without chattr)")
     try:
-        with pytest.raises(ck.CheckpointError, match=r"step 6 .*not writable.*slot-B \(step 4\) is untouched"):
-            ck.CheckpointManager(root, interval=2).save(6, model, opt)
+        with pytest.raises(CheckpointError, match=r"step 6 .*not writable.*slot-B \(step 4\) is untouched"):
+            CheckpointManager(root, interval=2).save(6, model, opt)
     finally:
         if how == "chattr":
             subprocess.run(["chattr", "-i", str(root)], check=True)
         os.chmod(root, 0o755)
     assert {s: _tree_hashes(root / s) for s in ("slot-A", "slot-B")} == before
-    assert ck.latest_valid(root).step == 4
+    assert latest_valid(root).step == 4
 
 
 # ============================================================================ model-only, --init-from
 def test_model_only_checkpoints_are_kept_and_initialise_a_fresh_run(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     lay, model, opt = _fresh()
-    mgr = ck.CheckpointManager(root, interval=2, model_interval=1, model_dtype="bf16")
+    mgr = CheckpointManager(root, interval=2, model_interval=1, model_dtype="bf16")
     sizes = {}
     for s in range(3):
         _train(model, opt, lay, range(s, s + 1), root)
         sizes["model"] = mgr.save_model(s + 1, model).total_bytes
     sizes["full"] = mgr.save(3, model, opt).total_bytes
-    assert [p.name for p in ck.model_checkpoints(root)] == [f"model-step-{s:08d}" for s in (1, 2, 3)]
+    assert [p.name for p in model_checkpoints(root)] == [f"model-step-{s:08d}" for s in (1, 2, 3)]
     # tensor bytes: model-only 2 per weight (bf16); full 16 (fp32 weight, master, exp_avg, exp_avg_sq)
     n = sum(p.numel() for p in model.parameters())
     assert _tensor_bytes(root / "model-step-00000003") == 2 * n
@@ -361,32 +371,32 @@ def test_model_only_checkpoints_are_kept_and_initialise_a_fresh_run(tmp_path: Pa
     assert sizes["full"] > sizes["model"]
 
     _, fresh, fresh_opt = _fresh()
-    info = ck.load_model(root / "model-step-00000003", fresh)
+    info = load_model(root / "model-step-00000003", fresh)
     assert info.kind == "model" and info.step == 3
     for k, v in fresh.named_parameters():
         assert torch.equal(v, dict(model.named_parameters())[k].detach().to(torch.bfloat16).float()), k
-    ck.sync_master_from_model(fresh_opt)
+    sync_master_from_model(fresh_opt)
     assert torch.equal(fresh_opt.buckets[0].master[:5], fresh_opt.buckets[0].flat_param[:5])
-    assert ck.optimizer_steps(fresh_opt) == {b.name: 0 for b in fresh_opt.buckets}  # fresh optimizer
+    assert optimizer_steps(fresh_opt) == {b.name: 0 for b in fresh_opt.buckets}  # fresh optimizer
     # a full checkpoint initialises weights exactly
     _, fresh2, _ = _fresh()
-    ck.load_model(root / "slot-A", fresh2)
+    load_model(root / "slot-A", fresh2)
     assert all(torch.equal(v, dict(model.named_parameters())[k]) for k, v in fresh2.named_parameters())
-    with pytest.raises(ck.CheckpointError, match="model-only checkpoint; use it with --init-from"):
-        ck.restore_full(ck.read_info(root / "model-step-00000003"), fresh2, fresh_opt)
+    with pytest.raises(CheckpointError, match="model-only checkpoint; use it with --init-from"):
+        restore_full(read_info(root / "model-step-00000003"), fresh2, fresh_opt)
 
 
 def test_init_from_a_different_model_or_a_damaged_checkpoint_fails_clearly(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     lay, model, opt = _fresh()
-    path = ck.save_model(root, step=1, model=model).path
+    path = save_model(root, step=1, model=model).path
     bigger = torch.nn.Sequential()
     bigger.add_module("inp", torch.nn.Linear(toy.D_IN, toy.H + 1))
-    with pytest.raises(ck.CheckpointError, match=r"'model/inp.weight' has shape \[8, 6\], this model expects \[9, 6\]"):
-        ck.load_model(path, bigger)
+    with pytest.raises(CheckpointError, match=r"'model/inp.weight' has shape \[8, 6\], this model expects \[9, 6\]"):
+        load_model(path, bigger)
     _flip(path / "__0_0.distcp")
-    with pytest.raises(ck.CheckpointError, match="cannot initialise from .*sha256"):
-        ck.load_model(path, model)
+    with pytest.raises(CheckpointError, match="cannot initialise from .*sha256"):
+        load_model(path, model)
 
 
 # ============================================================================ distributed
@@ -403,7 +413,7 @@ def test_dp_scattered_writes_and_resume_on_a_different_layout(tmp_path: Path) ->
     assert meta["layout"] == {"world": 4, "pp": 1, "dp": 2, "ep": 2, "tp": 1} and meta["step"] == 3
 
     # who wrote what: model shard (ep 0) by rank 0 = (dp 0, ep 0), shard (ep 1) by rank 3 = (dp 1, ep 1)
-    md = ck._storage_reader(slot).read_metadata()
+    md = storage_reader(slot).read_metadata()
     files = {idx.fqn: info.relative_path for idx, info in md.storage_data.items()}
     model_files = {k: v for k, v in files.items() if k.startswith("model/")}
     assert set(model_files.values()) == {"__0_0.distcp", "__3_0.distcp"}
@@ -425,7 +435,7 @@ def test_dp_scattered_writes_and_resume_on_a_different_layout(tmp_path: Path) ->
 
     # one process
     lay, model, opt = _fresh("adamw")
-    res = ck.CheckpointManager(src / "checkpoints").restore(model, opt)
+    res = CheckpointManager(src / "checkpoints").restore(model, opt)
     assert not res.same_layout and res.info.step == 3
     for k, v in toy.assemble([toy.dump_state(model, opt)]).items():
         assert torch.equal(v, saved[k]), k

@@ -87,7 +87,7 @@ def test_preprocess_errors_name_the_path_and_the_reason(tmp_path, capsys):
 
 def test_prompts_suit_the_embedded_corpus():
     from trainer.data.default_corpus import default_corpus
-    from trainer.generate import PROMPTS
+    from trainer.outputs.generate import PROMPTS
 
     text = "".join(default_corpus()[0])
     for prompt in PROMPTS:
@@ -197,7 +197,7 @@ def test_a_layout_on_one_process_suggests_starting_more(tmp_path, capsys, argv, 
 
 
 def test_export_errors_are_one_line_and_name_every_damaged_slot(tmp_path, capsys):
-    from trainer.export import main as export_main
+    from trainer.outputs.export import main as export_main
     from trainer.trainer import Trainer
     from trainer_util import small_cfg
 

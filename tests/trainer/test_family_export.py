@@ -1,4 +1,4 @@
-"""``--eval.export_hf`` and ``python -m trainer.export`` for transformers MoE families: the family's
+"""``--eval.export_hf`` and ``python -m trainer.outputs.export`` for transformers MoE families: the family's
 own transformers directory, which a process that never imports this package loads and generates
 with, giving the trainer's logits (fp32, 1e-5) and its greedy continuation."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import torch
 
 from trainer.config import validate
-from trainer.export import main as export_main
+from trainer.outputs.export import main as export_main
 from trainer.trainer import Trainer
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
@@ -58,7 +58,7 @@ def test_family_export_reloads_without_the_package(data_cache, tmp_path) -> None
         dirs.append(str(out / "hf"))
         cfg_json = json.loads((out / "hf" / "config.json").read_text())
         assert cfg_json["model_type"] == t.model.config.model_type and "fastmoe" not in json.dumps(cfg_json)
-    # python -m trainer.export on the deepseek_v3 run's checkpoint writes the same directory
+    # python -m trainer.outputs.export on the deepseek_v3 run's checkpoint writes the same directory
     ds = tmp_path / "deepseek_v3"
     assert export_main(["--checkpoint", str(ds / "checkpoints"), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
     dirs.append(str(tmp_path / "cli"))

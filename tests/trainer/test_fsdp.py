@@ -133,12 +133,13 @@ def test_fsdp_checkpoint_holds_every_rank_shard(data_cache, tmp_path) -> None:  
     index keeps the pieces), under the plain keys every layout reads; the manifest lists every file."""
     import json
 
-    from trainer import checkpoint as ck
+    from trainer.checkpoint.dcp_io import storage_reader
+    from trainer.checkpoint.slots import verify
 
     run_workers(_save_worker, 2, data_cache, str(tmp_path / "fsdp"), {"parallel__ep": 1}, 2)
     slot = tmp_path / "fsdp" / "checkpoints" / "slot-A"
-    assert ck.verify(slot) is None
-    md = ck._storage_reader(slot).read_metadata()
+    assert verify(slot) is None
+    md = storage_reader(slot).read_metadata()
     files: dict[str, set] = {}
     for idx, info in md.storage_data.items():
         files.setdefault(idx.fqn, set()).add(info.relative_path)
@@ -239,7 +240,7 @@ def _export_worker(data_cache: str, out: str) -> dict:
 
 
 def test_fsdp_export_and_samples_reload_without_the_package(data_cache, tmp_path) -> None:  # noqa: F811
-    """``--eval.export_hf`` under FSDP2 (DP 1 x EP 2) and ``python -m trainer.export`` on its model-only
+    """``--eval.export_hf`` under FSDP2 (DP 1 x EP 2) and ``python -m trainer.outputs.export`` on its model-only
     checkpoint: both directories load with transformers alone and give the trainer's validation loss;
     the generated samples are written."""
     import json
@@ -250,8 +251,8 @@ def test_fsdp_export_and_samples_reload_without_the_package(data_cache, tmp_path
     import numpy as np
 
     from trainer.data.loader import load_manifest
-    from trainer.evaluate import load_validation
-    from trainer.export import main as export_main
+    from trainer.outputs.evaluate import load_validation
+    from trainer.outputs.export import main as export_main
 
     out = tmp_path / "run"
     r = run_workers(_export_worker, 2, data_cache, str(out))[0]

@@ -20,8 +20,8 @@ from trainer_util import data_cache, one_thread  # noqa: F401 (fixtures)
 from trainer_util import small_cfg as _small_cfg
 from trainer.data.build import build_dataset, instance_hash, memory_source
 from trainer.data.loader import load_manifest
-from trainer.evaluate import load_validation
-from trainer.export import ExportError, export_hf
+from trainer.outputs.evaluate import load_validation
+from trainer.outputs.export import ExportError, export_hf
 from trainer.trainer import Trainer
 
 PYTHON = sys.executable
@@ -150,8 +150,8 @@ def test_validation_split_never_overlaps_training_by_content(tmp_path):
 
 
 def test_moe_health_charts_and_generation(data_cache, tmp_path):
-    from trainer.generate import generate_samples
-    from trainer.moe_health import plot_moe
+    from trainer.outputs.generate import generate_samples
+    from trainer.records.moe_health import plot_moe
 
     cfg = small_cfg(data_cache, str(tmp_path / "run"), eval__export_hf=str(tmp_path / "hf"), eval__sample_tokens=8)
     cfg.logging.plot = True
@@ -202,7 +202,8 @@ def _export_worker(data_cache: str, out: str, over: dict) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("over,world", [({"parallel__ep": 2}, 4), ({"parallel__pp": 2}, 2)])
 def test_export_gathers_expert_and_pipeline_checkpoints(data_cache, tmp_path, over, world):
-    from trainer.checkpoint import load_model, model_checkpoints
+    from trainer.checkpoint.restore import load_model
+    from trainer.checkpoint.slots import model_checkpoints
     from transformers import AutoModelForCausalLM
 
     run_workers(_export_worker, world, data_cache, str(tmp_path / "run"),

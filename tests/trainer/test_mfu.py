@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
-from trainer import metrics
-from trainer.metrics import (CPU_FLOOR_TFLOPS_PER_THREAD, MfuMeter, device_peak_tflops, measure_matmul_tflops,
-                             stated_peak_tflops)
+from trainer.records import metrics
+from trainer.records.metrics import (CPU_FLOOR_TFLOPS_PER_THREAD, MfuMeter, device_peak_tflops,
+                                     measure_matmul_tflops, stated_peak_tflops)
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
 

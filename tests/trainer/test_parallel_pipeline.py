@@ -50,7 +50,7 @@ def _pp_worker(arch: str, pp: int, dp: int, ep: int, schedule: str, virtual: int
 
     from fastmoe_xpu.dist import ParallelMesh
     from trainer.parallelism.ac import apply_activation_checkpointing
-    from trainer.loss import MoeLossConfig
+    from trainer.model.loss import MoeLossConfig
     from trainer.parallelism.pipeline import Pipeline
 
     mesh = ParallelMesh(pp=pp, dp=dp, ep=ep, device_type="cpu")

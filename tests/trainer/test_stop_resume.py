@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import latest_valid
+from trainer.checkpoint.slots import latest_valid
 from trainer.cli import main
 from trainer.config import ConfigError
-from trainer.metrics import MetricsWriter, read_metrics
-from trainer.progress import LINES, LineProgress
+from trainer.records.metrics import MetricsWriter, read_metrics
+from trainer.records.progress import LINES, LineProgress
 from trainer.trainer import Trainer
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
@@ -185,7 +185,7 @@ def test_progress_outside_a_terminal_at_least_every_10_seconds(monkeypatch, caps
     node launcher the lines go to stdout, which the launcher holding rank 0 shows."""
     import io
 
-    import trainer.progress as progress
+    import trainer.records.progress as progress
     from trainer.ft.stop import LAUNCHER_ENV
 
     clock = [0.0]

@@ -17,8 +17,8 @@ import pytest
 
 from trainer_util import data_cache, one_thread  # noqa: F401 (fixtures)
 from trainer_util import small_cfg
-from trainer.metrics import MetricsWriter
-from trainer.tb_writer import NO_WRITER_MESSAGE, _load_writer_class, record_scalars
+from trainer.records.metrics import MetricsWriter
+from trainer.records.tb_writer import NO_WRITER_MESSAGE, _load_writer_class, record_scalars
 
 
 # ----------------------------------------------------------------------------- an independent reader
@@ -150,7 +150,7 @@ def test_training_run_writes_the_scalars_to_tensorboard(data_cache, tmp_path):
 
 
 def test_a_resumed_run_tells_tensorboard_to_drop_the_steps_it_redoes(tmp_path):
-    from trainer.tb_writer import TensorBoardScalars
+    from trainer.records.tb_writer import TensorBoardScalars
 
     if _load_writer_class()[0] is None:
         pytest.skip("no TensorBoard writer library (the trainer extra installs tensorboardX)")

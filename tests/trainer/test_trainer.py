@@ -13,12 +13,12 @@ import torch
 from fastmoe_xpu.dist import shard_state_dict
 from fastmoe_xpu.dist.testing import run_distributed
 from trainer.config import TrainConfig, validate
-from trainer.metrics import SpikeDetector, read_metrics
-from trainer.model import build_model, param_counts
-from trainer.presets import get_preset
-from trainer.schedule import clipping_active, lr_at
+from trainer.records.metrics import SpikeDetector, read_metrics
+from trainer.model.build import build_model, param_counts
+from trainer.config.presets import get_preset
+from trainer.optim.schedule import clipping_active, lr_at
 from trainer.data import ShardedLoader, ensure_default_dataset, load_manifest
-from trainer.loss import micro_batch_loss
+from trainer.model.loss import micro_batch_loss
 from trainer.trainer import Trainer
 
 from trainer_util import RTOL, assert_states_close, data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)

@@ -11,7 +11,7 @@ import pytest
 
 from trainer.cli import EXIT_CONFIG_ERROR, config_from_args, main
 from trainer.config import ConfigError, TrainConfig, field_docs, section_classes, validate
-from trainer.presets import PRESETS, get_preset
+from trainer.config.presets import PRESETS, get_preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,7 @@ peft = pytest.importorskip("peft")
 from trainer_util import data_cache, one_thread  # noqa: E402,F401 (fixtures)
 from trainer_util import small_cfg  # noqa: E402
 from trainer.config import validate  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 

@@ -4,6 +4,7 @@ continues (offline mode, read back from the run's own file); the calls it makes,
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import struct
 import sys
@@ -12,11 +13,11 @@ import types
 
 import pytest
 
-from trainer import wandb_writer
 from trainer.cli import EXIT_CONFIG_ERROR, main
 from trainer.config import ConfigError
-from trainer.metrics import MetricsWriter, read_metrics
-from trainer.tb_writer import record_scalars
+from trainer.records import wandb_writer
+from trainer.records.metrics import MetricsWriter, read_metrics
+from trainer.records.tb_writer import record_scalars
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
 
@@ -83,8 +84,8 @@ def test_a_run_wandb_cannot_start_is_one_line(tmp_path, monkeypatch):
 
 
 def test_without_the_package_it_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
-    real = wandb_writer.importlib.util.find_spec
-    monkeypatch.setattr(wandb_writer.importlib.util, "find_spec",
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     rc = main(["--logging.wandb", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err

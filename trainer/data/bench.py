@@ -23,12 +23,9 @@ from .loader import ShardedLoader
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastmoe_trainer.data.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--docs", type=int, default=20000)
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--shards", type=int, default=8)
-    p.add_argument("--bpe-vocab", type=int, default=8000)
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=8)
+    for flag, default in (("--docs", 20000), ("--context", 2048), ("--shards", 8), ("--bpe-vocab", 8000),
+                          ("--global-batch", 64), ("--micro-batch", 8)):
+        p.add_argument(flag, type=int, default=default)
     a = p.parse_args(argv)
     rng = np.random.default_rng(0)
     letters = list("abcdefghijklmnopqrstuvwxyz")

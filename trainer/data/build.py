@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..progress import stage_bar
+from ..records.progress import stage_bar
 from .sources import expand_inputs, input_format, iter_documents
 from .tokenizer import Tokenizer, load_tokenizer, token_dtype
 

@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint as ck
+from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.save import SaveStats
+from ..checkpoint.slots import latest_valid, verify
+from ..checkpoint.writers import checkpoint_bytes
 from . import fault
 
 SMALL = ["--preset", "tiny-moe", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
@@ -47,14 +50,14 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
     t = Trainer(cfg)
     t.fit()
     root = out / "tiny" / "bench-ckpt"
-    mgr = ck.CheckpointManager(root, is_expert=t.checkpoints.is_expert, model_dtype="bf16")
-    stats: list[ck.SaveStats] = []
+    mgr = CheckpointManager(root, is_expert=t.checkpoints.is_expert, model_dtype="bf16")
+    stats: list[SaveStats] = []
     save_s = _median_time(lambda: stats.append(mgr.save(t.step, t.model, t.optimizer,
                                                          meta={"data": t.loader.state_dict()})), repeats)
-    model_stats: list[ck.SaveStats] = []
+    model_stats: list[SaveStats] = []
     model_s = _median_time(lambda: model_stats.append(mgr.save_model(t.step, t.model)), repeats)
-    info = ck.latest_valid(root)
-    verify_s = _median_time(lambda: ck.verify(info.path), repeats)
+    info = latest_valid(root)
+    verify_s = _median_time(lambda: verify(info.path), repeats)
     restore_s = _median_time(lambda: mgr.restore(t.model, t.optimizer, info), repeats)
     grads = [b.flat_grad for b in t.optimizer.buckets]
     check_s = _median_time(lambda: fault.local_nonfinite(t._local_loss, grads), max(repeats, 20))
@@ -72,8 +75,8 @@ def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:
 
 def formula_table() -> list[dict[str, Any]]:
     """Checkpoint bytes per rank at the Mula presets (fp32 weights, EPSO), for a few layouts."""
-    from ..model import param_counts
-    from ..presets import get_preset
+    from ..model.build import param_counts
+    from ..config.presets import get_preset
 
     rows = []
     layouts = {"mula-7b-a1b": [(1, 64, 1), (1, 8, 8), (1, 128, 8)], "mula-20b-a2b": [(1, 32, 12)],
@@ -82,7 +85,7 @@ def formula_table() -> list[dict[str, Any]]:
         m = get_preset(name).model
         pc = param_counts(m)
         for pp, dp, ep in lays:
-            b = ck.checkpoint_bytes(pc.total - pc.expert, pc.expert, pp=pp, dp=dp, ep=ep)
+            b = checkpoint_bytes(pc.total - pc.expert, pc.expert, pp=pp, dp=dp, ep=ep)
             rows.append({"preset": name, "pp": pp, "dp": dp, "ep": ep, **b})
     return rows
 
@@ -103,7 +106,8 @@ def measure_recovery(out: Path, fault_kind: str = "node", kill_step: int = 3, he
     Returns the seconds from the fault to its detection (the first ``failure``/``leave`` event or,
     for a hang, the watchdog's record), to the new rendezvous round, and to the first training
     step completed after it, the rounds formed (one per failure is the goal) and the exit codes."""
-    from .launch import descendants, free_port, read_events
+    from .elastic.job import read_events
+    from .elastic.local_nodes import descendants, free_port
 
     run = out / f"recovery-{fault_kind}-{time.time_ns()}"
     run.mkdir(parents=True)

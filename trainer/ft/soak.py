@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import checkpoint as ck
+from ..checkpoint.dcp_io import dcp_load, storage_reader
+from ..checkpoint.slots import latest_valid
 from . import fault
 
 FAULT_KINDS = ("rank", "node", "hang", "nan", "slot", "stop")
@@ -75,7 +76,7 @@ class Job:
         """A new store and ``nodes`` node launchers (the first start, or a restart after a stop), started
         together as docs/fault.md's batch scripts start them (the store in the background; a launcher
         waits for it, up to its ``read_timeout``)."""
-        from .launch import free_port
+        from .elastic.local_nodes import free_port
 
         self.started = time.time()
         self.endpoint = f"127.0.0.1:{free_port()}"
@@ -116,7 +117,7 @@ class Job:
         return [label for label, p in self.nodes.items() if p.poll() is None]
 
     def kill_node(self, label: str) -> None:
-        from .launch import descendants
+        from .elastic.local_nodes import descendants
 
         p = self.nodes[label]
         for pid in [p.pid, *descendants(p.pid)]:
@@ -232,7 +233,7 @@ def inject(kind: str, job: Job, out: Path, nan_spec: Path, done: int, lost_nodes
         f["nan_step"] = int(b1["step"]) + 2
         nan_spec.write_text(f"step={f['nan_step']},host={b1['host']},once={out / 'nan.fired'}\n")
     elif kind == "slot":
-        newest = ck.latest_valid(out / "checkpoints")
+        newest = latest_valid(out / "checkpoints")
         f["damaged"] = str(newest.path) if newest else None
         if newest is not None:
             with open(Path(newest.path) / "meta.json", "a") as fh:
@@ -248,7 +249,7 @@ def inject(kind: str, job: Job, out: Path, nan_spec: Path, done: int, lost_nodes
 
 
 def _events(out: Path) -> list[dict[str, Any]]:
-    from .launch import read_events
+    from .elastic.job import read_events
 
     return read_events(out)
 
@@ -275,10 +276,10 @@ def read_state(path: Path) -> dict[str, Any]:
     """Every tensor of a full checkpoint, read in this process (no process group)."""
     import torch
 
-    md = ck._storage_reader(path).read_metadata().state_dict_metadata
+    md = storage_reader(path).read_metadata().state_dict_metadata
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()
             if hasattr(m, "size")}
-    ck._dcp_load(want, path)
+    dcp_load(want, path)
     return want
 
 
@@ -291,7 +292,7 @@ def same_state(a: Path, b: Path) -> tuple[bool, int, list[str]]:
 
 
 def _final(out: Path, steps: int) -> Path | None:
-    info = ck.latest_valid(out / "checkpoints")
+    info = latest_valid(out / "checkpoints")
     return Path(info.path) if info is not None and info.step == steps else None
 
 

@@ -7,7 +7,7 @@ reduce-scatters their gradients (summed, not averaged: the trainer's loss is alr
 the global batch). :class:`FsdpAdamW` steps those DTensor shards with the same AdamW and the same
 global clipping as the sharded optimizers, beside the expert bucket (states split over DP, as EPSO).
 :func:`fsdp_mesh` gives HSDP's 2-D mesh for ``--parallel.fsdp_shard N``. Checkpoints
-(trainer/checkpoint.py) write the shards and their optimizer states as DTensors under the plain keys
+(trainer/checkpoint/) write the shards and their optimizer states as DTensors under the plain keys
 every layout reads (:meth:`_FsdpShard.checkpoint_states`).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, *, is_expert: Callable[[str], bool],
     ``reduce_dtype`` (``--optim.grad_reduce_dtype``); returns the number of modules sharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..parallelism.ac import decoder_layers
+    from ..model.family import decoder_layers
 
     ignored = {p for n, p in model.named_parameters() if is_expert(n)}
     mp = MixedPrecisionPolicy(reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[reduce_dtype])
@@ -147,7 +147,7 @@ class _FsdpShard:
     def state_nbytes(self) -> int:
         return 3 * self.master.numel() * self.master.element_size()
 
-    # checkpoints (trainer/checkpoint.py): every state of a weight as a DTensor laid out as the
+    # checkpoints (trainer/checkpoint/optim_state.py): every state of a weight as a DTensor laid out as the
     # weight itself, so DCP writes each rank's shard and any layout reads the whole or its own part
     def _as_dtensors(self, flat: torch.Tensor) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor

@@ -28,20 +28,15 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .ac_spec import AC_CHOICES, parse_ac
+from ..config.ac_spec import AC_CHOICES, parse_ac
+from ..model.family import decoder_layers
 
 __all__ = [
     "AC_CHOICES", "SavedTensorCounter", "SavedTensorStats", "ac_targets", "apply_activation_checkpointing",
-    "checkpointed_modules", "decoder_layers", "parse_ac", "remove_activation_checkpointing", "saved_bytes",
+    "checkpointed_modules", "parse_ac", "remove_activation_checkpointing", "saved_bytes",
 ]
 
 _ORIG = "_ac_original_forward"
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """transformers decoder layers of ``model`` (anything with self_attn, mlp and the two norms)."""
-    return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))]
 
 
 def _final_norms(model: nn.Module) -> list[nn.Module]:
@@ -242,15 +237,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m trainer.parallelism.ac", description=main.__doc__)
     ap.add_argument("--arch", default="olmoe", choices=["olmoe", "olmo"])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=128)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=258)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=64)
+    for flag, default in (("--layers", 2), ("--hidden", 64), ("--heads", 4), ("--intermediate", 128), ("--experts", 8),
+                          ("--top-k", 2), ("--vocab", 258), ("--micro-batch", 8), ("--context", 64)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     a = ap.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]

@@ -77,7 +77,7 @@ def compile_layers(model: nn.Module, *, fullgraph: bool, backend: str) -> int:
 
     from fastmoe_xpu.compiling import _install_output_hooks
 
-    from .ac import decoder_layers
+    from ..model.family import decoder_layers
 
     _install_output_hooks(getattr(model, "model", model))
     layers = decoder_layers(model)

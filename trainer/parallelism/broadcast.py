@@ -39,7 +39,7 @@ Localize = Callable[[str, torch.Tensor, nn.Module], "torch.Tensor | None"]
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A state dict from ``path``: a ``.safetensors`` file (as ``save_pretrained`` writes), or a
     ``torch.save`` file holding a state dict or a dict with a ``"model"`` entry (trainer checkpoints),
-    or a transformers model directory (``python -m trainer.export``'s output, ``save_pretrained``'s)."""
+    or a transformers model directory (``python -m trainer.outputs.export``'s output, ``save_pretrained``'s)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         return read_hf_directory(path)

@@ -61,7 +61,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: Any, *, dispatch: str = "a
                           check_inputs: bool = False) -> int:
     """Shard every decorated experts module of ``model`` over ``ep_group`` (see the module doc);
     returns how many. A no-op (0) without a group of more than one rank."""
-    from ..hf_family import experts_modules
+    from ..model.family import experts_modules
 
     rank, size = member_position(ep_group)
     if size == 1:

@@ -159,7 +159,7 @@ class StepProbe:
     def __enter__(self) -> "StepProbe":
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from .ac import decoder_layers
+        from ..model.family import decoder_layers
 
         probe = self
 
@@ -208,7 +208,7 @@ class StepProbe:
 def measure_rank(preset: str, world: int, ep: int, layout: str, sizes: dict[str, int], data_cache: str | None) -> dict:
     """One rank's measurement of ``layout`` (run in each of ``world`` processes)."""
     from ..config import validate
-    from ..presets import get_preset
+    from ..config.presets import get_preset
     from ..trainer import Trainer
 
     name, shard, _ = LAYOUTS[layout]

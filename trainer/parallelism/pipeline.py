@@ -19,7 +19,7 @@ the gradient of the single-process loss. The accumulation runs in layer order, t
 Stage inputs/outputs: first stage ``input_ids [B, S]``; between stages
 ``(hidden [B, S, H], counts_E, probs_E, zsum_1)`` (MoE) or ``(hidden,)`` (dense); the last stage
 returns ``(logits [B, S, V], counts_E, probs_E, zsum_1)`` for the loss function
-(:func:`trainer.loss.pipeline_loss`, the trainer's one loss recipe).
+(:func:`trainer.model.loss.pipeline_loss`, the trainer's one loss recipe).
 
 Legend: B micro-batch, S sequence, H hidden, V vocabulary, E experts, L layers.
 """
@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..layout import DeviceMesh, pp_group
-from ..loss import MicroLoss, MoeLossConfig, _lm_loss, pipeline_loss
+from ..model.loss import MicroLoss, MoeLossConfig, _lm_loss, pipeline_loss
 from .plan import split_layers
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
@@ -260,7 +260,7 @@ class Pipeline:
     in which case only the stage is allocated and initialised (:func:`materialize`, from
     ``meta_seed + stage``; load real weights with :mod:`trainer.parallelism.broadcast`). ``step(input_ids, labels)`` runs one batch of this rank's micro-batches through the
     schedule and leaves the gradients in the stage parameters' ``.grad``; on the last stage it
-    returns the per-micro-batch :class:`trainer.loss.MicroLoss`."""
+    returns the per-micro-batch :class:`trainer.model.loss.MicroLoss`."""
 
     def __init__(self, build: Callable[[int], nn.Module], *, pp_rank: int, pp: int, group: Any, device: torch.device,
                  n_microbatches: int, schedule: str = "1f1b", virtual: int = 1,

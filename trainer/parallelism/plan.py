@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .ac_spec import AC_CHOICES, parse_ac
+from ..config.ac_spec import AC_CHOICES, parse_ac
 
 GiB = 1024 ** 3
 OPT_STATE_BYTES = 12  # fp32 master weight, exp_avg, exp_avg_sq
@@ -71,7 +71,7 @@ DEFAULT_VOCAB = 258
 
 def preset_shape(name: str) -> tuple[ModelShape, int, int, int]:
     """(shape, micro batch, context, global batch) of trainer preset ``name``."""
-    from ..presets import get_preset
+    from ..config.presets import get_preset
 
     cfg = get_preset(name)
     return (ModelShape.of(cfg.model, cfg.model.vocab_size or DEFAULT_VOCAB), cfg.schedule.micro_batch,
@@ -97,8 +97,19 @@ def plan_from_config(cfg: Any, world: int, ranks_per_node: int = 12) -> str:
 
 
 # ----------------------------------------------------------------------------- parameters
+class _Total:
+    """``total``: the non-expert and expert parameters together."""
+
+    non_expert: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.non_expert + self.expert
+
+
 @dataclass(frozen=True)
-class LayerParams:
+class LayerParams(_Total):
     """Parameters of one decoder layer."""
 
     attn: int
@@ -112,10 +123,6 @@ class LayerParams:
     @property
     def non_expert(self) -> int:
         return self.attn + self.norms + self.router + self.dense_mlp
-
-    @property
-    def total(self) -> int:
-        return self.non_expert + self.expert
 
     @property
     def active(self) -> int:
@@ -173,7 +180,7 @@ def split_layers(num_layers: int, pp: int) -> list[range]:
 
 
 @dataclass(frozen=True)
-class StageParams:
+class StageParams(_Total):
     stage: int
     layers: range
     non_expert: int
@@ -181,10 +188,6 @@ class StageParams:
     active: int
     has_embedding: bool
     has_head: bool
-
-    @property
-    def total(self) -> int:
-        return self.non_expert + self.expert
 
 
 def stage_params(s: ModelShape, pp: int) -> list[StageParams]:

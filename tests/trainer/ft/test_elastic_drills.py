@@ -22,8 +22,9 @@ import torch
 
 import _ft_toy as toy
 from trainer.ft import fault
-from trainer.checkpoint import latest_valid
-from trainer.ft.launch import descendants, free_port, read_events
+from trainer.checkpoint.slots import latest_valid
+from trainer.ft.elastic.job import read_events
+from trainer.ft.elastic.local_nodes import descendants, free_port
 
 pytestmark = pytest.mark.drill
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from trainer.ft import fault
-from trainer.ft.launch import main as launch_main, parse_nnodes, parse_rdzv_conf, read_events
+from trainer.ft.elastic.job import read_events
+from trainer.ft.launch import main as launch_main, parse_nnodes, parse_rdzv_conf
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -213,7 +214,7 @@ def _guard(st, quorum: float = 60.0):
     import threading as _threading
     from types import SimpleNamespace
 
-    from trainer.ft.launch import RoundGuard
+    from trainer.ft.elastic.agent import RoundGuard
 
     handler = SimpleNamespace(_op_executor=SimpleNamespace(run=None), _state_holder=_Holder(st),
                               _heartbeat_lock=_threading.Lock(), num_nodes_waiting=lambda: -1)
@@ -242,7 +243,7 @@ def test_a_node_that_lost_the_race_waits_as_a_spare_and_counts_as_nobody_waiting
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
 
-    from trainer.ft.launch import _JoinOp
+    from trainer.ft.elastic.agent import _JoinOp
 
     st, nodes = _rdzv(2, waiting=1, complete=True)
     g, handler = _guard(st)
@@ -265,7 +266,7 @@ def test_quorum_deadline_applies_after_the_job_started_only() -> None:
 
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
 
-    from trainer.ft.launch import _JoinOp
+    from trainer.ft.elastic.agent import _JoinOp
 
     far = _time.monotonic() + 600
     # round 1, one participant of two, the quorum time spent: torch's timeout path (leave, then error)
@@ -294,7 +295,7 @@ def test_quorum_deadline_applies_after_the_job_started_only() -> None:
 
 def test_agent_kwargs_follow_the_signature() -> None:
     """torch 2.11's LocalElasticAgent has no shutdown_timeout; 2.13's has: a feature check."""
-    from trainer.ft.launch import agent_kwargs
+    from trainer.ft.elastic.agent import agent_kwargs
 
     class Old:
         def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300.0) -> None: ...
@@ -356,7 +357,7 @@ def test_a_second_signal_to_a_launcher_aborts_at_once(tmp_path: Path) -> None:
 
 def test_process_stopped_reads_the_process_state() -> None:
     """The launcher's stopped-worker check: a SIGSTOP'd process reads as stopped, running or gone as not."""
-    from trainer.ft.launch import process_stopped
+    from trainer.ft.elastic.agent import process_stopped
 
     if not Path("/proc/self/stat").exists():
         pytest.skip("needs /proc/<pid>/stat")

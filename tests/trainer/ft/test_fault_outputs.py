@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import _ft_toy as toy
-from trainer import checkpoint as ck
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.restore import NoValidCheckpoint
+from trainer.checkpoint.slots import CheckpointError
 from trainer.ft import fault
 
 REPO = Path(__file__).resolve().parents[3]
@@ -46,7 +48,7 @@ def _saved(tmp_path: Path) -> tuple[Path, object, object]:
     lay = toy.make_layout(1)
     model, opt = toy.build("sharded", lay)
     root = tmp_path / "out" / "checkpoints"
-    mgr = ck.CheckpointManager(root, layout=lay, interval=1)
+    mgr = CheckpointManager(root, layout=lay, interval=1)
     mgr.save(1, model, opt)
     mgr.save(2, model, opt)
     return root, model, opt
@@ -63,13 +65,13 @@ def test_every_slot_damaged_stops_with_each_reason(tmp_path: Path) -> None:
     root, model, opt = _saved(tmp_path)
     _damage(root / "slot-A")
     _damage(root / "slot-B")
-    with pytest.raises(ck.NoValidCheckpoint) as e:
-        ck.CheckpointManager(root).restore(model, opt)
+    with pytest.raises(NoValidCheckpoint) as e:
+        CheckpointManager(root).restore(model, opt)
     msg = str(e.value)
     assert "slot-A:" in msg and "slot-B:" in msg and "sha256" in msg and "--allow-fresh-start" in msg
-    assert isinstance(e.value, ck.CheckpointError)  # the trainer's exit 76: not retried by the launcher
+    assert isinstance(e.value, CheckpointError)  # the trainer's exit 76: not retried by the launcher
     # asked for explicitly: a fresh start, with each skipped slot recorded
-    assert ck.CheckpointManager(root, allow_fresh_start=True).restore(model, opt) is None
+    assert CheckpointManager(root, allow_fresh_start=True).restore(model, opt) is None
     recs = [r for r in fault.read_failures(root.parent) if r["kind"] == "checkpoint_skipped"]
     assert sorted(Path(r["slot"]).name for r in recs) == ["slot-A", "slot-B"] and all(r["used"] is None for r in recs)
 
@@ -77,7 +79,7 @@ def test_every_slot_damaged_stops_with_each_reason(tmp_path: Path) -> None:
 def test_a_damaged_newest_slot_is_skipped_with_a_line_and_a_record(tmp_path: Path, capsys) -> None:
     root, model, opt = _saved(tmp_path)
     _damage(root / "slot-B")  # step 2, the newest
-    res = ck.CheckpointManager(root).restore(model, opt)
+    res = CheckpointManager(root).restore(model, opt)
     assert res.info.step == 1 and res.info.path.name == "slot-A"
     out = capsys.readouterr().out
     assert out.count("skipped damaged") == 1 and "slot-B" in out and "resuming from slot-A (step 1)" in out

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import _ft_toy as toy
-from trainer import checkpoint as ck
+from trainer.checkpoint.optim_state import optimizer_steps
+from trainer.checkpoint.slots import verify
 from trainer.ft import fault
-from trainer.ft.launch import descendants, read_events
+from trainer.ft.elastic.job import read_events
+from trainer.ft.elastic.local_nodes import descendants
 
 REPO = Path(__file__).resolve().parents[3]
 # tiny-moe with one layer, 8 instances of 16 tokens per step, warmup 1 step: quick, still MoE with EPSO
@@ -69,7 +71,7 @@ def test_nan_is_caught_before_the_update(tmp_path: Path, monkeypatch, small) -> 
     saved = _saved_weights(toy.read_checkpoint(out / "checkpoints" / "slot-A"), t.model)
     for name, w in _weights(t.model).items():  # untouched by the poisoned step
         assert torch.equal(w, saved[name]), name
-    assert ck.optimizer_steps(t.optimizer) == {b.name: 2 for b in t.optimizer.buckets}
+    assert optimizer_steps(t.optimizer) == {b.name: 2 for b in t.optimizer.buckets}
 
 
 def test_init_from_a_model_only_checkpoint(tmp_path: Path, small) -> None:
@@ -78,9 +80,9 @@ def test_init_from_a_model_only_checkpoint(tmp_path: Path, small) -> None:
     src = Trainer(_config(small, tmp_path / "src", "--steps", "2", "--checkpoint.model_interval", "2"))
     src.fit()
     path = tmp_path / "src" / "checkpoints" / "model-step-00000002"
-    assert ck.verify(path) is None
+    assert verify(path) is None
     t = Trainer(_config(small, tmp_path / "dst", "--steps", "3", "--checkpoint.init_from", str(path)))
-    assert t.step == 0 and ck.optimizer_steps(t.optimizer) == {b.name: 0 for b in t.optimizer.buckets}
+    assert t.step == 0 and optimizer_steps(t.optimizer) == {b.name: 0 for b in t.optimizer.buckets}
     for name, w in _weights(src.model).items():
         assert torch.equal(_weights(t.model)[name], w.to(torch.bfloat16).float()), name
     t.fit()  # trains on from there with a fresh optimizer

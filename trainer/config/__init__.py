@@ -1,11 +1,12 @@
 """Training configuration: nested dataclasses, one docstring per field.
 
-Presets (``trainer.presets``) fill these in; the CLI (``trainer.cli``) overrides single fields on
+Presets (``trainer.config.presets``) fill these in; the CLI (``trainer.cli``) overrides single fields on
 top (``--optim.lr 1e-3`` or the short alias ``--lr 1e-3``). No file is ever executed as config.
 """
 from __future__ import annotations
 
 import ast
+import importlib.util
 import dataclasses
 import inspect
 import json
@@ -13,12 +14,9 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
-from fastmoe_xpu.kernels.registry import PRECISIONS
-
 from .errors import ConfigError
 
-from .parallelism.ac_spec import parse_ac
+from .ac_spec import parse_ac
 
 
 @dataclass
@@ -27,7 +25,7 @@ class ModelConfig:
 
     arch: str = "olmoe"
     """``"olmoe"`` (mixture of experts, transformers' OlmoeForCausalLM), ``"olmo"`` (dense OlmoForCausalLM) or ``"hf"``
-    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/hf_family.py; DP, EP, PP)."""
+    (any transformers MoE causal LM from ``hf_config`` or ``hf_family``, see trainer/model/family.py; DP, EP, PP)."""
     num_layers: int = 2
     """Decoder layers (L)."""
     hidden_size: int = 64
@@ -76,7 +74,7 @@ class ModelConfig:
     """Dtype of the model's weights and gradients: ``"fp32"`` or ``"bf16"`` (fp32 master weights stay in the optimizer)."""
     init_from: str | None = None
     """Model weights file (safetensors or torch.save state dict) or a transformers model directory (``python -m
-    trainer.export``'s output), read by rank 0 only and sent to every rank."""
+    trainer.outputs.export``'s output), read by rank 0 only and sent to every rank."""
     autocast: str = "auto"
     """``"auto"`` (bf16 autocast on GPUs, none on the CPU), ``"bf16"`` or ``"none"``."""
     hf_config: str | None = None
@@ -100,7 +98,7 @@ class ModelConfig:
 
     @property
     def is_hf(self) -> bool:
-        """Any transformers MoE family (trainer/hf_family.py)."""
+        """Any transformers MoE family (trainer/model/family.py)."""
         return self.arch == "hf"
 
 
@@ -239,7 +237,7 @@ class LoggingConfig:
     """Write TensorBoard scalars to ``OUT/tensorboard`` (tensorboardX, or the tensorboard package)."""
     wandb: bool = False
     """Log the same scalars to Weights & Biases (the optional wandb package; ``WANDB_MODE=offline`` keeps the run
-    in ``OUT/wandb`` to sync later; trainer/wandb_writer.py)."""
+    in ``OUT/wandb`` to sync later; trainer/records/wandb_writer.py)."""
     wandb_project: str = "fastmoe"
     """The W&B project of ``--logging.wandb`` (the run is named after OUT)."""
     plot: bool = True
@@ -278,7 +276,7 @@ class EvalConfig:
 
 @dataclass
 class LoraSection:
-    """LoRA fine-tuning of the expert weights (PEFT adapters, run inside the grouped GEMMs; trainer/lora.py)."""
+    """LoRA fine-tuning of the expert weights (PEFT adapters, run inside the grouped GEMMs; trainer/model/lora.py)."""
 
     rank: int = 0
     """Adapter rank r of every targeted expert weight; 0 trains the whole model instead."""
@@ -364,35 +362,39 @@ def section_classes() -> dict[str, type]:
 
 
 # ----------------------------------------------------------------------------- validation
-_CHOICES = {
-    ("model", "arch"): ("olmoe", "olmo", "hf"),
-    ("parallel", "dp_shard"): ("none", "fsdp"),
-    ("model", "moe_impl"): ("fastmoe", "hf"),
-    ("model", "moe_backend"): ("auto", "torch", "triton"),
-    ("model", "gemm_engine"): GEMM_ENGINES,
-    ("model", "expert_precision"): ("none", *PRECISIONS),
-    ("model", "ep_dispatch"): ("allgather", "alltoall"),
-    ("model", "param_dtype"): ("fp32", "bf16"),
-    ("model", "autocast"): ("auto", "bf16", "none"),
-    ("optim", "name"): ("adamw", "sharded", "epso"),
-    ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
-    ("optim", "moments_dtype"): ("fp32", "bf16"),
-    ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
-    ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
-    ("checkpoint", "model_dtype"): ("bf16", "fp32"),
-}
+def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The options with a fixed set of values. The kernel registry's sets are read here, on use, so
+    that importing the configuration (the planner does, for :mod:`.ac_spec`) does not load torch."""
+    from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES
+    from fastmoe_xpu.kernels.registry import PRECISIONS
+
+    return {
+        ("model", "arch"): ("olmoe", "olmo", "hf"),
+        ("parallel", "dp_shard"): ("none", "fsdp"),
+        ("model", "moe_impl"): ("fastmoe", "hf"),
+        ("model", "moe_backend"): ("auto", "torch", "triton"),
+        ("model", "gemm_engine"): GEMM_ENGINES,
+        ("model", "expert_precision"): ("none", *PRECISIONS),
+        ("model", "ep_dispatch"): ("allgather", "alltoall"),
+        ("model", "param_dtype"): ("fp32", "bf16"),
+        ("model", "autocast"): ("auto", "bf16", "none"),
+        ("optim", "name"): ("adamw", "sharded", "epso"),
+        ("optim", "grad_reduce_dtype"): ("fp32", "bf16"),
+        ("optim", "moments_dtype"): ("fp32", "bf16"),
+        ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
+        ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
+        ("checkpoint", "model_dtype"): ("bf16", "fp32"),
+    }
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """Check everything that can be checked before any work; fill ``parallel.dp`` from the world
     size. Raises :class:`ConfigError` with a one-line message naming the offending values."""
     m, s, p, o = cfg.model, cfg.schedule, cfg.parallel, cfg.optim
-    from .lora import check_lora_config
-
     check_lora_config(cfg)
     if m.hf_config and m.arch == "olmoe":
         m.arch = "hf"  # --model.hf_config on top of any preset trains that config
-    for (section, name), allowed in _CHOICES.items():
+    for (section, name), allowed in _choices().items():
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"--{section}.{name} must be one of {list(allowed)}, got {value!r}")
@@ -422,7 +424,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     if o.lr < 0 or s.min_lr < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError("--optim.lr, --schedule.min_lr, --optim.grad_clip and --optim.weight_decay must be >= 0")
     if m.is_hf:
-        from .hf_config import check_hf
+        from .hf import check_hf
 
         check_hf(cfg)  # fills the size fields from the transformers config
     elif m.hf_config or m.hf_family:
@@ -474,9 +476,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
                               "of a stage); 0 shards over all of them")
     check_parallel(cfg)
     if cfg.logging.wandb:
-        from .wandb_writer import check_available
-
-        check_available()  # an optional package: one line now, not a traceback at the first step
+        check_wandb_available()  # an optional package: one line now, not a traceback at the first step
     if world_size is not None:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
         cfg._validated_world = world_size  # type: ignore[attr-defined]
@@ -495,6 +495,56 @@ def validated_for(cfg: TrainConfig, world_size: int) -> bool:
     """Whether :func:`validate` passed ``cfg`` for ``world_size`` (edits after it are not noticed:
     validate last)."""
     return getattr(cfg, "_validated_world", None) == world_size
+
+
+#: The expert weights LoRA adapts (``--lora.targets``, see trainer/model/lora.py).
+LORA_TARGETS = ("gate_up_proj", "down_proj")
+
+
+def lora_targets(section: Any) -> list[str]:
+    return [t.strip() for t in section.targets.split(",") if t.strip()]
+
+
+def check_lora_config(cfg: Any) -> None:
+    """ConfigError (one line) for a LoRA section this trainer cannot run."""
+    lo, p, m = cfg.lora, cfg.parallel, cfg.model
+    if lo.rank < 0:
+        raise ConfigError(f"--lora.rank must be >= 0, got {lo.rank}")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"--lora.alpha must be > 0, got {lo.alpha}")
+    bad = [t for t in lora_targets(lo) if t not in LORA_TARGETS] or ([] if lora_targets(lo) else ["(none)"])
+    if bad:
+        raise ConfigError(f"--lora.targets must name some of {list(LORA_TARGETS)}, got {lo.targets!r}")
+    if m.arch == "olmo":
+        raise ConfigError("--lora.rank adapts expert weights; --model.arch olmo has none")
+    if m.moe_impl != "fastmoe":
+        raise ConfigError(f"--lora.rank needs --model.moe_impl fastmoe (the adapters run in its GEMMs), got {m.moe_impl!r}")
+    for name, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)):
+        if value > 1:
+            raise ConfigError(f"--lora.rank trains with data parallelism only, got --parallel.{name} {value}")
+    if m.compile:
+        raise ConfigError("--lora.rank runs eagerly; drop --model.compile")
+    if cfg.checkpoint.init_from:
+        raise ConfigError("--lora.rank starts from --model.init_from (a transformers checkpoint), "
+                          "not --checkpoint.init_from")
+    if cfg.eval.export_hf:
+        raise ConfigError("--lora.rank exports the adapter (--lora.export), not the whole model (--eval.export_hf)")
+
+
+WANDB_INSTALL_HINT = "pip install wandb (or the package's wandb extra: pip install 'fastmoe_xpu[wandb]')"
+
+
+def check_wandb_available() -> None:
+    """Raise :class:`ConfigError` with one line when the ``wandb`` package is not installed."""
+    try:
+        found = importlib.util.find_spec("wandb") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"--logging.wandb needs the wandb package, which is not installed: {WANDB_INSTALL_HINT}; "
+                          "or leave --logging.wandb out (TensorBoard and metrics.jsonl stay)")
 
 
 def check_fsdp(cfg: TrainConfig) -> None:

@@ -2,9 +2,9 @@
 
 The ``wandb`` package is optional (the ``wandb`` extra: ``pip install 'fastmoe_xpu[wandb]'``); asking
 for it without the package installed is one ``error:`` line before any work
-(:func:`check_available`, called by the config's validation).
+(:func:`trainer.config.check_wandb_available`, called by the config's validation).
 
-Rank 0 logs the scalars TensorBoard gets (:func:`trainer.tb_writer.record_scalars`: every numeric
+Rank 0 logs the scalars TensorBoard gets (:func:`trainer.records.tb_writer.record_scalars`: every numeric
 field of a step's record, the MoE health lists per layer as ``<name>/layer_<l>``) at the record's
 step, with the run's config. W&B itself reads its usual environment: ``WANDB_MODE=offline`` writes
 the run under ``OUT/wandb`` to ``wandb sync`` later, ``WANDB_ENTITY``, ``WANDB_API_KEY``, ...
@@ -16,31 +16,17 @@ resume continues bit for bit), so they are skipped rather than sent again.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
 from typing import Any
 
-from .errors import ConfigError
+from ..config import WANDB_INSTALL_HINT as INSTALL_HINT
+from ..config.errors import ConfigError
 from .tb_writer import record_scalars
 
 #: The file in OUT that keeps the W&B run id across resumes.
 RUN_FILE = "wandb_run.json"
-INSTALL_HINT = "pip install wandb (or the package's wandb extra: pip install 'fastmoe_xpu[wandb]')"
-
-
-def check_available() -> None:
-    """Raise :class:`ConfigError` with one line when the ``wandb`` package is not installed."""
-    try:
-        found = importlib.util.find_spec("wandb") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise ConfigError(f"--logging.wandb needs the wandb package, which is not installed: {INSTALL_HINT}; "
-                          "or leave --logging.wandb out (TensorBoard and metrics.jsonl stay)")
-
-
 class WandbScalars:
     """One W&B run for ``out_dir``: ``write(record)`` logs a step's scalars, ``close()`` finishes.
 

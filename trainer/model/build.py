@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -50,9 +50,9 @@ def build_model(m: ModelConfig, context: int, *, seed: int, device: torch.device
                 ep_group: Any = None, ep_size: int = 1) -> nn.Module:
     """Build the model with weights drawn from ``seed`` (identical on every rank), patched with
     FastSparseMoeBlock when ``m.moe_impl == "fastmoe"``; with EP, each rank keeps its own experts.
-    ``arch="hf"``: any transformers MoE family (:func:`trainer.hf_family.build_hf_model`)."""
+    ``arch="hf"``: any transformers MoE family (:func:`trainer.model.family.build_hf_model`)."""
     if m.is_hf:
-        from .hf_family import build_hf_model
+        from .family import build_hf_model
 
         return build_hf_model(m, context, seed=seed, device=device)
     cfg = hf_config(m, context)
@@ -151,7 +151,7 @@ def _hf_param_counts(m: ModelConfig, vocab_size: int | None = None) -> ParamCoun
     """:class:`ParamCounts` of ``arch="hf"``, counted on a meta-device build."""
     from transformers import AutoModelForCausalLM
 
-    from .hf_config import hf_model_config
+    from ..config.hf import hf_model_config
 
     cfg = hf_model_config(m, 1)
     if vocab_size or m.vocab_size:

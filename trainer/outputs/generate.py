@@ -48,7 +48,7 @@ def format_samples(samples: list[dict[str, Any]]) -> str:
     return "\n".join(f"[{s['mode']:7s}] {s['prompt']!r} -> {s['text']!r}" for s in samples)
 
 
-if __name__ == "__main__":  # python -m fastmoe_trainer.generate DIR
+if __name__ == "__main__":  # python -m fastmoe_trainer.outputs.generate DIR
     import sys
 
     d = sys.argv[1] if len(sys.argv) > 1 else os.getcwd()

@@ -1,6 +1,6 @@
 """Configs of transformers MoE families for ``--model.arch hf``: reading a ``config.json``, a
 family's tiny config with the trainer's sizes, the family's auxiliary-loss settings, and the checks
-that :func:`trainer.config.validate` runs on such a config (see :mod:`trainer.hf_family` for training).
+that :func:`trainer.config.validate` runs on such a config (see :mod:`trainer.model.family` for training).
 
 A leaf of the trainer: ``config`` imports it for its checks, so nothing here imports ``config`` back
 (its dataclasses are typed ``Any`` below: ``m`` is a ``ModelConfig``, ``cfg`` a ``TrainConfig``).

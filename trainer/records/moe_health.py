@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from .layout import all_reduce_sum
+from ..layout import all_reduce_sum
 
 
 def _in_backward() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import (
+from . import (
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -106,7 +106,7 @@ def tiny_dense() -> TrainConfig:
 
 
 def _tiny_family(name: str, family: str, **model: object) -> TrainConfig:
-    """tiny-moe's sizes and recipe on a transformers MoE family (``arch="hf"``, trainer/hf_family.py);
+    """tiny-moe's sizes and recipe on a transformers MoE family (``arch="hf"``, trainer/model/family.py);
     ``adamw``: one process ("sharded" (ZeRO-1) and "epso" shard it over DP and EP)."""
     return _tiny(name, arch="hf", intermediate=128, experts=8, top_k=2, optim="adamw", hf_family=family, **model)
 

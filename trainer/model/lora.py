@@ -19,50 +19,18 @@ from typing import Any
 
 import torch.nn as nn
 
-from .errors import ConfigError
+from ..config import lora_targets
+from ..config.errors import ConfigError
 
-TARGETS = ("gate_up_proj", "down_proj")
 #: The name of every adapter file's keys start with, as ``PeftModel.save_pretrained`` writes them.
 PEFT_PREFIX = "base_model.model."
-
-
-def targets(section: Any) -> list[str]:
-    return [t.strip() for t in section.targets.split(",") if t.strip()]
-
-
-def check_lora_config(cfg: Any) -> None:
-    """ConfigError (one line) for a LoRA section this trainer cannot run."""
-    lo, p, m = cfg.lora, cfg.parallel, cfg.model
-    if lo.rank < 0:
-        raise ConfigError(f"--lora.rank must be >= 0, got {lo.rank}")
-    if lo.rank == 0:
-        return
-    if lo.alpha <= 0:
-        raise ConfigError(f"--lora.alpha must be > 0, got {lo.alpha}")
-    bad = [t for t in targets(lo) if t not in TARGETS] or ([] if targets(lo) else ["(none)"])
-    if bad:
-        raise ConfigError(f"--lora.targets must name some of {list(TARGETS)}, got {lo.targets!r}")
-    if m.arch == "olmo":
-        raise ConfigError("--lora.rank adapts expert weights; --model.arch olmo has none")
-    if m.moe_impl != "fastmoe":
-        raise ConfigError(f"--lora.rank needs --model.moe_impl fastmoe (the adapters run in its GEMMs), got {m.moe_impl!r}")
-    for name, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)):
-        if value > 1:
-            raise ConfigError(f"--lora.rank trains with data parallelism only, got --parallel.{name} {value}")
-    if m.compile:
-        raise ConfigError("--lora.rank runs eagerly; drop --model.compile")
-    if cfg.checkpoint.init_from:
-        raise ConfigError("--lora.rank starts from --model.init_from (a transformers checkpoint), "
-                          "not --checkpoint.init_from")
-    if cfg.eval.export_hf:
-        raise ConfigError("--lora.rank exports the adapter (--lora.export), not the whole model (--eval.export_hf)")
 
 
 def peft_config(section: Any) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=section.rank, lora_alpha=section.alpha,
-                      target_parameters=[f"mlp.experts.{t}" for t in targets(section)])
+                      target_parameters=[f"mlp.experts.{t}" for t in lora_targets(section)])
 
 
 def apply_lora(model: nn.Module, section: Any) -> Any:

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from .layout import barrier
+from ..layout import barrier
 
 
 def finish_run(trainer: Any) -> dict[str, Any]:
@@ -19,7 +19,7 @@ def finish_run(trainer: Any) -> dict[str, Any]:
     if lay.is_main and hist:
         art["loss_chart"] = os.path.join(out, "loss.png") if cfg.logging.plot else None
         if cfg.logging.plot and any("moe_tokens_per_expert" in r for r in hist):
-            from .moe_health import plot_moe
+            from ..records.moe_health import plot_moe
 
             title = f"{cfg.preset} (PP {lay.pp} x DP {lay.dp} x EP {lay.ep})"
             heat, imb = os.path.join(out, "moe_load.png"), os.path.join(out, "moe_imbalance.png")
@@ -42,7 +42,7 @@ def finish_run(trainer: Any) -> dict[str, Any]:
 
 
 def _export(trainer: Any, art: dict[str, Any]) -> None:
-    from .checkpoint import save_model
+    from ..checkpoint.save import save_model
     from .export import ExportError, export_hf
 
     cfg, lay = trainer.cfg, trainer.layout

@@ -181,8 +181,8 @@ class SpikeDetector:
 
 class MetricsWriter:
     """Appends one JSON object per step to ``OUT/metrics.jsonl``, its scalars to TensorBoard event
-    files under ``OUT/tensorboard`` (see :mod:`trainer.tb_writer`) and, given ``wandb`` (the
-    keywords of :class:`trainer.wandb_writer.WandbScalars`: ``project``, ``config``, ``name``), to a
+    files under ``OUT/tensorboard`` (see :mod:`trainer.records.tb_writer`) and, given ``wandb`` (the
+    keywords of :class:`trainer.records.wandb_writer.WandbScalars`: ``project``, ``config``, ``name``), to a
     Weights & Biases run."""
 
     def __init__(self, out_dir: str, *, tensorboard: bool = True, append: bool = False,

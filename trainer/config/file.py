@@ -66,7 +66,7 @@ TOP_FIELDS = ("preset", "seed")
 
 
 def _sections() -> dict[str, type]:
-    from .config import section_classes
+    from . import section_classes
 
     return section_classes()
 

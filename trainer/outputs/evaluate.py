@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data.build import VALID_NAME, sha256_file
-from .layout import all_reduce_sum, pp_group
-from .loss import IGNORE_INDEX
-from .optim.fsdp import is_fsdp, reshard
+from ..data.build import VALID_NAME, sha256_file
+from ..layout import all_reduce_sum, pp_group
+from ..model.loss import IGNORE_INDEX
+from ..optim.fsdp import is_fsdp, reshard
 
 
 def load_validation(manifest: dict[str, Any], verify: bool = True) -> np.ndarray | None:

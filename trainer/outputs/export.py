@@ -34,8 +34,9 @@ import torch
 
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
-from .checkpoint import (MANIFEST, META, CheckpointError, CheckpointInfo, _storage_reader, latest_valid,
-                         model_checkpoints, read_info, verify)
+from ..checkpoint.dcp_io import storage_reader
+from ..checkpoint.slots import (CheckpointError, CheckpointInfo, latest_valid, MANIFEST, META, model_checkpoints,
+                                read_info, verify)
 
 DEFAULT_MAX_SHARD = 2 << 30
 #: TP-split weights: name suffix -> dimension their ``/tp<r>`` parts are concatenated along
@@ -132,7 +133,7 @@ class _Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.md = _storage_reader(path).read_metadata().state_dict_metadata
+            self.md = storage_reader(path).read_metadata().state_dict_metadata
         except Exception as e:
             raise ExportError(f"{path / '.metadata'}: cannot read the checkpoint index: {e}") from None
 
@@ -155,7 +156,7 @@ class _Reader:
 
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.load(box, storage_reader=_storage_reader(self.path), no_dist=True)
+                dcp.load(box, storage_reader=storage_reader(self.path), no_dist=True)
         except Exception as e:  # a truncated or missing data file
             raise ExportError(f"{self.path}: reading tensor {key!r} failed: {' '.join(str(e).split())[:400]}") from None
         return box[key]
@@ -224,9 +225,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
     training config dict, the manifest's tokenizer description). Raises :class:`ExportError`."""
     from safetensors.torch import save_file
 
-    from .config import TrainConfig
-    from .hf_tokenizer import write_tokenizer
-    from .model import hf_config
+    from ..config import TrainConfig
+    from ..model.hf_tokenizer import write_tokenizer
+    from ..model.build import hf_config
 
     t0 = time.perf_counter()
     if max_shard_bytes < 1:
@@ -385,8 +386,8 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
     built once on the CPU (not streamed as the OLMoE export is)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .hf_config import hf_model_config
-    from .hf_tokenizer import write_tokenizer
+    from ..config.hf import hf_model_config
+    from ..model.hf_tokenizer import write_tokenizer
 
     m = cfg.model
     meta = info.meta.get("meta", {}) or {}

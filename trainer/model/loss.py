@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .layout import all_reduce_sum
+from ..config import ModelConfig
+from ..layout import all_reduce_sum
 
 IGNORE_INDEX = -100
 
@@ -96,13 +96,14 @@ def micro_batch_loss(m: ModelConfig, logits: torch.Tensor, labels: torch.Tensor,
 
 @dataclass
 class MoeLossConfig:
-    """How a pipeline's last stage turns its outputs into the loss (the trainer's recipe)."""
+    """How a pipeline's last stage turns its outputs into the loss (the trainer's recipe: the
+    coefficients are the model config's, :class:`~trainer.config.ModelConfig`)."""
 
     num_layers: int
+    load_balancing_coef: float
+    z_loss_coef: float
     num_experts: int = 0
     top_k: int = 0
-    load_balancing_coef: float = 0.01
-    z_loss_coef: float = 0.001
     global_targets: float = 1.0
     """Target tokens in the global batch: the cross-entropy sum is divided by it."""
     micro_batches_global: int = 1

@@ -24,7 +24,7 @@ Per-expert load is measured where every family agrees: a forward pre-hook on eac
 module reads the ``top_k_index`` it is handed (on the device; one all-reduce and one host read per
 step). Data, expert and pipeline parallelism, activation checkpointing and compilation are applied
 as for the OLMoE model (:func:`trainer.parallelism.apply.parallelize`, :mod:`trainer.parallelism.ep`,
-:mod:`trainer.parallelism.pipeline`); TP is refused by :func:`trainer.hf_config.check_hf`.
+:mod:`trainer.parallelism.pipeline`); TP is refused by :func:`trainer.config.hf.check_hf`.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .hf_config import EXPERTS_IMPLEMENTATIONS, family_losses, hf_model_config
+from ..config import ModelConfig
+from ..config.errors import ConfigError
+from ..config.hf import EXPERTS_IMPLEMENTATIONS, family_losses, hf_model_config
 
 
 def build_hf_model(m: ModelConfig, context: int, *, seed: int, device: torch.device | str = "cpu") -> nn.Module:
@@ -69,6 +69,12 @@ def _layer_of(name: str) -> int:
         return int(name.split("layers.")[1].split(".")[0])
     except (IndexError, ValueError):
         raise ValueError(f"cannot find the layer index in module name {name!r}") from None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """transformers decoder layers of ``model`` (anything with self_attn, mlp and the two norms)."""
+    return [m for m in model.modules()
+            if all(hasattr(m, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))]
 
 
 def experts_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -148,7 +154,7 @@ class HfMoeRun:
         read), the bias update, and the step's load metrics. Resets the loads. ``stages_group`` (a
         pipeline's PP group): each stage updates its own layers' biases, and the metrics cover every
         stage's layers (their rows gathered over it, in layer order)."""
-        from .layout import all_reduce_sum
+        from ..layout import all_reduce_sum
 
         all_reduce_sum(self.loads, group)
         loads = self.loads.clone()

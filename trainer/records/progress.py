@@ -67,7 +67,7 @@ def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step
     """A tqdm bar when ``file`` (stderr; stdout under the node launcher) is a terminal, else a
     :class:`LineProgress`."""
     if file is None:
-        from .ft.stop import LAUNCHER_ENV
+        from ..ft.stop import LAUNCHER_ENV
 
         file = sys.stdout if os.environ.get(LAUNCHER_ENV) == "1" else sys.stderr
     if file.isatty():
