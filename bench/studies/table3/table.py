@@ -107,7 +107,7 @@ def fb_ep(paper_ep: int, s: Scale) -> int:
 
 def model_dims(name: str, quick: bool) -> tuple[Any, int]:
     """(the preset's ModelConfig, or tiny sizes with ``quick``; the paper's EP)."""
-    cfg = trainer_module("presets").get_preset(name)
+    cfg = trainer_module("config.presets").get_preset(name)
     m = cfg.model
     if quick:
         m = replace(m, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=32, num_experts=8, top_k=2)

@@ -79,7 +79,7 @@ def build_config(spec: StepSpec, *, moe_impl: str, optimizer: str, dp: int = 1, 
     """The TrainConfig of ``spec``: byte-level vocabulary from the embedded corpus, no clipping warmup
     (clipping is part of the step), no checkpoints, no logging side work; ``precision`` (a key of
     :data:`TRAIN_PRECISIONS`) lowers the fp32 model's precision."""
-    cfg = trainer_module("presets").get_preset("tiny-moe")
+    cfg = trainer_module("config.presets").get_preset("tiny-moe")
     cfg.model = replace(spec.model, vocab_size=0, moe_impl=moe_impl, moe_backend="auto", param_dtype="fp32",
                         autocast="none", init_from=None)
     cfg.seed = spec.seed
