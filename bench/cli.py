@@ -20,8 +20,8 @@ from .harness.measure import run_options
 from .harness.presets import PRESETS, resolve_presets
 from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, default_fastmoe, expand_names,
                                 with_precisions)
-from .harness.report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header,
-                             write_chart, write_csv, write_json)
+from .harness.report import (MODES, case_legend, derive, format_case, format_markdown, format_summary, headline,
+                             load_text, machine_line, run_header, write_chart, write_csv, write_json)
 from .harness.runner import MIN_SAMPLE_S, run_case
 from .studies import STUDIES, SUBCOMMANDS
 
@@ -209,10 +209,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     m = header["machine"]
-    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
-          f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}")
+    print(f"# {header['date_utc']}  {machine_line(m)}, triton {m['triton']}")
     print(f"# {header['command']}")
-    print(f"# clock: {args.clock}; load average at start: {m['load_average_at_start']}")
+    print(f"# clock: {args.clock}; load average at start: {load_text(m['load_average_at_start'])}")
 
     torch.set_grad_enabled(True)
     if args.mode == "stages":
@@ -249,7 +248,7 @@ def _run(args: argparse.Namespace) -> int:
                        min_sample_s=args.min_sample_ms / 1e3, inference=args.mode == "infer")
         derive(res, fast_names)
         print()
-        print(format_case(res, mode, fast), flush=True)
+        print(format_case(res, mode, fast, legend=False), flush=True)
         for n, pr in res["providers"].items():  # which engine 'auto' took, beside the engines measured apart
             if "GEMM engine auto ->" in (pr.get("note") or ""):
                 print(f"  {n}: {pr['note'].split(', ')[-1]}", flush=True)
@@ -264,8 +263,9 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print("\n".join(headline(results, mode, fast)))
     print()
-    print(format_summary(results, mode, fast))
-    print(f"# load average at end: {header['machine']['load_average_at_end']}")
+    print(format_summary(results, mode, fast))  # the GEMM-only bound's line among its notes
+    print("\n".join(case_legend(bound=False)))
+    print(f"# load average at end: {load_text(header['machine']['load_average_at_end'])}")
     write_json(out_dir / "results.json", header, results)
     write_csv(out_dir / "results.csv", header, results, fast_names)
     (out_dir / "results.md").write_text(format_markdown(header, results, mode, fast) + "\n", encoding="utf-8")

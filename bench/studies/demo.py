@@ -25,7 +25,7 @@ from ..harness.cases import make_case
 from ..harness.measure import check_rounds
 from ..harness.presets import Preset
 from ..harness.providers import REFERENCE, default_fastmoe
-from ..harness.report import BOUND_LINE, derive, run_header
+from ..harness.report import BOUND_LINE, derive, load_text, machine_line, run_header
 
 #: transformers' default experts implementation, and the published baseline.
 DEFAULT_IMPL = "hf_v5_grouped_mm"
@@ -95,8 +95,8 @@ def run_demo(args: argparse.Namespace) -> int:
     rounds = check_rounds(args.rounds, DEMO_ROUNDS)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     mach = header["machine"]
-    print(f"# {header['date_utc']}  {mach['cpu_model']}, {mach['usable_cpus']} cpus, torch {mach['torch']}, "
-          f"load average at start {'/'.join(f'{x:.1f}' for x in mach['load_average_at_start'] or [])}", flush=True)
+    print(f"# {header['date_utc']}  {machine_line(mach)}, load average at start "
+          f"{load_text(mach['load_average_at_start'])}", flush=True)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     fast = default_fastmoe(device)
     res = measure_demo(device, args.dtype, rounds, progress=not args.no_progress, log=log)

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..harness.cases import Case, make_case
 from ..harness.presets import Preset
 from ..harness.providers import Provider
-from ..harness.report import MODES, derive, format_case, run_header
+from ..harness.report import MODES, derive, format_case, machine_line, run_header
 from ..harness.runner import run_case
 
 #: Implementations every family is run with, the family's eager first (the correctness reference).
@@ -146,8 +146,7 @@ def run_family(args: Any) -> int:
     device = torch.device(args.device)
     header = run_header(device, dict(vars(args)))
     m = header["machine"]
-    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
-          f"torch {m['torch']}, transformers {m['transformers']}")
+    print(f"# {header['date_utc']}  {machine_line(m)}")
     print(f"# {header['command']}")
     print(f"# {args.family}: one experts layer of {FAMILY_SHAPES[args.family].model}"
           + (f"; SCALED: {note}" if note else " at its published shape"))
