@@ -21,6 +21,7 @@ from fastmoe_xpu import patch_olmoe
 from fastmoe_xpu.compiling import compile_decoder, compile_seconds
 
 from ..harness.measure import check_rounds
+from ..harness.usage import fail
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def main_compile(args: argparse.Namespace) -> int:
     names = args.compile_models or list(SHAPES)
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
-        raise SystemExit(f"--compile-models: unknown {unknown}; choose from {list(SHAPES)}")
+        fail(f"error: --compile-models: unknown {unknown}; choose from {list(SHAPES)}")
     rounds = check_rounds(args.rounds)
     results = {}
     for i, name in enumerate(names):

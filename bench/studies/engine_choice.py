@@ -17,7 +17,6 @@ Legend: T tokens, H hidden, I intermediate, E experts, K experts per token.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ import torch
 
 from fastmoe_xpu import FastSparseMoeBlock, settings
 from fastmoe_xpu.kernels import registry, timing
+from ..harness.usage import Parser, count, output_file
 
 
 def _block(H: int, I: int, E: int, K: int, engine: str, seed: int = 0) -> FastSparseMoeBlock:
@@ -159,16 +159,17 @@ def busy_timing(H: int, I: int, E: int, K: int, T: int, busy: int, cache: Path) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench engine_choice", description=__doc__.splitlines()[0])
+    ap = Parser(prog="fastmoe-bench engine_choice", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="512,256,16,4,256", metavar="H,I,E,K,T",
                     help="the layer (default 512,256,16,4,256: above the small-layer budget, so stage 4 is timed)")
-    ap.add_argument("--calls", type=int, default=30, help="forward+backward calls on the wrong cache (default 30)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each comparison (default 5)")
+    ap.add_argument("--calls", type=count, default=30, help="forward+backward calls on the wrong cache (default 30)")
+    ap.add_argument("--rounds", type=count, default=5, help="interleaved rounds of each comparison (default 5)")
     ap.add_argument("--busy", type=int, default=None,
                     help="busy processes for the loaded timing (default: cores + 1; 0 skips it)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: fastmoe_xpu.threads' rule)")
+    ap.add_argument("--threads", type=count, default=None, help="torch threads (default: fastmoe_xpu.threads' rule)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    output_file(args.json)
     try:
         H, I, E, K, T = (int(v) for v in args.shape.split(","))
     except ValueError:

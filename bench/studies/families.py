@@ -32,6 +32,7 @@ from ..harness.presets import Preset
 from ..harness.providers import Provider
 from ..harness.report import MODES, derive, format_case, machine_line, run_header
 from ..harness.runner import run_case
+from ..harness.usage import fail
 
 #: Implementations every family is run with, the family's eager first (the correctness reference).
 IMPLEMENTATIONS = ("eager", "grouped_mm", "fastmoe")
@@ -137,12 +138,12 @@ def run_family(args: Any) -> int:
     from ..harness.measure import run_options
 
     if args.mode not in MODES:
-        raise SystemExit(f"--family runs --mode {' / '.join(MODES)}, got {args.mode!r}")
+        fail(f"error: --family runs --mode {' / '.join(MODES)}, got {args.mode!r}")
     rounds = run_options(args)
     try:
         preset, note = family_preset(args.family, scale=args.family_scale, tokens=args.tokens)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        fail(f"error: {exc}")
     device = torch.device(args.device)
     header = run_header(device, dict(vars(args)))
     m = header["machine"]
