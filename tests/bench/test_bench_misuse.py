@@ -25,6 +25,7 @@ STUDY_SIZES = {
     "precision": ["--steps", "--context", "--micro-batch", "--threads", "--rounds"],
     "saved": ["--tokens", "--rounds"],
     "small_shapes": ["--rounds", "--reps"],
+    "traffic": ["--rounds", "--scale", "--tokens", "--bandwidth", "--peak-tflops"],
 }
 #: where each command writes: (prefix, option, what goes there)
 OUTPUTS = [([], "--out", "dir"), (["--demo"], "--out", "dir"), (["precision"], "--out", "dir"),
@@ -86,7 +87,7 @@ def _refused(argv: list[str], root: Path, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("prefix", [[], ["--demo"], *([name] for name in SUBCOMMANDS if name != "traffic")], ids=str)
+@pytest.mark.parametrize("prefix", [[], ["--demo"], *([name] for name in SUBCOMMANDS)], ids=str)
 def test_an_unknown_option(prefix, cwd, capsys):
     err = _refused([*prefix, "--no-such-option"], cwd, capsys)
     assert "--no-such-option" in err and "--help" in err
@@ -125,7 +126,7 @@ def test_a_file_in_a_missing_directory(prefix, option, cwd, capsys):
     assert "no directory missing" in err
 
 
-@pytest.mark.parametrize("argv", [["--out", "afile"], ["lora", "--no-such-option"]], ids=str)
+@pytest.mark.parametrize("argv", [["--out", "afile"], ["traffic", "--no-such-option"]], ids=str)
 def test_from_a_shell(argv, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "bench", *argv], cwd=cwd, capture_output=True, text=True,
