@@ -465,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.time == "cpu" and set(args.sets) != {"torch"}:
         fail("error: --time cpu times the torch set only (Triton on the CPU is its interpreter): add --sets torch "
              "(see fastmoe-bench traffic --help)")
+    if args.time is not None:
+        from ..cli import _check_device
+
+        try:
+            _check_device(args.time)
+        except ValueError as exc:
+            fail(f"error: {exc} (--time {args.time})")
     model = DEVICE_MODELS[args.device_model]
     bandwidth = args.bandwidth or model.bandwidth_gbs
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

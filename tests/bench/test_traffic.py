@@ -133,3 +133,18 @@ def test_time_cpu_takes_the_torch_set_only(capsys):
         traffic.main(["--time", "cpu", "--sets", "triton"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_gpu_kit_step_is_this_command_line(tmp_path, capsys):
+    from fastmoe_xpu.tools import gpu_check
+
+    (step,) = [s for s in gpu_check.plan("cuda", tmp_path, tmp_path, 540.0) if s.key == "launches"]
+    assert step.argv[3:6] == ["traffic", "--shape", "all"] and step.timeout_s <= 0.1 * 540
+    assert step.argv[step.argv.index("--time") + 1] == "cuda"
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the step would run")
+    with pytest.raises(SystemExit) as exc:  # parsed whole, then refused before any work: no device
+        traffic.main(step.argv[4:])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no CUDA device" in captured.err and captured.err.count("\n") == 1
