@@ -22,6 +22,7 @@ from fastmoe_xpu.compiling import compile_decoder, compile_seconds
 
 from ..harness.measure import check_rounds
 from ..harness.usage import fail
+from ..harness.report import plural
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def main_compile(args: argparse.Namespace) -> int:
     for i, name in enumerate(names):
         if not args.no_progress:
             print(f"[{i + 1}/{len(names)}] {name}: building, compiling and timing {len(CONTESTANTS)} contestants "
-                  f"over {rounds} rounds", flush=True)
+                  f"over {plural(rounds, 'round')}", flush=True)
         results[name] = measure(SHAPES[name], rounds, seed=args.seed)
     print(format_table(results))
     return 0

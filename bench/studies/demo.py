@@ -25,7 +25,7 @@ from ..harness.cases import make_case
 from ..harness.measure import check_rounds
 from ..harness.presets import Preset
 from ..harness.providers import REFERENCE, default_fastmoe
-from ..harness.report import BOUND_LINE, derive, load_text, machine_line, run_header
+from ..harness.report import BOUND_LINE, derive, load_text, machine_line, plural, run_header
 
 #: transformers' default experts implementation, and the published baseline.
 DEFAULT_IMPL = "hf_v5_grouped_mm"
@@ -67,7 +67,7 @@ def format_demo(res: dict, fast: str, transformers_version: str | None) -> str:
             return f"not measured ({reason})"
         paired = f", median of same-round ratios {s['paired']:.2f}x" if s.get("paired") is not None else ""
         word = "faster" if s["min"] >= 1 else "slower"
-        return f"{s['min']:.2f}x ({word}; min over {rounds} interleaved rounds{paired})"
+        return f"{s['min']:.2f}x ({word}; min over {plural(rounds, 'interleaved round')}{paired})"
 
     lines = [f"fastmoe vs transformers' default experts implementation ({DEFAULT_IMPL.removeprefix('hf_v5_')}, "
              f"{tv}): {ratio(DEFAULT_IMPL)}",

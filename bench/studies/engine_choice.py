@@ -31,7 +31,8 @@ import torch
 
 from fastmoe_xpu import FastSparseMoeBlock, settings
 from fastmoe_xpu.kernels import registry, timing
-from ..harness.usage import Parser, count, output_file
+from ..harness.usage import Parser, count, fail, output_file
+from ..harness.report import load_text, plural
 
 
 def _block(H: int, I: int, E: int, K: int, engine: str, seed: int = 0) -> FastSparseMoeBlock:
@@ -173,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         H, I, E, K, T = (int(v) for v in args.shape.split(","))
     except ValueError:
-        raise SystemExit(f"error: --shape is H,I,E,K,T (five integers), got {args.shape!r}") from None
+        fail(f"error: --shape is H,I,E,K,T (five integers), got {args.shape!r}")
     from fastmoe_xpu.threads import configure, usable_cores
 
     print(f"# {configure(args.threads).summary}")
-    load = os.getloadavg() if hasattr(os, "getloadavg") else "?"
+    load = load_text(list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
     print(f"# layer H={H} I={I} E={E} K={K} T={T}, fp32 forward+backward, torch backend; "
-          f"min over {args.rounds} interleaved rounds; load average {load}")
+          f"min over {plural(args.rounds, 'interleaved round')}; load average {load}")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "gemm_engines.json"
@@ -198,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             print("calls (ms, engine): " + " ".join(marks)
                   + ("  (* after the switch)" if switched else ""))
             for calls_seen, what in r["history"]:
-                print(f"  after {calls_seen} calls: {what}")
-            print(f"after {args.calls} calls: layer {r['auto_s'] * 1e3:.1f} ms vs {r['fastest']} named "
+                print(f"  after {plural(calls_seen, 'call')}: {what}")
+            print(f"after {plural(args.calls, 'call')}: layer {r['auto_s'] * 1e3:.1f} ms vs {r['fastest']} named "
                   f"{r['fastest_s'] * 1e3:.1f} ms: {r['ratio']:.2f}x (cache now: {r['stored_engine']}, "
                   f"{r['stored_reason']})")
         busy = usable_cores() + 1 if args.busy is None else args.busy

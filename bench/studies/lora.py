@@ -39,6 +39,7 @@ import torch.nn as nn
 from .families import FAMILY_SHAPES, experts_module, family_preset
 from ..harness.presets import Preset
 from ..harness.usage import Parser, count, output_file
+from ..harness.report import plural
 
 BASELINE, OURS = "grouped_mm", "fastmoe"
 
@@ -267,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results = []
     print(f"# LoRA step (forward + backward, adapters only train), r={args.rank}, shapes {' '.join(args.shapes)}, "
-          f"fp32, {torch.get_num_threads()} threads; min over {args.rounds} interleaved "
-          "rounds of the calling thread's CPU time and of the wall clock; peak = allocator bytes above the "
+          f"fp32, {plural(torch.get_num_threads(), 'thread')}; min over {plural(args.rounds, 'interleaved round')} "
+          "of the calling thread's CPU time and of the wall clock; peak = allocator bytes above the "
           "step's start (torch.profiler profile_memory)")
     print(HEADER)
     for case in cases(args.shapes, args.family or list(FAMILY_SHAPES), args.scale, args.tokens):

@@ -96,3 +96,15 @@ def test_the_demo_prints_its_explanations_once_and_the_load_as_elsewhere(tmp_pat
     out = capsys.readouterr().out
     assert out.count(BOUND_LINE) == 1
     assert re.search(rf"load average at start {LOAD}$", out.splitlines()[0]), out.splitlines()[0]
+
+
+def test_a_study_says_one_round(capsys):
+    from bench.studies import small_shapes
+
+    old = torch.get_num_threads()
+    try:
+        assert small_shapes.main(["--shapes", "5,8,4,4,2", "--rounds", "1", "--reps", "1"]) == 0
+    finally:
+        torch.set_num_threads(old)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "min over 1 interleaved round;" in first, first
