@@ -12,7 +12,7 @@ from typing import Any
 
 from fastmoe_xpu.kernels import registry, timing
 
-from .report import plural
+from .words import plural
 
 
 def _ms(v: Any) -> str:

@@ -20,6 +20,8 @@ import torch
 
 from fastmoe_xpu.device import cpu_model
 
+from .words import load_text, plural
+
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward",
               "infer": "forward under torch.no_grad (inference)"}
@@ -444,16 +446,6 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
         out += [f"\n\\* {name}: {note}" for name, note in _case_notes(r)]
         out.append("")
     return "\n".join(out)
-
-
-def load_text(v) -> str:
-    """A load average (1, 5 and 15 minutes) as every output of the benchmark prints it: ``1.8/1.7/1.7``."""
-    return "-" if not v else "/".join(f"{x:.1f}" for x in v)
-
-
-def plural(n: int, word: str) -> str:
-    """``1 thread``, ``2 threads``."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def machine_line(mach: dict) -> str:

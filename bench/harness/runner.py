@@ -32,7 +32,7 @@ from .bounds import DenseCeiling, GemmBound
 from .cases import Case
 from .measure import compare, page_faults, peak_bytes, saved_bytes, stats, time_fn, timed_call
 from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
-from .report import plural
+from .words import plural
 
 CEILING = "dense_ceiling"
 BOUND = "gemm_bound"
