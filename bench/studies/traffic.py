@@ -361,6 +361,7 @@ def time_launches(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str 
     the CPU, where the torch set's passes are its launches)."""
     from fastmoe_xpu.kernels import kernels
     from fastmoe_xpu.kernels.configs import use
+    from fastmoe_xpu.kernels.quantized import core as qcore
     from fastmoe_xpu.kernels.triton import launch as launch_mod
 
     from ..harness.measure import synchronize
@@ -402,6 +403,7 @@ def time_launches(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str 
                     best = [Span(b.pass_name, b.launch, min(b.ms, g.ms)) for b, g in zip(best, got)]
     finally:
         launch_mod.launch = real
+        qcore.forget_weights()
     return best
 
 

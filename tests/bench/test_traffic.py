@@ -148,3 +148,14 @@ def test_the_gpu_kit_step_is_this_command_line(tmp_path, capsys):
     assert exc.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "no CUDA device" in captured.err and captured.err.count("\n") == 1
+
+
+def test_the_fp8_set_quantizes_its_weights_in_every_timed_call(monkeypatch):
+    from fastmoe_xpu.kernels.triton import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: None)
+    inputs = traffic.layer_inputs(T, H, I, E, K, torch.bfloat16)
+    spans = traffic.time_launches("triton+fp8", inputs, rounds=2)
+    passes = traffic.count_passes("triton+fp8", inputs)
+    assert [s.launch for s in spans if s.launch] == [o.name for p in passes for o in p.ops if o.kind == "kernel"]
+    assert "| **total** |" in traffic.timed_report("triton+fp8", spans, passes)
