@@ -450,5 +450,6 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
 
 def machine_line(mach: dict) -> str:
     """The machine in one line: CPU, cores, torch threads, versions (the header of every run)."""
-    return (f"{mach['cpu_model']}, {plural(mach['usable_cpus'], 'cpu')}, {plural(mach['torch_threads'], 'torch thread')}, "
+    return (f"{mach['cpu_model']}, {plural(mach['usable_cpus'], 'cpu')}, "
+            f"{plural(mach['torch_threads'], 'torch thread')}, "
             f"torch {mach['torch']}, transformers {mach['transformers']}")

@@ -209,7 +209,8 @@ def run_case(
             result["providers"][name]["auto"] = state
             if state["retimes"]:
                 result["providers"][name]["auto_note"] = (
-                    f"auto re-timed its engines {plural(state['retimes'], 'time')} in the {plural(state['forward_calls'], 'call')} it "
+                    f"auto re-timed its engines {plural(state['retimes'], 'time')} in the "
+                    f"{plural(state['forward_calls'], 'call')} it "
                     f"ran here ({'; '.join(state['history'])}); a sample holding a re-timing is slower than the "
                     "engine alone")
         result["providers"][name].update(split(name))

@@ -306,10 +306,12 @@ def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bo
         floor = floor_ms(by_ops + by_k, p.flops, bandwidth_gbs, peak_tflops or float("inf"))
         floor_total += floor
         lines.append(f"| {p.name} | {n_op} | {n_k} | {_gb(by_ops)} | {_gb(by_k)} | "
-                     f"{(by_ops + by_k) / bandwidth_gbs / 1e6:.2f} | {p.flops / 1e9:.1f} | {_at_peak(p.flops, peak_tflops)} | "
+                     f"{(by_ops + by_k) / bandwidth_gbs / 1e6:.2f} | {p.flops / 1e9:.1f} | "
+                     f"{_at_peak(p.flops, peak_tflops)} | "
                      f"{floor:.2f} |")
     lines.append(f"| **total** | {tot[0]} | {tot[1]} | {_gb(tot[2])} | {_gb(tot[3])} | "
-                 f"{(tot[2] + tot[3]) / bandwidth_gbs / 1e6:.2f} | {tot[4] / 1e9:.1f} | {_at_peak(tot[4], peak_tflops)} | "
+                 f"{(tot[2] + tot[3]) / bandwidth_gbs / 1e6:.2f} | {tot[4] / 1e9:.1f} | "
+                 f"{_at_peak(tot[4], peak_tflops)} | "
                  f"{floor_total:.2f} |")
     if detail:
         lines += ["", "| pass | op / kernel | GB read | GB written | operands |", "|---|---|---|---|---|"]
@@ -421,7 +423,8 @@ def timed_report(kernel_set: str, spans: list[Span], passes: list[Pass]) -> str:
         gbs = "-" if nbytes is None or ms <= 0 else f"{nbytes / ms / 1e6:.0f}"
         gb = "-" if nbytes is None else _gb(nbytes)
         tf = "-" if not flops or ms <= 0 else f"{flops / ms / 1e9:.1f}"
-        return f"| {name} | {launch} | {ms:.3f} | {gb} | {gbs} | {'-' if flops is None else f'{flops / 1e9:.1f}'} | {tf} |"
+        gflop = "-" if flops is None else f"{flops / 1e9:.1f}"
+        return f"| {name} | {launch} | {ms:.3f} | {gb} | {gbs} | {gflop} | {tf} |"
 
     tot_ms = 0.0
     launches = iter(s for s in spans if s.launch is not None)

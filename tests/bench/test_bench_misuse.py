@@ -55,7 +55,8 @@ def _size_cases() -> list[tuple[list[str], str]]:
 
 def test_every_study_has_its_sizes_listed():
     assert set(STUDY_SIZES) <= set(SUBCOMMANDS)
-    assert {"--rounds", "--tokens", "--layers", "--context", "--shape-tokens", "--budget"} <= {o for o, _ in _main_sizes()}
+    main_sizes = {o for o, _ in _main_sizes()}
+    assert {"--rounds", "--tokens", "--layers", "--context", "--shape-tokens", "--budget"} <= main_sizes
 
 
 @pytest.fixture
