@@ -20,9 +20,10 @@ from .harness.measure import run_options
 from .harness.presets import PRESETS, resolve_presets
 from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, default_fastmoe, expand_names,
                                 with_precisions)
-from .harness.report import (MODES, derive, format_case, format_markdown, format_summary, headline, run_header,
-                             write_chart, write_csv, write_json)
+from .harness.report import (MODES, case_legend, derive, format_case, format_markdown, format_summary, headline,
+                             load_text, machine_line, run_header, write_chart, write_csv, write_json)
 from .harness.runner import MIN_SAMPLE_S, run_case
+from .harness.usage import Parser, count, fail, nonnegative, output_dir, seconds
 from .studies import STUDIES, SUBCOMMANDS
 
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     description = ("Benchmark FastSparseMoE's expert layer against transformers' references (hf_v4, hf_v5_eager, "
                    "hf_v5_grouped_mm) and, on request, the peers' MoE layers (liger, sonicmoe), with the "
                    "dense-matmul ceiling and the layer's GEMM-only bound measured in the same run.")
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="fastmoe-bench", usage="%(prog)s [options]\n       %(prog)s STUDY [options]",
         description=description, epilog=_studies_help(), formatter_class=_HelpFormatter,
     )
@@ -63,12 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fwd: forward only (of a training step: autograd on); bwd / fwdbwd: forward and "
                          "backward (both reported, the table shows the chosen one); infer: forward under "
                          "torch.no_grad (generation, evaluation); stages: fastmoe launcher by launcher")
-    ap.add_argument("--rounds", type=int, default=None,
+    ap.add_argument("--rounds", type=count, default=None,
                     help="timed interleaved rounds (after one cold call; default 5, --table3 3, --quick 1)")
-    ap.add_argument("--min-sample-ms", type=float, default=1e3 * MIN_SAMPLE_S,
+    ap.add_argument("--min-sample-ms", type=nonnegative, default=1e3 * MIN_SAMPLE_S,
                     help="calls shorter than this are timed several in a row, their mean one sample "
                          f"(default {1e3 * MIN_SAMPLE_S:g}; 0: one call per sample)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=count, default=None,
                     help="torch intra-op threads (default: this process's share of the cores, less cores other "
                          "work keeps busy at start; printed)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
@@ -86,12 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "with --table3, precision rows for the F+B and training columns against fastmoe in fp32 "
                          "(bf16: bf16 weights, fp32 master; bf16-sr: bf16 weights, stochastic rounding; "
                          "training column only)")
-    ap.add_argument("--budget", type=float, default=120.0,
+    ap.add_argument("--budget", type=nonnegative, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
     ap.add_argument("--routing", default="router", choices=["router", "uniform"],
                     help="router: OLMoE's top-k router on random weights; uniform: forced uniform routing")
-    ap.add_argument("--ceiling-size", type=int, default=None,
+    ap.add_argument("--ceiling-size", type=count, default=None,
                     help="n of the n x n dense-matmul ceiling (default 4096; 256 for tiny presets)")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="wall: elapsed time (default); cpu: the process's CPU time, which leaves out "
@@ -105,17 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     fam = ap.add_argument_group("families", "one experts layer of a transformers MoE family at its published "
                                 "shape: the family's eager and grouped_mm against fastmoe (bench/studies/families.py)")
     fam.add_argument("--family", default=None, metavar="NAME", help="qwen3_moe, gpt_oss or mixtral")
-    fam.add_argument("--family-scale", type=int, default=1,
+    fam.add_argument("--family-scale", type=count, default=1,
                      help="with --family: divide H and I by this (a layer too large or slow here; printed)")
-    fam.add_argument("--tokens", type=int, default=None, help="with --family: tokens of the layer call (default 2048)")
+    fam.add_argument("--tokens", type=count, default=None, help="with --family: tokens of the layer call (default 2048)")
     sh = ap.add_argument_group("shapes", "one MoE layer at each shape of a published set, in TFLOP/s beside a dense "
                                "torch.mm of the same FLOPs (bench/studies/practitioners.py)")
     sh.add_argument("--shapes", default=None, choices=["practitioners"],
                     help="OLMoE-1B-7B, Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-20B, Mixtral-8x7B, DeepSeek-V3 EP=8 slice")
-    sh.add_argument("--shape-tokens", type=int, default=None, help="with --shapes: T (default 32768 on a GPU, 256 here)")
+    sh.add_argument("--shape-tokens", type=count, default=None, help="with --shapes: T (default 32768 on a GPU, 256 here)")
     sh.add_argument("--shape-names", nargs="+", default=None, metavar="NAME",
                     help="with --shapes: only these shapes of the set (e.g. qwen3-30b-a3b olmoe-1b-7b)")
-    sh.add_argument("--shape-scale", type=int, default=None,
+    sh.add_argument("--shape-scale", type=count, default=None,
                     help="with --shapes: divide H and I by this (default 1 on a GPU, 8 on the CPU)")
     cg = ap.add_argument_group("compile", "whole-model F+B, eager vs torch.compile (bench/studies/compiled.py)")
     cg.add_argument("--compile", action="store_true",
@@ -131,15 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     t3.add_argument("--quick", action="store_true", help="with --table3: tiny sizes, one round (tests)")
     t3.add_argument("--models", dest="table3_models", nargs="+", metavar="NAME",
                     help="with --table3: a subset of mula-7b-a1b mula-20b-a2b mula-100b-a7b mula-220b-a10b")
-    t3.add_argument("--layers", type=int, default=None, help="with --table3: layers of the scaled models (default 2)")
-    t3.add_argument("--train-experts", type=int, default=None,
+    t3.add_argument("--layers", type=count, default=None, help="with --table3: layers of the scaled models (default 2)")
+    t3.add_argument("--train-experts", type=count, default=None,
                     help="with --table3: experts of the scaled training models (default 16)")
-    t3.add_argument("--fb-tokens-per-rank", type=int, default=None,
+    t3.add_argument("--fb-tokens-per-rank", type=count, default=None,
                     help="with --table3: tokens per rank of the F+B layer (default 256; x EP under EP)")
-    t3.add_argument("--context", type=int, default=None, help="with --table3: tokens per training instance (default 64)")
-    t3.add_argument("--blocks", type=int, default=None,
+    t3.add_argument("--context", type=count, default=None, help="with --table3: tokens per training instance (default 64)")
+    t3.add_argument("--blocks", type=count, default=None,
                     help="with --table3: alternating sharded/epso blocks on the DP x EP processes (default 2)")
-    t3.add_argument("--dist-timeout", type=float, default=1800.0,
+    t3.add_argument("--dist-timeout", type=seconds, default=1800.0,
                     help="with --table3: seconds the DP x EP processes may take in all")
     return ap
 
@@ -157,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         study = importlib.import_module(f"{__package__}.studies.{argv[0]}")
         return study.main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
+    if not args.engines:  # every other run writes into --out: a path that cannot take it is told before any work
+        output_dir(args.out)
     try:
         return _run(args)
     except ValueError as exc:  # bad input (an unknown preset, a value out of range): one line, no traceback
-        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+        fail(f"error: {exc} (see fastmoe-bench --help)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -209,10 +212,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     m = header["machine"]
-    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
-          f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}")
+    print(f"# {header['date_utc']}  {machine_line(m)}, triton {m['triton']}")
     print(f"# {header['command']}")
-    print(f"# clock: {args.clock}; load average at start: {m['load_average_at_start']}")
+    print(f"# clock: {args.clock}; load average at start: {load_text(m['load_average_at_start'])}")
 
     torch.set_grad_enabled(True)
     if args.mode == "stages":
@@ -249,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
                        min_sample_s=args.min_sample_ms / 1e3, inference=args.mode == "infer")
         derive(res, fast_names)
         print()
-        print(format_case(res, mode, fast), flush=True)
+        print(format_case(res, mode, fast, legend=False), flush=True)
         for n, pr in res["providers"].items():  # which engine 'auto' took, beside the engines measured apart
             if "GEMM engine auto ->" in (pr.get("note") or ""):
                 print(f"  {n}: {pr['note'].split(', ')[-1]}", flush=True)
@@ -264,8 +266,9 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print("\n".join(headline(results, mode, fast)))
     print()
-    print(format_summary(results, mode, fast))
-    print(f"# load average at end: {header['machine']['load_average_at_end']}")
+    print(format_summary(results, mode, fast))  # the GEMM-only bound's line among its notes
+    print("\n".join(case_legend(bound=False)))
+    print(f"# load average at end: {load_text(header['machine']['load_average_at_end'])}")
     write_json(out_dir / "results.json", header, results)
     write_csv(out_dir / "results.csv", header, results, fast_names)
     (out_dir / "results.md").write_text(format_markdown(header, results, mode, fast) + "\n", encoding="utf-8")

@@ -12,6 +12,8 @@ from typing import Any
 
 from fastmoe_xpu.kernels import registry, timing
 
+from .words import plural
+
 
 def _ms(v: Any) -> str:
     return "-" if v is None else f"{1e3 * float(v):.3g}"
@@ -36,8 +38,8 @@ def describe_entries(entries: dict[str, dict[str, Any]]) -> list[str]:
         if timed:
             starved = timed.get("starved") or {}
             threads = timed.get("threads", "?")
-            lines.append(f"    timed: {timed.get('reason', '?')}; {timed.get('rounds', '?')} interleaved rounds, "
-                         f"{threads} thread{'' if threads == 1 else 's'}, starvation told by {timed.get('check', '?')}"
+            lines.append(f"    timed: {timed.get('reason', '?')}; {_count(timed.get('rounds'), 'interleaved round')}, "
+                         f"{_count(threads, 'thread')}, starvation told by {timed.get('check', '?')}"
                          + (f", starved samples {sum(starved.values())}" if starved else "")
                          + f"; saved {e.get('saved', '?')}")
         else:
@@ -58,3 +60,8 @@ def run_engines(action: str) -> int:
     for line in describe_entries(entries):
         print(line)
     return 0
+
+
+def _count(n: Any, word: str) -> str:
+    """``plural(n, word)``, or ``? words`` where the cache holds no count."""
+    return plural(n, word) if isinstance(n, int) else f"{n if n is not None else '?'} {word}s"

@@ -20,6 +20,8 @@ import torch
 
 from fastmoe_xpu.device import cpu_model
 
+from .words import load_text, plural
+
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward",
               "infer": "forward under torch.no_grad (inference)"}
@@ -214,7 +216,9 @@ def _case_notes(result: dict) -> list[tuple[str, str]]:
             if p.get(k)]
 
 
-def format_case(result: dict, mode: str, fast: str) -> str:
+def format_case(result: dict, mode: str, fast: str, legend: bool = True) -> str:
+    """One case's table; ``legend``: with the lines that say what the columns mean (a run of several
+    cases prints them once, after the last case: :func:`case_legend`)."""
     m = result["metrics"][mode]
     lines = [f"{case_title(result)} -- {MODE_TITLE[mode]}",
              f"  dense-matmul ceiling {m['ceiling_gflops']:.1f} GFLOP/s ({result['ceiling']['size']}^3 torch.mm); "
@@ -231,9 +235,14 @@ def format_case(result: dict, mode: str, fast: str) -> str:
                      f"{r['ceil']:>5.0f}% {r['x_bound']:>8.2f} {100 / r['x_bound']:>5.0f}% {r['x_paired']:>7} "
                      f"{r['speedup']:>23} {r['saved']:>9} {r['faults']:>7} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
     lines += [f"  * {name}: {note}" for name, note in _case_notes(result)]
-    lines.append(f"  {BOUND_LINE}")
-    lines += [f"  {c}" for c in CASE_COLUMNS]
+    if legend:
+        lines += [f"  {c}" for c in case_legend()]
     return "\n".join(lines)
+
+
+def case_legend(bound: bool = True) -> list[str]:
+    """What the columns of :func:`format_case` mean, the GEMM-only bound's line first (``bound``)."""
+    return [BOUND_LINE, *CASE_COLUMNS] if bound else list(CASE_COLUMNS)
 
 
 def _summary_rows(results: list[dict], mode: str, fast: str, sep: str, star: str) -> list[tuple[dict, list[str], str]]:
@@ -297,9 +306,7 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
     mach = header["machine"]
     with path.open("w", newline="", encoding="utf-8") as fh:
         fh.write(f"# {header['date_utc']} {header['command']}\n")
-        fh.write(f"# {mach['cpu_model']}, {mach['usable_cpus']} cpus, {mach['torch_threads']} torch threads, "
-                 f"torch {mach['torch']}, triton {mach['triton']}, transformers {mach['transformers']}, "
-                 f"device {mach['device']}\n")
+        fh.write(f"# {machine_line(mach)}, triton {mach['triton']}, device {mach['device']}\n")
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
         for r in results:
@@ -337,22 +344,35 @@ def write_csv(path: Path, header: dict, results: list[dict], fast_names: list[st
 
 
 def write_chart(path: Path, header: dict, results: list[dict], mode: str) -> bool:
-    """Grouped bars: each provider's time as a multiple of the GEMM-only bound (log scale)."""
+    """Grouped bars: each provider's time as a multiple of the GEMM-only bound (log scale); False
+    (nothing written) without matplotlib or without a case of this mode."""
+    fig = chart_figure(header, results, mode)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def chart_figure(header: dict, results: list[dict], mode: str):  # noqa: ANN201
+    """The chart of :func:`write_chart` as a matplotlib figure, every label inside it (None: nothing to draw)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     rows = [r for r in results if mode in r["metrics"]]
     if not rows:
-        return False
+        return None
     names: list[str] = []
     for r in rows:
         for n in r["metrics"][mode]["providers"]:
             if n not in names:
                 names.append(n)
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 * len(rows) + 3.5), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 * len(rows) + 3.5), 4.5), layout="constrained")
     width = 0.8 / max(1, len(names))
     for i, n in enumerate(names):
         xs, ys = [], []
@@ -379,25 +399,21 @@ def write_chart(path: Path, header: dict, results: list[dict], mode: str) -> boo
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["case"]["preset"]["name"] for r in rows])
-    ax.set_ylabel(f"{MODE_TITLE[mode]} time / GEMM-only bound (min over rounds)")
+    ax.set_ylabel(f"{MODE_TITLE[mode]} time\n/ GEMM-only bound (min over rounds)")
     mach = header["machine"]
-    ax.set_title(f"{mach['cpu_model']}, {mach['torch_threads']} threads, {rows[0]['case']['dtype']} "
+    ax.set_title(f"{mach['cpu_model']}, {plural(mach['torch_threads'], 'thread')}, {rows[0]['case']['dtype']} "
                  f"({header['date_utc'][:10]})", fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="outside right upper")
+    return fig
 
 
 def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> str:
     """The run as Markdown: a summary in the paper's Table 3 layout, then one table per case."""
     mach = header["machine"]
     out = [f"Measured {header['date_utc']} with `{header['command']}`  ",
-           f"{mach['cpu_model']}, {mach['usable_cpus']} CPUs, {mach['torch_threads']} torch threads, "
-           f"torch {mach['torch']}, transformers {mach['transformers']}; clock: {header['settings'].get('clock', 'wall')}; "
-           f"load average at start {_load(mach.get('load_average_at_start'))}, at end "
-           f"{_load(mach.get('load_average_at_end'))}.", ""]
+           f"{machine_line(mach)}; clock: {header['settings'].get('clock', 'wall')}; "
+           f"load average at start {load_text(mach.get('load_average_at_start'))}, at end "
+           f"{load_text(mach.get('load_average_at_end'))}.", ""]
     out.append(f"{fast} {MODE_TITLE[mode]} speedup (min over rounds / median of same-round ratios):")
     out.append("")
     out.append("| preset | rows per expert | vs " + " | vs ".join(SUMMARY_BASELINES) + " | x GEMM-only bound | bound % of ceiling |")
@@ -432,5 +448,8 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
     return "\n".join(out)
 
 
-def _load(v) -> str:
-    return "-" if not v else "/".join(f"{x:.1f}" for x in v)
+def machine_line(mach: dict) -> str:
+    """The machine in one line: CPU, cores, torch threads, versions (the header of every run)."""
+    return (f"{mach['cpu_model']}, {plural(mach['usable_cpus'], 'cpu')}, "
+            f"{plural(mach['torch_threads'], 'torch thread')}, "
+            f"torch {mach['torch']}, transformers {mach['transformers']}")

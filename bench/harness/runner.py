@@ -32,6 +32,7 @@ from .bounds import DenseCeiling, GemmBound
 from .cases import Case
 from .measure import compare, page_faults, peak_bytes, saved_bytes, stats, time_fn, timed_call
 from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
+from .words import plural
 
 CEILING = "dense_ceiling"
 BOUND = "gemm_bound"
@@ -153,7 +154,7 @@ def run_case(
                     entry["budget_note"] = (f"a warm call took {cold:.1f} s, over the {budget_s:.0f} s budget: "
                                             "it is the only sample")
                 else:
-                    entry["budget_note"] = f"{n_ok} of {rounds} rounds fit the {budget_s:.0f} s budget"
+                    entry["budget_note"] = f"{n_ok} of {plural(rounds, 'round')} fit the {budget_s:.0f} s budget"
                 log(f"  {name}: {entry['budget_note']}")
             calibrate(name, cold)
         else:
@@ -208,7 +209,8 @@ def run_case(
             result["providers"][name]["auto"] = state
             if state["retimes"]:
                 result["providers"][name]["auto_note"] = (
-                    f"auto re-timed its engines {state['retimes']} time(s) in the {state['forward_calls']} calls it "
+                    f"auto re-timed its engines {plural(state['retimes'], 'time')} in the "
+                    f"{plural(state['forward_calls'], 'call')} it "
                     f"ran here ({'; '.join(state['history'])}); a sample holding a re-timing is slower than the "
                     "engine alone")
         result["providers"][name].update(split(name))

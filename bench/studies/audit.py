@@ -20,7 +20,6 @@ What counts:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 from collections import Counter
@@ -32,6 +31,7 @@ from fastmoe_xpu.autograd.ops import BODIES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmoe_xpu.kernels.triton import launch as _launch
+from ..harness.usage import Parser, count
 
 _SYNC_OPS = {
     "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2",
@@ -188,11 +188,11 @@ def compare(experts: int = 64, top_k: int = 8, tokens: int = 32, hidden: int = 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastmoe-bench audit",
+    parser = Parser(prog="fastmoe-bench audit",
                                      description="kernel launches and host syncs per MoE layer")
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--experts", type=count, default=64)
+    parser.add_argument("--top-k", type=count, default=8)
+    parser.add_argument("--tokens", type=count, default=32)
     parser.add_argument("--verbose", action="store_true", help="list the ops and kernels of each phase")
     args = parser.parse_args(argv)
     rows = compare(args.experts, args.top_k, args.tokens)

@@ -21,6 +21,8 @@ from fastmoe_xpu import patch_olmoe
 from fastmoe_xpu.compiling import compile_decoder, compile_seconds
 
 from ..harness.measure import check_rounds
+from ..harness.usage import fail
+from ..harness.report import plural
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,13 @@ def main_compile(args: argparse.Namespace) -> int:
     names = args.compile_models or list(SHAPES)
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
-        raise SystemExit(f"--compile-models: unknown {unknown}; choose from {list(SHAPES)}")
+        fail(f"error: --compile-models: unknown {unknown}; choose from {list(SHAPES)}")
     rounds = check_rounds(args.rounds)
     results = {}
     for i, name in enumerate(names):
         if not args.no_progress:
             print(f"[{i + 1}/{len(names)}] {name}: building, compiling and timing {len(CONTESTANTS)} contestants "
-                  f"over {rounds} rounds", flush=True)
+                  f"over {plural(rounds, 'round')}", flush=True)
         results[name] = measure(SHAPES[name], rounds, seed=args.seed)
     print(format_table(results))
     return 0

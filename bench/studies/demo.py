@@ -25,7 +25,7 @@ from ..harness.cases import make_case
 from ..harness.measure import check_rounds
 from ..harness.presets import Preset
 from ..harness.providers import REFERENCE, default_fastmoe
-from ..harness.report import BOUND_LINE, derive, run_header
+from ..harness.report import BOUND_LINE, derive, load_text, machine_line, plural, run_header
 
 #: transformers' default experts implementation, and the published baseline.
 DEFAULT_IMPL = "hf_v5_grouped_mm"
@@ -67,7 +67,7 @@ def format_demo(res: dict, fast: str, transformers_version: str | None) -> str:
             return f"not measured ({reason})"
         paired = f", median of same-round ratios {s['paired']:.2f}x" if s.get("paired") is not None else ""
         word = "faster" if s["min"] >= 1 else "slower"
-        return f"{s['min']:.2f}x ({word}; min over {rounds} interleaved rounds{paired})"
+        return f"{s['min']:.2f}x ({word}; min over {plural(rounds, 'interleaved round')}{paired})"
 
     lines = [f"fastmoe vs transformers' default experts implementation ({DEFAULT_IMPL.removeprefix('hf_v5_')}, "
              f"{tv}): {ratio(DEFAULT_IMPL)}",
@@ -95,8 +95,8 @@ def run_demo(args: argparse.Namespace) -> int:
     rounds = check_rounds(args.rounds, DEMO_ROUNDS)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     mach = header["machine"]
-    print(f"# {header['date_utc']}  {mach['cpu_model']}, {mach['usable_cpus']} cpus, torch {mach['torch']}, "
-          f"load average at start {'/'.join(f'{x:.1f}' for x in mach['load_average_at_start'] or [])}", flush=True)
+    print(f"# {header['date_utc']}  {machine_line(mach)}, load average at start "
+          f"{load_text(mach['load_average_at_start'])}", flush=True)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     fast = default_fastmoe(device)
     res = measure_demo(device, args.dtype, rounds, progress=not args.no_progress, log=log)

@@ -17,7 +17,6 @@ Legend: T tokens, H hidden, I intermediate, E experts, K experts per token.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,6 +31,8 @@ import torch
 
 from fastmoe_xpu import FastSparseMoeBlock, settings
 from fastmoe_xpu.kernels import registry, timing
+from ..harness.usage import Parser, count, fail, output_file
+from ..harness.report import load_text, plural
 
 
 def _block(H: int, I: int, E: int, K: int, engine: str, seed: int = 0) -> FastSparseMoeBlock:
@@ -159,26 +160,27 @@ def busy_timing(H: int, I: int, E: int, K: int, T: int, busy: int, cache: Path) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench engine_choice", description=__doc__.splitlines()[0])
+    ap = Parser(prog="fastmoe-bench engine_choice", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="512,256,16,4,256", metavar="H,I,E,K,T",
                     help="the layer (default 512,256,16,4,256: above the small-layer budget, so stage 4 is timed)")
-    ap.add_argument("--calls", type=int, default=30, help="forward+backward calls on the wrong cache (default 30)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each comparison (default 5)")
+    ap.add_argument("--calls", type=count, default=30, help="forward+backward calls on the wrong cache (default 30)")
+    ap.add_argument("--rounds", type=count, default=5, help="interleaved rounds of each comparison (default 5)")
     ap.add_argument("--busy", type=int, default=None,
                     help="busy processes for the loaded timing (default: cores + 1; 0 skips it)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: fastmoe_xpu.threads' rule)")
+    ap.add_argument("--threads", type=count, default=None, help="torch threads (default: fastmoe_xpu.threads' rule)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    output_file(args.json)
     try:
         H, I, E, K, T = (int(v) for v in args.shape.split(","))
     except ValueError:
-        raise SystemExit(f"error: --shape is H,I,E,K,T (five integers), got {args.shape!r}") from None
+        fail(f"error: --shape is H,I,E,K,T (five integers), got {args.shape!r}")
     from fastmoe_xpu.threads import configure, usable_cores
 
     print(f"# {configure(args.threads).summary}")
-    load = os.getloadavg() if hasattr(os, "getloadavg") else "?"
+    load = load_text(list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
     print(f"# layer H={H} I={I} E={E} K={K} T={T}, fp32 forward+backward, torch backend; "
-          f"min over {args.rounds} interleaved rounds; load average {load}")
+          f"min over {plural(args.rounds, 'interleaved round')}; load average {load}")
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "gemm_engines.json"
@@ -197,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             print("calls (ms, engine): " + " ".join(marks)
                   + ("  (* after the switch)" if switched else ""))
             for calls_seen, what in r["history"]:
-                print(f"  after {calls_seen} calls: {what}")
-            print(f"after {args.calls} calls: layer {r['auto_s'] * 1e3:.1f} ms vs {r['fastest']} named "
+                print(f"  after {plural(calls_seen, 'call')}: {what}")
+            print(f"after {plural(args.calls, 'call')}: layer {r['auto_s'] * 1e3:.1f} ms vs {r['fastest']} named "
                   f"{r['fastest_s'] * 1e3:.1f} ms: {r['ratio']:.2f}x (cache now: {r['stored_engine']}, "
                   f"{r['stored_reason']})")
         busy = usable_cores() + 1 if args.busy is None else args.busy

@@ -30,8 +30,9 @@ import torch.nn as nn
 from ..harness.cases import Case, make_case
 from ..harness.presets import Preset
 from ..harness.providers import Provider
-from ..harness.report import MODES, derive, format_case, run_header
+from ..harness.report import MODES, derive, format_case, machine_line, run_header
 from ..harness.runner import run_case
+from ..harness.usage import fail
 
 #: Implementations every family is run with, the family's eager first (the correctness reference).
 IMPLEMENTATIONS = ("eager", "grouped_mm", "fastmoe")
@@ -137,17 +138,16 @@ def run_family(args: Any) -> int:
     from ..harness.measure import run_options
 
     if args.mode not in MODES:
-        raise SystemExit(f"--family runs --mode {' / '.join(MODES)}, got {args.mode!r}")
+        fail(f"error: --family runs --mode {' / '.join(MODES)}, got {args.mode!r}")
     rounds = run_options(args)
     try:
         preset, note = family_preset(args.family, scale=args.family_scale, tokens=args.tokens)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        fail(f"error: {exc}")
     device = torch.device(args.device)
     header = run_header(device, dict(vars(args)))
     m = header["machine"]
-    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
-          f"torch {m['torch']}, transformers {m['transformers']}")
+    print(f"# {header['date_utc']}  {machine_line(m)}")
     print(f"# {header['command']}")
     print(f"# {args.family}: one experts layer of {FAMILY_SHAPES[args.family].model}"
           + (f"; SCALED: {note}" if note else " at its published shape"))

@@ -26,7 +26,6 @@ Legend: T tokens, H hidden, I intermediate, E experts, K experts per token, r ad
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -39,6 +38,8 @@ import torch.nn as nn
 
 from .families import FAMILY_SHAPES, experts_module, family_preset
 from ..harness.presets import Preset
+from ..harness.usage import Parser, count, output_file
+from ..harness.report import plural
 
 BASELINE, OURS = "grouped_mm", "fastmoe"
 
@@ -245,31 +246,30 @@ HEADER = ("| family | shapes | H | I | E | K | T | ours | grouped_mm CPU ms | ou
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench lora", description=__doc__.splitlines()[0])
+    ap = Parser(prog="fastmoe-bench lora", description=__doc__.splitlines()[0])
     ap.add_argument("--family", action="append", choices=sorted(FAMILY_SHAPES),
                     help="family (repeat; default: all bench families)")
     ap.add_argument("--shapes", nargs="+", choices=SHAPE_SETS, default=["bench"],
                     help="bench: each family's bench shape (H and I / --scale, --tokens); tiny: tiny models' experts "
                          f"(mixtral H=96 E=6, qwen3_moe H=96 E=10, T={TINY_TOKENS}); decode: the bench shape at "
                          f"T={DECODE_TOKENS} (default: bench)")
-    ap.add_argument("--scale", type=int, default=4, help="divide H and I by this (CPU-sized layers)")
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU time is the whole step's)")
+    ap.add_argument("--scale", type=count, default=4, help="divide H and I by this (CPU-sized layers)")
+    ap.add_argument("--tokens", type=count, default=1024)
+    ap.add_argument("--rank", type=count, default=16)
+    ap.add_argument("--rounds", type=count, default=5)
+    ap.add_argument("--threads", type=count, default=1, help="torch threads (1: the CPU time is the whole step's)")
     ap.add_argument("--low-rank", action="append", default=[], choices=("loop", "grouped_mm"),
                     help="also time fastmoe with the adapters' r-wide products on this engine (repeat)")
     ap.add_argument("--handed-in", action="store_true",
                     help="also time fastmoe with the adapters handed to the experts function (run_adapters_in_experts)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit("error: --rounds must be >= 1")
+    output_file(args.json)
     torch.set_num_threads(args.threads)
     results = []
     print(f"# LoRA step (forward + backward, adapters only train), r={args.rank}, shapes {' '.join(args.shapes)}, "
-          f"fp32, {torch.get_num_threads()} threads; min over {args.rounds} interleaved "
-          "rounds of the calling thread's CPU time and of the wall clock; peak = allocator bytes above the "
+          f"fp32, {plural(torch.get_num_threads(), 'thread')}; min over {plural(args.rounds, 'interleaved round')} "
+          "of the calling thread's CPU time and of the wall clock; peak = allocator bytes above the "
           "step's start (torch.profiler profile_memory)")
     print(HEADER)
     for case in cases(args.shapes, args.family or list(FAMILY_SHAPES), args.scale, args.tokens):

@@ -9,10 +9,10 @@ of CPU thread time. The difference to the body alone is what the op path adds to
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
+from ..harness.usage import Parser, count
 
 _SCHEMA = ("(Tensor x, Tensor w, Tensor i1, Tensor i2, Tensor i3, Tensor i4, Tensor i5, str name, str group)"
            " -> (Tensor, Tensor)")
@@ -93,9 +93,9 @@ def _fragment():  # noqa: ANN202
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench op_overhead", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--calls", type=int, default=10, help="calls per timed round")
+    ap = Parser(prog="fastmoe-bench op_overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=count, default=60)
+    ap.add_argument("--calls", type=count, default=10, help="calls per timed round")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     a, _lib_a = _custom_op()

@@ -47,6 +47,7 @@ from ..harness.presets import shape_set
 from ..harness.providers import EXTERNAL_PROVIDERS, build_provider, default_fastmoe
 from ..harness.report import run_header
 from ..harness.runner import run_case
+from ..harness.usage import fail
 
 #: Defaults off a GPU: a layer small enough for a shared CPU.
 CPU_TOKENS, CPU_SCALE = 256, 8
@@ -224,19 +225,19 @@ def run_shapes(args) -> int:  # noqa: ANN001
     try:
         presets = shape_set(args.shapes, scale=scale, tokens=tokens)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        fail(f"error: {exc}")
     wanted = getattr(args, "shape_names", None)
     if wanted:
         known = [p.name.split("/")[0] for p in presets]
         unknown = [n for n in wanted if n not in known]
         if unknown:
-            raise SystemExit(f"error: --shape-names {' '.join(unknown)}: not in shape set {args.shapes} ({', '.join(known)})")
+            fail(f"error: --shape-names {' '.join(unknown)}: not in shape set {args.shapes} ({', '.join(known)})")
         presets = [p for p in presets if p.name.split("/")[0] in wanted]
     precisions = getattr(args, "precision", None) or ["none"]
     unknown = [p for p in precisions if p != "none" and p not in registry.PRECISIONS]
     if unknown:
-        raise SystemExit(f"error: --shapes takes --precision none or one of {tuple(registry.PRECISIONS)} "
-                         f"(expert-GEMM precisions), not {unknown[0]!r}")
+        fail(f"error: --shapes takes --precision none or one of {tuple(registry.PRECISIONS)} "
+             f"(expert-GEMM precisions), not {unknown[0]!r}")
     rounds = run_options(args)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     print(f"# {header['date_utc']}  {header['machine'].get('device_name', header['machine']['cpu_model'])}, "

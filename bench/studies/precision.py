@@ -28,11 +28,11 @@ call of each precision (which compiles the fused int8 passes) is not timed.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 from typing import Any
+from ..harness.usage import Parser, count, output_dir
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {},
@@ -215,13 +215,13 @@ def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench precision", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="fastmoe-bench precision", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny-moe")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--context", type=int, default=32)
-    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--steps", type=count, default=150)
+    ap.add_argument("--context", type=count, default=32)
+    ap.add_argument("--micro-batch", type=count, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=count, default=None)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="the variants, in order; one named twice runs twice (best steps/s kept)")
     ap.add_argument("--set", nargs="+", default=[], metavar="SECTION.FIELD=VALUE",
@@ -230,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer", nargs="+", metavar="PRESET", default=None,
                     help="time one layer's F+B at these bench presets instead (fp32 against --precision)")
     ap.add_argument("--precision", nargs="+", default=["int8"], choices=["int8", "fp8"])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=count, default=3)
     args = ap.parse_args(argv)
+    output_dir(args.out)
     import torch
 
     if args.threads:

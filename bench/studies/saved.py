@@ -24,7 +24,6 @@ weight and one fp32 scale per output channel, outside autograd's saved tensors).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..harness.presets import PRESETS, Preset
+from ..harness.usage import Parser, count
 
 MULA = [p for name, p in PRESETS.items() if name.startswith("mula")]
 
@@ -152,12 +152,12 @@ def _table(rows: list[dict], precisions: list[str], timed: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench saved", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="fastmoe-bench saved", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", nargs="+", default=[p.name for p in MULA], choices=sorted(PRESETS))
-    ap.add_argument("--tokens", nargs="+", type=int, default=[128, 2048])
+    ap.add_argument("--tokens", nargs="+", type=count, default=[128, 2048])
     ap.add_argument("--base", default=None, help="git revision whose block is measured beside this tree's")
     ap.add_argument("--time", action="store_true", help="also time F+B of this tree's block and --base's")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=count, default=3)
     ap.add_argument("--precision", nargs="+", default=[], choices=["int8", "fp8"],
                     help="also measure the block with these expert-GEMM precisions (saved bytes, weight codes kept)")
     ap.add_argument("--no-progress", action="store_true")

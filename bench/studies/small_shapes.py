@@ -19,6 +19,8 @@ import torch
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.autograd.ops import call, experts
 from fastmoe_xpu.kernels.registry import candidates, layer_macs
+from ..harness.usage import Parser, count
+from ..harness.report import plural
 
 #: (T, H, I, E, K): around the budget, from the tiny preset up; two decode steps of an OLMoE layer.
 SHAPES = [(48, 64, 32, 8, 2), (192, 64, 32, 8, 2), (48, 128, 64, 8, 2), (48, 128, 64, 16, 2), (48, 64, 32, 64, 8),
@@ -81,16 +83,14 @@ def measure(shape: tuple[int, int, int, int, int], rounds: int, reps: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="fastmoe-bench small_shapes", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="fastmoe-bench small_shapes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", type=_parse_shape, default=SHAPES, metavar="T,H,I,E,K")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the minimum counts (default 7)")
-    ap.add_argument("--reps", type=int, default=5, help="calls per timed round (default 5)")
+    ap.add_argument("--rounds", type=count, default=7, help="interleaved rounds; the minimum counts (default 7)")
+    ap.add_argument("--reps", type=count, default=5, help="calls per timed round (default 5)")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.reps < 1:
-        ap.error("--rounds and --reps must be at least 1")
     torch.set_num_threads(1)
-    print("fp32, one thread, CPU thread time, min over %d interleaved rounds; us, forward / forward+backward"
-          % args.rounds)
+    print(f"fp32, one thread, CPU thread time, min over {plural(args.rounds, 'interleaved round')}; us, forward / "
+          "forward+backward")
     print("| T | H | I | E | K | work (Mi MAC) | transformers | staged | padded | padded / staged (F+B) "
           "| transformers / padded (F+B) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

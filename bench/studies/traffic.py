@@ -1,7 +1,7 @@
 """Memory traffic and launches of the fused expert layer's passes at a real shape, without a GPU.
 
-``python -m bench traffic [--shape qwen3-30b-a3b] [--sets triton triton+fp8] [--table cuda]
-[--detail]``
+``python -m bench traffic [--shape qwen3-30b-a3b ...|all] [--sets triton triton+fp8] [--table cuda]
+[--device-model h200|h100] [--detail] [--time cuda]``
 
 Runs stages 4 and 5 of one layer's forward and backward (:func:`..autograd.ops.mlp_combine_forward`
 and :func:`..autograd.ops.mlp_combine_backward_math`, what the experts op runs) on the ``meta``
@@ -21,22 +21,31 @@ It prints one table per kernel set and pass (launcher): operator and kernel laun
 PyTorch operators read and write, the bytes of the kernels' tensor arguments (each once: a GEMM's
 operands and output, a quantization kernel's input, codes and scales; a kernel that sweeps its input
 twice, as the fp8 quantization kernels do, reads it again, from L2 where it still fits), and the
-time all those bytes take at ``--bandwidth`` (HBM, GB/s; 4800 for an H200): a floor for the
-memory-bound passes, not a prediction of the GEMMs. ``--detail`` lists every operator and kernel.
+time all those bytes take at ``--bandwidth`` (HBM, GB/s), each pass's GEMM FLOPs and their time at
+``--peak-tflops`` (dense, the set's operand type), and the pass's roofline floor: the longer of the
+two (both from ``--device-model``, h200 or h100; the floor is what no kernel beats, not a
+prediction). ``--detail`` lists every operator and kernel.
+
+``--time DEVICE`` runs the same passes on real tensors on DEVICE and times each pass and each Triton
+launch in it (CUDA / XPU events; the host clock on the CPU, where only the torch set runs), the
+minimum of ``--rounds`` calls after a warm-up one, beside the pass's counted bytes and FLOPs: GB/s and
+TFLOP/s achieved. ``--scale`` and ``--tokens`` shrink the shape (a CPU-sized layer).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..harness.usage import Parser, count, fail, seconds
 
 #: Operators that move no data (views, metadata, allocation without a fill).
 _FREE = {
@@ -71,6 +80,7 @@ class Op:
 class Pass:
     name: str
     ops: list[Op] = field(default_factory=list)
+    flops: int = 0  #: the pass's GEMM FLOPs (:func:`gemm_flops`)
 
     def totals(self) -> tuple[int, int, int, int]:
         n_op = sum(o.kind == "op" for o in self.ops)
@@ -99,7 +109,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name == "_local_scalar_dense":
+        if name == "_local_scalar_dense" and args[0].device.type != "cpu":  # a sync on a device (on the CPU: a read)
             raise RuntimeError("a host read of device data (.item() / .tolist()) in pass "
                                f"{self.current.name if self.current else '?'}")
         out = func(*args, **kwargs)
@@ -152,10 +162,11 @@ def recording() -> Iterator[_Recorder]:
 
 
 class _Labelled:
-    """The launchers of a kernel set, each call opening a new pass named after it."""
+    """The launchers of a kernel set, each call run inside ``around(name)`` (a context manager: a new
+    pass named after the launcher, or a timed span)."""
 
-    def __init__(self, launchers: Any, rec: _Recorder) -> None:
-        self._l, self._rec = launchers, rec
+    def __init__(self, launchers: Any, around: Callable[[str], Any]) -> None:
+        self._l, self._around = launchers, around
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._l, name)
@@ -164,64 +175,144 @@ class _Labelled:
 
         @functools.wraps(fn)
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            outer = self._rec.current
-            self._rec.current = Pass(name)
-            self._rec.passes.append(self._rec.current)
-            try:
+            with self._around(name):
                 return fn(*args, **kwargs)
-            finally:
-                self._rec.current = outer
 
         return call
 
 
+@contextlib.contextmanager
+def _new_pass(rec: _Recorder, name: str) -> Iterator[None]:
+    outer = rec.current
+    rec.current = Pass(name)
+    rec.passes.append(rec.current)
+    try:
+        yield
+    finally:
+        rec.current = outer
+
+
+#: Multiply-accumulates of each GEMM pass per routed row, over H * I: gate/up forward [R, H] x [H, 2I];
+#: down forward [R, I] x [I, H]; the down backward's input gradient and weight gradient (one down GEMM
+#: each); the gate/up backward's input gradient and weight gradient (one gate/up GEMM each). The other
+#: passes (combine, SiLU*up backward, router weights) do no GEMM.
+GEMM_MACS_PER_ROW_HI = {"gate_up_fwd": 2, "down_fwd": 1, "down_weighted_bwd": 2, "gate_up_bwd": 4}
+
+
+def gemm_flops(pass_name: str, T: int, H: int, I: int, K: int) -> int:
+    """The GEMM FLOPs (2 per multiply-accumulate) of pass ``pass_name`` over the R = T * K routed rows."""
+    return 2 * GEMM_MACS_PER_ROW_HI.get(pass_name, 0) * T * K * H * I
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """The roofline of a device: HBM bandwidth and dense tensor-core peaks (the vendor's figures)."""
+    bandwidth_gbs: float
+    peak_tflops: dict  #: by operand type: bf16 (fp16), fp8, fp32 (TF32)
+
+
+#: H200 and H100 SXM: 4.8 and 3.35 TB/s; dense (no sparsity) 989 TFLOP/s bf16, 1979 fp8, 495 TF32.
+DEVICE_MODELS = {"h200": DeviceModel(4800.0, {"bf16": 989.0, "fp8": 1979.0, "fp32": 495.0}),
+                 "h100": DeviceModel(3350.0, {"bf16": 989.0, "fp8": 1979.0, "fp32": 495.0})}
+
+
+def floor_ms(nbytes: int, flops: int, bandwidth_gbs: float, peak_tflops: float) -> float:
+    """The roofline floor of a pass: the longer of its bytes at the bandwidth and its FLOPs at the peak."""
+    return max(nbytes / bandwidth_gbs / 1e6, flops / peak_tflops / 1e9)
+
+
+def layer_inputs(T: int, H: int, I: int, E: int, K: int, dtype: torch.dtype, device: str | torch.device = "meta",
+                 kernel_set: str = "triton", seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(x, w_gate_up, w_down, weights, *rows, dout)`` of one layer: on ``meta`` shapes only; on a real
+    device random values, each token routed to K distinct experts by ``kernel_set``'s routing."""
+    device = torch.device(device)
+    if device.type == "meta":
+        i32 = dict(dtype=torch.int32, device=device)
+        R = T * K
+        rows = (torch.empty(R, **i32), torch.empty(R, **i32), torch.empty(R, **i32), torch.empty(E + 1, **i32),
+                torch.empty(T + 1, **i32))
+        new = functools.partial(torch.empty, dtype=dtype, device=device)
+    else:
+        from fastmoe_xpu.autograd.ops import route
+
+        g = torch.Generator().manual_seed(seed)
+        topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(device)
+        rows = route(topk, 0, E, kernel_set, False)
+
+        def new(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) / H ** 0.5).to(device=device, dtype=dtype)
+    return (new(T, H), new(E, 2 * I, H), new(E, H, I), new(T, K), *rows, new(T, H))
+
+
+def _layer_passes(launchers: Any, inputs: tuple[torch.Tensor, ...], between=lambda: None) -> None:  # noqa: ANN001
+    """One layer's forward and backward (stages 4-5) on ``launchers``; ``between()`` after the forward."""
+    from fastmoe_xpu.autograd.ops import mlp_combine_backward_math, mlp_combine_forward
+
+    x, w_gu, w_d, weights, *rows, dout = inputs
+    out, gate_up = mlp_combine_forward(launchers, x, w_gu, w_d, weights, *rows)
+    between()
+    mlp_combine_backward_math(launchers, dout, x, w_gu, w_d, weights, gate_up, *rows)
+
+
 def layer_traffic(kernel_set: str, T: int, H: int, I: int, E: int, K: int, dtype: torch.dtype,
                   table: str = "cuda") -> list[Pass]:
-    """The passes of one layer's forward and backward (stages 4-5) on kernel set ``kernel_set``."""
-    from fastmoe_xpu.autograd.ops import mlp_combine_backward_math, mlp_combine_forward
+    """The passes of one layer's forward and backward (stages 4-5) on kernel set ``kernel_set``, each
+    with its GEMM FLOPs."""
     from fastmoe_xpu.kernels import kernels
     from fastmoe_xpu.kernels.configs import use
     from fastmoe_xpu.kernels.quantized import core as qcore
 
-    meta = torch.device("meta")
-    R = T * K
-    i32 = dict(dtype=torch.int32, device=meta)
-    x = torch.empty(T, H, dtype=dtype, device=meta)
-    w_gu = torch.empty(E, 2 * I, H, dtype=dtype, device=meta)
-    w_d = torch.empty(E, H, I, dtype=dtype, device=meta)
-    weights = torch.empty(T, K, dtype=dtype, device=meta)
-    rows = (torch.empty(R, **i32), torch.empty(R, **i32), torch.empty(R, **i32), torch.empty(E + 1, **i32),
-            torch.empty(T + 1, **i32))
-    dout = torch.empty(T, H, dtype=dtype, device=meta)
+    return count_passes(kernel_set, layer_inputs(T, H, I, E, K, dtype), table)
+
+
+def count_passes(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str = "cuda") -> list[Pass]:
+    """The passes of one forward and backward on ``inputs`` (:func:`layer_inputs`), counted; the Triton
+    kernels do not run (on a real device their outputs are left unwritten)."""
+    from fastmoe_xpu.kernels import kernels
+    from fastmoe_xpu.kernels.configs import use
+    from fastmoe_xpu.kernels.quantized import core as qcore
+
+    (T, H), (_, I2, _), K = inputs[0].shape, inputs[1].shape, inputs[3].shape[1]
     qcore.forget_weights()
     with use(table), recording() as rec:
-        launchers = _Labelled(kernels(kernel_set), rec)
-        out, gate_up = mlp_combine_forward(launchers, x, w_gu, w_d, weights, *rows)
-        rec.current = Pass("(between)")
-        mlp_combine_backward_math(launchers, dout, x, w_gu, w_d, weights, gate_up, *rows)
+        _layer_passes(_Labelled(kernels(kernel_set), functools.partial(_new_pass, rec)), inputs,
+                      between=lambda: setattr(rec, "current", Pass("(between)")))
     qcore.forget_weights()
-    return [p for p in rec.passes if p.ops]
+    passes = [p for p in rec.passes if p.ops]
+    for p in passes:
+        p.flops = gemm_flops(p.name, T, H, I2 // 2, K)
+    return passes
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f}"
 
 
-def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bool) -> str:
+def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bool,
+           peak_tflops: float | None = None) -> str:
+    """The table of one kernel set: per pass its launches, bytes, GEMM FLOPs and roofline floor (the
+    longer of its bytes at ``bandwidth_gbs`` and its FLOPs at ``peak_tflops``), and a total line."""
     lines = [f"### {kernel_set}", "",
              "| pass | torch ops | Triton launches | GB torch ops (read + written) | GB Triton kernels (arguments "
-             "once) | ms at bandwidth |", "|---|---|---|---|---|---|"]
-    tot = [0, 0, 0, 0]
+             "once) | ms at bandwidth | GEMM GFLOP | ms at peak | floor ms |", "|---|---|---|---|---|---|---|---|---|"]
+    tot = [0, 0, 0, 0, 0]
+    floor_total = 0.0
     for p in passes:
         n_op = sum(o.kind == "op" for o in p.ops)
         n_k = sum(o.kind == "kernel" for o in p.ops)
         by_ops = sum(o.read + o.written for o in p.ops if o.kind == "op")
         by_k = sum(o.read + o.written for o in p.ops if o.kind == "kernel")
-        tot = [a + b for a, b in zip(tot, (n_op, n_k, by_ops, by_k))]
+        tot = [a + b for a, b in zip(tot, (n_op, n_k, by_ops, by_k, p.flops))]
+        floor = floor_ms(by_ops + by_k, p.flops, bandwidth_gbs, peak_tflops or float("inf"))
+        floor_total += floor
         lines.append(f"| {p.name} | {n_op} | {n_k} | {_gb(by_ops)} | {_gb(by_k)} | "
-                     f"{(by_ops + by_k) / bandwidth_gbs / 1e6:.2f} |")
+                     f"{(by_ops + by_k) / bandwidth_gbs / 1e6:.2f} | {p.flops / 1e9:.1f} | "
+                     f"{_at_peak(p.flops, peak_tflops)} | "
+                     f"{floor:.2f} |")
     lines.append(f"| **total** | {tot[0]} | {tot[1]} | {_gb(tot[2])} | {_gb(tot[3])} | "
-                 f"{(tot[2] + tot[3]) / bandwidth_gbs / 1e6:.2f} |")
+                 f"{(tot[2] + tot[3]) / bandwidth_gbs / 1e6:.2f} | {tot[4] / 1e9:.1f} | "
+                 f"{_at_peak(tot[4], peak_tflops)} | "
+                 f"{floor_total:.2f} |")
     if detail:
         lines += ["", "| pass | op / kernel | GB read | GB written | operands |", "|---|---|---|---|---|"]
         for p in passes:
@@ -230,28 +321,197 @@ def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bo
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..harness.presets import SHAPE_SETS  # the shapes the kit times
+def _at_peak(flops: int, peak_tflops: float | None) -> str:
+    return "-" if not peak_tflops else f"{flops / peak_tflops / 1e9:.2f}"
 
-    shapes = {p.name: p for p in SHAPE_SETS["practitioners"]}
-    parser = argparse.ArgumentParser(prog="fastmoe-bench traffic", description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(shapes))
+
+def peak_for(model: DeviceModel, kernel_set: str, dtype: str) -> float:
+    """The dense peak a set's GEMMs run against: fp8 for an fp8 set, else the operands' type."""
+    return model.peak_tflops["fp8" if "fp8" in kernel_set else dtype]
+
+
+# ---------------------------------------------------------------- each launch timed on a device
+@dataclass
+class Span:
+    pass_name: str
+    launch: str | None  #: a Triton kernel, or None for the whole pass (launcher call)
+    ms: float
+
+
+class _Clock:
+    """Marks on the device's stream (CUDA or XPU events), or the host clock on the CPU; read after a sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = {"cuda": getattr(torch.cuda, "Event", None),
+                      "xpu": getattr(getattr(torch, "xpu", None), "Event", None)}.get(device.type)
+
+    def mark(self) -> Any:
+        if self.event is None:
+            return time.perf_counter()
+        e = self.event(enable_timing=True)
+        e.record()
+        return e
+
+    def ms(self, a: Any, b: Any) -> float:
+        return 1e3 * (b - a) if self.event is None else a.elapsed_time(b)
+
+
+def time_launches(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str = "cuda",
+                  rounds: int = 3) -> list[Span]:
+    """Each pass of one forward and backward on ``inputs`` timed, and each Triton launch in it: the
+    minimum over ``rounds`` calls after a warm-up one (CUDA / XPU events on a device, the host clock on
+    the CPU, where the torch set's passes are its launches)."""
+    from fastmoe_xpu.kernels import kernels
+    from fastmoe_xpu.kernels.configs import use
+    from fastmoe_xpu.kernels.quantized import core as qcore
+    from fastmoe_xpu.kernels.triton import launch as launch_mod
+
+    from ..harness.measure import synchronize
+
+    device = inputs[0].device
+    clock = _Clock(device)
+    marks: list[tuple[str, str | None, Any, Any]] = []
+    current = ["(outside a launcher)"]
+    real = launch_mod.launch
+
+    def timed_launch(kernel, grid, args, config, device, **constexprs):  # noqa: ANN001, ANN202
+        a = clock.mark()
+        real(kernel, grid, args, config, device, **constexprs)
+        marks.append((current[0], getattr(kernel, "fn", kernel).__name__, a, clock.mark()))
+
+    @contextlib.contextmanager
+    def span(name: str) -> Iterator[None]:
+        outer, current[0] = current[0], name
+        a = clock.mark()
+        try:
+            yield
+        finally:
+            marks.append((name, None, a, clock.mark()))
+            current[0] = outer
+
+    best: list[Span] = []
+    launch_mod.launch = timed_launch
+    try:
+        with use(table), torch.no_grad():
+            launchers = _Labelled(kernels(kernel_set), span)
+            for r in range(rounds + 1):
+                marks.clear()
+                _layer_passes(launchers, inputs)
+                synchronize(device)
+                got = [Span(p, k, clock.ms(a, b)) for p, k, a, b in marks]
+                if r == 1:
+                    best = got
+                elif r > 1:
+                    best = [Span(b.pass_name, b.launch, min(b.ms, g.ms)) for b, g in zip(best, got)]
+    finally:
+        launch_mod.launch = real
+        qcore.forget_weights()
+    return best
+
+
+def timed_report(kernel_set: str, spans: list[Span], passes: list[Pass]) -> str:
+    """Each pass's measured time beside its counted bytes and FLOPs (GB/s, TFLOP/s), its Triton
+    launches under it; ``passes``: :func:`count_passes` of the same inputs (the same order)."""
+    lines = [f"### {kernel_set}, each launch timed", "", "| pass | launch | ms | GB | GB/s | GEMM GFLOP | TFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+    whole = [s for s in spans if s.launch is None]
+    if [s.pass_name for s in whole] != [p.name for p in passes]:
+        raise RuntimeError(f"timed passes {[s.pass_name for s in whole]} differ from the counted "
+                           f"{[p.name for p in passes]}")
+
+    def row(name: str, launch: str, ms: float, nbytes: int | None, flops: int | None) -> str:
+        gbs = "-" if nbytes is None or ms <= 0 else f"{nbytes / ms / 1e6:.0f}"
+        gb = "-" if nbytes is None else _gb(nbytes)
+        tf = "-" if not flops or ms <= 0 else f"{flops / ms / 1e9:.1f}"
+        gflop = "-" if flops is None else f"{flops / 1e9:.1f}"
+        return f"| {name} | {launch} | {ms:.3f} | {gb} | {gbs} | {gflop} | {tf} |"
+
+    tot_ms = 0.0
+    launches = iter(s for s in spans if s.launch is not None)
+    for s, p in zip(whole, passes):
+        kernels_ = [o for o in p.ops if o.kind == "kernel"]
+        nbytes = sum(o.read + o.written for o in p.ops)
+        lines.append(row(p.name, "(pass)", s.ms, nbytes, p.flops))
+        tot_ms += s.ms
+        for o in kernels_:
+            k = next(launches)
+            if k.launch != o.name:
+                raise RuntimeError(f"pass {p.name}: timed launch {k.launch} where {o.name} was counted")
+            lines.append(row("", k.launch, k.ms, o.read + o.written, p.flops if len(kernels_) == 1 else None))
+    nbytes = sum(o.read + o.written for p in passes for o in p.ops)
+    lines.append(row("**total**", f"{sum(len([o for o in p.ops if o.kind == 'kernel']) for p in passes)} launches",
+                     tot_ms, nbytes, sum(p.flops for p in passes)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..harness.presets import SHAPE_SETS, shape_set  # the shapes the kit times
+
+    names = [p.name for p in SHAPE_SETS["practitioners"]]
+    parser = Parser(prog="fastmoe-bench traffic", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", nargs="+", default=["qwen3-30b-a3b"], choices=[*sorted(names), "all"],
+                        help="shapes of the practitioners' set, or all (default qwen3-30b-a3b)")
     parser.add_argument("--sets", nargs="+", default=["triton", "triton+fp8"], help="kernel sets to count")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--table", default="cuda", help="Triton config table for tiles and grids")
-    parser.add_argument("--bandwidth", type=float, default=4800.0, help="HBM GB/s for the time column")
+    parser.add_argument("--device-model", default="h200", choices=sorted(DEVICE_MODELS),
+                        help="the roofline's bandwidth and dense peaks: h200 (4.8 TB/s) or h100 (SXM, 3.35 TB/s); "
+                             "989 TFLOP/s bf16, 1979 fp8, 495 TF32 (default h200)")
+    parser.add_argument("--bandwidth", type=seconds, default=None, help="HBM GB/s (default: the device model's)")
+    parser.add_argument("--peak-tflops", type=seconds, default=None,
+                        help="dense TFLOP/s of the GEMMs (default: the device model's for the set's operands)")
     parser.add_argument("--detail", action="store_true", help="every operator and kernel")
+    parser.add_argument("--time", default=None, choices=("cpu", "cuda", "xpu"), metavar="DEVICE",
+                        help="also run the passes on DEVICE and time each launch (ms, GB/s, TFLOP/s)")
+    parser.add_argument("--rounds", type=count, default=3, help="with --time: timed calls after a warm-up one")
+    parser.add_argument("--scale", type=count, default=1, help="divide H and I by this (a smaller layer)")
+    parser.add_argument("--tokens", type=count, default=None, help="T (default: the shape's, 32768)")
     args = parser.parse_args(argv)
-    p = shapes[args.shape]
+    if args.time == "cpu" and set(args.sets) != {"torch"}:
+        fail("error: --time cpu times the torch set only (Triton on the CPU is its interpreter): add --sets torch "
+             "(see fastmoe-bench traffic --help)")
+    if args.time is not None:
+        from ..cli import _check_device
+
+        try:
+            _check_device(args.time)
+        except ValueError as exc:
+            fail(f"error: {exc} (--time {args.time})")
+    model = DEVICE_MODELS[args.device_model]
+    bandwidth = args.bandwidth or model.bandwidth_gbs
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    T = p.tokens_per_rank * p.ep
-    print(f"{p.name}: T={T} H={p.hidden} I={p.intermediate} E={p.local_experts} K={p.top_k} {args.dtype}, "
-          f"config table {args.table}, times at {args.bandwidth:.0f} GB/s\n")
-    for ks in args.sets:
-        print(report(ks, layer_traffic(ks, T, p.hidden, p.intermediate, p.local_experts, p.top_k, dtype, args.table),
-                     args.bandwidth, args.detail))
-        print()
+    for p in shape_set("practitioners", scale=args.scale, tokens=args.tokens):
+        if "all" not in args.shape and p.name.split("/")[0] not in args.shape:
+            continue
+        T = p.tokens_per_rank * p.ep
+        shape = (T, p.hidden, p.intermediate, p.local_experts, p.top_k)
+        print(f"{p.name}: T={T} H={p.hidden} I={p.intermediate} E={p.local_experts} K={p.top_k} {args.dtype}, "
+              f"config table {args.table}, roofline of {args.device_model}: {bandwidth:.0f} GB/s\n")
+        for ks in args.sets:
+            peak = args.peak_tflops or peak_for(model, ks, args.dtype)
+            if args.time is None or ks != "torch":  # the torch set reads its bounds on the host: not on meta
+                print(report(ks, layer_traffic(ks, *shape, dtype, args.table), bandwidth, args.detail, peak))
+                print(f"(GEMM FLOPs at {peak:.0f} TFLOP/s; floor: the longer of bytes at the bandwidth and FLOPs "
+                      "at the peak, per pass)\n")
+            if args.time is not None:
+                print(time_report(ks, shape, dtype, args.time, args.table, args.rounds), flush=True)
+                print()
     return 0
+
+
+def time_report(kernel_set: str, shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: str,
+                table: str, rounds: int) -> str:
+    """:func:`timed_report` of one kernel set at ``shape`` (T, H, I, E, K) on ``device``, or why it did not run."""
+    try:
+        inputs = layer_inputs(*shape, dtype, device, kernel_set)
+        return timed_report(kernel_set, time_launches(kernel_set, inputs, table, rounds),
+                            count_passes(kernel_set, inputs, table))
+    except torch.OutOfMemoryError as exc:
+        return f"### {kernel_set}, each launch timed: not run, out of memory ({str(exc).splitlines()[0]})"
+    finally:
+        inputs = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

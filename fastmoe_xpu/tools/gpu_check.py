@@ -21,13 +21,17 @@ transformers versions found there (no network), and writes everything into one f
 5. ``mula``: ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, with the benchmark's GEMM-only bound;
-6. ``memcheck`` and ``racecheck``: ``compute-sanitizer`` over a small forward+backward (racecheck over a
+6. ``launches``: ``bench traffic --shape all --sets triton --time <dev>``: each Triton launch of one bf16
+   forward+backward (stages 4-5) at the practitioners' shapes timed with device events (min of 3 after a
+   warm-up): its ms, GB/s and TFLOP/s beside the bytes and GEMM FLOPs counted on the meta device and
+   the pass's roofline floor (H200's figures), so the backward's time is placed pass by pass;
+7. ``memcheck`` and ``racecheck``: ``compute-sanitizer`` over a small forward+backward (racecheck over a
    tinier one: it instruments every shared-memory access) (CUDA, where the tool is installed; otherwise
    the step says why it did not run; where the tool refuses the device, e.g. ``Device not supported``,
    the step is reported as not run with the tool's own words and does not fail the check);
-7. ``liger-tuned``: the Qwen3-30B-A3B shape again with Liger's autotuner on (its published shape), when the
+8. ``liger-tuned``: the Qwen3-30B-A3B shape again with Liger's autotuner on (its published shape), when the
    budget has time left for it;
-8. ``summary.md``: one row per step (ran / failed / not run, and why), the comparison, then the Mula table.
+9. ``summary.md``: one row per step (ran / failed / not run, and why), the comparison, then the Mula table.
 
 A step that fails does not stop the others; ``--steps`` runs a subset (the others are reported as not
 selected). What the machine's Python lacks and the kit carries (pure-Python wheels in ``kit_wheels/``, prepared
@@ -60,7 +64,7 @@ PRESETS = ("mula-7b-a1b", "mula-7b-a1b-small", "mula-20b-a2b", "mula-220b-a10b")
 BASELINES = ("hf_v4", "hf_v5_grouped_mm", "hf_v5_eager")
 ENGINES = ("triton", "triton_tma", "grouped_mm", "loop")
 #: The steps in the order they run (``--steps`` names a subset).
-STEP_KEYS = ("compare", "tests", "rows", "mula", "memcheck", "racecheck", "liger-tuned")
+STEP_KEYS = ("compare", "tests", "rows", "mula", "launches", "memcheck", "racecheck", "liger-tuned")
 DEFAULT_BUDGET_S = 540.0
 NO_DEVICE_EXIT = 2
 #: compute-sanitizer's words when it cannot instrument the GPU it finds (seen on an H200).
@@ -145,6 +149,12 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
          "--providers", *providers, "--rounds", "3", "--budget", str(int(0.03 * budget_s)), "--no-progress",
          "--out", str(out / "bench")],
         timeout_s=0.15 * budget_s, env=cache,
+    ))
+    steps.append(Step(
+        key="launches", name="each launch of one bf16 F+B timed at the practitioners' shapes (ms, GB/s, TFLOP/s), "
+                             "beside its counted bytes, FLOPs and roofline floor",
+        argv=[*bench, "traffic", "--shape", "all", "--sets", "triton", "--time", device, "--rounds", "3"],
+        timeout_s=0.08 * budget_s, env=cache,
     ))
     sanitizer = shutil.which("compute-sanitizer")
     for tool, size in (("memcheck", "small"), ("racecheck", "tiny")):

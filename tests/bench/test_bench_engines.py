@@ -85,7 +85,12 @@ def test_auto_provider_reports_its_choice_and_a_retiming_while_it_was_measured(t
             quiet = run_case(wider, ["fastmoe/torch"], rounds=2, budget_s=30.0, ceiling_n=32, progress=False,
                              reference="fastmoe/torch")
             state = quiet["providers"]["fastmoe/torch"]["auto"]
-            assert state["engine"] == quiet["providers"]["fastmoe/torch"]["note"].rsplit("auto -> ", 1)[1]
+            chosen = quiet["providers"]["fastmoe/torch"]["note"].rsplit("auto -> ", 1)[1]
+            # "ENGINE", or "ENGINE (forward calls without a backward: OTHER)" where the timing found
+            # another engine faster for forward calls alone (the choice depends on the machine's timing)
+            engine, _, infer = chosen.partition(" (forward calls without a backward: ")
+            assert state["engine"] == engine
+            assert infer == ("" if state["inference_engine"] == engine else state["inference_engine"] + ")")
             assert state["forward_calls"] >= 2 and state["trusted"] in (True, False)
             if state["retimes"] == 0:  # a trusted choice on a quiet machine: nothing to say under the table
                 assert "auto_note" not in quiet["providers"]["fastmoe/torch"]
@@ -110,6 +115,6 @@ def test_auto_provider_reports_its_choice_and_a_retiming_while_it_was_measured(t
     entry = res["providers"]["fastmoe/torch"]
     assert entry["auto"]["retimes"] == 1 and len(entry["auto"]["history"]) == 1
     assert "re-timed: the last timing was not trusted" in entry["auto"]["history"][0]
-    assert entry["auto_note"].startswith("auto re-timed its engines 1 time(s) in ")
+    assert entry["auto_note"].startswith("auto re-timed its engines 1 time in ")
     derive(res, ["fastmoe/torch"])
     assert f"* fastmoe/torch: {entry['auto_note']}" in format_case(res, "fwdbwd", "fastmoe/torch")

@@ -53,3 +53,110 @@ def test_report_table(capsys):
     assert traffic.main(["--shape", "qwen3-30b-a3b", "--sets", "triton+fp8"]) == 0
     out = capsys.readouterr().out
     assert "| gate_up_fwd |" in out and "| **total** |" in out and "T=32768 H=2048 I=768 E=128 K=8" in out
+
+
+# ---------------------------------------------------------------- GEMM FLOPs, roofline floor, each launch timed
+def test_gemm_flops_by_hand():
+    R = T * K  # 256 routed rows
+    passes = {p.name: p.flops for p in traffic.layer_traffic("triton", T, H, I, E, K, torch.bfloat16)}
+    assert passes["gate_up_fwd"] == 2 * R * H * (2 * I) == 1_966_080  # [R, H] x [H, 2I]
+    assert passes["down_fwd"] == 2 * R * I * H == 983_040  # [R, I] x [I, H]
+    assert passes["down_weighted_bwd"] == 2 * 983_040  # dh = dy Wd, dWd = dy^T h
+    assert passes["gate_up_bwd"] == 2 * 1_966_080  # dx = dgu Wgu, dWgu = dgu^T x
+    assert passes["combine_fwd"] == passes["silu_mul_bwd"] == passes["router_weights_bwd"] == 0
+    from fastmoe_xpu.kernels.registry import layer_macs
+
+    total = sum(p.flops for p in traffic.layer_traffic("triton", T, H, I, E, K, torch.bfloat16))
+    assert total == 8_847_360 == 2 * 3 * layer_macs(T, K, H, I, E)  # backward twice the forward
+
+
+def test_floor_is_the_longer_of_bytes_and_flops():
+    assert traffic.floor_ms(4_800_000_000, 0, 4800.0, 989.0) == pytest.approx(1.0)
+    assert traffic.floor_ms(4_800_000_000, 2 * 989 * 10**9, 4800.0, 989.0) == pytest.approx(2.0)
+    h200, h100 = traffic.DEVICE_MODELS["h200"], traffic.DEVICE_MODELS["h100"]
+    assert (h200.bandwidth_gbs, h100.bandwidth_gbs) == (4800.0, 3350.0)
+    assert traffic.peak_for(h200, "triton", "bf16") == 989.0 and traffic.peak_for(h100, "triton+fp8", "bf16") == 1979.0
+
+
+def _total(out, title):
+    block = out.split(f"### {title}\n", 1)[1]
+    return next(line for line in block.splitlines() if line.startswith("| **total** |")).strip("|").split("|")
+
+
+@pytest.mark.parametrize("model, bandwidth", [("h200", 4800.0), ("h100", 3350.0)])
+def test_report_has_flops_and_floor_columns(model, bandwidth, capsys):
+    assert traffic.main(["--shape", "qwen3-30b-a3b", "--sets", "triton", "--device-model", model]) == 0
+    out = capsys.readouterr().out
+    assert f"roofline of {model}: {bandwidth:.0f} GB/s" in out and "GEMM GFLOP | ms at peak | floor ms |" in out
+    cells = [c.strip() for c in _total(out, "triton")]
+    R = 32768 * 8
+    flops = 18 * R * 2048 * 768  # 3 GEMMs forward (gate, up, down), twice that backward
+    assert cells[2] == "12" and cells[6] == f"{flops / 1e9:.1f}" == "7421.7"
+    assert cells[7] == f"{flops / 989e12 * 1e3:.2f}"
+    passes = traffic.layer_traffic("triton", 32768, 2048, 768, 128, 8, torch.bfloat16)
+    floor = sum(traffic.floor_ms(sum(o.read + o.written for o in p.ops), p.flops, bandwidth, 989.0) for p in passes)
+    assert cells[8] == f"{floor:.2f}"
+    # the floor of every pass is at least its bytes' time and its FLOPs' time
+    assert floor >= max(float(cells[5]), float(cells[7])) - 0.01
+
+
+def test_each_launch_timed_on_the_torch_set():
+    inputs = traffic.layer_inputs(T, H, I, E, K, torch.float32, "cpu", "torch")
+    spans = traffic.time_launches("torch", inputs, rounds=2)
+    passes = traffic.count_passes("torch", inputs)
+    assert [s.pass_name for s in spans] == [p.name for p in passes] and all(s.launch is None for s in spans)
+    assert all(s.ms > 0 for s in spans)
+    assert sum(p.flops for p in passes) == 8_847_360
+    table = traffic.timed_report("torch", spans, passes)
+    total = table.splitlines()[-1].strip("|").split("|")
+    assert total[0].strip() == "**total**" and float(total[2]) == pytest.approx(sum(s.ms for s in spans), abs=2e-3)
+    assert total[5].strip() == "0.0" and len(table.splitlines()) == 4 + len(passes) + 1
+
+
+def test_each_triton_launch_is_timed_in_its_pass(monkeypatch):
+    # the launches stood in for by a no-op on the meta device: what the timer records, not what runs
+    from fastmoe_xpu.kernels.triton import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: None)
+    inputs = traffic.layer_inputs(T, H, I, E, K, torch.bfloat16)
+    spans = traffic.time_launches("triton", inputs, rounds=1)
+    passes = traffic.count_passes("triton", inputs)
+    launches = [s for s in spans if s.launch is not None]
+    assert len(launches) == 12 and [s.launch for s in launches] == [o.name for p in passes for o in p.ops]
+    assert {s.pass_name for s in launches} == {p.name for p in passes}
+    table = traffic.timed_report("triton", spans, passes)
+    assert "| down_weighted_bwd | (pass) |" in table
+    assert table.splitlines()[-1].startswith("| **total** | 12 launches |")
+
+
+def test_time_cpu_takes_the_torch_set_only(capsys):
+    with pytest.raises(SystemExit) as exc:
+        traffic.main(["--time", "cpu", "--sets", "triton"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_gpu_kit_step_is_this_command_line(tmp_path, capsys):
+    from fastmoe_xpu.tools import gpu_check
+
+    (step,) = [s for s in gpu_check.plan("cuda", tmp_path, tmp_path, 540.0) if s.key == "launches"]
+    assert step.argv[3:6] == ["traffic", "--shape", "all"] and step.timeout_s <= 0.1 * 540
+    assert step.argv[step.argv.index("--time") + 1] == "cuda"
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the step would run")
+    with pytest.raises(SystemExit) as exc:  # parsed whole, then refused before any work: no device
+        traffic.main(step.argv[4:])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no CUDA device" in captured.err and captured.err.count("\n") == 1
+
+
+def test_the_fp8_set_quantizes_its_weights_in_every_timed_call(monkeypatch):
+    from fastmoe_xpu.kernels.triton import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: None)
+    inputs = traffic.layer_inputs(T, H, I, E, K, torch.bfloat16)
+    spans = traffic.time_launches("triton+fp8", inputs, rounds=2)
+    passes = traffic.count_passes("triton+fp8", inputs)
+    assert [s.launch for s in spans if s.launch] == [o.name for p in passes for o in p.ops if o.kind == "kernel"]
+    assert "| **total** |" in traffic.timed_report("triton+fp8", spans, passes)

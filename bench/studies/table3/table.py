@@ -46,7 +46,7 @@ import torch
 from ...harness.cases import make_case
 from ...harness.presets import Preset
 from ...harness.providers import REFERENCE, default_fastmoe
-from ...harness.report import derive, run_header, write_json
+from ...harness.report import derive, machine_line, run_header, write_json
 from ...harness.runner import _progress, run_case
 from .workers import (TRAIN_PRECISIONS, StepSpec, check_steps, moe_impl_steps, optimizer_steps_rank,
                              precision_steps, trainer_module)
@@ -550,8 +550,7 @@ def main_table3(args: argparse.Namespace, columns: tuple[str, ...] = COLUMNS, mo
     out_dir.mkdir(parents=True, exist_ok=True)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     m = header["machine"]
-    print(f"# {header['date_utc']}  {m['cpu_model']}, {m['usable_cpus']} cpus, {m['torch_threads']} torch threads, "
-          f"torch {m['torch']}, transformers {m['transformers']}")
+    print(f"# {header['date_utc']}  {machine_line(m)}")
     print(f"# {header['command']}", flush=True)
     log = lambda t: print(t, file=sys.stderr, flush=True)  # noqa: E731
     result = run_table3(models or args.table3_models or list(MODELS), s, device=device, dtype=args.dtype,
