@@ -2,7 +2,7 @@
 from .block import FastSparseMoeBlock
 from .integrations.experts import NAME as EXPERTS_IMPLEMENTATION
 from .integrations.experts import fastmoe_experts_forward
-from .integrations.experts import register_lazily as _register_experts
+from .integrations.registration import register_lazily as _register_experts
 from .integrations.transformers import patch_olmoe
 from .kernels.torch.buffers import release_buffers
 from .routing import OLMOE_LOAD_BALANCING_COEF, OLMOE_Z_LOSS_COEF, load_balancing_loss, router_z_loss

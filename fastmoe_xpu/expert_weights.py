@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .integrations.experts import when_interface_imported
+from .integrations.registration import when_interface_imported
 from .integrations.v4_keys import merge_v4_keys_on_load
 
 

@@ -316,7 +316,7 @@ def test_saved_choice_loads_without_fastmoe_and_with_it(tmp_path) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from fastmoe_xpu.integrations.experts import SAVED_CHOICE_KEY
+    from fastmoe_xpu.integrations.registration import SAVED_CHOICE_KEY
 
     cfg = tiny_config("qwen3_moe")
     torch.manual_seed(0)
@@ -384,7 +384,7 @@ def test_fastmoe_where_the_family_does_not_run_it(tmp_path, monkeypatch) -> None
 
     from transformers import AutoModelForCausalLM
 
-    from fastmoe_xpu.integrations import experts as experts_mod
+    from fastmoe_xpu.integrations import registration as experts_mod
 
     configs = _unrouted_family_configs()
     if not configs:
@@ -413,7 +413,7 @@ def test_precision_without_fastmoe_is_warned_once(monkeypatch) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from fastmoe_xpu.integrations import experts as experts_mod
+    from fastmoe_xpu.integrations import registration as experts_mod
 
     monkeypatch.setattr(experts_mod, "_WARNED", set())
     cfg = tiny_config("qwen3_moe")
