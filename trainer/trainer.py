@@ -48,7 +48,7 @@ from .checkpoint.restore import load_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .model.loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
-from .records.metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops, plot_loss
+from .records.metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops
 from .model.build import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
 from .parallelism.apply import parallelize
@@ -636,28 +636,10 @@ class Trainer:
             json.dump(info, f, indent=2)
 
     def _write_summary(self) -> None:
-        """summary.json and loss.png over the whole run (every earlier run on this ``--out`` included)."""
-        h = self.run_records()
-        if not h:
-            return
-        timed = h[1:] if len(h) > 1 else h  # the first step pays one-off costs
-        summary = {
-            "steps": self.step, "steps_this_run": len(self.history), "loss_first": h[0]["loss"],
-            "loss_last": h[-1]["loss"],
-            "loss_min": min(r["loss"] for r in h), "grad_spikes": self.spikes.count,
-            "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
-            "wall_s": sum(r["step_time_s"] for r in h),
-            "compile_s": sum(r.get("compile_s", 0.0) for r in h),
-        }
-        if "mfu" in h[-1]:
-            summary["mfu_mean"] = sum(r.get("mfu") or 0.0 for r in timed) / len(timed)
-        self.summary = summary
-        with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-        if self.cfg.logging.plot:
-            lay = self.layout
-            title = f"{self.cfg.preset} (PP {lay.pp} x DP {lay.dp} x EP {lay.ep}, {self.device.type})"
-            plot_loss(h, os.path.join(self.out_dir, "loss.png"), title=title)
+        """summary.json and loss.png over the whole run (:func:`trainer.records.summary.write_summary`)."""
+        from .records.summary import write_summary
+
+        self.summary = write_summary(self)
 
     # ------------------------------------------------------------------------------ accounting
     def local_param_counts(self) -> tuple[int, int]:
