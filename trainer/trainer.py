@@ -55,7 +55,7 @@ from .parallelism.apply import parallelize
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
 from .parallelism.tp import tp_localize
-from .optim.schedule import clipping_active, lr_at
+from .optim.schedule import Schedule, check_resume, clipping_active
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
@@ -120,6 +120,7 @@ class Trainer:
 
             self.lora_config = apply_lora(self.model, cfg.lora)
         self.optimizer: ZeroAdamW = self.build_optimizer()
+        self.schedule = Schedule(s, cfg.optim.lr)
         self.step = 0
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(
@@ -318,7 +319,7 @@ class Trainer:
 
     def optimizer_step(self) -> dict[str, Any]:
         s, o = self.cfg.schedule, self.cfg.optim
-        lr = lr_at(self.step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
+        lr = self.schedule.lr(self.step)
         clip = o.grad_clip if (o.grad_clip > 0 and clipping_active(self.step, s.warmup_steps)) else None
         norms = self.optimizer.step(lr, clip)
         return {"lr": lr, "clip": clip, **norms}
@@ -555,34 +556,11 @@ class Trainer:
             f"data set to resume, or train on the new one in another --out (--checkpoint.init_from {path} starts "
             f"it from these weights)")
 
-    #: The fields that make the learning-rate schedule, as (section, field, option).
-    SCHEDULE_FIELDS = (("schedule", "steps", "--steps"), ("schedule", "warmup_steps", "--warmup"),
-                       ("schedule", "min_lr", "--min-lr"), ("optim", "lr", "--lr"))
-
     def _check_schedule(self, saved: dict[str, Any] | None, step: int, path: str) -> None:
-        """A resume on another schedule than the checkpoint's is refused unless
-        ``--checkpoint.reschedule`` asks for it; then it is said in one line what changes."""
-        if not saved:
-            return
-        changed = []
-        for section, name, option in self.SCHEDULE_FIELDS:
-            old, new = saved.get(section, {}).get(name), getattr(getattr(self.cfg, section), name)
-            if old is not None and old != new:
-                changed.append(f"{option} {old} -> {new}")
-        if not changed:
-            return
-        s, o = self.cfg.schedule, self.cfg.optim
-        sv, so = saved.get("schedule", {}), saved.get("optim", {})
-        was = lr_at(step, peak=so.get("lr", o.lr), minimum=sv.get("min_lr", s.min_lr),
-                    warmup=sv.get("warmup_steps", s.warmup_steps), total=sv.get("steps", s.steps))
-        now = lr_at(step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
-        what = (f"the checkpoint {path} (step {step}) was trained on another schedule ({', '.join(changed)}): "
-                f"the learning rate of step {step + 1} is {now:.2e} on the new one, {was:.2e} on the checkpoint's")
-        if not self.cfg.checkpoint.reschedule:
-            raise ConfigError(f"{what}; pass --checkpoint.reschedule to continue on the new schedule, or give "
-                              f"the old values")
-        if self.layout.is_main:
-            print(f"warning: {what}; continuing on the new schedule (--checkpoint.reschedule)", flush=True)
+        """A resume on another schedule than the checkpoint's: see :func:`trainer.optim.schedule.check_resume`."""
+        line = check_resume(self.cfg, saved, step, path)
+        if line is not None and self.layout.is_main:
+            print(line, flush=True)
 
     def save_checkpoints(self) -> None:
         """The full checkpoint and/or model-only checkpoint due at this step (collective)."""

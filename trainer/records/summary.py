@@ -31,5 +31,6 @@ def write_summary(trainer: Any) -> dict[str, Any]:
     cfg, lay = trainer.cfg, trainer.layout
     if cfg.logging.plot:
         title = f"{cfg.preset} (PP {lay.pp} x DP {lay.dp} x EP {lay.ep}, {trainer.device.type})"
-        plot_loss(h, os.path.join(trainer.out_dir, "loss.png"), title=title)
+        plot_loss(h, os.path.join(trainer.out_dir, "loss.png"), title=title,
+                  schedule=trainer.schedule.phases())
     return summary
