@@ -33,6 +33,7 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -522,6 +523,8 @@ class Trainer:
         """Continue from the newest valid full checkpoint, if any: weights, optimizer shards and
         steps, data position, spike history, and (same layout) RNG states. Returns whether it did."""
         res = self.checkpoints.restore(self.model, self.optimizer)
+        if res is None and self.cfg.checkpoint.resume_from:  # another run's: read, never written to
+            res = self.checkpoints.restore(self.model, self.optimizer, info=self._resume_source())
         if res is None:
             return False
         meta = res.meta
@@ -561,6 +564,22 @@ class Trainer:
         line = check_resume(self.cfg, saved, step, path)
         if line is not None and self.layout.is_main:
             print(line, flush=True)
+
+    def _resume_source(self) -> Any:
+        """The full checkpoint ``--checkpoint.resume_from`` names: that slot, or the newest valid one
+        of a checkpoint directory or of a run's --out (verified by rank 0)."""
+        from .checkpoint.dcp_io import broadcast_object
+        from .checkpoint.slots import CheckpointError, latest_valid, read_info, verify
+
+        path = Path(self.cfg.checkpoint.resume_from)
+        found: Any = None
+        if self.layout.rank == 0:
+            found = (read_info(path) if verify(path) is None else latest_valid(path)
+                     or latest_valid(path / "checkpoints") or f"{path} holds no valid full checkpoint")
+        found = broadcast_object(found)
+        if isinstance(found, str):
+            raise CheckpointError(f"--checkpoint.resume_from: {found}")
+        return found
 
     def save_checkpoints(self) -> None:
         """The full checkpoint and/or model-only checkpoint due at this step (collective)."""

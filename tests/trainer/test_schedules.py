@@ -1,17 +1,24 @@
 """Learning-rate schedules: cosine (unchanged), linear and warmup-stable-decay (WSD) at chosen steps
 computed by hand; bad options refused in one line before any work; which resumes on another
-schedule need --checkpoint.reschedule; the learning rate on the loss chart."""
+schedule need --checkpoint.reschedule; a decay branch from another run's stable-phase checkpoint
+that leaves that run's directory byte-identical; the learning rate on the loss chart; the header."""
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from trainer.cli import main
+from trainer.checkpoint.slots import latest_valid
+from trainer.cli import config_from_args, main
 from trainer.config import ConfigError, validate
 from trainer.config.presets import get_preset
 from trainer.optim.schedule import Schedule, check_resume, lr_at
-from trainer.records.metrics import loss_figure
+from trainer.records.metrics import loss_figure, read_metrics
+from trainer.trainer import Trainer
+from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
 
 def schedule(kind: str, steps: int = 10, warmup: int = 2, peak: float = 1.0, minimum: float = 0.1, **wsd) -> Schedule:
@@ -72,6 +79,12 @@ def test_wsd_decay_length_from_a_fraction_and_a_branch_total():
     assert longer.lr(49) == pytest.approx(0.1) and longer.lr(59) == pytest.approx(0.1)
 
 
+def test_the_cli_derives_a_branchs_steps_unless_given():
+    assert config_from_args(["--schedule.kind", "wsd", "--schedule.decay_from", "40"])[0].schedule.steps == 0
+    assert config_from_args(["--schedule.kind", "wsd", "--schedule.decay_from", "40", "--steps", "70"])[
+        0].schedule.steps == 70
+
+
 # ------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("argv, message", [
     (["--schedule.kind", "step"], "--schedule.kind must be one of ['cosine', 'linear', 'wsd'], got 'step'"),
@@ -89,12 +102,22 @@ def test_wsd_decay_length_from_a_fraction_and_a_branch_total():
      "--schedule.decay_from 100 leaves no step of --steps 100 to decay"),
     (["--schedule.kind", "wsd", "--schedule.decay_from", "100", "--steps", "120", "--schedule.decay_steps", "30"],
      "the decay (steps 101-130) must end within --steps 120"),
+    (["--resume-from", "/nonexistent/slot-A"], "--checkpoint.resume_from /nonexistent/slot-A does not exist"),
 ])
 def test_bad_schedules_are_refused_in_one_line(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "run").exists()  # before any work
+
+
+def test_a_branch_needs_an_out_of_its_own(tmp_path, capsys):
+    (tmp_path / "main" / "checkpoints" / "slot-A").mkdir(parents=True)
+    argv = ["--schedule.kind", "wsd", "--schedule.decay_from", "100", "--resume-from",
+            str(tmp_path / "main" / "checkpoints" / "slot-A"), "--out", str(tmp_path / "main")]
+    assert main(argv) == 2
+    assert "overlap: a run started from another run's checkpoint writes in an --out of its own" in \
+        capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ resumes
@@ -139,6 +162,57 @@ def test_a_checkpoint_from_before_the_schedule_kinds_reads_as_cosine():
     assert check_resume(_cfg("cosine"), saved, 5, "c") is None
     with pytest.raises(ConfigError, match="--schedule.kind cosine -> wsd"):
         check_resume(_cfg("wsd"), saved, 5, "c")
+
+
+# ------------------------------------------------------------------------------ a decay branch
+def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys):  # noqa: F811
+    """A WSD run of 8 steps (warmup 2, decay 7-8) with checkpoints at 3 and 6; a branch from step 3
+    decays over 2 steps into its own --out; the main run's files stay byte-identical."""
+    main_out = tmp_path / "main"
+    peak, low = 1e-3, 1e-4
+    t = Trainer(small_cfg(data_cache, str(main_out), steps=8, checkpoint__interval=3, schedule__kind="wsd",
+                          optim__lr=peak, schedule__min_lr=low, eval__enabled=False))
+    trunk = t.fit()
+    header = capsys.readouterr().out
+    assert "schedule: wsd, warmup steps 1-2, stable at 1.00e-03 steps 3-6, linear decay to 1.00e-04 steps 7-8" \
+        in header
+    assert [r["lr"] for r in trunk] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4])
+    slot = next(p for p in (main_out / "checkpoints").glob("slot-*") if json.loads(
+        (p / "meta.json").read_text())["step"] == 3)
+    before = _snapshot(main_out)
+
+    branch_out = tmp_path / "decay3"
+    argv = ["--preset", "tiny-moe", "--context", "16", "--global-batch", "8", "--micro-batch", "2", "--warmup", "2",
+            "--optim.grad_clip", "0.5", "--lr", str(peak), "--min-lr", str(low), "--data.cache_dir", data_cache,
+            "--schedule.kind", "wsd", "--schedule.decay_from", "3", "--schedule.decay_steps", "2",
+            "--resume-from", str(slot), "--out", str(branch_out), "--checkpoint.interval", "1",
+            "--no-logging.tensorboard", "--no-logging.progress", "--no-eval.enabled", "--logging.peak_tflops", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {slot} at step 3" in out
+    assert "steps 1-3 had the same rates on both, continuing on the new schedule" in out
+    assert "schedule: wsd, warmup steps 1-2, stable at 1.00e-03 step 3, linear decay to 1.00e-04 steps 4-5" in out
+    assert _snapshot(main_out) == before  # read, never written to
+
+    branch = read_metrics(str(branch_out / "metrics.jsonl"))
+    assert [r["step"] for r in branch] == [4, 5]
+    assert [r["lr"] for r in branch] == pytest.approx([5.5e-4, 1e-4])
+    # the restored state is the trunk's: step 4's loss (before its update) is the same number
+    assert branch[0]["loss"] == pytest.approx(trunk[3]["loss"], rel=1e-6)
+    assert branch[1]["loss"] != trunk[4]["loss"]  # the updates since differ in their rate
+    assert json.loads((branch_out / "summary.json").read_text())["steps"] == 5
+    assert (branch_out / "loss.png").is_file()
+    assert latest_valid(branch_out / "checkpoints").step == 5
+
+    # the same command again resumes from the branch's own checkpoint, not from the trunk's
+    assert main(argv) == 0
+    assert f"resumed from {branch_out / 'checkpoints'}" in capsys.readouterr().out
+    assert _snapshot(main_out) == before
 
 
 # ------------------------------------------------------------------------------ the chart

@@ -17,7 +17,7 @@ from typing import Any
 from .errors import ConfigError
 
 from .ac_spec import parse_ac
-from .schedule import DECAY_SHAPES, KINDS as SCHEDULE_KINDS, check_schedule
+from .schedule import DECAY_SHAPES, KINDS as SCHEDULE_KINDS, check_resume_from, check_schedule
 
 
 @dataclass
@@ -233,6 +233,9 @@ class CheckpointConfig:
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
     allow_fresh_start: bool = False
     """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
+    resume_from: str | None = None
+    """Resume the full state from this checkpoint (a slot, a checkpoint directory or a run's --out: its newest)
+    when this run's own has none, writing only in this run's --out (a decay branch: ``--schedule.decay_from``)."""
     reschedule: bool = False
     """Resume although --steps, --warmup, --lr, --min-lr or --schedule.* differ from the checkpoint's (default: refuse,
     naming the change, unless only a WSD run's future rates change): the learning rate follows the new schedule from
@@ -415,6 +418,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if value not in allowed:
             raise ConfigError(f"--{section}.{name} must be one of {list(allowed)}, got {value!r}")
     check_schedule(cfg)  # before the steps are checked: a decay branch's may be derived
+    check_resume_from(cfg)
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size, "model.num_heads": m.num_heads,
         "model.head_dim": m.head_dim, "model.intermediate_size": m.intermediate_size,

@@ -1,10 +1,12 @@
 """The learning-rate schedule's options: the kinds, the shapes of a WSD decay, where that decay lies,
-and the checks :func:`trainer.config.validate` runs on them.
+and the checks :func:`trainer.config.validate` runs on them (and on ``--checkpoint.resume_from``,
+which starts a decay branch from another run's checkpoint).
 
 The rates themselves are computed in :mod:`trainer.optim.schedule`.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .errors import ConfigError
@@ -82,3 +84,23 @@ def check_schedule(cfg: Any) -> None:
         raise ConfigError(f"the WSD decay starts at step {start + 1}, inside the warmup ({s.warmup_steps} steps): "
                           "lower --warmup, or give more --steps or a shorter decay")
 
+
+def check_resume_from(cfg: Any) -> None:
+    """``--checkpoint.resume_from`` (a decay branch's start): an existing path outside this run's
+    --out and checkpoint directory, which the run never writes to."""
+    ck = cfg.checkpoint
+    if not ck.resume_from:
+        return
+    if not os.path.exists(ck.resume_from):
+        raise ConfigError(f"--checkpoint.resume_from {ck.resume_from} does not exist")
+    if not ck.resume:
+        raise ConfigError("--checkpoint.resume_from resumes: it does not combine with --no-checkpoint.resume")
+    if ck.init_from:
+        raise ConfigError("give one start: --checkpoint.resume_from (the full state) or --checkpoint.init_from "
+                          "(the weights), not both")
+    source = os.path.realpath(ck.resume_from)
+    for mine in (cfg.logging.out, ck.dir or os.path.join(cfg.logging.out, "checkpoints")):
+        mine = os.path.realpath(mine)
+        if os.path.commonpath([source, mine]) in (source, mine):
+            raise ConfigError(f"--checkpoint.resume_from {ck.resume_from} and this run's --out {cfg.logging.out} "
+                              "overlap: a run started from another run's checkpoint writes in an --out of its own")
