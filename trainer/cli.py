@@ -27,6 +27,7 @@ ALIASES: dict[str, str] = {
     "compile": "model.compile",
     "allow-fresh-start": "checkpoint.allow_fresh_start",
     "reschedule": "checkpoint.reschedule",
+    "resume-from": "checkpoint.resume_from",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",
     "warmup": "schedule.warmup_steps",
@@ -169,6 +170,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
             typ, optional = types_[f.name]
             value = raw if typ is bool else _parse_value(raw, typ, optional, key)
             setattr(sub, f.name, value)
+    if cfg.schedule.decay_from is not None and getattr(args, "schedule.steps") is None:
+        cfg.schedule.steps = 0  # a decay branch without --steps: decay_from plus its decay (trainer/config/schedule.py)
     if cfg.data.path is not None and getattr(args, "data.context") is None and "data.context" not in from_file:
         # a data set of one's own: its manifest records the context it was cut to
         from .data.loader import load_manifest

@@ -33,6 +33,7 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,14 +49,14 @@ from .checkpoint.restore import load_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
 from .model.loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
-from .records.metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops, plot_loss
+from .records.metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops
 from .model.build import build_model, flops_per_token, param_counts, torch_dtype
 from .optim import BucketSpec, ZeroAdamW, build_optimizer, state_bytes_formula, state_bytes_per_param
 from .parallelism.apply import parallelize
 from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_and_broadcast_local
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
 from .parallelism.tp import tp_localize
-from .optim.schedule import clipping_active, lr_at
+from .optim.schedule import Schedule, check_resume, clipping_active
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
@@ -120,6 +121,7 @@ class Trainer:
 
             self.lora_config = apply_lora(self.model, cfg.lora)
         self.optimizer: ZeroAdamW = self.build_optimizer()
+        self.schedule = Schedule(s, cfg.optim.lr)
         self.step = 0
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(
@@ -318,7 +320,7 @@ class Trainer:
 
     def optimizer_step(self) -> dict[str, Any]:
         s, o = self.cfg.schedule, self.cfg.optim
-        lr = lr_at(self.step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
+        lr = self.schedule.lr(self.step)
         clip = o.grad_clip if (o.grad_clip > 0 and clipping_active(self.step, s.warmup_steps)) else None
         norms = self.optimizer.step(lr, clip)
         return {"lr": lr, "clip": clip, **norms}
@@ -521,6 +523,8 @@ class Trainer:
         """Continue from the newest valid full checkpoint, if any: weights, optimizer shards and
         steps, data position, spike history, and (same layout) RNG states. Returns whether it did."""
         res = self.checkpoints.restore(self.model, self.optimizer)
+        if res is None and self.cfg.checkpoint.resume_from:  # another run's: read, never written to
+            res = self.checkpoints.restore(self.model, self.optimizer, info=self._resume_source())
         if res is None:
             return False
         meta = res.meta
@@ -555,34 +559,27 @@ class Trainer:
             f"data set to resume, or train on the new one in another --out (--checkpoint.init_from {path} starts "
             f"it from these weights)")
 
-    #: The fields that make the learning-rate schedule, as (section, field, option).
-    SCHEDULE_FIELDS = (("schedule", "steps", "--steps"), ("schedule", "warmup_steps", "--warmup"),
-                       ("schedule", "min_lr", "--min-lr"), ("optim", "lr", "--lr"))
-
     def _check_schedule(self, saved: dict[str, Any] | None, step: int, path: str) -> None:
-        """A resume on another schedule than the checkpoint's is refused unless
-        ``--checkpoint.reschedule`` asks for it; then it is said in one line what changes."""
-        if not saved:
-            return
-        changed = []
-        for section, name, option in self.SCHEDULE_FIELDS:
-            old, new = saved.get(section, {}).get(name), getattr(getattr(self.cfg, section), name)
-            if old is not None and old != new:
-                changed.append(f"{option} {old} -> {new}")
-        if not changed:
-            return
-        s, o = self.cfg.schedule, self.cfg.optim
-        sv, so = saved.get("schedule", {}), saved.get("optim", {})
-        was = lr_at(step, peak=so.get("lr", o.lr), minimum=sv.get("min_lr", s.min_lr),
-                    warmup=sv.get("warmup_steps", s.warmup_steps), total=sv.get("steps", s.steps))
-        now = lr_at(step, peak=o.lr, minimum=s.min_lr, warmup=s.warmup_steps, total=s.steps)
-        what = (f"the checkpoint {path} (step {step}) was trained on another schedule ({', '.join(changed)}): "
-                f"the learning rate of step {step + 1} is {now:.2e} on the new one, {was:.2e} on the checkpoint's")
-        if not self.cfg.checkpoint.reschedule:
-            raise ConfigError(f"{what}; pass --checkpoint.reschedule to continue on the new schedule, or give "
-                              f"the old values")
-        if self.layout.is_main:
-            print(f"warning: {what}; continuing on the new schedule (--checkpoint.reschedule)", flush=True)
+        """A resume on another schedule than the checkpoint's: see :func:`trainer.optim.schedule.check_resume`."""
+        line = check_resume(self.cfg, saved, step, path)
+        if line is not None and self.layout.is_main:
+            print(line, flush=True)
+
+    def _resume_source(self) -> Any:
+        """The full checkpoint ``--checkpoint.resume_from`` names: that slot, or the newest valid one
+        of a checkpoint directory or of a run's --out (verified by rank 0)."""
+        from .checkpoint.dcp_io import broadcast_object
+        from .checkpoint.slots import CheckpointError, latest_valid, read_info, verify
+
+        path = Path(self.cfg.checkpoint.resume_from)
+        found: Any = None
+        if self.layout.rank == 0:
+            found = (read_info(path) if verify(path) is None else latest_valid(path)
+                     or latest_valid(path / "checkpoints") or f"{path} holds no valid full checkpoint")
+        found = broadcast_object(found)
+        if isinstance(found, str):
+            raise CheckpointError(f"--checkpoint.resume_from: {found}")
+        return found
 
     def save_checkpoints(self) -> None:
         """The full checkpoint and/or model-only checkpoint due at this step (collective)."""
@@ -636,28 +633,10 @@ class Trainer:
             json.dump(info, f, indent=2)
 
     def _write_summary(self) -> None:
-        """summary.json and loss.png over the whole run (every earlier run on this ``--out`` included)."""
-        h = self.run_records()
-        if not h:
-            return
-        timed = h[1:] if len(h) > 1 else h  # the first step pays one-off costs
-        summary = {
-            "steps": self.step, "steps_this_run": len(self.history), "loss_first": h[0]["loss"],
-            "loss_last": h[-1]["loss"],
-            "loss_min": min(r["loss"] for r in h), "grad_spikes": self.spikes.count,
-            "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
-            "wall_s": sum(r["step_time_s"] for r in h),
-            "compile_s": sum(r.get("compile_s", 0.0) for r in h),
-        }
-        if "mfu" in h[-1]:
-            summary["mfu_mean"] = sum(r.get("mfu") or 0.0 for r in timed) / len(timed)
-        self.summary = summary
-        with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-        if self.cfg.logging.plot:
-            lay = self.layout
-            title = f"{self.cfg.preset} (PP {lay.pp} x DP {lay.dp} x EP {lay.ep}, {self.device.type})"
-            plot_loss(h, os.path.join(self.out_dir, "loss.png"), title=title)
+        """summary.json and loss.png over the whole run (:func:`trainer.records.summary.write_summary`)."""
+        from .records.summary import write_summary
+
+        self.summary = write_summary(self)
 
     # ------------------------------------------------------------------------------ accounting
     def local_param_counts(self) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from typing import Any
 from .errors import ConfigError
 
 from .ac_spec import parse_ac
+from .schedule import DECAY_SHAPES, KINDS as SCHEDULE_KINDS, check_resume_from, check_schedule
 
 
 @dataclass
@@ -157,7 +158,7 @@ class ScheduleConfig:
     """Steps, batch sizes and the learning-rate schedule."""
 
     steps: int = 300
-    """Optimizer steps to train."""
+    """Optimizer steps to train (with ``decay_from`` and no ``--steps``: ``decay_from`` plus the decay)."""
     global_batch: int = 16
     """Instances per optimizer step, over all data-parallel ranks (tokens per step = global_batch * context)."""
     micro_batch: int = 8
@@ -165,7 +166,19 @@ class ScheduleConfig:
     warmup_steps: int = 30
     """Linear warmup from 0 to the peak learning rate; gradient clipping starts after it."""
     min_lr: float = 4e-5
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (the last step's)."""
+    kind: str = "cosine"
+    """After the warmup: ``"cosine"`` or ``"linear"`` from the peak to ``min_lr`` over the rest of the run, or
+    ``"wsd"`` (warmup-stable-decay: the peak until the decay of the last steps; docs/trainer.md, Schedules)."""
+    decay_steps: int | None = None
+    """WSD: steps of the decay (or ``decay_fraction``; neither: 0.2 of the run)."""
+    decay_fraction: float | None = None
+    """WSD: the share of the run's steps that decay, in (0, 1) (default 0.2)."""
+    decay_shape: str = "linear"
+    """WSD: the decay's shape, ``"linear"``, ``"cosine"`` or ``"1-sqrt"``."""
+    decay_from: int | None = None
+    """WSD: the step the decay starts after (a decay branch from a stable-phase checkpoint, with
+    ``--checkpoint.resume_from``); None: the decay is the run's last steps."""
 
 
 @dataclass
@@ -220,9 +233,13 @@ class CheckpointConfig:
     """Start from the model weights of this checkpoint directory (fresh optimizer, step 0)."""
     allow_fresh_start: bool = False
     """Start again from step 0 when checkpoints exist but none is valid (default: stop with an error)."""
+    resume_from: str | None = None
+    """Resume the full state from this checkpoint (a slot, a checkpoint directory or a run's --out: its newest)
+    when this run's own has none, writing only in this run's --out (a decay branch: ``--schedule.decay_from``)."""
     reschedule: bool = False
-    """Resume although --steps, --warmup, --lr or --min-lr differ from the checkpoint's (default: refuse, naming
-    the change): the learning rate follows the new schedule from the next step."""
+    """Resume although --steps, --warmup, --lr, --min-lr or --schedule.* differ from the checkpoint's (default: refuse,
+    naming the change, unless only a WSD run's future rates change): the learning rate follows the new schedule from
+    the next step."""
 
 
 @dataclass
@@ -384,6 +401,8 @@ def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
         ("parallel", "pp_schedule"): ("1f1b", "gpipe"),
         ("parallel", "broadcast"): ("none", "broadcast", "all_reduce"),
         ("checkpoint", "model_dtype"): ("bf16", "fp32"),
+        ("schedule", "kind"): SCHEDULE_KINDS,
+        ("schedule", "decay_shape"): DECAY_SHAPES,
     }
 
 
@@ -398,6 +417,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"--{section}.{name} must be one of {list(allowed)}, got {value!r}")
+    check_schedule(cfg)  # before the steps are checked: a decay branch's may be derived
+    check_resume_from(cfg)
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size, "model.num_heads": m.num_heads,
         "model.head_dim": m.head_dim, "model.intermediate_size": m.intermediate_size,

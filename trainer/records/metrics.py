@@ -284,8 +284,20 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> str:
-    """Loss and LM loss against step (log-scale y), with gradient spikes marked; returns ``path``."""
+def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "", schedule: str = "") -> str:
+    """:func:`loss_figure` written to ``path``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(records, title, schedule)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def loss_figure(records: Iterable[dict[str, Any]], title: str = "", schedule: str = "") -> Any:
+    """Loss and LM loss against step, with gradient spikes marked and the validation loss where
+    evaluated; the learning rate (the records' ``lr``) on a second axis, ``schedule`` (its phases in
+    words) under the title. The figure's axes: loss first, learning rate second."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,10 +320,18 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "") -> 
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
-    if title:
-        ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    with_lr = [r for r in records if r.get("lr") is not None]
+    if with_lr:
+        lr_ax = ax.twinx()
+        lr_ax.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], color="tab:green", lw=1.0, ls="--",
+                   label="learning rate (right)")
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.set_ylim(bottom=0)
+        more, more_labels = lr_ax.get_legend_handles_labels()
+        handles, labels = handles + more, labels + more_labels
+    ax.legend(handles, labels)
+    if title or schedule:
+        ax.set_title("\n".join(x for x in (title, schedule) if x), **({"fontsize": 9} if schedule else {}))
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig

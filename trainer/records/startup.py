@@ -60,6 +60,7 @@ def summary_lines(trainer: Any) -> list[str]:
     lines.append(f"data: {trainer.manifest_path}, context {d.context}")
     lines.append(f"steps: {s.steps} of {s.global_batch} x {d.context} tokens (micro-batch {s.micro_batch})"
                  + (f", resuming at step {trainer.step}" if trainer.step else ""))
+    lines.append(f"schedule: {trainer.schedule.phases()}")
     ck = cfg.checkpoint
     root = ck.dir or os.path.join(cfg.logging.out, "checkpoints")
     every = [f"full every {ck.interval}" if ck.interval else "", f"model-only every {ck.model_interval}"
