@@ -425,7 +425,8 @@ class Trainer:
                 bar.close()
             if self.writer is not None:
                 self.writer.close()
-        path = self.artefacts["checkpoint"] = self.stop_checkpoint()  # every run keeps its model
+        if stopped is not None or self.step >= cfg.schedule.steps:  # every run keeps its model (fit(n) goes on)
+            path = self.artefacts["checkpoint"] = self.stop_checkpoint()
         if stopped is not None:
             if lay.is_main:
                 self._write_summary()
