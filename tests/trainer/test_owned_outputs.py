@@ -146,3 +146,34 @@ def test_preprocess_overwrite_replaces_only_its_own_data_set(tmp_path, capsys):
     assert err == (f"fastmoe-preprocess: error: --out {out} holds a training run (run.json); --overwrite replaces "
                    "only a data set written there and nothing else: give a new or empty directory"), err
     assert snapshot(tmp_path) == before
+
+
+def test_make_run_twice_and_what_the_command_line_refuses(tmp_path, capsys):
+    from trainer.cli import main
+
+    (tmp_path / "a.txt").write_text("first corpus text. " * 60)
+    data = str(tmp_path / "data")
+    assert preprocess_main(["--input", str(tmp_path / "a.txt"), "--context", "16", "--out", data, "--quiet",
+                            "--valid", "2"]) == 0
+    run, hf = tmp_path / "run", tmp_path / "run" / "hf"
+    argv = ["--data", data, "--out", str(run), "--steps", "2", "--global-batch", "2", "--micro-batch", "1",
+            "--no-logging.progress", "--no-logging.plot", "--peak-tflops", "1", "--no-eval.samples"]
+    capsys.readouterr()
+    assert main([*argv, "--export-hf", str(hf), "--eval.overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints: {run / 'checkpoints'} (full at the end of the run)" in out
+    assert f"checkpoint: {run / 'checkpoints' / 'slot-A'}" in out and f"export: {hf}" in out
+    first = (hf / "model.safetensors").read_bytes()
+    # the same command again: said complete, the export made again in place, the records kept
+    assert main([*argv, "--export-hf", str(hf), "--eval.overwrite"]) == 0
+    assert f"{run}: already complete at step 2; nothing to train" in capsys.readouterr().out
+    assert (hf / "model.safetensors").read_bytes() == first
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    # an export over the run, and another run in its --out: one line, exit 2, nothing touched
+    before = snapshot(tmp_path)
+    for extra, says in ((["--export-hf", str(run), "--eval.overwrite"], f"--eval.export_hf {run} is or holds the "
+                         f"run's --out"), (["--preset", "small-moe"], f"--out {run} holds another run (")):
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: {says}"), err
+        assert snapshot(tmp_path) == before
