@@ -468,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True,
                    help="OUT/checkpoints (newest valid checkpoint) or one slot-*/model-step-* directory")
     p.add_argument("--out", required=True, help="directory to write (refused when it exists, unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out (a directory holding anything else is refused)")
     p.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD,
                    help="largest safetensors file before the weights are split with an index (e.g. 500MB)")
     p.add_argument("--config", default=None, help="run.json (or a config JSON) when the checkpoint records none")
