@@ -83,7 +83,7 @@ def found_in(directory: str | os.PathLike, kind: str) -> str | None:
         return f"a {marker['kind']} and not a {kind}"
     foreign = sorted(set(files) - set((marker or {}).get("files") or []) - {MARKER})
     more = f"{len(foreign)}+" if len(files) > _MOST_FILES else str(len(foreign))
-    return f"{more} file(s) this package did not write ({_listed(foreign)})"
+    return f"{more} file(s) that are not of a {kind} this package wrote ({_listed(foreign)})"
 
 
 def check_replace(path: str | os.PathLike, kind: str, *, option: str = "--out", flag: str = "--overwrite") -> bool:

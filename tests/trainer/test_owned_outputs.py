@@ -53,7 +53,7 @@ def test_export_replaces_only_an_earlier_export(data_cache, tmp_path, capsys):
     project.mkdir()
     (project / "main.py").write_text("print('mine')\n")
     err = _refused(capsys, tmp_path, "--checkpoint", str(ckpt), "--out", str(project), "--overwrite")
-    assert "holds 1 file(s) this package did not write (main.py)" in err
+    assert "holds 1 file(s) that are not of a transformers export this package wrote (main.py)" in err
     # a file: said once, with or without --overwrite
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -71,7 +71,7 @@ def test_export_replaces_only_an_earlier_export(data_cache, tmp_path, capsys):
     # ... but not once something else lies in it
     (hf / "notes.txt").write_text("keep me")
     err = _refused(capsys, tmp_path, "--checkpoint", str(run), "--out", str(hf), "--overwrite")
-    assert "holds 1 file(s) this package did not write (notes.txt)" in err
+    assert "holds 1 file(s) that are not of a transformers export this package wrote (notes.txt)" in err
 
 
 def test_export_names_the_damaged_slot_it_skipped_and_what_an_empty_run_lacks(data_cache, tmp_path, capsys):
