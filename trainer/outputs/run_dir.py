@@ -11,14 +11,15 @@ from ..config import ConfigError, TrainConfig
 from ..owned import HF_EXPORT, NotOwned, check_replace
 
 #: The fields that make a run what it is, as (section or None, field): a resume keeps them. The
-#: others may change on a resume (the layout, logging, checkpoint intervals, the end-of-run outputs,
-#: and the schedule, which the resume itself checks against --checkpoint.reschedule).
+#: others may change on a resume (the layout, the optimizer's sharding and precision, logging,
+#: checkpoint intervals, the end-of-run outputs, and the schedule, which the resume itself checks
+#: against --checkpoint.reschedule).
 IDENTITY = ((None, "preset"), (None, "seed"),
             *(("model", f) for f in ("arch", "num_layers", "hidden_size", "num_heads", "head_dim",
                                      "intermediate_size", "num_experts", "top_k", "norm_topk_prob", "rope_theta",
-                                     "init_std", "param_dtype", "init_from", "hf_config", "hf_family")),
-            ("data", "path"), ("data", "context"), ("data", "seed"), ("optim", "name"),
-            ("schedule", "global_batch"), ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
+                                     "init_std", "init_from", "hf_config", "hf_family")),
+            ("data", "path"), ("data", "context"), ("data", "seed"), ("schedule", "global_batch"),
+            ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
