@@ -56,6 +56,7 @@ from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
 from .parallelism.tp import tp_localize
 from .optim.schedule import clipping_active, lr_at
+from .outputs.run_dir import check_data_set, check_run_dir
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
@@ -76,8 +77,6 @@ class Trainer:
             # a config built in code rather than by the CLI: check a copy, the caller's stays as it was
             cfg = validate(copy.deepcopy(cfg), world)
         self.cfg = cfg
-        from .outputs.run_dir import check_run_dir
-
         check_run_dir(cfg)  # another run in --out, or an export over the run: refused before any work
         if layout is None:
             layout = init_layout(cfg.parallel)
@@ -526,8 +525,6 @@ class Trainer:
         if res is None:
             return False
         meta = res.meta
-        from .outputs.run_dir import check_data_set
-
         check_data_set(meta, res.info.step, str(res.info.path), self.loader.dataset.fingerprint, self.manifest_path)
         self._check_schedule(meta.get("config"), res.info.step, str(res.info.path))
         self.step = res.info.step
