@@ -57,6 +57,7 @@ from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
 from .parallelism.tp import tp_localize
 from .optim.schedule import Schedule, check_resume, clipping_active
+from .outputs.run_dir import check_data_set, check_run_dir
 
 from .data import ShardedLoader, ensure_default_dataset, load_manifest
 
@@ -77,6 +78,7 @@ class Trainer:
             # a config built in code rather than by the CLI: check a copy, the caller's stays as it was
             cfg = validate(copy.deepcopy(cfg), world)
         self.cfg = cfg
+        check_run_dir(cfg)  # another run in --out, or an export over the run: refused before any work
         if layout is None:
             layout = init_layout(cfg.parallel)
         self.layout = layout
@@ -371,8 +373,9 @@ class Trainer:
         """Train until step ``steps`` (default: the config's), writing metrics on rank 0."""
         cfg, lay = self.cfg, self.layout
         total = cfg.schedule.steps if steps is None else steps
-        if cfg.checkpoint.resume and self.step == 0:
-            self.resume()
+        if cfg.checkpoint.resume and self.step == 0 and self.resume() and self.step >= total and lay.is_main:
+            print(f"{self.out_dir}: already complete at step {self.step}; nothing to train (a larger --steps with "
+                  f"--reschedule trains on, another --out starts a new run)", flush=True)
         if lay.is_main:
             self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.logging.peak_tflops)
             self.mfu = MfuMeter(self.peak_tflops, self.peak_source, self.flops_per_token, lay.world)
@@ -423,8 +426,9 @@ class Trainer:
                 bar.close()
             if self.writer is not None:
                 self.writer.close()
+        if stopped is not None or self.step >= cfg.schedule.steps:  # every run keeps its model (fit(n) goes on)
+            path = self.artefacts["checkpoint"] = self.stop_checkpoint()
         if stopped is not None:
-            path = self.stop_checkpoint()
             if lay.is_main:
                 self._write_summary()
             from .ft.stop import Stopped, signal_name
@@ -437,8 +441,8 @@ class Trainer:
         return self.history
 
     def stop_checkpoint(self) -> str:
-        """The full checkpoint of the step a stop signal ended on (the one written at this step
-        when one was due; collective)."""
+        """The full checkpoint of the step the run ends on, by a stop signal or at its last step
+        (the one written or resumed from at this step when there is one; collective)."""
         if self._last_full is not None and self._last_full[0] == self.step:
             return self._last_full[1]
         self.heartbeat.beat(self.step, "checkpoint")
@@ -465,9 +469,6 @@ class Trainer:
         from .records.moe_health import MoeHealth
 
         cfg = self.cfg
-        if cfg.eval.export_hf and os.path.exists(cfg.eval.export_hf) and not cfg.eval.overwrite:
-            # refused before training, not after it
-            raise ConfigError(f"--eval.export_hf {cfg.eval.export_hf} exists; pass --eval.overwrite to replace it")
         self.val_rows = load_validation(load_manifest(self.manifest_path), verify=cfg.data.verify) \
             if cfg.eval.enabled else None
         self.eval_history: list[dict[str, Any]] = []
@@ -528,9 +529,10 @@ class Trainer:
         if res is None:
             return False
         meta = res.meta
-        self._check_data_set(meta, res.info.step, str(res.info.path))
+        check_data_set(meta, res.info.step, str(res.info.path), self.loader.dataset.fingerprint, self.manifest_path)
         self._check_schedule(meta.get("config"), res.info.step, str(res.info.path))
         self.step = res.info.step
+        self._last_full = (self.step, str(res.info.path))
         self.loader.load_state_dict(meta["data"])
         self.spikes.load_state_dict(meta["spikes"])
         if self.hf is not None:
@@ -540,24 +542,6 @@ class Trainer:
                   f"{'' if res.same_layout else ', new layout: RNG states not restored'})", flush=True)
         return True
 
-    def _check_data_set(self, meta: dict[str, Any], step: int, path: str) -> None:
-        """A resume on another data set than the checkpoint's (other files, or the same path
-        preprocessed again) is refused in one line naming both fingerprints and the ways on."""
-        saved = (meta.get("data") or {}).get("fingerprint")
-        now = self.loader.dataset.fingerprint
-        if saved is None or saved == now:
-            return
-        old_path = meta.get("data_manifest") or "its data set"
-        def manifest_file(p: str) -> str:
-            return os.path.abspath(os.path.join(p, "manifest.json") if os.path.isdir(p) else p)
-
-        same = manifest_file(str(old_path)) == manifest_file(self.manifest_path)
-        raise ConfigError(
-            f"the checkpoint {path} (step {step}) was trained on {old_path} (fingerprint {str(saved)[:12]}), "
-            f"this run reads {self.manifest_path} (fingerprint {now[:12]}): "
-            f"{'it was preprocessed again since' if same else 'another data set'}; give --data the checkpoint's "
-            f"data set to resume, or train on the new one in another --out (--checkpoint.init_from {path} starts "
-            f"it from these weights)")
 
     def _check_schedule(self, saved: dict[str, Any] | None, step: int, path: str) -> None:
         """A resume on another schedule than the checkpoint's: see :func:`trainer.optim.schedule.check_resume`."""

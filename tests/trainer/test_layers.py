@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2] / "trainer"
 
 #: Lowest first. Each layer may import from itself and from the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # fault tolerance inside a worker: signals, failure records, heartbeats, the watchdog, NaN checks
-    ("ft",),
+    # fault tolerance inside a worker: signals, failure records, heartbeats, the watchdog, NaN checks;
+    # which output directories may be replaced
+    ("ft", "owned"),
     # the configuration: sections, files, presets, the transformers family's config, errors
     ("config",),
     # the device mesh and its small collectives

@@ -13,6 +13,7 @@ from trainer_util import data_cache, one_thread  # noqa: E402,F401 (fixtures)
 from trainer_util import small_cfg  # noqa: E402
 from trainer.config import validate  # noqa: E402
 from trainer.config.errors import ConfigError  # noqa: E402
+from trainer.checkpoint.slots import scan  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 
@@ -55,9 +56,16 @@ def test_lora_fine_tuning_from_a_transformers_checkpoint(data_cache, tmp_path):
         got = stock(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, _logits(t.model, ids), rtol=1e-5, atol=1e-5)
 
-    # the adapters were checkpointed at step 2: a resumed run continues from them
+    # the adapters were checkpointed at the end of the run (step 3): a resumed run continues from them
     r = Trainer(_lora_cfg(data_cache, str(tmp_path / "run"), hf_dir, steps=3))
-    assert r.resume() and r.step == 2
+    assert r.resume() and r.step == 3
+    trained = dict(t.model.named_parameters())
+    for n, p in r.model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, trained[n]), n
+    # ... and at step 2 (--checkpoint.interval 2), as a run of 2 steps leaves them
+    at_2 = next(info for _, info, _ in scan(tmp_path / "run" / "checkpoints") if info is not None and info.step == 2)
+    r.checkpoints.restore(r.model, r.optimizer, info=at_2)
     again = Trainer(_lora_cfg(data_cache, str(tmp_path / "run2"), hf_dir, steps=2))
     again.fit()
     for n, p in r.model.named_parameters():

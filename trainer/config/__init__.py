@@ -284,7 +284,7 @@ class EvalConfig:
     export_hf: str | None = None
     """At the end, write the trained model as a transformers directory here (``fastmoe-export``)."""
     overwrite: bool = False
-    """Let ``--eval.export_hf`` replace an existing directory."""
+    """Let ``--eval.export_hf`` replace an earlier export there (never a directory holding anything else)."""
     samples: bool = True
     """After ``--eval.export_hf``: print and save (``OUT/samples.json``) greedy and sampled continuations of fixed prompts."""
     sample_tokens: int = 48

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 
+from ..owned import DATA_SET, NotOwned, check_replace, write_marker
 from .build import MANIFEST_NAME, VALID_NAME, preprocess_files
 
 
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: --out {a.out} already holds {held}; pass --overwrite to replace it, or choose "
               f"another --out", file=sys.stderr)
         return 1
+    if held is not None:  # --overwrite: a data set this command wrote there, and nothing else
+        try:
+            check_replace(a.out, DATA_SET)
+        except NotOwned as e:
+            print(f"{p.prog}: error: {e}", file=sys.stderr)
+            return 2
     try:
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
@@ -83,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with open(path) as f:
         m = json.load(f)
+    data_files = [MANIFEST_NAME] + [s["file"] for s in m["shards"]] + ([m["valid"]["file"]] if m.get("valid") else [])
+    write_marker(a.out, DATA_SET, data_files, fingerprint=m["fingerprint"])  # last: the data set is complete
     print(
         f"wrote {m['num_instances']} instances of {m['context']}+1 tokens in {m['num_shards']} shard(s) "
         f"({m['dtype']}, {m['stream_tokens']} tokens from {m['num_documents']} documents) -> {path}"

@@ -35,6 +35,7 @@ import torch
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from ..checkpoint.dcp_io import storage_reader
+from ..owned import HF_EXPORT, NotOwned, check_replace, replace_dir, write_marker
 from ..checkpoint.slots import (CheckpointError, CheckpointInfo, latest_valid, MANIFEST, META, model_checkpoints,
                                 read_info, verify)
 
@@ -67,16 +68,23 @@ class ExportResult:
 # ------------------------------------------------------------------------------ locating
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` itself when it is one checkpoint directory, else the newest valid checkpoint under
-    the checkpoint root ``path`` (full slots and model-only snapshots, by step)."""
+    the checkpoint root ``path``, or under ``path/checkpoints`` when ``path`` is a run's directory
+    (full slots and model-only snapshots, by step). Every damaged checkpoint passed over is said on
+    stderr, one line each, as the trainer's resume says it."""
     p = Path(path)
+    hint = ("a training run keeps one at its end in OUT/checkpoints (fastmoe-train --out OUT), and one every N "
+            "steps with --checkpoint.interval N")
     if not p.exists():
-        raise ExportError(f"checkpoint {p} does not exist")
+        raise ExportError(f"checkpoint {p} does not exist; give a run's directory, its checkpoints folder or one "
+                          f"slot-*/model-step-* directory: {hint}")
     if not p.is_dir():
         raise ExportError(f"checkpoint {p} is not a directory (give a checkpoint root or one slot-*/model-step-* directory)")
     if (p / MANIFEST).exists() or (p / META).exists() or (p / ".metadata").exists():
         return p
+    if not any(p.glob("slot-*")) and not model_checkpoints(p) and (p / "checkpoints").is_dir():
+        p = p / "checkpoints"  # a run's directory
     candidates: list[tuple[int, int, Path]] = []
-    reasons: list[str] = []
+    damaged: list[tuple[Path, str]] = []
     full = latest_valid(p)
     if full is not None:
         candidates.append((full.step, 1, full.path))
@@ -85,17 +93,22 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if reason is None:
             candidates.append((read_info(m).step, 0, m))
         else:
-            reasons.append(reason)
+            damaged.append((m, reason))
     for slot in sorted(p.glob("slot-*")):
         if slot.is_dir() and not slot.name.endswith(".tmp") and (full is None or slot != full.path):
             reason = verify(slot)
             if reason:
-                reasons.append(reason)
+                damaged.append((slot, reason))
     if not candidates:
-        # every damaged checkpoint and why, as the trainer's resume names them
-        why = f": {'; '.join(reasons)}" if reasons else " (no slot-* or model-step-* directory)"
-        raise ExportError(f"no valid checkpoint under {p}{why}")
-    return max(candidates)[2]
+        if damaged:  # every damaged checkpoint and why, as the trainer's resume names them
+            raise ExportError(f"no valid checkpoint under {p}: {'; '.join(why for _, why in damaged)}")
+        raise ExportError(f"no checkpoint under {p} (looked for slot-A, slot-B and model-step-* directories "
+                          f"there{'' if p.name == 'checkpoints' else ' and in its checkpoints/'}): {hint}")
+    step, _, chosen = max(candidates)
+    for slot, why in damaged:
+        print(f"checkpoint: skipped damaged {slot}: {why}; exporting {chosen.name} (step {step})",
+              file=sys.stderr, flush=True)
+    return chosen
 
 
 def _run_config(ckpt: Path, info: CheckpointInfo) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -204,10 +217,12 @@ def hf_tensors(reader: _Reader, names: Sequence[str], num_experts: int) -> Itera
 
 # ------------------------------------------------------------------------------ writing
 def _prepare_out(out: Path, overwrite: bool) -> Path:
-    if out.exists() and not overwrite:
+    try:
+        exists = check_replace(out, HF_EXPORT)
+    except NotOwned as e:
+        raise ExportError(str(e)) from None
+    if exists and not overwrite:
         raise ExportError(f"output directory {out} exists; pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"output {out} exists and is not a directory")
     tmp = out.parent / f".{out.name}.exporting"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -347,9 +362,11 @@ def _finish(tmp: Path, out: Path, ckpt: Path, info: CheckpointInfo, extra: dict[
         {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"), **extra},
         indent=2))
     files = sorted(f.name for f in tmp.iterdir())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    write_marker(tmp, HF_EXPORT, checkpoint=str(ckpt), step=info.step)  # last: the export is complete
+    try:
+        replace_dir(tmp, out)
+    except NotOwned as e:  # --out changed while the export was written
+        raise ExportError(str(e)) from None
     return files
 
 
@@ -394,7 +411,7 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
     if meta.get("hf_config"):
         d = dict(meta["hf_config"])
         # the trainer ran with experts_implementation="fastmoe"; the export is for any transformers
-        for key in ("experts_implementation", "_experts_implementation"):
+        for key in ("experts_implementation", "_experts_implementation", "fastmoe_experts_implementation"):
             d.pop(key, None)
         hf = AutoConfig.for_model(d.pop("model_type"), **d)
     else:
@@ -451,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True,
                    help="OUT/checkpoints (newest valid checkpoint) or one slot-*/model-step-* directory")
     p.add_argument("--out", required=True, help="directory to write (refused when it exists, unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out (a directory holding anything else is refused)")
     p.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD,
                    help="largest safetensors file before the weights are split with an index (e.g. 500MB)")
     p.add_argument("--config", default=None, help="run.json (or a config JSON) when the checkpoint records none")

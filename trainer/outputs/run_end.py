@@ -77,7 +77,7 @@ def _print(art: dict[str, Any]) -> None:
                      f"{art['val_tokens']} tokens)")
     if "sample" in art:
         lines.append(f"sample: {art['sample']!r}")
-    for key in ("export", "loss_chart", "moe_load_heatmap", "moe_imbalance_chart", "tensorboard", "samples"):
+    for key in ("checkpoint", "export", "loss_chart", "moe_load_heatmap", "moe_imbalance_chart", "tensorboard", "samples"):
         if art.get(key):
             lines.append(f"{key.replace('_', ' ')}: {art[key]}")
     if lines:

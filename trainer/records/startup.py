@@ -66,7 +66,7 @@ def summary_lines(trainer: Any) -> list[str]:
     every = [f"full every {ck.interval}" if ck.interval else "", f"model-only every {ck.model_interval}"
              if ck.model_interval else ""]
     every = [e for e in every if e]
-    lines.append(f"checkpoints: {root} ({', '.join(every) if every else 'none periodic'})")
+    lines.append(f"checkpoints: {root} ({', '.join(every + ['full at the end of the run'])})")
     lines.append(f"export: {cfg.eval.export_hf or 'none'}; metrics: {cfg.logging.out}")
     return lines
 

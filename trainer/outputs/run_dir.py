@@ -1,0 +1,101 @@
+"""What a run's ``--out`` may already hold, checked before any work (data, model): the same run
+(resumed from its checkpoint), never another run, and an ``--eval.export_hf`` that replaces
+neither the run nor anything this package did not export there."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..config import ConfigError, TrainConfig
+from ..owned import HF_EXPORT, NotOwned, check_replace
+
+#: The fields that make a run what it is, as (section or None, field): a resume keeps them. The
+#: others may change on a resume (the layout, the optimizer's sharding and precision, logging,
+#: checkpoint intervals, the end-of-run outputs, and the schedule, which the resume itself checks
+#: against --checkpoint.reschedule).
+IDENTITY = ((None, "preset"), (None, "seed"),
+            *(("model", f) for f in ("arch", "num_layers", "hidden_size", "num_heads", "head_dim",
+                                     "intermediate_size", "num_experts", "top_k", "norm_topk_prob", "rope_theta",
+                                     "init_std", "init_from", "hf_config", "hf_family")),
+            ("data", "path"), ("data", "context"), ("data", "seed"), ("schedule", "global_batch"),
+            ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Raise ConfigError (one line: what was found and the ``--out`` choices) when ``--out`` holds
+    another run, or ``--eval.export_hf`` would replace the run or what it may not."""
+    _check_export_dir(cfg)
+    out = cfg.logging.out
+    saved = _saved_config(os.path.join(out, "run.json"))
+    if saved is None:
+        return
+    new = cfg.to_dict()
+    changed = []
+    for section, name in IDENTITY:
+        old_v = (saved if section is None else saved.get(section, {})).get(name)
+        new_v = (new if section is None else new.get(section, {})).get(name)
+        if old_v != new_v:
+            option = name if section is None else f"{section}.{name}"
+            changed.append(f"--{option} {_shown(old_v)} -> {_shown(new_v)}")
+    if changed:
+        raise ConfigError(
+            f"--out {out} holds another run ({os.path.join(out, 'run.json')}: {', '.join(changed[:4])}"
+            f"{', ...' if len(changed) > 4 else ''}); give this run a fresh --out, or that run's configuration "
+            f"to resume it")
+
+
+def _shown(v: Any) -> str:
+    return "none" if v is None or v == "" else str(v)
+
+
+def _saved_config(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f).get("config")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}); give a fresh --out, or remove it to use this one") from None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _check_export_dir(cfg: TrainConfig) -> None:
+    export = cfg.eval.export_hf
+    if not export:
+        return
+    out = cfg.logging.out
+    target = os.path.abspath(export)
+    for option, d in (("--out", out), ("--checkpoint.dir", cfg.checkpoint.dir or os.path.join(out, "checkpoints"))):
+        d = os.path.abspath(d)
+        if d == target or d.startswith(target.rstrip(os.sep) + os.sep):
+            raise ConfigError(f"--eval.export_hf {export} is or holds the run's {option} {d}, which the export "
+                              f"would replace; give the export a directory of its own, e.g. "
+                              f"--eval.export_hf {os.path.join(out, 'hf')}")
+    try:
+        exists = check_replace(export, HF_EXPORT, option="--eval.export_hf", flag="--eval.overwrite")
+    except NotOwned as e:
+        raise ConfigError(str(e)) from None
+    if exists and not cfg.eval.overwrite:
+        raise ConfigError(f"--eval.export_hf {export} exists; pass --eval.overwrite to replace it")
+
+
+def check_data_set(meta: dict[str, Any], step: int, path: str, now: str, manifest_path: str) -> None:
+    """A resume on another data set than the checkpoint's (other files, or the same path
+    preprocessed again: fingerprint ``now`` of ``manifest_path``) is refused in one line naming
+    both fingerprints and the ways on."""
+    saved = (meta.get("data") or {}).get("fingerprint")
+    if saved is None or saved == now:
+        return
+    old_path = meta.get("data_manifest") or "its data set"
+
+    def manifest_file(p: str) -> str:
+        return os.path.abspath(os.path.join(p, "manifest.json") if os.path.isdir(p) else p)
+
+    same = manifest_file(str(old_path)) == manifest_file(manifest_path)
+    raise ConfigError(
+        f"the checkpoint {path} (step {step}) was trained on {old_path} (fingerprint {str(saved)[:12]}), "
+        f"this run reads {manifest_path} (fingerprint {now[:12]}): "
+        f"{'it was preprocessed again since' if same else 'another data set'}; give --data the checkpoint's "
+        f"data set to resume, or train on the new one in another --out (--checkpoint.init_from {path} starts "
+        f"it from these weights)")
