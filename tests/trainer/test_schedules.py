@@ -171,8 +171,9 @@ def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
 
 
 def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys):  # noqa: F811
-    """A WSD run of 8 steps (warmup 2, decay 7-8) with checkpoints at 3 and 6; a branch from step 3
-    decays over 2 steps into its own --out; the main run's files stay byte-identical."""
+    """A WSD run of 8 steps (warmup 2, decay 7-8) with checkpoints at 3 and 6 and the one every run
+    keeps at its end (8; the two slots then hold 6 and 8); a branch from the stable step 6 decays over
+    3 steps into its own --out; the main run's files stay byte-identical."""
     main_out = tmp_path / "main"
     peak, low = 1e-3, 1e-4
     t = Trainer(small_cfg(data_cache, str(main_out), steps=8, checkpoint__interval=3, schedule__kind="wsd",
@@ -183,31 +184,31 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
         in header
     assert [r["lr"] for r in trunk] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4])
     slot = next(p for p in (main_out / "checkpoints").glob("slot-*") if json.loads(
-        (p / "meta.json").read_text())["step"] == 3)
+        (p / "meta.json").read_text())["step"] == 6)
     before = _snapshot(main_out)
 
     branch_out = tmp_path / "decay3"
     argv = ["--preset", "tiny-moe", "--context", "16", "--global-batch", "8", "--micro-batch", "2", "--warmup", "2",
             "--optim.grad_clip", "0.5", "--lr", str(peak), "--min-lr", str(low), "--data.cache_dir", data_cache,
-            "--schedule.kind", "wsd", "--schedule.decay_from", "3", "--schedule.decay_steps", "2",
+            "--schedule.kind", "wsd", "--schedule.decay_from", "6", "--schedule.decay_steps", "3",
             "--resume-from", str(slot), "--out", str(branch_out), "--checkpoint.interval", "1",
             "--no-logging.tensorboard", "--no-logging.progress", "--no-eval.enabled", "--logging.peak_tflops", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert f"resumed from {slot} at step 3" in out
-    assert "steps 1-3 had the same rates on both, continuing on the new schedule" in out
-    assert "schedule: wsd, warmup steps 1-2, stable at 1.00e-03 step 3, linear decay to 1.00e-04 steps 4-5" in out
+    assert f"resumed from {slot} at step 6" in out
+    assert "steps 1-6 had the same rates on both, continuing on the new schedule" in out
+    assert "schedule: wsd, warmup steps 1-2, stable at 1.00e-03 steps 3-6, linear decay to 1.00e-04 steps 7-9" in out
     assert _snapshot(main_out) == before  # read, never written to
 
     branch = read_metrics(str(branch_out / "metrics.jsonl"))
-    assert [r["step"] for r in branch] == [4, 5]
-    assert [r["lr"] for r in branch] == pytest.approx([5.5e-4, 1e-4])
-    # the restored state is the trunk's: step 4's loss (before its update) is the same number
-    assert branch[0]["loss"] == pytest.approx(trunk[3]["loss"], rel=1e-6)
-    assert branch[1]["loss"] != trunk[4]["loss"]  # the updates since differ in their rate
-    assert json.loads((branch_out / "summary.json").read_text())["steps"] == 5
+    assert [r["step"] for r in branch] == [7, 8, 9]
+    assert [r["lr"] for r in branch] == pytest.approx([7e-4, 4e-4, 1e-4])
+    # the restored state is the trunk's: step 7's loss (before its update) is the same number
+    assert branch[0]["loss"] == pytest.approx(trunk[6]["loss"], rel=1e-6)
+    assert branch[1]["loss"] != trunk[7]["loss"]  # the updates since differ in their rate
+    assert json.loads((branch_out / "summary.json").read_text())["steps"] == 9
     assert (branch_out / "loss.png").is_file()
-    assert latest_valid(branch_out / "checkpoints").step == 5
+    assert latest_valid(branch_out / "checkpoints").step == 9
 
     # the same command again resumes from the branch's own checkpoint, not from the trunk's
     assert main(argv) == 0
