@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 #: The signals that stop a run.
@@ -41,6 +42,31 @@ LAUNCHER_ENV = "TRAINER_NODE_LAUNCHER"
 FORWARDED = {signal.SIGUSR1: signal.SIGTERM, signal.SIGUSR2: signal.SIGINT}
 #: The signal the launcher passes a stop on as, by the signal it got.
 FORWARD_AS = {v: k for k, v in FORWARDED.items()}
+
+
+#: A signal this soon after the first is the same stop delivered twice (a terminal's Ctrl-C reaches
+#: the whole process group, and ``timeout`` passes the signal it got on to its command as well), not
+#: a second request; a person's second Ctrl-C comes later.
+REPEAT_WINDOW_S = 0.05
+
+
+class SignalCount:
+    """Counts the stop signals a process gets from outside, echoes of the first left out."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.count = 0
+
+    def again(self) -> bool:
+        """Count one signal; True when it is a second request (not the first, nor an echo of it)."""
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self.count = now, 1
+            return False
+        if self.count == 1 and now - self.first < REPEAT_WINDOW_S:
+            return False
+        self.count += 1
+        return True
 
 
 def under_launcher() -> bool:
@@ -91,7 +117,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.deferred = False
-        self._received = 0  # signals from outside (the launcher's passed-on requests do not count)
+        self._received = SignalCount()  # signals from outside (the launcher's passed-on requests do not count)
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "StopRequest":
@@ -114,8 +140,7 @@ class StopRequest:
             if self.signum is not None:
                 return  # the launcher passing on a signal this process got too
         else:
-            self._received += 1
-            if self._received > 1:
+            if self._received.again():
                 sys.stderr.write(f"\naborted at once ({signal_name(signum)} again); the newest complete "
                                  f"checkpoint stays valid\n")
                 sys.stderr.flush()
