@@ -18,6 +18,7 @@ import os
 import sys
 
 from ..config.errors import EXIT_USAGE, OneLineParser
+from ..ft.stop import StopRequest, Stopped, signal_name
 from .build import MANIFEST_NAME, VALID_NAME, check_positive, check_valid, preprocess_files
 from .sources import DIR_SUFFIXES, describe_files, scan_inputs
 from .tokenizer import load_tokenizer
@@ -94,11 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     for directory, other in skipped:
         print(f"{p.prog}: {directory}: reading its {' '.join(DIR_SUFFIXES)} files; skipped "
               f"{describe_files(directory, other)} (name a file itself to read it as plain text)", file=sys.stderr)
+    stop = StopRequest().install()  # Ctrl-C / SIGTERM: the staging folder goes, one line (a second: at once)
     try:
         path = preprocess_files(files, a.out, a.context, tokenizer, a.shards, a.seed, a.text_field, None,
                                 not a.quiet, valid=a.valid)
     except (ValueError, OSError) as e:
         return fail(_os_error(e) if isinstance(e, OSError) else " ".join(str(e).split()))
+    except Stopped as e:
+        print(f"\n{p.prog}: stopped ({signal_name(e.signum)}); nothing was written to --out {a.out} (a data set "
+              "already there stays as it was)", file=sys.stderr)
+        return e.exit_code
+    finally:
+        stop.uninstall()
     with open(path) as f:
         m = json.load(f)
     print(summary_line(m, path))

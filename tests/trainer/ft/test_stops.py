@@ -122,3 +122,22 @@ def test_ctrl_c_under_nproc_per_node_names_the_signal_it_got(tmp_path):
     stopped = [line for line in lines.lines if line.startswith("stopped ")]
     assert len(stopped) == 1 and "(SIGINT)" in stopped[0], text[-3000:]
     assert "aborted" not in text and "SIGTERM" not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_ctrl_c_while_preprocessing_is_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "c.txt").write_text("words of a corpus. " * 50)
+    code = ("import os, signal, sys, time\n"
+            "import trainer.data.preprocess as p\n"
+            "def working(*args, **kw):  # the signal arrives while the input is being read\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(30)\n"
+            "p.preprocess_files = working\n"
+            "sys.exit(p.main(['--input', 'c.txt', '--context', '8', '--out', 'data', '--quiet']))\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=60)
+    assert time.monotonic() - t0 < 20
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == ("fastmoe-preprocess: stopped (SIGINT); nothing was written to --out data (a data "
+                                   "set already there stays as it was)")
+    assert list((tmp_path / "data").iterdir()) == []
