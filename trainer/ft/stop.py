@@ -8,7 +8,8 @@ step finish; then every rank writes a full checkpoint at that step, rank 0 print
 and the process exits with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A second
 signal aborts at once (the checkpoint being written, if any, is never taken for valid: its
 manifest is written last). Before the first step and after the last the signal stops the run
-at once, with one line and the same status.
+at once, with one line and the same status, saying what that leaves (``stopped by SIGINT before
+training began; nothing needed saving``, or after the last step: the newest checkpoint stays).
 
 Under ``torchrun`` the workers run in their own session, so the terminal's Ctrl-C reaches
 torchrun, which sends the signal on to every worker: each finishes its step, and the ranks agree
@@ -117,6 +118,8 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.deferred = False
+        #: where a signal that stops at once finds the run, and what that leaves, for its line
+        self.phase = "before training began; nothing needed saving"
         self._received = SignalCount()  # signals from outside (the launcher's passed-on requests do not count)
         self._previous: dict[int, Any] = {}
 
@@ -149,7 +152,7 @@ class StopRequest:
                 return  # the launcher's request came first; this is the same stop
         self.signum = signum
         if not self.deferred:
-            raise Stopped(signum, f"stopped by {signal_name(signum)} before training began or after it ended")
+            raise Stopped(signum, f"stopped by {signal_name(signum)} {self.phase}")
 
     def agreed(self, group: Any = None, distributed: bool = False, device: Any = "cpu") -> int | None:
         """The signal every rank stops for after this step (None: go on); collective when
