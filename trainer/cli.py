@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import difflib
 import json
 import os
 import sys
-import typing
 from typing import Any, Sequence
 
 from .config import ConfigError, TrainConfig, field_docs, section_classes, validate
+from .config.errors import EXIT_USAGE, OneLineParser
 from .config.file import field_types as _field_types, parse_value as _parse_value
 from .config.presets import PRESETS, get_preset
 
@@ -54,24 +53,12 @@ ALIASES: dict[str, str] = {
     "export-hf": "eval.export_hf",
 }
 
-EXIT_CONFIG_ERROR = 2
+EXIT_CONFIG_ERROR = EXIT_USAGE
 DEFAULT_PRESET = "tiny-moe"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse with its usage block left out of errors: one ``error:`` line, and for an unknown
-    option the nearest known ones (abbreviations are refused, so ``--step`` never becomes ``--steps``)."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        if message.startswith("unrecognized arguments:"):
-            known = [o for a in self._actions for o in a.option_strings]
-            hints = []
-            for word in message.split(":", 1)[1].split():
-                if word.startswith("--"):
-                    hints += difflib.get_close_matches(word.split("=", 1)[0], known, n=2, cutoff=0.75)
-            if hints:
-                message += f" (did you mean {' or '.join(dict.fromkeys(hints))}?)"
-        self.exit(EXIT_CONFIG_ERROR, f"error: {message}; {self.prog} --help lists every option\n")
+class _OneLineParser(OneLineParser):
+    """One ``error:`` line; abbreviations are refused, so ``--step`` never becomes ``--steps``."""
 
 
 def _shown(value: Any) -> str:

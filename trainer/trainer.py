@@ -422,6 +422,7 @@ class Trainer:
         finally:
             if stop is not None:
                 stop.deferred = False  # a signal from here on stops at once
+                stop.phase = f"after the last step ({self.step}); the newest checkpoint stays, the run's end was cut short"
             if bar is not None:
                 bar.close()
             if self.writer is not None:

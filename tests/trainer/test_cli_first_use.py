@@ -80,7 +80,7 @@ def test_threads_option_sets_and_prints_the_figure(data_c24, tmp_path, capsys, m
 def test_preprocess_errors_name_the_path_and_the_reason(tmp_path, capsys):
     (tmp_path / "c.txt").write_text("some text " * 50)
     assert preprocess_main(["--input", str(tmp_path / "c.txt"), "--context", "4", "--out", "/proc/x/y",
-                            "--quiet"]) == 1
+                            "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fastmoe-preprocess: error: cannot create --out /proc/x/y: ") and "Errno" not in err
 
@@ -135,7 +135,7 @@ def test_preprocess_refuses_to_replace_a_data_set_unless_overwrite(tmp_path, cap
     assert _preprocess(str(tmp_path / "a.txt"), out) == 0
     first = json.loads((tmp_path / "data" / "manifest.json").read_text())
     capsys.readouterr()
-    assert _preprocess(str(tmp_path / "b.txt"), out) == 1
+    assert _preprocess(str(tmp_path / "b.txt"), out) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"fastmoe-preprocess: error: --out {out} already holds "
                                                          "a data set")
@@ -145,7 +145,7 @@ def test_preprocess_refuses_to_replace_a_data_set_unless_overwrite(tmp_path, cap
     assert (tmp_path / "data" / "valid.npy").is_file()
     # shard files without a manifest (a data set half deleted by hand) are refused the same way
     os.remove(tmp_path / "data" / "manifest.json")
-    assert _preprocess(str(tmp_path / "b.txt"), out) == 1
+    assert _preprocess(str(tmp_path / "b.txt"), out) == 2
     assert "already holds data set files (shard-00000-of-00001.npy, valid.npy)" in capsys.readouterr().err
     assert _preprocess(str(tmp_path / "b.txt"), out, "--overwrite") == 0
     assert json.loads((tmp_path / "data" / "manifest.json").read_text())["fingerprint"] != first["fingerprint"]

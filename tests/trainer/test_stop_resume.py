@@ -217,7 +217,7 @@ def test_cli_stop_before_training_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "config_from_args", interrupted)
     assert main(["--preset", "tiny-moe"]) == 143
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["stopped by SIGTERM before training began or after it ended"]
+    assert err == ["stopped by SIGTERM before training began; nothing needed saving"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
 
 

@@ -458,7 +458,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if m.num_experts < 1 or not 1 <= m.top_k <= m.num_experts:
             raise ConfigError(f"need 1 <= top_k <= num_experts, got top_k={m.top_k}, num_experts={m.num_experts}")
         if m.num_experts % p.ep:
-            raise ConfigError(f"num_experts={m.num_experts} is not divisible by EP={p.ep}")
+            raise ConfigError(f"num_experts={m.num_experts} is not divisible by EP={p.ep}"
+                              + _ep_choices(m.num_experts, world_size, p.pp * p.tp))
         if p.ep > 1 and m.moe_impl != "fastmoe":
             raise ConfigError(f"expert parallelism (EP={p.ep}) needs --model.moe_impl fastmoe, got {m.moe_impl!r}")
     elif p.ep != 1 and not m.is_hf:
@@ -473,8 +474,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if p.dp == 0:
             if world_size % (p.pp * p.ep * p.tp):
                 axes = f"PP x EP = {p.pp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
-                raise ConfigError(f"world size {world_size} is not divisible by {axes}"
-                                  + _start_more(world_size, p.pp * p.ep * p.tp))
+                way = _start_more(world_size, p.pp * p.ep * p.tp)
+                if not way and m.is_moe and p.ep > 1:
+                    way = _ep_choices(m.num_experts, world_size, p.pp * p.tp)
+                raise ConfigError(f"world size {world_size} is not divisible by {axes}{way}")
             p.dp = world_size // (p.pp * p.ep * p.tp)
         if p.pp * p.dp * p.ep * p.tp != world_size:
             axes = f"PP x DP x EP = {p.pp} x {p.dp} x {p.ep}" + (f" x TP {p.tp}" if p.tp > 1 else "")
@@ -502,6 +505,29 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         # the Trainer takes a config validated for its world as it is, without a copy or a second check
         cfg._validated_world = world_size  # type: ignore[attr-defined]
     return cfg
+
+
+def _ep_choices(num_experts: int, world_size: int | None, other_axes: int) -> str:
+    """The EP sizes that divide the experts and (when known) the ranks left after PP x TP, as the
+    way on from an EP that does not."""
+    ranks = world_size // other_axes if world_size is not None and world_size % other_axes == 0 else None
+    sizes = [e for e in range(1, num_experts + 1) if num_experts % e == 0 and (ranks is None or ranks % e == 0)]
+    what = f"num_experts={num_experts}" + (f" and the world {ranks}" if ranks is not None else "")
+    if ranks is not None and other_axes > 1:
+        what += f" (of {world_size} ranks over PP x TP = {other_axes})"
+    listed = ", ".join(map(str, sizes[:-1])) + (" or " if len(sizes) > 1 else "") + str(sizes[-1])
+    return f"; --ep must divide {what}: {listed}"
+
+
+def warmup_warning(cfg: TrainConfig) -> str | None:
+    """One ``warning:`` line when the warmup is longer than the run (it never reaches the peak
+    learning rate); None otherwise. The run goes on as asked."""
+    s = cfg.schedule
+    if s.warmup_steps <= s.steps:
+        return None
+    return (f"warning: --warmup {s.warmup_steps} is longer than the run (--steps {s.steps}): the learning rate "
+            f"climbs from 1/{s.warmup_steps} to {s.steps}/{s.warmup_steps} of --lr {cfg.optim.lr:g} and never reaches "
+            f"it; give --warmup {s.steps // 10} (or any value up to {s.steps}) to reach it")
 
 
 def _start_more(world_size: int, needed: int) -> str:

@@ -82,7 +82,7 @@ def shard_sizes(num_instances: int, shards: int) -> list[int]:
     return [base + (k < extra) for k in range(shards)]
 
 
-def _check_positive(name: str, value: Any) -> int:
+def check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
@@ -163,8 +163,8 @@ def build_dataset(
     `valid`: held-out validation instances, a fraction in (0, 1) or a count >= 1 (0: none), kept in
     `valid.npy` and never trained on (see :func:`split_validation`).
     Raises ValueError with a one-line message for every bad input."""
-    context = _check_positive("context", context)
-    shards = _check_positive("shards", shards)
+    context = check_positive("context", context)
+    shards = check_positive("shards", shards)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -271,19 +271,21 @@ def build_dataset(
 VALID_NAME = "valid.npy"
 
 
+def check_valid(valid: Any, name: str = "valid") -> None:
+    """ValueError unless ``valid`` is 0, a fraction in (0, 1) or a whole count >= 1 (before any input is read)."""
+    if isinstance(valid, bool) or not isinstance(valid, (int, float, np.integer, np.floating)) or valid < 0:
+        raise ValueError(f"{name} must be 0, a fraction in (0, 1) or a count >= 1, got {valid!r}")
+    if valid >= 1 and not float(valid).is_integer():
+        raise ValueError(f"{name} must be a fraction in (0, 1) or a whole count, got {valid!r}")
+
+
 def validation_count(valid: float, num: int) -> int:
     """Instances held out for `valid` (a fraction in (0, 1), a count >= 1, or 0) of `num`; at least
     one when a fraction is asked for. ValueError when it would leave no training instance."""
-    if isinstance(valid, bool) or not isinstance(valid, (int, float, np.integer, np.floating)) or valid < 0:
-        raise ValueError(f"valid must be 0, a fraction in (0, 1) or a count >= 1, got {valid!r}")
+    check_valid(valid)
     if valid == 0:
         return 0
-    if valid < 1:
-        n = max(1, int(round(valid * num)))
-    elif float(valid).is_integer():
-        n = int(valid)
-    else:
-        raise ValueError(f"valid must be a fraction in (0, 1) or a whole count, got {valid!r}")
+    n = max(1, int(round(valid * num))) if valid < 1 else int(valid)
     if n >= num:
         raise ValueError(f"valid={valid!r} holds out {n} of {num} instances, leaving none to train on")
     return n
@@ -330,7 +332,7 @@ def preprocess_files(
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer, eos_token=eos_token)
     # Validate the cheap parameters before any file is read.
-    _check_positive("context", context)
-    _check_positive("shards", shards)
+    check_positive("context", context)
+    check_positive("shards", shards)
     return build_dataset(file_sources(list(inputs), text_field), out_dir, context, tokenizer, shards, seed, progress,
                          valid=valid)

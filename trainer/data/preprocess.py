@@ -3,26 +3,26 @@
     fastmoe-preprocess --input PATH... --tokenizer byte|PATH/tokenizer.json \
         --context C --out DIR [--shards N] [--seed S] [--overwrite]
 
-Tokenizes, shuffles and shards the inputs (see `trainer.data.build`); every bad input ends with
-one error line on stderr and a non-zero exit. A ``--out`` that already holds a data set is refused
-unless ``--overwrite`` (runs resuming on it would otherwise meet other data).
+Tokenizes, shuffles and shards the inputs (see `trainer.data.build`). Every option, the inputs'
+paths, the tokenizer and ``--out`` are checked before any input is read; every bad one ends with
+one error line on stderr and exit status 2. A ``--out`` that already holds a data set is refused
+unless ``--overwrite`` (runs resuming on it would otherwise meet other data). A directory given as
+``--input`` is read for its files of the known suffixes; one line names the files it skipped.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import sys
 
+from ..config.errors import EXIT_USAGE, OneLineParser
+from ..ft.stop import StopRequest, Stopped, signal_name
 from ..owned import DATA_SET, NotOwned, check_replace, write_marker
-from .build import MANIFEST_NAME, VALID_NAME, preprocess_files
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print the usage block first
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from .build import MANIFEST_NAME, VALID_NAME, check_positive, check_valid, preprocess_files
+from .sources import DIR_SUFFIXES, describe_files, scan_inputs
+from .tokenizer import load_tokenizer
 
 
 def existing_data_set(out: str) -> str | None:
@@ -46,8 +46,11 @@ def existing_data_set(out: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _OneLineParser(prog="fastmoe-preprocess", description="Tokenize, shuffle and shard text into .npy training instances.")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text/JSONL/Parquet/Arrow files or directories")
+    p = OneLineParser(prog="fastmoe-preprocess", prog_prefix=True, allow_abbrev=False,
+                      description="Tokenize, shuffle and shard text into .npy training instances.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help=f"text/JSONL/Parquet/Arrow files or directories (a directory: its {' '.join(DIR_SUFFIXES)} "
+                        "files; a file named here is read whatever its suffix, as plain text if not one of those)")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizers JSON file")
     p.add_argument("--context", type=int, required=True, help="tokens of input per instance (instances hold C+1)")
     p.add_argument("--out", required=True, help="output directory for shards and manifest.json")
@@ -61,42 +64,77 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a data set already in --out (its shards and valid.npy go; default: refuse)")
     a = p.parse_args(argv)
+
+    def fail(msg: str) -> int:
+        print(f"{p.prog}: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+
+    try:  # every option before any input is read
+        check_positive("--context", a.context)
+        check_positive("--shards", a.shards)
+        if a.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {a.seed}")
+        check_valid(a.valid, "--valid")
+        files, skipped = scan_inputs(a.input)
+        tokenizer = load_tokenizer(a.tokenizer, eos_token=a.eos_token)
+    except ValueError as e:
+        return fail(" ".join(str(e).split()))
+    except OSError as e:
+        return fail(_os_error(e))
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        return fail(f"--out {a.out} is a file, not a directory; choose a directory (it is created if missing)")
     held = existing_data_set(a.out) if os.path.isdir(a.out) else None
     if held is not None and not a.overwrite:
         # a run that trained on it could no longer resume, and its validation split would be gone
-        print(f"{p.prog}: error: --out {a.out} already holds {held}; pass --overwrite to replace it, or choose "
-              f"another --out", file=sys.stderr)
-        return 1
+        return fail(f"--out {a.out} already holds {held}; pass --overwrite to replace it, or choose another --out")
     if held is not None:  # --overwrite: a data set this command wrote there, and nothing else
         try:
             check_replace(a.out, DATA_SET)
         except NotOwned as e:
-            print(f"{p.prog}: error: {e}", file=sys.stderr)
-            return 2
+            return fail(str(e))
     try:
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
-        print(f"{p.prog}: error: cannot create --out {a.out}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        return fail(f"cannot create --out {a.out}: {e.strerror or e}")
+    if not os.access(a.out, os.W_OK | os.X_OK):
+        return fail(f"cannot write in --out {a.out}: permission denied; choose a directory you can write to")
+    for directory, other in skipped:
+        print(f"{p.prog}: {directory}: reading its {' '.join(DIR_SUFFIXES)} files; skipped "
+              f"{describe_files(directory, other)} (name a file itself to read it as plain text)", file=sys.stderr)
+    stop = StopRequest().install()  # Ctrl-C / SIGTERM: the staging folder goes, one line (a second: at once)
     try:
-        path = preprocess_files(a.input, a.out, a.context, a.tokenizer, a.shards, a.seed, a.text_field, a.eos_token, not a.quiet,
-                                valid=a.valid)
+        path = preprocess_files(files, a.out, a.context, tokenizer, a.shards, a.seed, a.text_field, None,
+                                not a.quiet, valid=a.valid)
     except (ValueError, OSError) as e:
-        if isinstance(e, OSError) and e.strerror:  # "[Errno 2] ..." says less than the path and the reason
-            msg = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
-        else:
-            msg = " ".join(str(e).split())  # one line, whatever the underlying library printed
-        print(f"{p.prog}: error: {msg}", file=sys.stderr)
-        return 1
+        return fail(_os_error(e) if isinstance(e, OSError) else " ".join(str(e).split()))
+    except Stopped as e:
+        print(f"\n{p.prog}: stopped ({signal_name(e.signum)}); nothing was written to --out {a.out} (a data set "
+              "already there stays as it was)", file=sys.stderr)
+        return e.exit_code
+    finally:
+        stop.uninstall()
     with open(path) as f:
         m = json.load(f)
     data_files = [MANIFEST_NAME] + [s["file"] for s in m["shards"]] + ([m["valid"]["file"]] if m.get("valid") else [])
     write_marker(a.out, DATA_SET, data_files, fingerprint=m["fingerprint"])  # last: the data set is complete
-    print(
-        f"wrote {m['num_instances']} instances of {m['context']}+1 tokens in {m['num_shards']} shard(s) "
-        f"({m['dtype']}, {m['stream_tokens']} tokens from {m['num_documents']} documents) -> {path}"
-    )
+    print(summary_line(m, path))
     return 0
+
+
+def _os_error(e: OSError) -> str:
+    """``PATH: reason`` ("[Errno 2] ..." says less than the path and the reason)."""
+    if not e.strerror:
+        return " ".join(str(e).split())
+    return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+
+
+def summary_line(m: dict, path: str) -> str:
+    """The last line: what was written, the held-out split and the copies of it left out of training."""
+    valid = m.get("valid")
+    held = (f" + {valid['instances']} held out for validation ({valid['train_instances_dropped_as_duplicates']} "
+            "training instances equal to a held-out one dropped)") if valid else ""
+    return (f"wrote {m['num_instances']} training instances{held} of {m['context']}+1 tokens in {m['num_shards']} "
+            f"shard(s) ({m['dtype']}, {m['stream_tokens']} tokens from {m['num_documents']} documents) -> {path}")
 
 
 if __name__ == "__main__":

@@ -45,23 +45,44 @@ def input_format(path: str) -> str:
 def expand_inputs(paths: list[str]) -> list[str]:
     """Files in the order given, directories expanded sorted; raises ValueError for a missing path
     or when nothing is left."""
+    return scan_inputs(paths)[0]
+
+
+def scan_inputs(paths: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(the files to read, [(directory, the files in it not read)]): a directory gives its files with
+    :data:`DIR_SUFFIXES` only. Raises ValueError for a missing path or a directory with nothing to read."""
     if not paths:
         raise ValueError("no input files given")
     out: list[str] = []
+    skipped: list[tuple[str, list[str]]] = []
     for p in paths:
         if os.path.isdir(p):
-            found = []
+            found, other = [], []
             for root, dirs, files in os.walk(p):
                 dirs.sort()
-                found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(DIR_SUFFIXES)]
+                for f in sorted(files):
+                    (found if f.lower().endswith(DIR_SUFFIXES) else other).append(os.path.join(root, f))
             if not found:
-                raise ValueError(f"input directory {p!r} holds no {' '.join(DIR_SUFFIXES)} files")
+                raise ValueError(f"input directory {p!r} holds no {' '.join(DIR_SUFFIXES)} files"
+                                 + (f" (it holds {describe_files(p, other)}; name such files themselves to read "
+                                    "them as plain text)" if other else ""))
             out += found
+            if other:
+                skipped.append((p, other))
         elif os.path.isfile(p):
             out.append(p)
+        elif os.path.exists(p):
+            raise ValueError(f"input {p!r} is neither a file nor a directory")
         else:
             raise ValueError(f"input file {p!r} does not exist")
-    return out
+    return out, skipped
+
+
+def describe_files(directory: str, files: list[str], most: int = 5) -> str:
+    """``N file(s): a, b, ...`` with the paths relative to ``directory``."""
+    names = [os.path.relpath(f, directory) for f in files]
+    more = f", ... ({len(names) - most} more)" if len(names) > most else ""
+    return f"{len(names)} other file{'s' if len(names) != 1 else ''}: {', '.join(names[:most])}{more}"
 
 
 def _open_binary(path: str) -> IO[bytes]:

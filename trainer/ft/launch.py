@@ -43,6 +43,7 @@ import argparse
 import os
 import socket
 import sys
+import typing
 from pathlib import Path
 from typing import Sequence
 
@@ -55,6 +56,7 @@ _QUIET_CPP = ((__name__ == "__main__" or os.path.basename(sys.argv[0] if sys.arg
 if _QUIET_CPP:
     os.environ[_CPP_LOG_ENV] = "ERROR"
 
+from ..config.errors import OneLineParser
 from .elastic.job import (DEFAULT_KILL_GRACE, DEFAULT_PORT, DEFAULT_QUORUM_TIMEOUT, EXIT_CONFIG, NodeOptions,
                           parse_endpoint, say)
 from .elastic.local_nodes import run_local_nodes
@@ -75,7 +77,8 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     except ValueError:
         raise ValueError(f"--nnodes must be N or N:M with integers, got {text!r}") from None
     if n_min < 1 or n_max < n_min:
-        raise ValueError(f"--nnodes {text!r}: need 1 <= N <= M")
+        raise ValueError(f"--nnodes {text!r}: give N, the number of nodes that train (>= 1); N:M would name the "
+                         "fewest (N) and the most (M) nodes of an elastic job, and only N:N is supported")
     if n_max != n_min:
         raise ValueError(f"--nnodes {text!r}: only a fixed size is supported (N:N); start extra nodes as spares. "
                          "An elastic data-parallel size would change the micro-batches per rank of a running job")
@@ -123,9 +126,25 @@ def check_trainer_args(trainer_args: Sequence[str], world: int) -> int | None:
         return EXIT_CONFIG
     return None
 
+class _LaunchParser(OneLineParser):
+    """One ``error:`` line; an option the launcher does not know is most often the trainer's, given
+    without the ``--`` that separates the two."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            words = message.split(":", 1)[1].split()
+            if not self.unknown_hint(words):
+                given = getattr(self, "argv", words)
+                tail = given[given.index(words[0]):] if words[0] in given else words
+                shown = " ".join(tail[:4]) + (" ..." if len(tail) > 4 else "")
+                message = (f"unrecognized arguments: {' '.join(words)}; trainer options go after --: "
+                           f"fastmoe-launch [launcher options] -- {shown}")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="fastmoe-launch",
+    ap = _LaunchParser(
+        prog="fastmoe-launch", allow_abbrev=False,
         description="Per-node launcher: torch's elastic agent with spares, blame and a watchdog (docs/fault.md).",
         epilog="Everything after -- goes to the trainer; the launcher appends the resume flag.",
     )
@@ -163,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
+    ap.argv = argv  # type: ignore[attr-defined] # its error shows the trainer's options after --
     args = ap.parse_args(argv)
     if args.serve_store:
         return serve_store(args.serve_store, ready=Path(args.out) if args.out else None)
@@ -173,7 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is None:
         ap.error("give --out (or --out in the trainer's arguments): nodes share records there")
     try:
-        check_out_dir(out)  # before any rendezvous: a bad --out is not retried
         n_min, n_max = parse_nnodes(args.nnodes)
         conf = parse_rdzv_conf(args.rdzv_conf)
         if args.nproc_per_node < 1:
@@ -196,6 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = check_trainer_args(rest, trainer_world)
         if code is not None:
             return code
+    try:
+        check_out_dir(out)  # before any rendezvous (a bad --out is not retried), after every cheaper check
+    except ValueError as e:
+        say(f"error: {e}", err=True)
+        return EXIT_CONFIG
     if args.local_nodes:
         if args.node_label or args.rdzv_endpoint:
             say("error: --local-nodes picks the node labels and the endpoint itself", err=True)

@@ -15,7 +15,12 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
+
+from .stop import STOP_SIGNALS, SignalCount, signal_name
+
+#: Which signals torch's process context handles itself (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT).
+_TORCH_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 def _children() -> list[int]:
@@ -60,18 +65,28 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(os.environ[threads.LOCAL_PROCESSES_ENV]))))
     package = (__package__ or "trainer").split(".")[0]  # the trainer package, not .ft
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", package, *argv])
+    # The signals are this process's, not torch's agent's: it would take the echoes of one Ctrl-C
+    # (the terminal's and ``timeout``'s) for a second signal, end its gentle shutdown half way and
+    # close the workers with SIGTERM, which they would report instead of the signal sent here.
+    count, got = SignalCount(), []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if count.again():
+            _abort(signum)
+        if got:
+            return  # an echo of the first
+        got.append(signum)
+        # torch's own way out: its agent passes this signal on to every worker and waits for them
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    saved = os.environ.get(_TORCH_SIGNALS_ENV)
+    os.environ[_TORCH_SIGNALS_ENV] = "SIGHUP,SIGQUIT"
     try:
         run(args)
     except SignalException as e:
-        alive = _children()
-        if alive:  # a second signal before the workers finished: abort them at once
-            for pid in alive:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            print(f"aborted at once ({signal.Signals(e.sigval).name} again); the newest complete checkpoint "
-                  f"stays valid", file=sys.stderr)
+        if _children():  # the workers did not end in torch's shutdown time
+            _abort(int(e.sigval))
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
@@ -79,4 +94,23 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
         print(f"error: training process {rank} exited with status {failure.exitcode} (its message is above)",
               file=sys.stderr)
         return code
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if saved is None:
+            os.environ.pop(_TORCH_SIGNALS_ENV, None)
+        else:
+            os.environ[_TORCH_SIGNALS_ENV] = saved
     return 0
+
+
+def _abort(signum: int) -> None:
+    """A second signal: the workers are killed at once, one line, and this process exits."""
+    for pid in _children():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os.write(2, f"\naborted at once ({signal_name(signum)} again); the newest complete checkpoint stays "
+                "valid\n".encode())
+    os._exit(128 + signum)

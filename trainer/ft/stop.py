@@ -8,7 +8,8 @@ step finish; then every rank writes a full checkpoint at that step, rank 0 print
 and the process exits with 128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A second
 signal aborts at once (the checkpoint being written, if any, is never taken for valid: its
 manifest is written last). Before the first step and after the last the signal stops the run
-at once, with one line and the same status.
+at once, with one line and the same status, saying what that leaves (``stopped by SIGINT before
+training began; nothing needed saving``, or after the last step: the newest checkpoint stays).
 
 Under ``torchrun`` the workers run in their own session, so the terminal's Ctrl-C reaches
 torchrun, which sends the signal on to every worker: each finishes its step, and the ranks agree
@@ -31,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 #: The signals that stop a run.
@@ -41,6 +43,31 @@ LAUNCHER_ENV = "TRAINER_NODE_LAUNCHER"
 FORWARDED = {signal.SIGUSR1: signal.SIGTERM, signal.SIGUSR2: signal.SIGINT}
 #: The signal the launcher passes a stop on as, by the signal it got.
 FORWARD_AS = {v: k for k, v in FORWARDED.items()}
+
+
+#: A signal this soon after the first is the same stop delivered twice (a terminal's Ctrl-C reaches
+#: the whole process group, and ``timeout`` passes the signal it got on to its command as well), not
+#: a second request; a person's second Ctrl-C comes later.
+REPEAT_WINDOW_S = 0.05
+
+
+class SignalCount:
+    """Counts the stop signals a process gets from outside, echoes of the first left out."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.count = 0
+
+    def again(self) -> bool:
+        """Count one signal; True when it is a second request (not the first, nor an echo of it)."""
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self.count = now, 1
+            return False
+        if self.count == 1 and now - self.first < REPEAT_WINDOW_S:
+            return False
+        self.count += 1
+        return True
 
 
 def under_launcher() -> bool:
@@ -91,7 +118,9 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.deferred = False
-        self._received = 0  # signals from outside (the launcher's passed-on requests do not count)
+        #: where a signal that stops at once finds the run, and what that leaves, for its line
+        self.phase = "before training began; nothing needed saving"
+        self._received = SignalCount()  # signals from outside (the launcher's passed-on requests do not count)
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "StopRequest":
@@ -114,8 +143,7 @@ class StopRequest:
             if self.signum is not None:
                 return  # the launcher passing on a signal this process got too
         else:
-            self._received += 1
-            if self._received > 1:
+            if self._received.again():
                 sys.stderr.write(f"\naborted at once ({signal_name(signum)} again); the newest complete "
                                  f"checkpoint stays valid\n")
                 sys.stderr.flush()
@@ -124,7 +152,7 @@ class StopRequest:
                 return  # the launcher's request came first; this is the same stop
         self.signum = signum
         if not self.deferred:
-            raise Stopped(signum, f"stopped by {signal_name(signum)} before training began or after it ended")
+            raise Stopped(signum, f"stopped by {signal_name(signum)} {self.phase}")
 
     def agreed(self, group: Any = None, distributed: bool = False, device: Any = "cpu") -> int | None:
         """The signal every rank stops for after this step (None: go on); collective when

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..config import warmup_warning
+
 
 def _count(n: int) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -72,4 +74,8 @@ def summary_lines(trainer: Any) -> list[str]:
 
 
 def startup_summary(trainer: Any) -> str:
-    return "\n".join(["run:"] + [f"  {line}" for line in summary_lines(trainer)])
+    lines = ["run:"] + [f"  {line}" for line in summary_lines(trainer)]
+    warning = warmup_warning(trainer.cfg)  # the run goes on as asked
+    if warning and trainer.step < trainer.cfg.schedule.warmup_steps:
+        lines.append(warning)
+    return "\n".join(lines)

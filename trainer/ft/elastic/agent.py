@@ -13,6 +13,7 @@ from ..records import read_failures, read_heartbeats, record_hang
 from ..stop import signal_name
 from ..watchdog import EXIT_HANG
 from .job import (EXIT_GAVE_UP, FATAL_EXIT_CODES, STOP_EXIT_CODES, STOPPED_LINE, WAIT_REPORT_S, Events, JobState,
+                  StoppedWaiting,
                   NodeOptions, StoreLost, describe_failure, say)
 
 class RoundGuard:
@@ -95,6 +96,10 @@ class _JoinOp:
         if g.job is not None:  # another node stopped or ended the job: no new round (raises JobEnded)
             g.job.poll(force=not self.polled)
             self.polled = True
+            if g.job.signum is not None and not st.complete:
+                # a stop by signal here or on another node while no round trains: nothing to wait for (a
+                # spare of a training group waits for its end, and prints its line)
+                raise StoppedWaiting(g.job.signum)
         full = len(st.participants) >= g.n_nodes
         if st.complete and not st.closed and full and ctx.node in st.wait_list:
             return action.REMOVE_FROM_WAIT_LIST  # and next, torch's op puts it on the redundancy list

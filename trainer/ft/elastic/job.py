@@ -15,7 +15,7 @@ from typing import Any
 
 from ..fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE
 from ..records import append_jsonl
-from ..stop import FORWARD_AS, STOP_SIGNALS, signal_name
+from ..stop import FORWARD_AS, STOP_SIGNALS, SignalCount, signal_name
 from ..watchdog import EXIT_HANG
 
 EXIT_CONFIG = 2
@@ -117,6 +117,14 @@ class JobEnded(RuntimeError):
         super().__init__(record.get("line", ""))
         self.record = record
 
+class StoppedWaiting(RuntimeError):
+    """A stop by signal (to this node or another) while this node waited for a round: no worker
+    trains here, so nothing needs saving."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
 class JobState:
     """What a node launcher shares with the others through the rendezvous store, beside torch's
     rendezvous: a stop requested by a signal (``<run_id>/stop``), and the job's end
@@ -135,7 +143,7 @@ class JobState:
         self.started = time.time()
         #: the job's stop signal, once this node knows of one (its own, or another node's)
         self.signum: int | None = None
-        self.received = 0  # signals to this launcher
+        self.received = SignalCount()  # signals to this launcher
         self.published = False
         self.agent: Any = None
         self._next_poll = 0.0
@@ -147,8 +155,7 @@ class JobState:
 
     def handle(self, signum: int, frame: Any) -> None:
         # no buffered output here: the main thread may be inside a print (poll() logs the event)
-        self.received += 1
-        if self.received > 1:
+        if self.received.again():
             self.abort(signum)
         if self.signum is None:
             self.signum = signum

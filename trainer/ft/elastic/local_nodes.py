@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..stop import STOP_SIGNALS, signal_name
+from ..stop import STOP_SIGNALS, SignalCount, signal_name
 from .job import EXIT_GAVE_UP, FATAL_EXIT_CODES, read_events, say
 
 def free_port() -> int:
@@ -33,32 +33,25 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
     env.setdefault(threads.LOCAL_PROCESSES_ENV, str(ranks or k))
     env.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(env[threads.LOCAL_PROCESSES_ENV]))))
     mod = __package__.rpartition(".")[0] + ".launch"  # the package may be installed under another name
-    # in a session of its own, like the nodes: the terminal's Ctrl-C must not end the store under them
-    store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)], env=env,
-                             start_new_session=True)
-    deadline = time.time() + 60
-    while not ready.exists():
-        if store.poll() is not None or time.time() > deadline:
-            say("error: the local rendezvous store did not start", err=True)
-            store.kill()
-            return EXIT_GAVE_UP
-        time.sleep(0.05)
-    ready.unlink()
-    started = time.time()
+    store: subprocess.Popen | None = None
     nodes: list[subprocess.Popen] = []
-    received: list[int] = []
+    received: list[int] = []  # the signal that stops the job
+    count = SignalCount()
 
     def on_signal(signum: int, frame: Any) -> None:
         # Ctrl-C reaches this process only (the nodes run in sessions of their own): pass it on to
         # every node launcher, which stops the job after its step; a second one kills them all
-        received.append(signum)
-        if len(received) > 1:
+        if count.again():
             for p in nodes:
                 kill_tree(p.pid)
-            store.kill()
+            if store is not None:
+                store.kill()
             os.write(2, f"\naborted at once ({signal_name(signum)} again); the newest complete checkpoint stays "
                         "valid\n".encode())
             os._exit(128 + signum)
+        if received:
+            return  # an echo of the first: the nodes have it
+        received.append(signum)
         for p in nodes:
             try:
                 os.kill(p.pid, signum)
@@ -66,10 +59,23 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
                 pass
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    started = time.time()
     try:
+        # in a session of its own, like the nodes: the terminal's Ctrl-C must not end the store under them
+        store = subprocess.Popen([sys.executable, "-m", mod, "--serve-store", endpoint, "--out", str(ready)],
+                                 env=env, start_new_session=True, preexec_fn=_die_with_parent(signal.SIGKILL))
+        deadline = time.time() + 60
+        while not ready.exists() and not received:
+            if store.poll() is not None or time.time() > deadline:
+                say("error: the local rendezvous store did not start", err=True)
+                return EXIT_GAVE_UP
+            time.sleep(0.05)
         for i in range(k):
+            if received:  # the nodes started so far have it; the others are not needed
+                break
             nodes.append(subprocess.Popen([sys.executable, "-m", mod, "--node-label", f"node{i}", "--rdzv-endpoint",
-                                           endpoint, *node_argv], env=env, start_new_session=True))
+                                           endpoint, *node_argv], env=env, start_new_session=True,
+                                          preexec_fn=_die_with_parent(signal.SIGTERM)))
         end = None if timeout is None else time.time() + timeout
         for p in nodes:
             p.wait(timeout=None if end is None else max(1.0, end - time.time()))
@@ -79,10 +85,19 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
         say(f"error: --timeout {timeout:.0f} s reached; the node launchers were killed", err=True)
         return EXIT_GAVE_UP
     finally:
+        for p in nodes:  # none outlives this process, whatever ended it
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait(timeout=30)
+        if store is not None:
+            store.kill()  # the nodes are gone: no grace needed
+            store.wait(timeout=30)
         for sig, old in previous.items():
             signal.signal(sig, old)
-        store.kill()  # it ignores SIGTERM
-        store.wait(timeout=30)
+        ready.unlink(missing_ok=True)
+    if received and not nodes:  # stopped before any node started
+        say(f"stopped ({signal_name(received[0])}) before the nodes started; nothing needed saving", err=True)
+        return 128 + received[0]
     codes = [p.returncode for p in nodes]
     ev = [e for e in read_events(out) if float(e.get("time", 0)) >= started]
     finished = any(e["event"] == "finished" for e in ev)
@@ -97,6 +112,21 @@ def run_local_nodes(k: int, node_argv: list[str], out: Path, *, timeout: float |
     # a launcher's own verdict (fatal first) before a node killed by a signal
     return (next((c for c in codes if c in FATAL_EXIT_CODES), None) or next((c for c in codes if c and c > 0), None)
             or EXIT_GAVE_UP)
+
+def _die_with_parent(sig: int) -> Any:
+    """A ``preexec_fn`` that has Linux send ``sig`` to the child when this process dies, even by
+    SIGKILL (None elsewhere): no store or node launcher outlives the launcher that started it."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def arm() -> None:
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    return arm
 
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (Linux /proc), children first."""

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ..fault import HOST_ENV
 from ..records import read_failures
-from ..stop import LAUNCHER_ENV, signal_name
+from ..stop import LAUNCHER_ENV, STOP_SIGNALS, signal_name
 from ..watchdog import CHECKPOINT_TIMEOUT_ENV, PARENT_ENV, STARTUP_TIMEOUT_ENV, TIMEOUT_ENV
 from .agent import RoundGuard, agent_kwargs, cause, make_agent_class
-from .job import (EXIT_CONFIG, EXIT_GAVE_UP, Events, JobEnded, JobState, NodeOptions, QuorumLost, StoreLost,
-                  describe_failure, parse_endpoint, say)
+from .job import (EXIT_CONFIG, EXIT_GAVE_UP, Events, JobEnded, JobState, NodeOptions, QuorumLost, StoppedWaiting,
+                  StoreLost, describe_failure, parse_endpoint, say)
 
 def run_node(opts: NodeOptions) -> int:
     """Run this node's agent until the job finishes, this node leaves, or the job gives up."""
@@ -41,8 +43,6 @@ def run_node(opts: NodeOptions) -> int:
     # own handlers for them whenever workers start (they are put back after it, too)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
     # torch's "Sending process N closing signal ..." per worker on every close: the events say it
-    import logging
-
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.ERROR)
     # The ranks of this machine share its cores (fastmoe_xpu/threads.py; run_local_nodes counts
     # every node it starts here).
@@ -60,11 +60,14 @@ def run_node(opts: NodeOptions) -> int:
     read_timeout = float(opts.rdzv_conf.get("read_timeout", 60))
     params = RendezvousParameters(backend="c10d", endpoint=opts.endpoint, run_id=opts.run_id, min_nodes=opts.n_min,
                                   max_nodes=opts.n_max, **opts.rdzv_conf)
-    try:
+    def connect() -> tuple[Any, Any]:
         handler = rdzv_registry.get_rendezvous_handler(params)
         # every node must describe the same job: the first one's settings are kept in the store
-        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=read_timeout),
-                         wait_for_workers=False)
+        return handler, TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=read_timeout),
+                                 wait_for_workers=False)
+
+    try:
+        handler, store = _interruptible(connect)
         mine = json.dumps({"nnodes": f"{opts.n_min}:{opts.n_max}", "nproc_per_node": opts.nproc})
         theirs = store.compare_set(f"trainer.launch/{opts.run_id}/config", "", mine).decode()
         if theirs != mine:
@@ -73,6 +76,12 @@ def run_node(opts: NodeOptions) -> int:
             events.log("error", reason=msg)
             say(f"error: {msg}", err=True)
             return EXIT_CONFIG
+    except _StoppedConnecting as e:  # nothing runs here yet: nothing to save
+        line = (f"stopped ({signal_name(e.signum)}) while this node connected to the rendezvous store at "
+                f"{opts.endpoint}; nothing needed saving")
+        events.log("stopped", signal=signal_name(e.signum), line=line)
+        say(line, err=True)
+        return 128 + e.signum
     except Exception as e:  # noqa: BLE001 - torch raises several kinds; all end here in one line
         msg = (f"cannot reach the rendezvous store at {opts.endpoint} within {read_timeout:.0f}s "
                f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); is --serve-store (or the first node) "
@@ -92,11 +101,14 @@ def run_node(opts: NodeOptions) -> int:
     job = guard.job = JobState(store, opts, events)
     agent = agent_cls(spec, logs_specs=logs, start_method="spawn", opts=opts, events=events, guard=guard, job=job,
                       **agent_kwargs(agent_cls.__mro__[1], opts.kill_grace))
+    _quiet_torch_while_stopping(opts.out / "logs" / opts.label / "torch-elastic.log", agent._stopping)
     job.install()
     try:
         result = agent.run()
     except JobEnded as e:  # another node ended the job while this one waited for a round
         return _ended_by_other(events, e.record)
+    except StoppedWaiting:  # Ctrl-C or SIGTERM (here or on another node) while this node waited for one
+        return _stopped_waiting(events, job, handler)
     except (RendezvousClosedError, RendezvousGracefulExitError):
         end = job.job_end()
         if end is not None:  # closed by a node that ended the job: its line and code
@@ -124,9 +136,7 @@ def run_node(opts: NodeOptions) -> int:
         return _fail(events, msg, None)
     if result is None:  # a spare never needed, or the job closed while this node waited
         if job.signum is not None:  # a stop with nobody training (no worker said at which step)
-            line = (f"stopped ({signal_name(job.signum)}) while this node waited for a round; the newest "
-                    "checkpoint stays; start the same job again to resume")
-            return _end(events, 128 + job.signum, line, job, handler)
+            return _stopped_waiting(events, job, handler)
         events.log("released")
         return 0
     if agent.outcome == "left":
@@ -141,6 +151,68 @@ def run_node(opts: NodeOptions) -> int:
     events.log("finished", seconds=round(time.time() - agent.started, 3))
     return 0
 
+class _StoppedConnecting(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+def _interruptible(fn: Any) -> Any:
+    """``fn()`` in a helper thread, so that SIGINT or SIGTERM ends the wait at once
+    (:class:`_StoppedConnecting`): torch's store client connects in C++, where a signal's Python
+    handler would run only after its timeout (``read_timeout``, 60 s by default)."""
+    box: dict[str, Any] = {}
+    got: list[int] = []
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            box["error"] = e
+
+    previous = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        thread = threading.Thread(target=run, name="connect", daemon=True)
+        thread.start()
+        while thread.is_alive() and not got:
+            thread.join(0.1)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    if got:
+        raise _StoppedConnecting(got[0])
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+class _TorchLogFilter(logging.Filter):
+    """torch elastic's own lines ("failed (exitcode: 143) ...") always go to the node's log file, and
+    to the console only while the job is not stopping as asked (there they read like a crash)."""
+
+    def __init__(self, path: Path, stopping: Any) -> None:
+        super().__init__()
+        self.path, self.stopping = path, stopping
+        self.format = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(self.format(record) + "\n")
+        except OSError:
+            pass
+        try:
+            return not self.stopping()
+        except Exception:  # noqa: BLE001 - the agent half torn down: the line goes out as torch meant
+            return True
+
+def _quiet_torch_while_stopping(path: Path, stopping: Any) -> None:
+    flt = _TorchLogFilter(path, stopping)
+    for name in [n for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed.elastic")]:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _TorchLogFilter)]:
+            logger.removeFilter(old)
+        logger.addFilter(flt)
+
 def _end(events: Events, code: int, line: str, job: JobState, handler: Any) -> int:
     """This node ends the job: the record first (a node that finds the rendezvous closed reads it),
     then the rendezvous closed (spares and stragglers stop waiting), then the line, last."""
@@ -148,6 +220,12 @@ def _end(events: Events, code: int, line: str, job: JobState, handler: Any) -> i
     _close(handler)
     say(line, err=True)
     return code
+
+def _stopped_waiting(events: Events, job: JobState, handler: Any) -> int:
+    """A stop by signal with no worker training on this node: nothing to save here."""
+    line = (f"stopped ({signal_name(job.signum)}) while this node waited for a round; nothing needed saving "
+            "(the newest checkpoint, if any, stays); start the same job again to resume")
+    return _end(events, 128 + job.signum, line, job, handler)
 
 def _ended_by_other(events: Events, record: dict[str, Any]) -> int:
     """Another node ended the job: the same line (from that node) and exit code here."""
@@ -212,8 +290,11 @@ def _close(handler: Any) -> None:
     except Exception:  # noqa: BLE001
         pass
 
+#: Seconds the rendezvous store serves after SIGTERM before it exits.
+STORE_TERM_GRACE = 5.0
+
 def serve_store(endpoint: str, *, ready: Path | None = None) -> int:
-    """Host the rendezvous store until killed (a node that does not train, or --local-nodes)."""
+    """Host the rendezvous store until SIGINT or SIGTERM (a node that does not train, or --local-nodes)."""
     from torch.distributed import TCPStore
 
     host, port = parse_endpoint(endpoint)
@@ -222,12 +303,15 @@ def serve_store(endpoint: str, *, ready: Path | None = None) -> int:
     say(f"[launch store] serving the rendezvous store on {host}:{store.port}")
     if ready is not None:
         ready.write_text(str(store.port))
-    # SIGTERM is a scheduler's stop notice to every process of the job: the node launchers use the
-    # store while they stop after their step, so it keeps serving; SIGINT or SIGKILL ends it
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGTERM (a scheduler's stop notice to every process of the job, or the launcher that started
+    # it): the node launchers may still use the store while their workers stop after their step, so
+    # it serves STORE_TERM_GRACE s more and exits; a second signal or SIGINT ends it at once
+    termed: list[float] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: termed.append(time.monotonic()))
     try:
-        while True:
-            time.sleep(0.5)
+        while not termed or (len(termed) == 1 and time.monotonic() - termed[0] < STORE_TERM_GRACE):
+            time.sleep(0.1)
     except KeyboardInterrupt:
         pass
+    say(f"[launch store] stopped ({'SIGTERM' if termed else 'SIGINT'})")
     return 0
