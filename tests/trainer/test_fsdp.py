@@ -157,8 +157,9 @@ def _save_worker(data_cache: str, out: str, over: dict, steps: int) -> None:
 
 
 def _resume_from(data_cache: str, out: str, root: str, over: dict) -> list[float]:
-    """Losses of the steps after resuming from the checkpoints under ``root`` (writing none)."""
-    t = Trainer(fsdp_cfg(data_cache, out, checkpoint__dir=root, **over))
+    """Losses of the steps after resuming from the checkpoints under ``root`` (writing none there: the
+    run's own checkpoint, the one every run keeps at its end, goes under ``out``)."""
+    t = Trainer(fsdp_cfg(data_cache, out, checkpoint__resume_from=root, **over))
     hist = t.fit()
     assert t.step == 4 and hist[0]["step"] == 3
     return _losses(hist)
