@@ -16,9 +16,11 @@ import pytest
 from trainer.cli import main as train_main
 from trainer.data.preprocess import main as preprocess_main
 from trainer.ft.launch import main as launch_main
+from trainer.outputs.export import main as export_main
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = {"fastmoe-train": train_main, "fastmoe-launch": launch_main, "fastmoe-preprocess": preprocess_main}
+COMMANDS = {"fastmoe-train": train_main, "fastmoe-launch": launch_main, "fastmoe-preprocess": preprocess_main,
+            "fastmoe-export": export_main}
 
 #: Inputs made in the working directory before each case: a text file, a file, a directory, a
 #: directory named like a config file, and a read-only directory.
@@ -55,6 +57,16 @@ CASES = {
         "negative size": [*PRE, "--shards", "-1", "--out", "data"],
         "bad fraction": [*PRE, "--valid", "1.5", "--out", "data"],
         "unknown option": [*PRE, "--out", "data", "--bogus"],
+    },
+    "fastmoe-export": {
+        "missing path": ["--checkpoint", "missing", "--out", "hf"],
+        "file for a directory": ["--checkpoint", "afile", "--out", "hf"],
+        "file for an output directory": ["--checkpoint", "adir.toml", "--out", "afile"],
+        "directory for a file": ["--checkpoint", "adir.toml", "--out", "hf", "--config", "adir.toml"],
+        "read-only target": ["--checkpoint", "adir.toml", "--out", "ro/hf"],
+        "zero size": ["--checkpoint", "adir.toml", "--out", "hf", "--max-shard-size", "0"],
+        "negative size": ["--checkpoint", "adir.toml", "--out", "hf", "--max-shard-size", "-1"],
+        "unknown option": ["--checkpoint", "adir.toml", "--out", "hf", "--bogus"],
     },
 }
 

@@ -464,7 +464,9 @@ def _size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fastmoe-export", description=__doc__.split("\n\n")[0])
+    from ..config.errors import OneLineParser
+
+    p = OneLineParser(prog="fastmoe-export", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--checkpoint", required=True,
                    help="OUT/checkpoints (newest valid checkpoint) or one slot-*/model-step-* directory")
     p.add_argument("--out", required=True, help="directory to write (refused when it exists, unless --overwrite)")
