@@ -157,3 +157,20 @@ def test_every_documented_option_and_preset_exists():
                     except ValueError:
                         wrong.append(f"{page.relative_to(REPO)}: no benchmark preset {value!r}: {line.strip()}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_documented_command_and_make_target_exists():
+    """Every ``fastmoe-*`` command the pages name is a console script of pyproject.toml, and every
+    ``make TARGET`` one of the Makefile's targets."""
+    import tomllib
+
+    scripts = set(tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"])
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", (REPO / "Makefile").read_text(encoding="utf-8"), re.M))
+    wrong = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for name in set(re.findall(r"(?<![\w/.-])(fastmoe-[a-z]+)\b", text)) - scripts:
+            wrong.append(f"{page.relative_to(REPO)}: no command {name}")
+        for name in set(re.findall(r"`make ([a-z][a-z0-9-]*)", text)) - targets:
+            wrong.append(f"{page.relative_to(REPO)}: no make target {name}")
+    assert scripts and targets and not wrong, "\n".join(wrong)
