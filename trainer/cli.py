@@ -161,9 +161,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, ar
         cfg.schedule.steps = 0  # a decay branch without --steps: decay_from plus its decay (trainer/config/schedule.py)
     if cfg.data.path is not None and getattr(args, "data.context") is None and "data.context" not in from_file:
         # a data set of one's own: its manifest records the context it was cut to
-        from .data.loader import load_manifest
+        from .data.mixture import data_context
 
-        cfg.data.context = int(load_manifest(cfg.data.path)["context"])
+        cfg.data.context = data_context(cfg.data.path)
     return cfg, args
 
 

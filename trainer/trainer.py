@@ -59,7 +59,7 @@ from .parallelism.tp import tp_localize
 from .optim.schedule import Schedule, check_resume, clipping_active
 from .outputs.run_dir import check_data_set, check_run_dir
 
-from .data import ShardedLoader, ensure_default_dataset, load_manifest
+from .data import ShardedLoader, ensure_default_dataset, open_dataset
 
 
 class Trainer:
@@ -90,7 +90,8 @@ class Trainer:
 
         # data first: a missing or corrupt data set fails here, before the model is built
         self.manifest_path = self._prepare_data()
-        manifest = load_manifest(self.manifest_path)
+        dataset = open_dataset(self.manifest_path, verify=cfg.data.verify, seed=cfg.data.seed)
+        manifest = dataset.manifest
         if int(manifest["context"]) != cfg.data.context:
             raise ConfigError(
                 f"data set {self.manifest_path} has context {manifest['context']}, --data.context asks for "
@@ -101,7 +102,7 @@ class Trainer:
             m.vocab_size = data_vocab
         elif m.vocab_size < data_vocab:
             raise ConfigError(f"model vocab_size {m.vocab_size} is smaller than the tokenizer's {data_vocab}")
-        self.loader = ShardedLoader(self.manifest_path, s.global_batch, s.micro_batch,
+        self.loader = ShardedLoader(dataset, s.global_batch, s.micro_batch,
                                     dp_rank=lay.data_rank, dp_size=lay.data_world, verify=cfg.data.verify)
 
         self.model = self.build_model()
@@ -466,11 +467,11 @@ class Trainer:
     # ------------------------------------------------------------------------------ evaluation and artefacts
     def _init_extras(self) -> None:
         """The validation split and the MoE health hooks (see :mod:`trainer.outputs.evaluate`, :mod:`trainer.records.moe_health`)."""
-        from .outputs.evaluate import load_validation
+        from .outputs.evaluate import load_data_validation
         from .records.moe_health import MoeHealth
 
         cfg = self.cfg
-        self.val_rows = load_validation(load_manifest(self.manifest_path), verify=cfg.data.verify) \
+        self.val_rows = load_data_validation(self.loader.dataset, verify=cfg.data.verify) \
             if cfg.eval.enabled else None
         self.eval_history: list[dict[str, Any]] = []
         self.moe_health: MoeHealth | None = None
@@ -583,7 +584,7 @@ class Trainer:
     def _export_meta(self) -> dict[str, Any]:
         """What ``fastmoe-export`` needs beside the weights: the config and the tokenizer
         (under keys of their own, so a resume's ``meta["data"]`` stays the loader position)."""
-        meta = {"config": self.cfg.to_dict(), "tokenizer": load_manifest(self.manifest_path)["tokenizer"],
+        meta = {"config": self.cfg.to_dict(), "tokenizer": self.loader.dataset.manifest["tokenizer"],
                 "data_manifest": self.manifest_path}
         if self.hf is not None:
             # the family's config as built (a --model.hf_config file need not exist at export time)

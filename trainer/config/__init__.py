@@ -108,7 +108,8 @@ class DataConfig:
     """Where the tokens come from."""
 
     path: str | None = None
-    """A preprocessed data set (its manifest.json or directory); None prepares the embedded default corpus."""
+    """A preprocessed data set (its manifest.json or directory), or a mixture of several ``NAME=PATH:WEIGHT,...``
+    (docs/data.md); None prepares the embedded default corpus."""
     cache_dir: str | None = None
     """Where the embedded corpus is preprocessed to; None: ``$FASTMOE_DATA_CACHE`` or ``~/.cache/fastmoe_xpu/data``."""
     verify: bool = True

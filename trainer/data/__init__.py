@@ -6,6 +6,7 @@ API for the training loop:
     ShardedLoader(manifest, global_batch, micro_batch=None, dp_rank=0, dp_size=1, verify=True)
         .next_batch() -> list[MicroBatch(input_ids [B, C], labels [B, C])]
         .state_dict() / .load_state_dict(state)
+    open_dataset(spec, verify=True, seed=0) -> ShardedDataset, or MixtureDataset for NAME=PATH:WEIGHT,...
     load_manifest(path) -> dict;  tokenizer_from_description(manifest["tokenizer"])
 
 Names resolve lazily so that `fastmoe-preprocess` starts without importing torch.
@@ -27,6 +28,10 @@ _EXPORTS = {
     "ShardedDataset": "loader",
     "ShardedLoader": "loader",
     "load_manifest": "loader",
+    "MixtureDataset": "mixture",
+    "data_context": "mixture",
+    "open_dataset": "mixture",
+    "parse_mixture": "mixture",
     "default_cache_dir": "default_corpus",
     "default_corpus": "default_corpus",
     "ensure_default_dataset": "default_corpus",

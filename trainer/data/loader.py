@@ -166,7 +166,7 @@ class ShardedLoader:
 
     def __init__(
         self,
-        data: str | ShardedDataset,
+        data: str | Any,
         global_batch: int,
         micro_batch: int | None = None,
         dp_rank: int = 0,
@@ -189,7 +189,7 @@ class ShardedLoader:
             )
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"data-parallel rank {dp_rank!r} is outside [0, {dp_size})")
-        self.dataset = data if isinstance(data, ShardedDataset) else ShardedDataset(data, verify=verify)
+        self.dataset = ShardedDataset(data, verify=verify) if isinstance(data, str) else data  # or a mixture
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.dp_rank = dp_rank

@@ -49,6 +49,19 @@ def load_validation(manifest: dict[str, Any], verify: bool = True) -> np.ndarray
     return np.asarray(rows, dtype=np.int64)
 
 
+def load_data_validation(dataset: Any, verify: bool = True) -> np.ndarray | dict[str, tuple[np.ndarray, float]] | None:
+    """The validation rows of ``--data``'s data set: its split's rows, or for a mixture
+    ``{source name: (rows, weight)}`` of the sources that keep a split; None when none does."""
+    if not hasattr(dataset, "sources"):
+        return load_validation(dataset.manifest, verify=verify)
+    out = {}
+    for s, m in zip(dataset.sources, dataset.manifests):
+        rows = load_validation(m, verify=verify)
+        if rows is not None:
+            out[s.name] = (rows, s.weight)
+    return out or None
+
+
 def rank_batches(rows: np.ndarray, data_rank: int, data_world: int, micro_batch: int
                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """This data rank's micro-batches ``(input_ids [B, C], labels [B, C], instance ids [B], -1 for
@@ -78,9 +91,26 @@ def _instance_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return ce.double().sum(1), (labels != IGNORE_INDEX).sum(1).double()
 
 
+def evaluate(trainer: Any, rows: np.ndarray | dict[str, tuple[np.ndarray, float]]) -> dict[str, Any]:
+    """Validation loss of ``trainer``'s current weights on ``rows`` (collective over the world). For a
+    mixture's ``{name: (rows, weight)}``: ``val_loss/<name>`` per source, and ``val_loss`` their
+    weighted mean (equal weights when every source with a split has weight 0)."""
+    if not isinstance(rows, dict):
+        return _evaluate_rows(trainer, rows)
+    res = {name: _evaluate_rows(trainer, r) for name, (r, _) in rows.items()}
+    weights = {name: w for name, (_, w) in rows.items()}
+    if sum(weights.values()) <= 0:
+        weights = dict.fromkeys(weights, 1.0)
+    loss = sum(weights[n] * r["val_loss"] for n, r in res.items()) / sum(weights.values())
+    out = {"step": trainer.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)),
+           "val_tokens": sum(r["val_tokens"] for r in res.values()),
+           "val_instances": sum(r["val_instances"] for r in res.values())}
+    out.update({f"val_loss/{n}": r["val_loss"] for n, r in res.items()})
+    return out
+
+
 @torch.no_grad()
-def evaluate(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
-    """Validation loss of ``trainer``'s current weights on ``rows`` (collective over the world)."""
+def _evaluate_rows(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
     lay, cfg = trainer.layout, trainer.cfg
     device = trainer.device
     if cfg.eval.instances:

@@ -32,6 +32,9 @@ def finish_run(trainer: Any) -> dict[str, Any]:
         art["val_loss"] = trainer.eval_history[-1]["val_loss"]
         art["val_ppl"] = trainer.eval_history[-1]["val_ppl"]
         art["val_tokens"] = trainer.eval_history[-1]["val_tokens"]
+        per_source = {k.split("/", 1)[1]: v for k, v in trainer.eval_history[-1].items() if k.startswith("val_loss/")}
+        if per_source:  # a mixture's sources
+            art["val_sources"] = per_source
     if cfg.eval.export_hf:
         _export(trainer, art)
     if lay.is_main and hist:
@@ -75,6 +78,7 @@ def _print(art: dict[str, Any]) -> None:
     if "val_loss" in art:
         lines.append(f"validation loss {art['val_loss']:.4f} (perplexity {art['val_ppl']:.2f}, "
                      f"{art['val_tokens']} tokens)")
+        lines += [f"validation loss {name} {v:.4f}" for name, v in art.get("val_sources", {}).items()]
     if "sample" in art:
         lines.append(f"sample: {art['sample']!r}")
     for key in ("checkpoint", "export", "loss_chart", "moe_load_heatmap", "moe_imbalance_chart", "tensorboard", "samples"):

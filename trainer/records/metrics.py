@@ -313,6 +313,10 @@ def loss_figure(records: Iterable[dict[str, Any]], title: str = "", schedule: st
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], label="validation loss", lw=1.2,
                 marker="o", ms=3, color="black")
+        for key in sorted({k for r in val for k in r if k.startswith("val_loss/")}):  # a mixture's sources
+            own = [r for r in val if key in r]
+            ax.plot([r["step"] for r in own], [r[key] for r in own], label=f"validation loss {key[9:]}", lw=1.0,
+                    marker=".", ms=3, ls=":")
     spikes = [r for r in records if r.get("grad_spike")]
     if spikes:
         ax.scatter([r["step"] for r in spikes], [r["loss"] for r in spikes], color="red", s=12, zorder=3,

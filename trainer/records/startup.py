@@ -59,7 +59,9 @@ def summary_lines(trainer: Any) -> list[str]:
     threads = current()
     if threads is not None:
         lines.append(threads.summary)
-    lines.append(f"data: {trainer.manifest_path}, context {d.context}")
+    ds = getattr(getattr(trainer, "loader", None), "dataset", None)
+    named = ds.describe() if hasattr(ds, "describe") else trainer.manifest_path  # a mixture names its sources
+    lines.append(f"data: {named}, context {d.context}")
     lines.append(f"steps: {s.steps} of {s.global_batch} x {d.context} tokens (micro-batch {s.micro_batch})"
                  + (f", resuming at step {trainer.step}" if trainer.step else ""))
     lines.append(f"schedule: {trainer.schedule.phases()}")
