@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import random
 import sys
@@ -245,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to kill mid-run)")
     ap.add_argument("--checkpoint-sleep", type=float, default=0.0,
                     help="seconds in the checkpoint phase before each periodic write (to stop a rank there)")
+    ap.add_argument("--async", dest="async_save", action="store_true",
+                    help="periodic checkpoints written in the background (trainer/checkpoint/background.py)")
+    ap.add_argument("--die-in-write", type=int, default=0,
+                    help="os._exit(9) in the middle of the background write of the checkpoint of this step")
     ap.add_argument("--dump", default=None, help="directory for per-rank state dumps at the end")
     args = ap.parse_args(argv)
     stop = StopRequest().install()  # SIGTERM / SIGINT (or the launcher's SIGUSR1 / SIGUSR2): trainer/ft/stop.py
@@ -260,6 +265,25 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()  # the groups' threads end here, not in interpreter shutdown (trainer/cli.py)
 
 
+def _die_in_write(step: int) -> None:
+    """The process dies while the background thread writes checkpoint ``step``: after its tensor
+    files, before its manifest (the step loop has gone on meanwhile)."""
+    import threading
+
+    from trainer.checkpoint import save as ck_save
+
+    write = ck_save._write_manifest
+
+    def die(tmp: Path, files: Any) -> int:
+        if json.loads((tmp / "meta.json").read_text())["step"] == step:
+            assert threading.current_thread() is not threading.main_thread(), "the write is not in the background"
+            (tmp / "MANIFEST.json").write_bytes(b'{"format": 1, "fi')  # torn mid-write
+            os._exit(9)
+        return write(tmp, files)
+
+    ck_save._write_manifest = die
+
+
 def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     out = Path(args.out)
     lay = make_layout(args.ep)
@@ -269,7 +293,9 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     random.seed(seed + lay.rank)
     model, opt = build(args.optim, lay, seed)
     mgr = CheckpointManager(out / "checkpoints", layout=lay, interval=args.interval,
-                               model_interval=args.model_interval)
+                               model_interval=args.model_interval, async_save=args.async_save)
+    if args.die_in_write:
+        _die_in_write(args.die_in_write)
     hb = fault.Heartbeat(out, lay.rank)
     hb.beat(0, "startup")
     start = 0
@@ -319,6 +345,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return fault.EXIT_CHECKPOINT_FAILURE
+    mgr.wait()  # the last background write, before the run's end
     if args.dump:
         Path(args.dump).mkdir(parents=True, exist_ok=True)
         torch.save(dump_state(model, opt), Path(args.dump) / f"rank-{lay.rank:05d}.pt")

@@ -15,13 +15,14 @@ from fastmoe_xpu.dist.groups import dist_on
 
 from .slots import CheckpointError
 
-def agree(ok: bool, message: str, payload: Any = None) -> list[tuple[bool, str, Any]]:
-    """Every rank's ``(ok, message, payload)``; one all-gather, so all ranks take the same branch."""
+def agree(ok: bool, message: str, payload: Any = None, group: Any = None) -> list[tuple[bool, str, Any]]:
+    """Every rank's ``(ok, message, payload)``; one all-gather (on ``group``, None: the default
+    group), so all ranks take the same branch."""
     mine = (ok, message, payload)
     if not dist_on():
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     return everyone
 
 
@@ -75,12 +76,12 @@ def storage_reader(path: Path) -> Any:
     return FileSystemReader(str(path))
 
 
-def dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
+def dcp_save(state: dict[str, torch.Tensor], path: Path, group: Any = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(state, storage_writer=storage_writer(path), no_dist=not dist_on())
+        dcp.save(state, storage_writer=storage_writer(path), no_dist=not dist_on(), process_group=group)
 
 
 def dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:

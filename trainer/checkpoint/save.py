@@ -51,8 +51,10 @@ def _own_files(tmp: Path, rank: int) -> list[Path]:
 
 
 def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coords: Coords,
-               tensors: dict[str, torch.Tensor], rank_state: Any, meta: dict[str, Any], tp_size: int = 1) -> SaveStats:
-    """Collectively write one checkpoint directory ``root/name`` atomically (see the module docstring)."""
+               tensors: dict[str, torch.Tensor], rank_state: Any, meta: dict[str, Any], tp_size: int = 1,
+               group: Any = None) -> SaveStats:
+    """Collectively write one checkpoint directory ``root/name`` atomically (see the module docstring);
+    every collective on ``group`` (None: the default group)."""
     t0 = time.perf_counter()
     final, tmp = root / name, root / f"{name}.tmp"
     rank = coords.rank
@@ -76,12 +78,12 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
         except Exception as e:  # every rank must reach the agreement below
             ok, msg = False, describe_os_error(e)
             shutil.rmtree(tmp, ignore_errors=True)
-    raise_if_failed(agree(ok, msg), what)
+    raise_if_failed(agree(ok, msg, group=group), what)
 
     # 2. every rank writes its tensors (DCP) and its own state file, then hashes what it wrote
     ok, msg, hashes = True, "", {}
     try:
-        dcp_save(tensors, tmp)
+        dcp_save(tensors, tmp, group)
     except (Exception, CheckpointException) as e:  # DCP raises the same aggregated error on every rank
         ok, msg = False, describe_os_error(e)
     if ok:
@@ -96,7 +98,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
                 hashes[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
         except Exception as e:  # every rank must reach the agreement below
             ok, msg = False, describe_os_error(e)
-    results = agree(ok, msg, hashes)
+    results = agree(ok, msg, hashes, group)
     if not all(r[0] for r in results) and rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     raise_if_failed(results, what)
@@ -129,7 +131,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
         except Exception as e:  # every rank must reach the agreement below
             ok, msg = False, describe_os_error(e)
             shutil.rmtree(tmp, ignore_errors=True)
-    results = agree(ok, msg, total)
+    results = agree(ok, msg, total, group)
     raise_if_failed(results, what)
     my_bytes = sum(h["size"] for h in hashes.values())
     return SaveStats(path=final, step=step, seconds=time.perf_counter() - t0, rank_bytes=my_bytes,
@@ -152,11 +154,14 @@ def _model_tensors(model: nn.Module, coords: Coords, dtype: torch.dtype | None,
 
 def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Module, optimizer: Any,
               layout: Any = None, meta: dict[str, Any] | None = None, rank_extra: Any = None,
-              is_expert: Callable[[str], bool] = is_expert_weight) -> SaveStats:
+              is_expert: Callable[[str], bool] = is_expert_weight,
+              staged: Callable[[FullWrite], Callable[[], SaveStats]] | None = None) -> SaveStats | Callable[[], SaveStats]:
     """Write the full training state as checkpoint ``index`` into slot ``"AB"[index % 2]`` (collective).
 
     ``meta``: JSON-able, global (the step's data position, the config...), written by rank 0;
-    ``rank_extra``: anything picklable, per rank, restored only when the layout is unchanged."""
+    ``rank_extra``: anything picklable, per rank, restored only when the layout is unchanged.
+    ``staged``: turns the gathered state into a write to run later (an asynchronous save, see
+    :mod:`.background`), which is returned instead of being run."""
     coords, tp = coords_of(layout), tp_rank_of(layout)
     tensors = _model_tensors(model, coords, None, is_expert, tp)
     tensors.update(optimizer_writes(model, optimizer, is_expert, tp))
@@ -166,8 +171,28 @@ def save_full(root: str | os.PathLike, *, step: int, index: int, model: nn.Modul
         rank_state["rng"]["optimizer_rounding"] = optimizer.generator.get_state()
     meta_all = {"slot": slot, "optimizer": {"kind": type(optimizer).__name__, "steps": optimizer_steps(optimizer)},
                 "meta": meta or {}}
-    return _write_dir(Path(root), f"slot-{slot}", step=step, index=index, kind="full", coords=coords,
-                      tensors=tensors, rank_state=rank_state, meta=meta_all, tp_size=tp_size(layout))
+    w = FullWrite(Path(root), f"slot-{slot}", step, index, coords, tensors, rank_state, meta_all, tp_size(layout))
+    return staged(w) if staged is not None else w.write()
+
+
+@dataclass
+class FullWrite:
+    """A full checkpoint's gathered state and where it goes; :meth:`write` writes it (collective)."""
+
+    root: Path
+    name: str
+    step: int
+    index: int
+    coords: Coords
+    tensors: dict[str, torch.Tensor]
+    rank_state: Any
+    meta: dict[str, Any]
+    tp_size: int
+
+    def write(self, group: Any = None) -> SaveStats:
+        return _write_dir(self.root, self.name, step=self.step, index=self.index, kind="full", coords=self.coords,
+                          tensors=self.tensors, rank_state=self.rank_state, meta=self.meta, tp_size=self.tp_size,
+                          group=group)
 
 
 def save_model(root: str | os.PathLike, *, step: int, model: nn.Module, layout: Any = None,

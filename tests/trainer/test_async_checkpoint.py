@@ -1,0 +1,105 @@
+"""Asynchronous checkpoints (trainer/checkpoint/background.py): the state is staged before training
+goes on, the slot written in the background equals a synchronous one, a crash in the middle of a
+background write leaves the previous slot valid, and ZeRO-1 / EPSO on 2 gloo processes agree."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import _ft_toy as toy
+from trainer.checkpoint import save as ck_save
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.slots import CheckpointError, latest_valid, verify
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_background_write_holds_the_staged_state(tmp_path: Path, monkeypatch) -> None:
+    lay = toy.make_layout(1)
+    model, opt = toy.build("sharded", lay)
+    toy.train_step(model, opt, lay, 0, tmp_path)
+    sync = CheckpointManager(tmp_path / "sync").save(1, model, opt, meta={"next_step": 1})
+    expected = toy.read_checkpoint(sync.path)
+
+    # hold the background write until training has changed every weight and state
+    go, inside = threading.Event(), []
+    write = ck_save._write_dir
+
+    def held(*a, **kw):
+        inside.append(threading.current_thread() is not threading.main_thread())
+        assert go.wait(60)
+        return write(*a, **kw)
+
+    monkeypatch.setattr(ck_save, "_write_dir", held)
+    mgr = CheckpointManager(tmp_path / "async", async_save=True)
+    st = mgr.save(1, model, opt, meta={"next_step": 1})
+    assert mgr._pending is not None and not (tmp_path / "async" / "slot-A").exists()
+    toy.train_step(model, opt, lay, 1, tmp_path)  # the step loop goes on meanwhile
+    go.set()
+    mgr.wait()
+    assert inside == [True]
+    assert st.path.name == "slot-A" and verify(st.path) is None
+    assert _same(toy.read_checkpoint(st.path), expected)
+    assert latest_valid(tmp_path / "async").step == 1
+    [t] = mgr.timings
+    assert t["async"] and t["step"] == 1 and t["stall_s"] >= 0 and t["write_s"] > 0
+
+    # the next checkpoint takes the other slot; a synchronous one (the run's last) waits first
+    assert mgr.save(2, model, opt).path.name == "slot-B" and mgr._pending is not None
+    last = mgr.save(2, model, opt, background=False)
+    assert last.path.name == "slot-A" and mgr._pending is None and latest_valid(tmp_path / "async").index == 2
+    assert [t["async"] for t in mgr.timings] == [True, True, False]
+
+
+def test_background_error_is_raised_in_the_step_loop(tmp_path: Path, monkeypatch) -> None:
+    lay = toy.make_layout(1)
+    model, opt = toy.build("sharded", lay)
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    mgr.save(1, model, opt)
+    mgr.wait()
+
+    def full(*a, **kw):
+        raise CheckpointError("disk gone")
+
+    monkeypatch.setattr(ck_save, "_write_dir", full)
+    mgr.save(2, model, opt)
+    with pytest.raises(CheckpointError, match="disk gone.*previous checkpoint .*slot-A.*untouched"):
+        mgr.wait()
+    assert latest_valid(tmp_path).step == 1
+
+
+def test_crash_during_the_background_write_keeps_the_previous_slot(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    codes = toy.spawn(1, ["--out", str(out), "--steps", "6", "--interval", "2", "--async", "--die-in-write", "4"])
+    assert codes == [9], (out / "spawn-rank-0.log").read_text()[-3000:]
+    root = out / "checkpoints"
+    assert (root / "slot-B.tmp").exists() and not (root / "slot-B").exists()
+    info = latest_valid(root)
+    assert info.step == 2 and info.path.name == "slot-A"
+
+
+@pytest.mark.parametrize("optim,ep", [("sharded", 1), ("epso", 2)])
+def test_two_processes_async_equals_sync(tmp_path: Path, optim: str, ep: int) -> None:
+    runs = {}
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        argv = ["--out", str(out), "--steps", "4", "--interval", "2", "--optim", optim, "--ep", str(ep),
+                "--dump", str(out / "dump")]
+        codes = toy.spawn(2, argv + (["--async"] if mode == "async" else []))
+        assert codes == [0, 0], (out / "spawn-rank-0.log").read_text()[-3000:]
+        root = out / "checkpoints"
+        assert latest_valid(root).step == 4
+        runs[mode] = [toy.read_checkpoint(root / s) for s in ("slot-A", "slot-B")]
+        runs[mode].append(toy.assemble(toy.load_dumps(out / "dump")))
+    for a, b in zip(runs["sync"][:2], runs["async"][:2]):
+        assert _same(a, b)
+    assert _same(runs["sync"][2], runs["async"][2])
+    # the step-4 checkpoint holds the final state
+    final = runs["async"][2]
+    ck = runs["async"][1]
+    assert all(torch.equal(ck[k], final[k]) for k in ck if k.startswith("w/"))
