@@ -26,6 +26,7 @@ ALIASES: dict[str, str] = {
     "compile": "model.compile",
     "allow-fresh-start": "checkpoint.allow_fresh_start",
     "reschedule": "checkpoint.reschedule",
+    "checkpoint.async": "checkpoint.async_save",
     "resume-from": "checkpoint.resume_from",
     "lr": "optim.lr",
     "min-lr": "schedule.min_lr",

@@ -130,7 +130,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             ck.dir or os.path.join(self.out_dir, "checkpoints"), layout=lay, interval=ck.interval,
             model_interval=ck.model_interval, model_dtype=ck.model_dtype, is_expert=is_expert_weight,
-            allow_fresh_start=ck.allow_fresh_start, failures_dir=self.out_dir)
+            allow_fresh_start=ck.allow_fresh_start, failures_dir=self.out_dir, async_save=ck.async_save)
         if ck.init_from:
             load_model(ck.init_from, self.model, layout=lay, is_expert=is_expert_weight)
             sync_master_from_model(self.optimizer)
@@ -405,6 +405,7 @@ class Trainer:
                 rec = self.train_step()
                 rec.update(self.step_extras(total))
                 self.heartbeat.beat(self.step, "done", completed=True)
+                rec.update(self.save_checkpoints())  # its stall and write times go on the step's record
                 self.history.append(rec)
                 if self.writer is not None:
                     self.writer.write(rec)
@@ -412,7 +413,6 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     spikes=rec["grad_spikes"], refresh=False)
                     bar.update(1)
-                self.save_checkpoints()
                 moved = threads.step()
                 if moved is not None and lay.is_main:
                     (bar.write if hasattr(bar, "write") else print)(moved)
@@ -445,10 +445,11 @@ class Trainer:
     def stop_checkpoint(self) -> str:
         """The full checkpoint of the step the run ends on, by a stop signal or at its last step
         (the one written or resumed from at this step when there is one; collective)."""
+        self.checkpoints.wait()  # a background write of this step or an earlier one finishes first
         if self._last_full is not None and self._last_full[0] == self.step:
             return self._last_full[1]
         self.heartbeat.beat(self.step, "checkpoint")
-        st = self.checkpoints.save(self.step, self.model, self.optimizer, meta=self._full_meta())
+        st = self.checkpoints.save(self.step, self.model, self.optimizer, meta=self._full_meta(), background=False)
         self._last_full = (self.step, str(st.path))
         return self._last_full[1]
 
@@ -567,9 +568,11 @@ class Trainer:
             raise CheckpointError(f"--checkpoint.resume_from: {found}")
         return found
 
-    def save_checkpoints(self) -> None:
-        """The full checkpoint and/or model-only checkpoint due at this step (collective)."""
+    def save_checkpoints(self) -> dict[str, Any]:
+        """The full checkpoint and/or model-only checkpoint due at this step (collective); the
+        checkpoint timings for the step's record (:meth:`CheckpointManager.pop_fields`)."""
         ck = self.checkpoints
+        ck.poll()
         if ck.due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
             st = ck.save(self.step, self.model, self.optimizer, meta=self._full_meta())
@@ -577,6 +580,7 @@ class Trainer:
         if ck.model_due(self.step):
             self.heartbeat.beat(self.step, "checkpoint")
             ck.save_model(self.step, self.model, meta={"preset": self.cfg.preset, **self._export_meta()})
+        return ck.pop_fields()
 
     def _full_meta(self) -> dict[str, Any]:
         return {"data": self.loader.state_dict(), "spikes": self.spikes.state_dict(), **self._export_meta()}

@@ -3,6 +3,7 @@ goes on, the slot written in the background equals a synchronous one, a crash in
 background write leaves the previous slot valid, and ZeRO-1 / EPSO on 2 gloo processes agree."""
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -13,6 +14,10 @@ import _ft_toy as toy
 from trainer.checkpoint import save as ck_save
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.slots import CheckpointError, latest_valid, verify
+from trainer.config import ConfigError, validate
+from trainer.records.metrics import read_metrics
+from trainer.trainer import Trainer
+from trainer_util import data_cache, small_cfg  # noqa: F401 (fixture)
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -103,3 +108,36 @@ def test_two_processes_async_equals_sync(tmp_path: Path, optim: str, ep: int) ->
     final = runs["async"][2]
     ck = runs["async"][1]
     assert all(torch.equal(ck[k], final[k]) for k in ck if k.startswith("w/"))
+
+
+def test_trainer_async_checkpoints_equal_sync_ones_and_are_recorded(tmp_path, data_cache) -> None:  # noqa: F811
+    runs = {}
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        t = Trainer(small_cfg(data_cache, str(out), steps=4, checkpoint__interval=2,
+                              checkpoint__async_save=mode == "async"))
+        t.fit()  # checkpoints at 2 and 4; the run's end waits for the write of step 4
+        assert t.checkpoints._pending is None
+        info = latest_valid(out / "checkpoints")
+        assert info.step == 4 and t.artefacts["checkpoint"] == str(info.path)
+        runs[mode] = [toy.read_checkpoint(out / "checkpoints" / s) for s in ("slot-A", "slot-B")]
+        records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+        assert [s for s in records if "checkpoint_stall_s" in records[s]] == [2, 4]
+        assert all(records[s]["checkpoint_async"] == (mode == "async") for s in (2, 4))
+        written = sorted(r["checkpoint_write_step"] for r in records.values() if "checkpoint_write_s" in r)
+        summary = json.loads((out / "summary.json").read_text())
+        assert [c["step"] for c in summary["checkpoints"]] == [2, 4]
+        assert all(c["write_s"] > 0 and c["stall_s"] >= 0 for c in summary["checkpoints"])
+        # a synchronous write is on its step's record; an asynchronous one's where it was collected
+        # (the write of step 4, collected at the run's end, is in the summary only)
+        assert written == ([2, 4] if mode == "sync" else [2])
+    for a, b in zip(runs["sync"], runs["async"]):
+        assert _same(a, b)
+
+
+@pytest.mark.parametrize("over,name", [({"parallel__pp": 2}, "--pp"),
+                                       ({"parallel__dp_shard": "fsdp"}, "--parallel.dp_shard fsdp")])
+def test_async_is_refused_where_it_is_not_supported(tmp_path, over, name) -> None:
+    cfg = small_cfg(str(tmp_path), str(tmp_path / "out"), checkpoint__async_save=True, **over)
+    with pytest.raises(ConfigError, match=f"--checkpoint.async is not supported with {name}"):
+        validate(cfg, world_size=2)

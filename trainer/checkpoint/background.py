@@ -64,8 +64,11 @@ class BackgroundWriter:
         return self._group
 
     @property
-    def running(self) -> bool:
-        return self._thread is not None
+    def succeeded(self) -> bool:
+        """A write was started and has ended without an error (:meth:`wait` returns at once). A
+        failed one is left to the next :meth:`wait` that every rank makes at the same step (the
+        next checkpoint, the run's end), so that all ranks raise the error at the same point."""
+        return self._thread is not None and not self._thread.is_alive() and "error" not in self._outcome
 
     def start(self, write: Callable[[], Any]) -> None:
         if self._thread is not None:

@@ -50,6 +50,7 @@ class CheckpointManager:
         self.background = BackgroundWriter(async_timeout_s) if async_save else None
         self._pending: tuple[int, dict[str, Any]] | None = None  # (index, timing) of the running write
         self.timings: list[dict[str, Any]] = []
+        self._fields: dict[str, Any] = {}  # for the step's metrics record: pop_fields()
 
     def latest(self) -> CheckpointInfo | None:
         info = find_latest(self.root)
@@ -89,6 +90,7 @@ class CheckpointManager:
             self._pending = (index, timing)
             timing.update({"async": True, "stall_s": time.perf_counter() - t0})
             self.timings.append(timing)
+            self._fields.update(checkpoint_stall_s=timing["stall_s"], checkpoint_async=True)
             return SaveStats(path=self.root / f"slot-{'AB'[index % 2]}", step=step, seconds=timing["stall_s"],
                              rank_bytes=0, total_bytes=0)
         try:
@@ -99,7 +101,22 @@ class CheckpointManager:
         self._done(index, stats)
         timing.update({"stall_s": time.perf_counter() - t0, "write_s": stats.seconds})
         self.timings.append(timing)
+        self._fields.update(checkpoint_stall_s=timing["stall_s"], checkpoint_async=False,
+                            checkpoint_write_s=stats.seconds, checkpoint_write_step=step)
         return stats
+
+    def poll(self) -> None:
+        """Collect the background write if it has finished well (never waits, never raises)."""
+        if self._pending is not None and self.background.succeeded:
+            self.wait()
+
+    def pop_fields(self) -> dict[str, Any]:
+        """The checkpoint timings since the last call, for the step's metrics record:
+        ``checkpoint_stall_s`` (the step loop's wait for the checkpoint of this step) and
+        ``checkpoint_write_s`` of the checkpoint of step ``checkpoint_write_step`` (an asynchronous
+        one's on the record of the step its write was collected at)."""
+        out, self._fields = self._fields, {}
+        return out
 
     def wait(self) -> float:
         """Wait for the running background write, if any (bounded; its error is raised here);
@@ -113,6 +130,7 @@ class CheckpointManager:
         except CheckpointError as e:
             raise self._failed(e) from e
         timing["write_s"] = took
+        self._fields.update(checkpoint_write_s=took, checkpoint_write_step=timing["step"])
         self._done(index, stats)
         return waited
 

@@ -237,6 +237,10 @@ class CheckpointConfig:
     resume_from: str | None = None
     """Resume the full state from this checkpoint (a slot, a checkpoint directory or a run's --out: its newest)
     when this run's own has none, writing only in this run's --out (a decay branch: ``--schedule.decay_from``)."""
+    async_save: bool = False
+    """``--checkpoint.async``: stage each periodic full checkpoint in host memory and write it in a background
+    thread while training goes on (one write at a time; the run's last checkpoint waits for it and is written
+    synchronously). ZeRO-1, EPSO and replicated AdamW layouts; not yet with FSDP2 or PP."""
     reschedule: bool = False
     """Resume although --steps, --warmup, --lr, --min-lr or --schedule.* differ from the checkpoint's (default: refuse,
     naming the change, unless only a WSD run's future rates change): the learning rate follows the new schedule from
@@ -492,6 +496,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         )
     if p.dp_shard == "fsdp":
         check_fsdp(cfg)
+    if cfg.checkpoint.async_save and (p.dp_shard == "fsdp" or p.pp > 1):
+        raise ConfigError(f"--checkpoint.async is not supported with {'--parallel.dp_shard fsdp' if p.pp == 1 else '--pp'} "
+                          "yet: leave it off (checkpoints are then written synchronously)")
     if p.fsdp_shard:
         shards = dp * p.ep
         if p.dp_shard != "fsdp":

@@ -24,6 +24,11 @@ def write_summary(trainer: Any) -> dict[str, Any]:
         "wall_s": sum(r["step_time_s"] for r in h),
         "compile_s": sum(r.get("compile_s", 0.0) for r in h),
     }
+    timings = trainer.checkpoints.timings  # this run's full checkpoints: the step loop's stall, the write
+    if timings:
+        summary["checkpoints"] = timings
+        summary["checkpoint_stall_s"] = sum(t["stall_s"] for t in timings)
+        summary["checkpoint_write_s"] = sum(t.get("write_s", 0.0) for t in timings)
     if "mfu" in h[-1]:
         summary["mfu_mean"] = sum(r.get("mfu") or 0.0 for r in timed) / len(timed)
     with open(os.path.join(trainer.out_dir, "summary.json"), "w", encoding="utf-8") as f:
