@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "__main__"),
     # command lines that drive the whole trainer: the node launcher, the fault benchmark and soak,
     # the per-rank memory and traffic measurement
-    ("ft.launch", "ft.bench", "ft.soak", "parallelism.measure"),
+    ("ft.launch", "ft.bench", "ft.async_bench", "ft.soak", "parallelism.measure"),
 )
 
 
