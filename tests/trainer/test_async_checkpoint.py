@@ -141,3 +141,20 @@ def test_async_is_refused_where_it_is_not_supported(tmp_path, over, name) -> Non
     cfg = small_cfg(str(tmp_path), str(tmp_path / "out"), checkpoint__async_save=True, **over)
     with pytest.raises(ConfigError, match=f"--checkpoint.async is not supported with {name}"):
         validate(cfg, world_size=2)
+
+
+def test_the_dry_run_counts_the_host_staging_memory() -> None:
+    from trainer.config.presets import get_preset
+    from trainer.parallelism.plan import DTYPE_BYTES, ModelShape, param_totals, plan_from_config
+
+    cfg = get_preset("mula-7b-a1b")
+    cfg.parallel.pp = cfg.parallel.ep = 1
+    cfg.parallel.dp = 0
+    assert "--checkpoint.async" not in plan_from_config(cfg, world=1)
+    cfg.checkpoint.async_save = True
+    line = plan_from_config(cfg, world=1).splitlines()[-1]
+    assert line.startswith("Host memory per rank for --checkpoint.async")
+    # one rank holds everything: fp32 master, exp_avg, exp_avg_sq (12 B) and the weights, per parameter
+    n = param_totals(ModelShape.of(cfg.model, cfg.model.vocab_size)).total
+    want = (12 + DTYPE_BYTES[cfg.model.param_dtype]) * n / 2**30
+    assert abs(float(line.split("about ")[1].split()[0]) - want) < 0.01

@@ -93,7 +93,21 @@ def plan_from_config(cfg: Any, world: int, ranks_per_node: int = 12) -> str:
     plan.opt_bytes_per_param = (4 if master == "fp32" else 0) + (4 if o.moments_dtype == "fp32" else 2) * 2
     if gpu_bf16:
         plan.act_bytes = 2
-    return format_plan(plan)
+    text = format_plan(plan)
+    if cfg.checkpoint.async_save:
+        return text + "\n\n" + async_staging_line(plan)
+    return text
+
+
+def async_staging_line(p: "Plan") -> str:
+    """The host memory ``--checkpoint.async`` stages on a stage-0 rank while a write runs: its optimizer
+    states and the share of the weights it writes (the non-expert ones split over EP, a model shard cut
+    into ``max(1, DP // (PP*EP))`` chunks: trainer.checkpoint.writers)."""
+    ne, ex = p.rank_params(p.stages[0])
+    chunks = max(1, p.dp // (p.pp * p.ep))
+    host = p.optimizer_bytes(p.stages[0]) + p.weight_bytes * (ne / p.ep + ex) / chunks
+    return (f"Host memory per rank for --checkpoint.async (stage 0, while a write runs): about {_g(host).strip()} GiB"
+            " (its optimizer states and its share of the weights, staged)")
 
 
 # ----------------------------------------------------------------------------- parameters
