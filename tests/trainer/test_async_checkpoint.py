@@ -4,6 +4,7 @@ background write leaves the previous slot valid, and ZeRO-1 / EPSO on 2 gloo pro
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from pathlib import Path
 
@@ -158,3 +159,24 @@ def test_the_dry_run_counts_the_host_staging_memory() -> None:
     n = param_totals(ModelShape.of(cfg.model, cfg.model.vocab_size)).total
     want = (12 + DTYPE_BYTES[cfg.model.param_dtype]) * n / 2**30
     assert abs(float(line.split("about ")[1].split()[0]) - want) < 0.01
+
+
+def test_sigterm_waits_for_the_background_write_and_stops_with_a_valid_checkpoint(tmp_path, data_cache) -> None:  # noqa: F811
+    from test_stop_resume import _interrupt, _strict, _train_cmd
+
+    out = tmp_path / "run"
+    cmd = _train_cmd(out, data_cache, "--checkpoint.interval", "1", "--checkpoint.async")
+    done = _interrupt(cmd, out, 2, signal.SIGTERM)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
+    [line] = [ln for ln in done.stderr.splitlines() if ln.startswith("stopped at step")]
+    step = int(line.split()[3])
+    newest = latest_valid(out / "checkpoints")
+    assert newest is not None and newest.step == step and str(newest.path) == line.split("checkpoint at ")[1].split(";")[0]
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    records = _strict(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, step + 1))
+    assert all(r["checkpoint_async"] for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [c["step"] for c in summary["checkpoints"]] == list(range(1, step + 1))
+    assert all("write_s" in c for c in summary["checkpoints"])  # every write collected before the exit
