@@ -58,10 +58,6 @@ EXIT_CONFIG_ERROR = EXIT_USAGE
 DEFAULT_PRESET = "tiny-moe"
 
 
-class _OneLineParser(OneLineParser):
-    """One ``error:`` line; abbreviations are refused, so ``--step`` never becomes ``--steps``."""
-
-
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -72,7 +68,7 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
     """The parser; ``shown`` is the config whose values ``--help`` names as each option's default
     (the ``--preset`` given, else ``tiny-moe``). Options default to None, so an option given on
     the command line is told apart from the preset's value."""
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="fastmoe-train",
         description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP. "
                     "Under torchrun: torchrun --nproc-per-node N -m fastmoe_trainer [options].",

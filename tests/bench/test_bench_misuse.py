@@ -13,6 +13,7 @@ import pytest
 from bench.cli import build_parser, main
 from bench.harness.usage import count, nonnegative, seconds
 from bench.studies import SUBCOMMANDS
+from tree_util import snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,20 +72,16 @@ def cwd(tmp_path, monkeypatch):
     (tmp_path / "ro").chmod(stat.S_IRWXU)
 
 
-def _tree(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
-
-
 def _refused(argv: list[str], root: Path, capsys) -> str:
     """``main(argv)`` exits 2 with one stderr line and changes nothing under ``root``: that line."""
     capsys.readouterr()
-    before = _tree(root)
+    before = snapshot(root, dirs=True)
     with pytest.raises(SystemExit) as exc:
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2, (argv, exc.value.code, err)
     assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, (argv, err)
-    assert _tree(root) == before, argv
+    assert snapshot(root, dirs=True) == before, argv
     return err
 
 

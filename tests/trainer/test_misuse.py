@@ -17,6 +17,7 @@ from trainer.cli import main as train_main
 from trainer.data.preprocess import main as preprocess_main
 from trainer.ft.launch import main as launch_main
 from trainer.outputs.export import main as export_main
+from tree_util import snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = {"fastmoe-train": train_main, "fastmoe-launch": launch_main, "fastmoe-preprocess": preprocess_main,
@@ -71,16 +72,6 @@ CASES = {
 }
 
 
-def _snapshot(root: Path) -> dict[str, tuple]:
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text("words of a small corpus. " * 40)
@@ -106,13 +97,13 @@ def _run(command: str, argv: list[str], capsys) -> tuple[int, str]:
 def test_misuse_is_one_line_and_exit_2_changing_nothing(workdir, capsys, command, case):
     if case == "read-only target" and os.access(workdir / "ro", os.W_OK):
         pytest.skip("this user writes in a read-only directory (root)")
-    before = _snapshot(workdir)
+    before = snapshot(workdir, dirs=True)
     code, err = _run(command, CASES[command][case], capsys)
     lines = err.strip().splitlines()
     assert code == 2, (code, err)
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "error:" in lines[0], err
-    assert _snapshot(workdir) == before, f"{command} {case} changed the working directory"
+    assert snapshot(workdir, dirs=True) == before, f"{command} {case} changed the working directory"
 
 
 @pytest.mark.parametrize("command,argv,says", [
@@ -170,10 +161,10 @@ def test_a_directory_input_names_what_it_skips_and_the_last_line_counts_everythi
                                           ("fastmoe-preprocess", [*PRE, "--out", "afile"])])
 def test_the_console_command_says_one_line(workdir, command, argv):
     module = {"fastmoe-launch": "trainer.ft.launch", "fastmoe-preprocess": "trainer.data.preprocess"}[command]
-    before = _snapshot(workdir)
+    before = snapshot(workdir, dirs=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=workdir, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
-    assert _snapshot(workdir) == before
+    assert snapshot(workdir, dirs=True) == before

@@ -15,11 +15,7 @@ from trainer.data.preprocess import main as preprocess_main
 from trainer.outputs.export import main as export_main
 from trainer.owned import MARKER
 from trainer.trainer import Trainer
-
-
-def snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under ``root``: path -> bytes."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+from tree_util import snapshot
 
 
 def _export(capsys, *args: str) -> tuple[int, str]:

@@ -4,10 +4,8 @@ schedule need --checkpoint.reschedule; a decay branch from another run's stable-
 that leaves that run's directory byte-identical; the learning rate on the loss chart; the header."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +17,7 @@ from trainer.optim.schedule import Schedule, check_resume, lr_at
 from trainer.records.metrics import loss_figure, read_metrics
 from trainer.trainer import Trainer
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
+from tree_util import snapshot
 
 
 def schedule(kind: str, steps: int = 10, warmup: int = 2, peak: float = 1.0, minimum: float = 0.1, **wsd) -> Schedule:
@@ -165,11 +164,6 @@ def test_a_checkpoint_from_before_the_schedule_kinds_reads_as_cosine():
 
 
 # ------------------------------------------------------------------------------ a decay branch
-def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys):  # noqa: F811
     """A WSD run of 8 steps (warmup 2, decay 7-8) with checkpoints at 3 and 6 and the one every run
     keeps at its end (8; the two slots then hold 6 and 8); a branch from the stable step 6 decays over
@@ -185,7 +179,7 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
     assert [r["lr"] for r in trunk] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4])
     slot = next(p for p in (main_out / "checkpoints").glob("slot-*") if json.loads(
         (p / "meta.json").read_text())["step"] == 6)
-    before = _snapshot(main_out)
+    before = snapshot(main_out)
 
     branch_out = tmp_path / "decay3"
     argv = ["--preset", "tiny-moe", "--context", "16", "--global-batch", "8", "--micro-batch", "2", "--warmup", "2",
@@ -198,7 +192,7 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
     assert f"resumed from {slot} at step 6" in out
     assert "steps 1-6 had the same rates on both, continuing on the new schedule" in out
     assert "schedule: wsd, warmup steps 1-2, stable at 1.00e-03 steps 3-6, linear decay to 1.00e-04 steps 7-9" in out
-    assert _snapshot(main_out) == before  # read, never written to
+    assert snapshot(main_out) == before  # read, never written to
 
     branch = read_metrics(str(branch_out / "metrics.jsonl"))
     assert [r["step"] for r in branch] == [7, 8, 9]
@@ -213,7 +207,7 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
     # the same command again resumes from the branch's own checkpoint, not from the trunk's
     assert main(argv) == 0
     assert f"resumed from {branch_out / 'checkpoints'}" in capsys.readouterr().out
-    assert _snapshot(main_out) == before
+    assert snapshot(main_out) == before
 
 
 # ------------------------------------------------------------------------------ the chart
