@@ -56,7 +56,6 @@ KERNELS = (
     "gate_up_fwd",
     "grouped_mm_fwd",
     "grouped_mm_bwd",
-    "grouped_mm_bwd_silu",
     "silu_mul_bwd",
     "row_dot_scale",
     "combine_fwd",
@@ -65,7 +64,6 @@ KERNELS = (
     "tma_gate_up_fwd",
     "tma_grouped_mm",
     "tma_grouped_mm_bwd",
-    "tma_grouped_mm_bwd_silu",
     "int8_grouped_mm",
     "int8_grouped_wgrad",
     "fp8_grouped_mm",
@@ -136,8 +134,6 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "gate_up_fwd": [_mm("m128n64k64", 8, 3), _mm("m64n64k64", 4, 3)],
         "grouped_mm_fwd": [_mm("m128n128k64", 8, 3), _mm("m64n128k64", 4, 3)],
         "grouped_mm_bwd": [_mm("m128n128k64", 8, 3), _mm("m64n128k32", 4, 3)],
-        # The down weight gradient recomputing h in its B loads (gate and up tiles in fp32).
-        "grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m64n128k32", 4, 3)],
         **_row_kernels(),
         # The int8 grouped GEMM (triton/int8_gemm.py): int8 operands are half as wide as bf16, so
         # twice the K tile for the same bytes per stage; an int32 accumulator like fp32's.
@@ -169,7 +165,6 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "tma_gate_up_fwd": [_mm("m128n64k64", 8, 4), _mm("m128n128k64", 8, 3), _mm("m64n64k64", 4, 4)],
         "tma_grouped_mm": [_mm("m128n128k64", 8, 4), _mm("m128n256k64", 8, 3), _mm("m64n128k64", 4, 4)],
         "tma_grouped_mm_bwd": [_mm("m128n128k64", 8, 4), _mm("m128n256k64", 8, 3), _mm("m64n128k64", 4, 4)],
-        "tma_grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n64k64", 8, 4)],
     },
     "hip": {
         # 8 warps: with 4, the all-pairs block reductions run out of scalar registers on gfx942.
@@ -177,9 +172,6 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "gate_up_fwd": [_mm("m128n64k64", 8, 2), _mm("m64n64k64", 4, 2)],
         "grouped_mm_fwd": [_mm("m128n128k64", 8, 2), _mm("m128n128k32", 4, 2)],
         "grouped_mm_bwd": [_mm("m128n128k64", 8, 2), _mm("m128n128k32", 4, 2)],
-        # k64 (8 warps, the plain weight gradient's default) spills 21 VGPRs on gfx942 once the gate
-        # and up tiles are live in fp32; k32 does not.
-        "grouped_mm_bwd_silu": [_mm("m128n128k32", 4, 2)],
         **_row_kernels(),
         "int8_grouped_mm": [_mm("m128n128k64", 8, 2), _mm("m128n128k128", 8, 2)],
         "int8_grouped_wgrad": [_mm("m128n128k64", 8, 2), _mm("m128n128k128", 8, 2)],
@@ -191,16 +183,6 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "gate_up_fwd": [_mm("m128n64k32", 16, 2, _XPU), _mm("m256n128k32", 32, 2, _XPU)],
         "grouped_mm_fwd": [_mm("m128n256k32", 32, 2, _XPU), _mm("m256n256k32", 32, 2, _XPU)],
         "grouped_mm_bwd": [_mm("m256n128k32", 32, 2, _XPU), _mm("m256n256k32", 32, 2, _XPU)],
-        # The down weight gradient recomputing h in its B loads: the gate and up tiles sit in fp32
-        # beside the accumulator, so each work-item owns less of the tile than in the plain GEMM.
-        # At 16 dpas per thread and k-step (m128n64k32 with 8 warps, m128n128k32 with 16,
-        # m256n128k32 with 32) PVC spills 480-640 B; at 8 (these first three) nothing (docs/xpu.md).
-        "grouped_mm_bwd_silu": [
-            _mm("m128n128k32", 32, 2, _XPU),
-            _mm("m256n128k16", 32, 2, _XPU),
-            _mm("m128n64k32", 16, 2, _XPU),
-            _mm("m256n128k32", 32, 2, _XPU),
-        ],
         **_row_kernels(_XPU),
         # The int8 GEMMs (pointer loads, no block pointers): at 16 dpas per thread and k-step
         # (m128n128k64 with 16 warps, m128n64k64 with 8, m256n128k64 with 32) PVC spills 8-13 KB;
@@ -214,8 +196,8 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "build_indices": [_c("default", 1, 1)],
         # Every GEMM on one small tile, so that tests exercise multi-tile paths quickly.
         **{kernel: [_mm("m16n16k16", 1, 1)] for kernel in (
-            "gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd", "grouped_mm_bwd_silu", "tma_gate_up_fwd",
-            "tma_grouped_mm", "tma_grouped_mm_bwd", "tma_grouped_mm_bwd_silu", "int8_grouped_mm",
+            "gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd", "tma_gate_up_fwd",
+            "tma_grouped_mm", "tma_grouped_mm_bwd", "int8_grouped_mm",
             "int8_grouped_wgrad", "fp8_grouped_mm", "fp8_grouped_wgrad")},
         "fp8q_rows": [_c("c4l16", 1, 1, BLOCK_C=4, BLOCK_L=16, BLOCK_E=4)],
         "fp8q_wcols": [_c("c4l8", 1, 1, BLOCK_C=4, BLOCK_L=8, BLOCK_E=4)],
@@ -246,8 +228,6 @@ _SM100: dict[str, list[KernelConfig]] = {
     # One 128 x 256 accumulator; 3 stages of a 128 x 64 and a 64 x 256 bf16 tile are 144 KiB.
     "grouped_mm_fwd": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 8, 4), _mm("m64n128k64", 4, 4)],
     "grouped_mm_bwd": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 8, 4), _mm("m128n128k64", 4, 4)],
-    # The gate and up tiles of the recomputed h sit in fp32 registers beside the loads.
-    "grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n256k64", 8, 3), _mm("m128n128k32", 4, 4)],
     # int8 (tcgen05's i8 form): twice the K tile for the bytes of a bf16 stage.
     "int8_grouped_mm": [_mm("m128n256k128", 8, 3), _mm("m128n128k128", 8, 4), _mm("m128n128k128", 4, 4)],
     "int8_grouped_wgrad": [_mm("m128n256k128", 8, 3), _mm("m128n128k128", 8, 4), _mm("m128n128k128", 4, 4)],
@@ -255,8 +235,6 @@ _SM100: dict[str, list[KernelConfig]] = {
     "tma_gate_up_fwd": [_mm("m128n128k64", 8, 4), _mm("m128n64k64", 4, 4), _mm("m128n128k64", 4, 4)],
     "tma_grouped_mm": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 4, 4)],
     "tma_grouped_mm_bwd": [_mm("m128n256k64", 8, 3), _mm("m128n128k64", 8, 4), _mm("m128n128k64", 4, 4)],
-    # m128n256k64 needs 273 KiB of shared memory here (over the 227 KiB limit).
-    "tma_grouped_mm_bwd_silu": [_mm("m128n128k64", 8, 3), _mm("m128n128k64", 4, 4)],
 }
 #: The ``sm100`` table: :data:`_SM100`'s lists, else ``cuda``'s (looked up when asked, so a kernel added
 #: to the ``cuda`` table later is in this one too).

@@ -115,25 +115,23 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     for trans, tag in ((True, "W^T"), (False, "W")):
         out.append((f"grouped_mm_fwd[{tag}+lora]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
                     {"TRANS_W": trans, **gemm_flags, **lora_off, "LORA": True}, mm_aligned + ("RANK",)))
-    bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "rw_ptr": "*fp32", "dw_ptr": act,
+    bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "dw_ptr": act,
                "M": _I32, "N": _I32}
-    bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "rw_ptr", "dw_ptr", "M", "N")
+    bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "dw_ptr", "M", "N")
     out.append(("grouped_mm_bwd[rows]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": False, "SILU_B": False, **gemm_flags}, bwd_aligned))
+                {"GATHER": False, **gemm_flags}, bwd_aligned))
     out.append(("grouped_mm_bwd[gather]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": True, "SILU_B": False, **gemm_flags}, bwd_aligned))
-    # down_bwd's weight gradient: B = rw * silu(gate) * up recomputed in the loads.
-    out.append(("grouped_mm_bwd_silu", "grouped_mm_bwd_silu", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": False, "SILU_B": True, **gemm_flags}, bwd_aligned))
+                {"GATHER": True, **gemm_flags}, bwd_aligned))
     out.append(("silu_mul_bwd", "silu_mul_bwd", grouped_gemm._silu_mul_bwd_kernel, {
         "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,
         "NR": _I32}, {"HAS_COUNTS": True},
         ("gate_up_ptr", "dh_ptr", "d_gate_up_ptr", "cum_token_ptr", "I")))
-    # down_weighted_bwd after its input-gradient GEMM: h recomputed, router-weight dots, rows weighted.
+    # down_weighted_bwd after its input-gradient GEMM: h recomputed, router-weight dots, rows weighted,
+    # w * h written for the weight gradient.
     out.append(("row_dot_scale", "row_dot_scale", grouped_gemm._row_dot_scale_kernel, {
         "dh_ptr": act, "gate_up_ptr": act, "rw_ptr": "*fp32", "cum_token_ptr": _P32, "d_row_ptr": "*fp32",
-        "R": _I32, "I": _I32, "NR": _I32}, {},
-        ("dh_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "d_row_ptr", "I")))
+        "hw_ptr": act, "R": _I32, "I": _I32, "NR": _I32}, {},
+        ("dh_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "d_row_ptr", "hw_ptr", "I")))
     comb_sig = {"y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
                 "cum_expert_ptr": _P32, "out_ptr": act, "T": _I32, "H": _I32, "K": _I32}
     comb_aligned = ("y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "out_ptr", "H", "K")
@@ -266,15 +264,13 @@ def _tma_variants(act: str, p32: str, i32: str) -> list:
             "out_desc": _desc(dt, "BLOCK_M", "BLOCK_N"), "out_ptr": act, "N": i32, "K": i32, "NR": i32},
             {"TRANS_W": trans, **flags}, ("cum_token_ptr", "out_ptr", "N", "K")))
     rows_b = _desc(dt, "BLOCK_K", "BLOCK_N")
-    for name, key, gather, silu in (("tma_grouped_mm_bwd[rows]", "tma_grouped_mm_bwd", False, False),
-                                    ("tma_grouped_mm_bwd[gather]", "tma_grouped_mm_bwd", True, False),
-                                    ("tma_grouped_mm_bwd_silu", "tma_grouped_mm_bwd_silu", False, True)):
+    for name, gather in (("tma_grouped_mm_bwd[rows]", False), ("tma_grouped_mm_bwd[gather]", True)):
         a_desc = _desc(dt, "BLOCK_K", "BLOCK_M")
-        out.append((name, key, tma_gemm._tma_wgrad_kernel, {
-            "a_desc": a_desc, "b_desc": a_desc if gather else rows_b, "u_desc": a_desc if gather else rows_b,
-            "b_ptr": act, "idx_ptr": p32, "cum_token_ptr": p32, "rw_ptr": "*fp32" if silu else act,
+        out.append((name, "tma_grouped_mm_bwd", tma_gemm._tma_wgrad_kernel, {
+            "a_desc": a_desc, "b_desc": a_desc if gather else rows_b,
+            "b_ptr": act, "idx_ptr": p32, "cum_token_ptr": p32,
             "dw_desc": _desc(dt, 1, "BLOCK_M", "BLOCK_N"), "M": i32, "N": i32, "NR": i32},
-            {"GATHER": gather, "SILU_B": silu, **flags}, ("b_ptr", "idx_ptr", "cum_token_ptr", "rw_ptr", "M", "N")))
+            {"GATHER": gather, **flags}, ("b_ptr", "idx_ptr", "cum_token_ptr", "M", "N")))
     return out
 
 

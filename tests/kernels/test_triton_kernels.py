@@ -241,6 +241,29 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
         assert torch.count_nonzero(dw_gu[E // 2:]) == 0 and torch.count_nonzero(dw_d[E // 2:]) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_dot_scale_writes_the_weighted_h(dtype):
+    """``row_dot_scale`` (the down backward's row pass): over the RT routed rows, the router-weight
+    dots ``<dh_r, h_r>`` in fp32, ``dh_r`` scaled by its weight in place, and ``hw_r = w_r * h_r``,
+    the down weight gradient's B operand, rounded once to the activations' dtype; rows past RT keep
+    ``dh`` as it was. I=45 crosses the interpreter's 16-wide column steps with a ragged last one."""
+    torch.manual_seed(5)
+    R, I, RT = 37, 45, 29
+    cum = torch.tensor([0, 11, 11, RT], dtype=torch.int32)  # an empty expert in the middle
+    gate_up = torch.randn(R, 2 * I).to(dtype)
+    dh = torch.randn(R, I).to(dtype)
+    rw = torch.rand(R)
+    before = dh.clone()
+    d_row, hw = tops.grouped_gemm.row_dot_scale(dh, gate_up, rw, cum)
+    g, u = gate_up[:RT, :I].float(), gate_up[:RT, I:].float()
+    h = torch.nn.functional.silu(g) * u
+    assert d_row.dtype == torch.float32 and hw.dtype == dtype and hw.shape == (R, I)
+    assert_close(d_row[:RT], (before[:RT].float() * h).sum(1), dtype)
+    assert_close(dh[:RT], before[:RT].float() * rw[:RT, None], dtype)
+    assert_close(hw[:RT], h * rw[:RT, None], dtype)
+    assert torch.equal(dh[RT:], before[RT:])
+
+
 def test_expert_ops_with_triton_kernels():
     """The stage-alone ops (grouped_linear, combine) and the fused op (mlp_combine) on the Triton
     kernels, against autograd through the mask-based reference of stages 2-5 (expert parallelism:

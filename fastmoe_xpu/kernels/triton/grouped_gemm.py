@@ -15,12 +15,11 @@ Kernels:
   forward) or ``W_e`` (input gradients of both GEMMs); ``LORA`` adds a LoRA adapter's
   ``t[rows_e] @ LB_e^T`` in the epilogue (:func:`down_fwd_lora`).
 * ``_grouped_mm_bwd_kernel``: weight gradient ``dW_e = A[rows_e]^T @ B[rows_e]``, B optionally
-  gathered (``x[input_indices]`` for gate/up) or ``SILU_B`` (down: ``rw * silu(gate) * up`` from
-  ``gate_up``); experts without rows get zeros.
+  gathered (``x[input_indices]`` for gate/up); experts without rows get zeros.
 * ``_silu_mul_bwd_kernel``: gradient of ``silu(gate) * up``.
 * ``_row_dot_scale_kernel``: after the down input-gradient GEMM, ``h`` recomputed from
-  ``gate_up``, the router-weight gradient ``<dh_r, h_r>`` per row and ``dh_r`` scaled by its
-  routing weight, in one pass over the rows.
+  ``gate_up``, the router-weight gradient ``<dh_r, h_r>`` per row, ``dh_r`` scaled by its
+  routing weight and ``rw_r * h_r`` written for the down weight gradient, in one pass over the rows.
 
 Every GEMM accumulates in fp32 whatever the operand dtype. Grids put the expert index on axis 2
 (the highest) and give each expert ``ROW_SLACK`` times its fair share ``R / NR`` of row tiles on
@@ -217,7 +216,6 @@ def _grouped_mm_bwd_kernel(
     b_ptr,
     idx_ptr,
     cum_token_ptr,
-    rw_ptr,
     dw_ptr,
     M,
     N,
@@ -227,7 +225,6 @@ def _grouped_mm_bwd_kernel(
     GATHER: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SILU_B: tl.constexpr,
 ):
     """Weight gradient ``dW_e = a[rows_e]^T @ b[src(rows_e)]`` with ``src(r) = idx[r]`` when
     ``GATHER`` else ``r``.
@@ -238,9 +235,9 @@ def _grouped_mm_bwd_kernel(
     ``b [R or T, N]``, ``idx [R]`` int32 (when ``GATHER``), ``cum_token_counts [NR+1]`` int32;
     writes ``dW [NR, M, N]`` in a's dtype.
 
-    ``SILU_B`` (the down GEMM's weight gradient; not with ``GATHER``): ``b`` is ``gate_up [R, 2N]``
-    and the B operand is ``rw[r] * silu(gate_r) * up_r`` (``rw [R]`` fp32), so ``h`` is recomputed
-    in the loads and never stored.
+    Both operands reach ``tl.dot`` as loaded, with no arithmetic between the load and the dot: the
+    down GEMM's B (``rw * silu(gate) * up``) once recomputed here from ``gate_up`` ran at a third of
+    this kernel's rate on an H200 (docs/triton.md), so ``row_dot_scale`` writes it beforehand.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -263,21 +260,6 @@ def _grouped_mm_bwd_kernel(
                 a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
                 at_bp = tl.advance(at_bp, (0, BLOCK_K))
-        elif SILU_B:
-            g_bp = tl.make_block_ptr(b_ptr + row0 * 2 * N, shape=(n_rows, N), strides=(2 * N, 1),
-                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
-            u_bp = tl.make_block_ptr(b_ptr + row0 * 2 * N + N, shape=(n_rows, N), strides=(2 * N, 1),
-                                     offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
-            for k0 in range(0, n_rows, BLOCK_K):
-                a = tl.load(at_bp, boundary_check=(0, 1), padding_option="zero")
-                gate = tl.load(g_bp, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-                up = tl.load(u_bp, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-                rw = tl.load(rw_ptr + row0 + k0 + offs_k, mask=offs_k < n_rows - k0, other=0.0).to(tl.float32)
-                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                at_bp = tl.advance(at_bp, (0, BLOCK_K))
-                g_bp = tl.advance(g_bp, (BLOCK_K, 0))
-                u_bp = tl.advance(u_bp, (BLOCK_K, 0))
         else:
             b_bp = tl.make_block_ptr(b_ptr + row0 * N, shape=(n_rows, N), strides=(N, 1),
                                      offsets=(0, pid_n * BLOCK_N), block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
@@ -295,16 +277,8 @@ def _grouped_mm_bwd_kernel(
                 src = tl.load(idx_ptr + row0 + k0 + offs_k, mask=k_mask, other=0).to(tl.int64)
             else:
                 src = row0 + k0 + offs_k
-            if SILU_B:
-                gu = b_ptr + src[:, None] * 2 * N + offs_n[None, :]
-                b_mask = k_mask[:, None] & n_mask[None, :]
-                gate = tl.load(gu, mask=b_mask, other=0.0).to(tl.float32)
-                up = tl.load(gu + N, mask=b_mask, other=0.0).to(tl.float32)
-                rw = tl.load(rw_ptr + src, mask=k_mask, other=0.0).to(tl.float32)
-                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
-            else:
-                b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
-                            other=0.0)
+            b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                        other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             at_ptrs += BLOCK_K * M
         dw_ptrs = dw_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -359,6 +333,7 @@ def _row_dot_scale_kernel(
     rw_ptr,
     cum_token_ptr,
     d_row_ptr,
+    hw_ptr,
     R,
     I,
     NR,
@@ -366,7 +341,9 @@ def _row_dot_scale_kernel(
     BLOCK_I: tl.constexpr,
 ):
     """The down input gradient's epilogue as its own pass: ``d_row[r] = <dh_r, h_r>`` (fp32) with
-    ``h = silu(gate) * up`` recomputed from ``gate_up [R, 2I]``, then ``dh_r *= rw[r]`` in place.
+    ``h = silu(gate) * up`` recomputed from ``gate_up [R, 2I]``, then ``dh_r *= rw[r]`` in place, and
+    ``hw_r = rw[r] * h_r`` written (``hw [R, I]`` in dh's dtype): the down weight gradient's B operand,
+    computed once here instead of once per output tile inside that GEMM's reduction.
 
     Grid ``(ceil(R/BLOCK_R),)``; program ``r`` owns rows ``[r*BLOCK_R, (r+1)*BLOCK_R)`` and walks
     their I columns in ``BLOCK_I`` steps, so a row's dot product is summed in one fixed order (no
@@ -391,8 +368,10 @@ def _row_dot_scale_kernel(
         up = tl.load(gate_up_ptr + gu + I, mask=mask, other=0.0).to(tl.float32)
         d_ptrs = dh_ptr + offs_r[:, None] * I + offs_i[None, :]
         dh = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dot += tl.sum(dh * (gate * tl.sigmoid(gate) * up), axis=1)
+        h = gate * tl.sigmoid(gate) * up
+        dot += tl.sum(dh * h, axis=1)
         tl.store(d_ptrs, (dh * rw[:, None]).to(out_ty), mask=mask)
+        tl.store(hw_ptr + offs_r[:, None] * I + offs_i[None, :], (h * rw[:, None]).to(out_ty), mask=mask)
     tl.store(d_row_ptr + offs_r, dot, mask=r_mask)
 
 
@@ -460,21 +439,17 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
 
 
 def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
-                      w_like: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``row_weights`` given: ``b`` is ``gate_up`` and the kernel's B operand ``rw * silu(gate) * up``
-    (``SILU_B``)."""
+                      w_like: torch.Tensor) -> torch.Tensor:
+    """``dW [NR, M, N] = a[rows_e]^T @ b[rows_e]`` (``b`` gathered by ``idx`` when given)."""
     NR, M, N = w_like.shape
     dw = torch.empty_like(w_like)
     dev = a_RM.device
     table = table_for(dev)
-    kernel = "grouped_mm_bwd" if row_weights is None else "grouped_mm_bwd_silu"
 
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    timed_launch(_grouped_mm_bwd_kernel, kernel, table, (N, M, a_RM.shape[0], NR), tile_grid(M, N, NR),
-                 (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts,
-                  row_weights if row_weights is not None else dw, dw, M, N), dev,
-                 GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RM.dtype),
-                 SILU_B=row_weights is not None)
+    timed_launch(_grouped_mm_bwd_kernel, "grouped_mm_bwd", table, (N, M, a_RM.shape[0], NR), tile_grid(M, N, NR),
+                 (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), dev,
+                 GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RM.dtype))
     return dw
 
 
@@ -542,29 +517,33 @@ def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weight
     """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
-    inside both kernels from ``gate_up`` (never stored). Rows past RT are unspecified."""
+    from ``gate_up`` (never saved). Rows past RT are unspecified."""
     check_down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R, cum_token_counts, w_down_NHI)
     # The plain input-gradient GEMM (unweighted dy @ W_e), then one pass over its rows for the
-    # router-weight dots and the weights: fused into the GEMM's epilogue, that pass spilled on PVC.
+    # router-weight dots, the weights and ``w * h`` (fused into the GEMM's epilogue, that pass
+    # spilled on PVC), then the weight gradient as a plain GEMM over ``w * h``, freed after it.
     dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
-    d_row_w = row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts)
-    dw = _grouped_mm_wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
+    d_row_w, hw = row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts)
+    dw = _grouped_mm_wgrad(dy_RH, hw, None, cum_token_counts, w_down_NHI)
     return dh, dw, d_row_w
 
 
 def row_dot_scale(dh_RI: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
-                  cum_token_counts: torch.Tensor) -> torch.Tensor:
-    """``d_row_weights [R] fp32 = <dh_r, h_r>`` with ``h`` recomputed from ``gate_up``, then
-    ``dh_r *= row_weights[r]`` in place (``_row_dot_scale_kernel``; rows past RT untouched)."""
+                  cum_token_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_row_weights [R] fp32 = <dh_r, h_r>, hw [R, I] = row_weights[r] * h_r)`` with ``h``
+    recomputed from ``gate_up`` in fp32 (``hw`` rounded once to dh's dtype), and ``dh_r *=
+    row_weights[r]`` in place (``_row_dot_scale_kernel``; rows past RT untouched in ``dh`` and
+    unspecified in ``hw``)."""
     R, I = dh_RI.shape
     d_row_w = torch.empty(R, dtype=torch.float32, device=dh_RI.device)
+    hw = torch.empty_like(dh_RI)
     if R and I:
         dev = dh_RI.device
         cfg = get_config(table_for(dev), "row_dot_scale")
         _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
-                       (dh_RI, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, R, I,
+                       (dh_RI, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, hw, R, I,
                         cum_token_counts.numel() - 1), cfg, dev)
-    return d_row_w
+    return d_row_w, hw
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -168,11 +168,9 @@ def _tma_grouped_mm_kernel(
 def _tma_wgrad_kernel(
     a_desc,
     b_desc,
-    u_desc,
     b_ptr,
     idx_ptr,
     cum_token_ptr,
-    rw_ptr,
     dw_desc,
     M,
     N,
@@ -181,16 +179,15 @@ def _tma_wgrad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr,
-    SILU_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Weight gradient ``dW_e = a[rows_e]^T @ B(rows_e)``, persistent over (expert, dW tile).
 
     ``a_desc``: ``a [R, M]``, boxes ``[BLOCK_K, BLOCK_M]``. B: ``GATHER``: ``b [T, N]`` rows
-    ``idx[r]`` through pointer loads; ``SILU_B``: ``rw[r] * silu(gate_r) * up_r`` with ``b_desc`` /
-    ``u_desc`` over the gate and up halves of ``gate_up [R, 2N]`` (``[R, N]`` views, ``rw [R]``
-    fp32); else ``b_desc`` over ``b [R, N]``; boxes ``[BLOCK_K, BLOCK_N]``. ``dw_desc``:
-    ``dW [NR, M, N]``, boxes ``[1, BLOCK_M, BLOCK_N]``; experts without rows get zero tiles.
+    ``idx[r]`` through pointer loads; else ``b_desc`` over ``b [R, N]``, boxes ``[BLOCK_K, BLOCK_N]``.
+    ``dw_desc``: ``dW [NR, M, N]``, boxes ``[1, BLOCK_M, BLOCK_N]``; experts without rows get zero
+    tiles. The down GEMM's B (``rw * silu(gate) * up``) comes written by ``row_dot_scale``, not
+    recomputed between the loads and the dot (see the plain engine's ``_grouped_mm_bwd_kernel``).
     """
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -214,11 +211,6 @@ def _tma_wgrad_kernel(
             if GATHER:
                 src = tl.load(idx_ptr + row + offs_k).to(tl.int64)
                 b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=offs_n[None, :] < N, other=0.0)
-            elif SILU_B:
-                gate = b_desc.load([row, n0]).to(tl.float32)
-                up = u_desc.load([row, n0]).to(tl.float32)
-                rw = tl.load(rw_ptr + row + offs_k)
-                b = (gate * tl.sigmoid(gate) * up * rw[:, None]).to(a.dtype)
             else:
                 b = b_desc.load([row, n0])
             acc = tl.dot(a.T, b, acc, input_precision=DOT_PRECISION)
@@ -231,11 +223,6 @@ def _tma_wgrad_kernel(
                 src = tl.load(idx_ptr + row + offs_k, mask=k_mask, other=0).to(tl.int64)
                 b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & (offs_n[None, :] < N),
                             other=0.0)
-            elif SILU_B:
-                gate = b_desc.load([row, n0]).to(tl.float32)
-                up = u_desc.load([row, n0]).to(tl.float32)
-                rw = tl.load(rw_ptr + row + offs_k, mask=k_mask, other=0.0)
-                b = tl.where(k_mask[:, None], gate * tl.sigmoid(gate) * up * rw[:, None], 0.0).to(a.dtype)
             else:
                 b = tl.where(k_mask[:, None], b_desc.load([row, n0]), 0.0)
             acc = tl.dot(a.T, b, acc, input_precision=DOT_PRECISION)
@@ -350,37 +337,30 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
 
 
 def _wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
-           w_like: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``dW [NR, M, N]``: ``a[rows_e]^T @ b[rows_e]`` (``b`` gathered by ``idx`` when given; with
-    ``row_weights``, ``b`` is ``gate_up [R, 2N]`` and B is ``rw * silu(gate) * up``)."""
+           w_like: torch.Tensor) -> torch.Tensor:
+    """``dW [NR, M, N]``: ``a[rows_e]^T @ b[rows_e]`` (``b`` gathered by ``idx`` when given)."""
     NR, M, N = w_like.shape
     dev = a_RM.device
     table = _table(dev)
     R = a_RM.shape[0]
-    silu = row_weights is not None
-    b_views = (b[:, :N], b[:, N:]) if silu else ((b,) if idx is None else ())
+    b_views = (b,) if idx is None else ()
     if R == 0 or M == 0 or N == 0 or table is None or not descriptor_ready(a_RM, w_like, *b_views):
-        return _plain._grouped_mm_wgrad(a_RM, b, idx, cum_token_counts, w_like, row_weights)
+        return _plain._grouped_mm_wgrad(a_RM, b, idx, cum_token_counts, w_like)
     dw = torch.empty_like(w_like)
-    kernel = "tma_grouped_mm_bwd_silu" if silu else "tma_grouped_mm_bwd"
 
     def args(meta):
         bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
         a_desc = _desc(a_RM, [bk, bm])
-        if silu:
-            b_desc, u_desc = _desc(b_views[0], [bk, bn]), _desc(b_views[1], [bk, bn])
-        elif idx is None:
-            b_desc = u_desc = _desc(b, [bk, bn])
-        else:  # gathered rows: pointer loads; the descriptor arguments are unread stand-ins
-            b_desc = u_desc = a_desc
-        return (a_desc, b_desc, u_desc, b, idx if idx is not None else cum_token_counts, cum_token_counts,
-                row_weights if silu else a_RM, _desc(dw, [1, bm, bn]), M, N, NR)
+        # gathered rows: pointer loads; the descriptor argument is an unread stand-in
+        b_desc = _desc(b, [bk, bn]) if idx is None else a_desc
+        return (a_desc, b_desc, b, idx if idx is not None else cum_token_counts, cum_token_counts,
+                _desc(dw, [1, bm, bn]), M, N, NR)
 
     def grid(meta):
         return (num_programs(dev, NR * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    timed_launch(_tma_wgrad_kernel, kernel, table, (N, M, R, NR), grid, args, dev, GATHER=idx is not None, SILU_B=silu,
-                 DOT_PRECISION=dot_precision(table, a_RM.dtype))
+    timed_launch(_tma_wgrad_kernel, "tma_grouped_mm_bwd", table, (N, M, R, NR), grid, args, dev,
+                 GATHER=idx is not None, DOT_PRECISION=dot_precision(table, a_RM.dtype))
     return dw
 
 
@@ -419,11 +399,12 @@ def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weight
     """Backward of the weighted down GEMM given the unweighted row gradients ``dy``:
     ``(dh [R, I] = w_r * dy_r @ w_down[e], dw_down [NR, H, I] = sum_r w_r dy_r^T h_r,
     d_row_weights [R] fp32 = <dy_r @ w_down[e], h_r>)`` with ``h = silu(gate) * up`` recomputed
-    from ``gate_up`` (never stored). Rows past RT are unspecified."""
+    from ``gate_up`` (never saved; ``w * h`` written by ``row_dot_scale`` for the weight gradient and
+    freed after it). Rows past RT are unspecified."""
     _plain.check_down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R, cum_token_counts, w_down_NHI)
     dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
-    d_row_w = _plain.row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts)
-    dw = _wgrad(dy_RH, gate_up_R2I, None, cum_token_counts, w_down_NHI, row_weights=row_weights_R)
+    d_row_w, hw = _plain.row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts)
+    dw = _wgrad(dy_RH, hw, None, cum_token_counts, w_down_NHI)
     return dh, dw, d_row_w
 
 
