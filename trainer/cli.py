@@ -309,4 +309,9 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
     if trainer.layout.is_main and sm:
         print(json.dumps({"steps": sm["steps"], "loss_first": round(sm["loss_first"], 4),
                           "loss_last": round(sm["loss_last"], 4), "out": cfg.logging.out}))
+    failed_export = trainer.artefacts.get("export_error")
+    if failed_export:  # said when it happened; again last, where a script's log ends
+        if trainer.layout.is_main:
+            print(f"error: {failed_export}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR  # the output folder: a restart would meet it again
     return 0  # main() destroys the process groups

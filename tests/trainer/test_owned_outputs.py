@@ -173,3 +173,56 @@ def test_make_run_twice_and_what_the_command_line_refuses(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"error: {says}"), err
         assert snapshot(tmp_path) == before
+
+
+def test_an_export_folder_taken_during_training_loses_nothing(data_cache, tmp_path, capsys):
+    """The export folder passes the start's check, then someone fills it while the run trains: the run
+    still ends its records, keeps the trained model in a model-only checkpoint, and says in one line
+    where it is and the command that exports it; fastmoe-train then exits 2 (the output folder: a
+    restart would meet it again); the files put there are untouched."""
+    from trainer.cli import main as train_main
+
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    t = Trainer(small_cfg(data_cache, str(run), steps=2, eval__enabled=False, eval__export_hf=str(hf)))
+    hf.mkdir()
+    (hf / "notes.txt").write_text("keep me")
+    capsys.readouterr()
+    t.fit()  # no exception: the export's failure is reported, not raised
+    err = capsys.readouterr().err
+    msg = t.artefacts["export_error"]
+    assert f"error: {msg}" in err and "Traceback" not in err
+    assert msg.startswith(f"export to {hf} failed: ") and "notes.txt" in msg
+    saved = msg.split("the trained model is saved in ", 1)[1].split(": fastmoe-export", 1)[0]
+    assert (Path(saved) / "MANIFEST.json").is_file() and f"fastmoe-export --checkpoint {saved} --out DIR" in msg
+    assert (hf / "notes.txt").read_text() == "keep me" and sorted(p.name for p in hf.iterdir()) == ["notes.txt"]
+    assert (run / "artefacts.json").is_file() and json.loads((run / "artefacts.json").read_text())["export_error"] == msg
+    # what the message says works: the saved model exports elsewhere
+    assert _export(capsys, "--checkpoint", saved, "--out", str(tmp_path / "hf2"))[0] == 0
+    assert (tmp_path / "hf2" / "config.json").is_file()
+    # the command line: a run on a small data set, with the folder taken once training has started
+    (tmp_path / "a.txt").write_text("first corpus text. " * 60)
+    data = str(tmp_path / "data")
+    assert preprocess_main(["--input", str(tmp_path / "a.txt"), "--context", "16", "--out", data, "--quiet",
+                            "--valid", "2"]) == 0
+    run2, hf3 = tmp_path / "run2", tmp_path / "hf3"
+    args = ["--data", data, "--out", str(run2), "--steps", "2", "--global-batch", "2", "--micro-batch", "1",
+            "--no-logging.progress", "--no-logging.plot", "--peak-tflops", "1", "--no-eval.samples",
+            "--export-hf", str(hf3)]
+    import trainer.trainer as trainer_mod
+
+    real_fit = trainer_mod.Trainer.fit
+
+    def fit_then_take_folder(self):
+        hf3.mkdir(exist_ok=True)
+        (hf3 / "notes.txt").write_text("mine")
+        return real_fit(self)
+
+    trainer_mod.Trainer.fit = fit_then_take_folder
+    try:
+        capsys.readouterr()
+        code = train_main(args)
+    finally:
+        trainer_mod.Trainer.fit = real_fit
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"error: export to {hf3} failed: "), err
+    assert (hf3 / "notes.txt").read_text() == "mine"

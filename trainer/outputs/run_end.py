@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from ..layout import barrier
@@ -53,18 +54,20 @@ def _export(trainer: Any, art: dict[str, Any]) -> None:
     # the parameter dtype, not the bf16 of periodic snapshots: the export reproduces the trainer's logits
     stats = save_model(root, step=trainer.step, model=trainer.model, layout=lay, dtype=None,
                        meta={"preset": cfg.preset, **trainer._export_meta()})
-    err = None
     if lay.is_main:
         try:
             res = export_hf(stats.path, cfg.eval.export_hf, overwrite=cfg.eval.overwrite)
             art["export"] = str(res.out)
             art["export_peak_bytes"] = res.peak_bytes
         except ExportError as e:
-            err = e
+            # e.g. the folder was created or filled while the run trained: the trained model is in the
+            # model-only checkpoint just written, so the run ends its records and says how to export
+            art["export_error"] = (f"export to {cfg.eval.export_hf} failed: {' '.join(str(e).split())}; the "
+                                   f"trained model is saved in {stats.path}: fastmoe-export --checkpoint "
+                                   f"{stats.path} --out DIR writes it")
+            print(f"error: {art['export_error']}", file=sys.stderr, flush=True)
     barrier(lay)
-    if err is not None:
-        raise err
-    if lay.is_main and cfg.eval.samples:
+    if lay.is_main and cfg.eval.samples and "export" in art:
         from .generate import format_samples, generate_samples, save_samples
 
         samples = generate_samples(art["export"], seed=cfg.seed, max_new_tokens=cfg.eval.sample_tokens)
