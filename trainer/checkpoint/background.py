@@ -22,23 +22,37 @@ import torch.distributed as dist
 
 from fastmoe_xpu.dist.groups import dist_on
 
+from .dcp_io import is_dtensor
 from .slots import CheckpointError
+
+
+def _host_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(host copy of the plain tensor t, whether it was copied without blocking from CUDA)``."""
+    if t.device.type == "cpu":
+        return t.clone(), False
+    pinned = t.device.type == "cuda"
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+    return host.copy_(t, non_blocking=pinned), pinned
 
 
 def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Host copies of ``tensors`` that later training steps do not change: pinned and copied
-    without blocking under CUDA (one synchronize at the end), plain clones on the CPU."""
+    without blocking under CUDA (one synchronize at the end), plain clones on the CPU. A DTensor (an
+    FSDP2 shard) stays a DTensor over the same mesh and placements with its local piece on the host,
+    so the write records the same global shape and pieces as a synchronous one."""
     out: dict[str, torch.Tensor] = {}
     on_cuda = False
     for k, t in tensors.items():
         t = t.detach()
-        if t.device.type == "cpu":
-            out[k] = t.clone()
-            continue
-        pinned = t.device.type == "cuda"
+        if is_dtensor(t):
+            from torch.distributed.tensor import DTensor
+
+            local, pinned = _host_copy(t.to_local())
+            out[k] = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                        stride=t.stride())
+        else:
+            out[k], pinned = _host_copy(t)
         on_cuda = on_cuda or pinned
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
-        out[k] = host.copy_(t, non_blocking=pinned)
     if on_cuda:
         torch.cuda.synchronize()
     return out

@@ -496,9 +496,6 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         )
     if p.dp_shard == "fsdp":
         check_fsdp(cfg)
-    if cfg.checkpoint.async_save and (p.dp_shard == "fsdp" or p.pp > 1):
-        raise ConfigError(f"--checkpoint.async is not supported with {'--parallel.dp_shard fsdp' if p.pp == 1 else '--pp'} "
-                          "yet: leave it off (checkpoints are then written synchronously)")
     if p.fsdp_shard:
         shards = dp * p.ep
         if p.dp_shard != "fsdp":
