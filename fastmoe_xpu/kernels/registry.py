@@ -25,7 +25,7 @@ from .implementations import (  # noqa: F401  (re-exported: the registry's one i
     _low_rank_set, _triton_available, check_choice, kernel_set_name, kernels, low_rank_kernels, module_of,
     triton_interpreting, unavailable_reason,
 )
-from .timing import apart_from_caller
+from .timing import apart_from_caller, capturing
 
 
 # ---------------------------------------------------------------- the base: stages 2, 3 and 5
@@ -202,12 +202,16 @@ def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str,
     answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
     answer = _ANSWERS.get(answer_key)
     if answer is None:
+        if capturing(device) and resolve_request(gemm_engine, backend) == "auto":
+            raise RuntimeError("gemm_engine='auto' times its candidates at the first call of a shape, which cannot run "
+                               "inside a CUDA graph capture: call the layer once at this shape before capturing "
+                               "(a capture needs warm-up calls anyway), or name an engine")
         with apart_from_caller():
             answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure,
                                                     group, use_disk)
     if answer.__class__ is str:
         return answer, None
-    if check and answer.calls >= answer.next_check:
+    if check and answer.calls >= answer.next_check and not capturing(device):  # no timing inside a graph capture
         with apart_from_caller():
             answer.check(measure, shape[3])
     return (answer.inference_engine if inference else answer.engine), answer

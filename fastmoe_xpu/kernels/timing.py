@@ -84,6 +84,17 @@ OLD_FORMATS = (1,)
 FILE_NAME = "gemm_engines.json"
 
 
+def capturing(device: torch.device | str) -> bool:
+    """Whether the current stream of ``device`` is being captured into a graph (CUDA graphs; XPU
+    where its torch has them): nothing may be timed or synchronised then, and a call's host time says
+    nothing about its replays."""
+    dev = torch.device(device)
+    if dev.type not in ("cuda", "xpu"):
+        return False
+    check = getattr(getattr(torch, dev.type, None), "is_current_stream_capturing", None)
+    return bool(check is not None and check())
+
+
 def sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
     if device.type == "cuda":

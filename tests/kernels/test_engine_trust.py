@@ -356,3 +356,52 @@ def test_no_grad_calls_run_the_inference_engine(cache_file, monkeypatch):
     shape = (128, 64, 6, 2 * 96 * 2)
     assert registry.chosen_for("torch", "cpu", torch.float32, shape) == "loop"
     assert registry.chosen_for("torch", "cpu", torch.float32, shape, inference=True) == quick
+
+
+def test_a_graph_capture_neither_times_nor_checks_the_choice(cache_file, unknown_load, monkeypatch):
+    """Inside a CUDA graph capture nothing may be timed or synchronised: the first call of a shape,
+    which times the candidates, is refused with a line saying to warm up first; after warm-up a due
+    check is skipped under capture (and runs again once the capture is over), and a block called
+    under capture reports no host time to the choice's watch."""
+    from fastmoe_xpu.autograd import ops
+
+    timed: list[str] = []
+
+    def measure(engine):
+        timed.append(engine)
+        return Sample(1.0 if engine == "loop" else 2.0, 0.4)
+
+    monkeypatch.setattr(registry, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="call the layer once at this shape before capturing"):
+        _choice(measure)
+    assert not timed
+    monkeypatch.setattr(registry, "capturing", lambda device: False)
+    engine, watch = _choice(measure)  # the warm-up: timed here
+    assert engine == "loop" and len(timed) > 0
+    timed.clear()
+    watch.next_check = watch.calls  # a check is due
+    monkeypatch.setattr(registry, "capturing", lambda device: True)
+    for _ in range(3):
+        assert _choice(measure, check=True)[0] == "loop"
+    assert not timed, "the choice was timed inside a capture"
+    monkeypatch.setattr(registry, "capturing", lambda device: False)
+    _choice(measure, check=True)  # out of the capture the due check runs (it may re-time)
+    assert watch.next_check > watch.calls or timed
+
+    # a whole block (past the fused small-layer path: its stages report to a watch): under capture
+    # its calls leave the watch's record alone
+    monkeypatch.setattr(registry, "capturing", lambda device: False)
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, hidden_act="silu")
+    block = FastSparseMoeBlock(cfg, backend="torch")
+    x = torch.randn(1, 256, 64)
+    block(x)  # warm-up: the choice for this shape
+    (w,) = [w for (name, key), w in registry._WATCHES.items() if key.hidden == 64 and key.intermediate == 64]
+    calls = w.calls
+    block(x)
+    assert w.calls == calls + 1  # out of a capture every forward call is counted
+    before = (w.calls, list(w.fwd), list(w.inf))
+    monkeypatch.setattr(ops, "capturing", lambda device: True)
+    monkeypatch.setattr(registry, "capturing", lambda device: True)
+    block(x)
+    assert (w.calls, list(w.fwd), list(w.inf)) == before
