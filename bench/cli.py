@@ -18,8 +18,8 @@ from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES, ENGINES
 from .harness.cases import DTYPES, make_case
 from .harness.measure import run_options
 from .harness.presets import PRESETS, resolve_presets
-from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, default_fastmoe, expand_names,
-                                with_precisions)
+from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, NAMED_PROVIDERS, default_fastmoe,
+                                expand_names, with_precisions)
 from .harness.report import (MODES, case_legend, derive, format_case, format_markdown, format_summary, headline,
                              load_text, machine_line, run_header, write_chart, write_csv, write_json)
 from .harness.runner import MIN_SAMPLE_S, run_case
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"])
     ap.add_argument("--preset", nargs="+", metavar="NAME",
-                    help=f"presets to run ({', '.join(PRESETS)}, 'all' (the Mula presets) or 'sweep' (tiny, decode T=1/8/64, the Mula-7B layer)); default: mula-7b-a1b-small mula-7b-a1b")
+                    help=f"presets to run ({', '.join(PRESETS)}, 'all' (the Mula presets), 'sweep' (tiny, decode T=1/8/64, the Mula-7B layer) or 'decode' (OLMoE-1B-7B and Qwen3-30B-A3B at T=1/8/64/256)); default: mula-7b-a1b-small mula-7b-a1b")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--out", default="bench_out", help="directory for results.json, results.csv and the chart")
     ap.add_argument("--mode", default="fwdbwd", choices=[*MODES, "infer", "stages"],
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "work keeps busy at start; printed)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help=f"subset of {' '.join(ALL_PROVIDERS)} (the default: all of these) or fastmoe (every "
-                         f"backend); the peers {' and '.join(EXTERNAL_PROVIDERS)} (other projects' MoE layers on "
+                         f"backend); {' '.join(NAMED_PROVIDERS)} (transformers' other experts implementation, run "
+                         f"when named); the peers {' and '.join(EXTERNAL_PROVIDERS)} (other projects' MoE layers on "
                          "the case's routing, run when named); fastmoe/<backend>@<engine> for one grouped-GEMM "
                          f"engine ({', '.join(ENGINES)}) "
                          "(hf_v4 always runs: it is the correctness reference)")
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "with --table3, precision rows for the F+B and training columns against fastmoe in fp32 "
                          "(bf16: bf16 weights, fp32 master; bf16-sr: bf16 weights, stochastic rounding; "
                          "training column only)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="with --mode infer on --device cuda: capture each provider's forward once in a CUDA graph "
+                         "and time its replays (decode as servers run it; try --preset decode); a provider that "
+                         "cannot be captured is timed eagerly and says why")
     ap.add_argument("--budget", type=nonnegative, default=120.0,
                     help="seconds of timed calls one provider may take per case; slower ones run fewer "
                          "rounds (flagged), at least their cold call")
@@ -171,6 +176,9 @@ def _run(args: argparse.Namespace) -> int:
         from .harness.engines_cache import run_engines
 
         return run_engines(args.engines)
+    if args.cuda_graph and (args.mode != "infer" or args.device != "cuda"):
+        raise ValueError("--cuda-graph captures inference calls on a CUDA device: it needs --mode infer and "
+                         f"--device cuda (got --mode {args.mode} --device {args.device})")
     _check_device(args.device)
     from fastmoe_xpu.threads import configure
 
@@ -248,7 +256,8 @@ def _run(args: argparse.Namespace) -> int:
         ceiling_n = args.ceiling_size or (256 if p.name.startswith("tiny") else 4096)
         res = run_case(case, names, backward=backward, rounds=args.rounds, budget_s=args.budget,
                        ceiling_n=ceiling_n, progress=progress, log=log, gemm_engine=args.gemm_engine,
-                       min_sample_s=args.min_sample_ms / 1e3, inference=args.mode == "infer")
+                       min_sample_s=args.min_sample_ms / 1e3, inference=args.mode == "infer",
+                       cuda_graph=args.cuda_graph)
         derive(res, fast_names)
         print()
         print(format_case(res, mode, fast, legend=False), flush=True)

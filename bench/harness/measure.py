@@ -75,12 +75,57 @@ def stats(samples: list[float]) -> dict:
     }
 
 
+#: Eager calls before a CUDA graph capture (kernels compiled, engines and configs chosen, the
+#: allocator's pools warm), on a side stream as torch's capture recipe asks.
+GRAPH_WARMUP = 3
+
+
+def capture_forward(prov: Provider, case: Case, api=None) -> Callable[[], torch.Tensor]:  # noqa: ANN001
+    """The provider's inference forward on the case's fixed inputs, captured once in a CUDA graph
+    (``api``: ``torch.cuda`` unless a stand-in is given): after :data:`GRAPH_WARMUP` eager calls on a
+    side stream, one call is captured; the returned function replays it and returns the graph's
+    output tensor (overwritten by each replay). Raises what the capture raises (a host
+    synchronisation inside the forward, say): the caller reports it."""
+    api = api or torch.cuda
+    dev = case.device
+    x, w, idx = case.x_TH.detach(), case.weights_TK.detach(), case.topk_idx_TK
+    with torch.no_grad():
+        side = api.Stream(dev)
+        side.wait_stream(api.current_stream(dev))
+        with api.stream(side):
+            for _ in range(GRAPH_WARMUP):
+                prov.forward(x, w, idx)
+        api.current_stream(dev).wait_stream(side)
+        graph = api.CUDAGraph()
+        with api.graph(graph):
+            out = prov.forward(x, w, idx)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
 def timed_call(
     prov: Provider, case: Case, *, backward: bool, capture: bool = False, grad: bool = True,
+    graphed: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[float, float, dict | None]:
     """One training step of the layer: fresh leaves, no gradients held, forward (autograd on) and,
     with ``backward``, backward of ``dout``. ``grad=False``: one inference call instead, the forward
-    under ``torch.no_grad`` (no backward). Returns ``(forward_s, backward_s, captured)``."""
+    under ``torch.no_grad`` (no backward). ``graphed`` (inference only): the call is a replay of
+    the provider's captured forward (:func:`capture_forward`). Returns ``(forward_s, backward_s,
+    captured)``."""
+    if graphed is not None:
+        if grad or backward:
+            raise ValueError("a captured forward is timed only as an inference call (grad=False, no backward)")
+        dev = case.device
+        synchronize(dev)
+        t0 = _clock()
+        out = graphed()
+        synchronize(dev)
+        t1 = _clock()
+        return t1 - t0, 0.0, ({"out": out.detach().clone()} if capture else None)
     prov.zero_grads()
     x = case.x_TH.detach().requires_grad_(grad)
     w = case.weights_TK.detach().requires_grad_(grad)

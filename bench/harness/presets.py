@@ -56,6 +56,11 @@ PRESETS: dict[str, Preset] = {
         Preset("olmoe-decode-1", 2048, 1024, 64, 8, 1, 1, "OLMoE-1B-7B layer at decode: 1 token (8 rows)"),
         Preset("olmoe-decode-8", 2048, 1024, 64, 8, 8, 1, "OLMoE-1B-7B layer at decode: 8 tokens (64 rows)"),
         Preset("olmoe-decode-64", 2048, 1024, 64, 8, 64, 1, "OLMoE-1B-7B layer: 64 tokens (512 rows, 8 per expert)"),
+        Preset("olmoe-decode-256", 2048, 1024, 64, 8, 256, 1,
+               "OLMoE-1B-7B layer: 256 tokens (2048 rows, 32 per expert)"),
+        *(Preset(f"qwen3-decode-{t}", 2048, 768, 128, 8, t, 1,
+                 f"Qwen3-30B-A3B layer at decode: {t} token{'s' if t > 1 else ''} ({8 * t} rows)")
+          for t in (1, 8, 64, 256)),
         Preset("tiny", 64, 32, 8, 2, 48, 1, "tiny shapes for tests"),
         Preset("tiny-ep", 64, 32, 8, 2, 24, 2, "tiny local slice (EP=2) for tests"),
     )
@@ -65,6 +70,9 @@ PRESETS: dict[str, Preset] = {
 DEFAULT_PRESETS = ("mula-7b-a1b-small", "mula-7b-a1b")
 #: The small-shape sweep (``--preset sweep``): a first try, decode and the Mula layer.
 SWEEP_PRESETS = ("tiny", "olmoe-decode-1", "olmoe-decode-8", "olmoe-decode-64", "mula-7b-a1b-small", "mula-7b-a1b")
+#: Decode on a GPU (``--preset decode``, with ``--mode infer --cuda-graph``): OLMoE-1B-7B and
+#: Qwen3-30B-A3B layers at T = 1, 8, 64 and 256 tokens.
+DECODE_PRESETS = tuple(f"{m}-decode-{t}" for m in ("olmoe", "qwen3") for t in (1, 8, 64, 256))
 
 
 def resolve_presets(names: list[str] | None) -> list[Preset]:
@@ -75,12 +83,14 @@ def resolve_presets(names: list[str] | None) -> list[Preset]:
     for n in names:
         if n == "sweep":
             out.extend(PRESETS[m] for m in SWEEP_PRESETS)
+        elif n == "decode":
+            out.extend(PRESETS[m] for m in DECODE_PRESETS)
         elif n == "all":
             out.extend(p for p in PRESETS.values() if p.name.startswith("mula"))
         elif n in PRESETS:
             out.append(PRESETS[n])
         else:
-            raise ValueError(f"unknown preset {n!r}; known: {sorted(PRESETS)}, 'all' or 'sweep'")
+            raise ValueError(f"unknown preset {n!r}; known: {sorted(PRESETS)}, 'all', 'sweep' or 'decode'")
     return out
 
 

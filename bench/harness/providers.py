@@ -2,8 +2,9 @@
 
 - ``hf_v4``: transformers-4-style block (``bench.harness.baselines.HFv4SparseMoeBlock``): a ``ModuleList`` of
   per-expert MLPs looped with masks, ``index_add_`` to combine.
-- ``hf_v5_eager`` / ``hf_v5_grouped_mm``: transformers v5's own ``OlmoeExperts`` with
-  ``config._experts_implementation`` set to ``"eager"`` or ``"grouped_mm"`` (v5's default);
+- ``hf_v5_eager`` / ``hf_v5_grouped_mm`` (/ ``hf_v5_batched_mm``, when named): transformers v5's own
+  ``OlmoeExperts`` with ``config._experts_implementation`` set to ``"eager"``, ``"grouped_mm"`` (v5's
+  default) or ``"batched_mm"``;
   local slices (EP > 1) run as transformers' ``AllToAllEP`` (its training path) runs a rank's
   experts: top-1 on the rank's (token, expert) rows, the weighted sum per token after; only the
   all-to-all itself is left out, as every provider's communication is.
@@ -44,6 +45,10 @@ from .cases import Case
 HF_PROVIDERS = ("hf_v4", "hf_v5_eager", "hf_v5_grouped_mm")
 FASTMOE_BACKENDS = ("torch", "triton")
 ALL_PROVIDERS = HF_PROVIDERS + tuple(f"fastmoe/{b}" for b in FASTMOE_BACKENDS)
+#: transformers' other experts implementation (batched over tokens: each token's K experts' weights
+#: gathered, no offsets, so it computes every selected row even where grouped_mm would skip none):
+#: its choice for decode; named on request, not in the default list.
+NAMED_PROVIDERS = ("hf_v5_batched_mm",)
 #: Other projects' MoE layers, fed the case's routing (named on request, not in the default list).
 EXTERNAL_PROVIDERS = ("liger", "sonicmoe")
 REFERENCE = "hf_v4"
@@ -93,7 +98,7 @@ def expand_names(names: list[str] | None) -> list[str]:
             out.append(n)
         elif n == "fastmoe":
             out.extend(f"fastmoe/{b}" for b in FASTMOE_BACKENDS)
-        elif n in ALL_PROVIDERS or n in EXTERNAL_PROVIDERS:
+        elif n in ALL_PROVIDERS or n in EXTERNAL_PROVIDERS or n in NAMED_PROVIDERS:
             out.append(n)
         elif n.startswith("fastmoe/") and "@" in n:
             backend, engine = n[len("fastmoe/"):].split("@", 1)
@@ -102,7 +107,8 @@ def expand_names(names: list[str] | None) -> list[str]:
                                  f"backend in {FASTMOE_BACKENDS} and engine in {registry.ENGINES}")
             out.append(n)
         else:
-            raise ValueError(f"unknown provider {n!r}; known: {list(ALL_PROVIDERS + EXTERNAL_PROVIDERS)} or 'fastmoe'")
+            raise ValueError(f"unknown provider {n!r}; known: {list(ALL_PROVIDERS + NAMED_PROVIDERS + EXTERNAL_PROVIDERS)} "
+                             "or 'fastmoe'")
     if REFERENCE not in out:
         out.insert(0, REFERENCE)  # correctness is judged against it
     return list(dict.fromkeys(out))
@@ -125,7 +131,7 @@ def build_provider(name: str, case: Case, gemm_engine: str = "auto") -> Provider
     ``gemm_engine``: stage 4's engine for the plain ``fastmoe/<backend>`` providers."""
     if name == "hf_v4":
         return _hf_v4(case)
-    if name in ("hf_v5_eager", "hf_v5_grouped_mm"):
+    if name in ("hf_v5_eager", "hf_v5_grouped_mm", "hf_v5_batched_mm"):
         return _hf_v5(case, name.split("_", 2)[2])
     if name == "liger":
         return _liger(case)

@@ -30,7 +30,7 @@ import torch
 
 from .bounds import DenseCeiling, GemmBound
 from .cases import Case
-from .measure import compare, page_faults, peak_bytes, saved_bytes, stats, time_fn, timed_call
+from .measure import capture_forward, compare, page_faults, peak_bytes, saved_bytes, stats, time_fn, timed_call
 from .providers import REFERENCE, Provider, ProviderSkipped, build_provider
 from .words import plural
 
@@ -69,6 +69,7 @@ def run_case(
     min_sample_s: float = MIN_SAMPLE_S,
     reference_out: dict | None = None,
     inference: bool = False,
+    cuda_graph: bool = False,
 ) -> dict:
     """Measure one case; returns a JSON-ready dict (times in seconds). ``gemm_engine``: stage 4's
     engine for the plain ``fastmoe/<backend>`` providers (``fastmoe/<backend>@<engine>`` name theirs).
@@ -78,10 +79,17 @@ def run_case(
     ``min_sample_s``: contestants whose calls are shorter take the mean of several calls as one sample
     (0: always one call). ``reference_out``: outputs and gradients to check every provider against
     instead of a reference provider's (an fp32 reference computed apart, say). ``inference``: time
-    forward calls under ``torch.no_grad`` (generation, evaluation), reported as mode ``infer``."""
+    forward calls under ``torch.no_grad`` (generation, evaluation), reported as mode ``infer``.
+    ``cuda_graph`` (with ``inference``, on CUDA): each provider's forward is captured once in a CUDA
+    graph and every timed call is a replay (decode as servers run it); a provider whose capture fails
+    is timed eagerly, the reason in its note and ``cuda_graph`` false in its entry."""
     backward = backward and not inference
+    if cuda_graph and (not inference or case.device.type != "cuda"):
+        raise ValueError("CUDA graphs are captured for inference calls on a CUDA device: use --mode infer "
+                         f"--device cuda (got {'--mode infer' if inference else 'a training step'} on "
+                         f"{case.device.type})")
     result: dict = {"case": case.describe(), "providers": {}, "backward": backward, "rounds": rounds,
-                    "budget_s": budget_s, "inference": inference}
+                    "budget_s": budget_s, "inference": inference, "cuda_graph": cuda_graph}
     providers: dict[str, Provider] = {}
     for name in provider_names:
         try:
@@ -103,9 +111,21 @@ def run_case(
         b = time_fn(bound.backward, dev) if backward else 0.0
         return f, b
 
+    graphs: dict[str, Callable[[], torch.Tensor]] = {}
+    graph_failed: dict[str, str] = {}
+    if cuda_graph:
+        for name, prov in providers.items():
+            try:
+                graphs[name] = capture_forward(prov, case)
+            except Exception as exc:  # reported: the provider is then timed eagerly
+                graph_failed[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                log(f"  {name}: not capturable in a CUDA graph ({graph_failed[name]}); timed eagerly")
+                torch.cuda.synchronize(case.device)
+
     contestants: dict[str, Callable[[], tuple[float, float]]] = {CEILING: run_ceiling, BOUND: run_bound}
     for name, prov in providers.items():
-        contestants[name] = (lambda p: lambda: timed_call(p, case, backward=backward, grad=not inference)[:2])(prov)
+        contestants[name] = (lambda p, g: lambda: timed_call(p, case, backward=backward, grad=not inference,
+                                                             graphed=g)[:2])(prov, graphs.get(name))
 
     allowed: dict[str, int] = {}
     calls: dict[str, int] = {}  # calls per sample
@@ -126,8 +146,13 @@ def run_case(
     for name in order:
         if name in providers:
             prov = providers[name]
-            f, b, got = timed_call(prov, case, backward=backward, capture=True, grad=not inference)
+            f, b, got = timed_call(prov, case, backward=backward, capture=True, grad=not inference,
+                                   graphed=graphs.get(name))
             entry = result["providers"][name] = {"status": "ok", "note": prov.note, "cold_s": f + b}
+            if cuda_graph:
+                entry["cuda_graph"] = name in graphs
+                if name in graph_failed:
+                    entry["note"] = f"{prov.note}; eager: its CUDA graph capture failed ({graph_failed[name]})"
             if name == reference and reference_out is None:
                 ref_out = got
             if ref_out is not None:

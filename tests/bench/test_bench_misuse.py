@@ -132,3 +132,10 @@ def test_from_a_shell(argv, cwd):
     assert proc.returncode == 2 and proc.stdout == "", proc
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--cuda-graph"], ["--cuda-graph", "--mode", "infer"],
+                                  ["--cuda-graph", "--mode", "fwd", "--device", "cuda"]], ids=str)
+def test_cuda_graphs_need_inference_on_cuda(argv, cwd, capsys):
+    err = _refused([*argv, "--preset", "tiny"], cwd, capsys)
+    assert "--cuda-graph captures inference calls on a CUDA device" in err and "--mode infer" in err

@@ -10,7 +10,7 @@ import pytest
 
 import bench.studies
 from bench.cli import build_parser, main
-from bench.harness.providers import ALL_PROVIDERS, EXTERNAL_PROVIDERS
+from bench.harness.providers import ALL_PROVIDERS, EXTERNAL_PROVIDERS, NAMED_PROVIDERS
 from bench.studies import STUDIES, SUBCOMMANDS
 
 
@@ -37,5 +37,5 @@ def test_a_subcommand_is_the_study_s_own_command_line(name, capsys):
 
 def test_help_names_every_provider():
     text = build_parser().format_help()
-    for name in (*ALL_PROVIDERS, *EXTERNAL_PROVIDERS):
+    for name in (*ALL_PROVIDERS, *NAMED_PROVIDERS, *EXTERNAL_PROVIDERS):
         assert name in text, name
