@@ -67,4 +67,8 @@ class LibraryBuildPy(build_py):
                 shutil.rmtree(stale)
 
 
-setup(packages=_packages(), package_dir=PACKAGE_DIRS, cmdclass={"build_py": LibraryBuildPy})
+#: Data files the library reads: the kept Triton config tables (``fastmoe_xpu/kernels/kept_configs.py``),
+#: one JSON file per device written by ``python -m fastmoe_xpu.tools.config_sweep``.
+PACKAGE_DATA = {"fastmoe_xpu.kernels": ["tuned/*.json"]}
+
+setup(packages=_packages(), package_dir=PACKAGE_DIRS, package_data=PACKAGE_DATA, cmdclass={"build_py": LibraryBuildPy})

@@ -81,6 +81,11 @@ class Settings:
     ``"fastmoe"`` experts function when neither the module nor its config names a precision; unset:
     full precision (docs/precision.md)."""
 
+    kept_configs: bool = True
+    """``FASTMOE_KEPT_CONFIGS`` (``0`` | ``1``, default 1): take the grouped GEMMs' Triton configs from
+    the package's kept table for this device (``kernels/tuned/``, written by ``python -m
+    fastmoe_xpu.tools.config_sweep``) before timing them; 0 times every new key in the process."""
+
 
 #: Field name -> environment variable.
 ENV_NAMES: Mapping[str, str] = {
@@ -96,6 +101,7 @@ ENV_NAMES: Mapping[str, str] = {
     "gemm_engine": "FASTMOE_GEMM_ENGINE",
     "gemm_cache": "FASTMOE_GEMM_CACHE",
     "expert_precision": "FASTMOE_EXPERT_PRECISION",
+    "kept_configs": "FASTMOE_KEPT_CONFIGS",
 }
 
 
@@ -183,6 +189,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
     defaults = Settings()
     cpu_cache = _flag(env, "cpu_cache")
     cpu_csr = _flag(env, "cpu_csr")
+    kept_configs = _flag(env, "kept_configs")
     return Settings(
         backend=_choice(env, "backend", KERNEL_BACKENDS),
         triton_configs=_choice(env, "triton_configs", CONFIG_TABLES),
@@ -196,6 +203,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         gemm_engine=_choice(env, "gemm_engine", _gemm_choices),
         gemm_cache=_raw(env, "gemm_cache") or None,
         expert_precision=_choice(env, "expert_precision", _precision_choices),
+        kept_configs=defaults.kept_configs if kept_configs is None else kept_configs,
     )
 
 

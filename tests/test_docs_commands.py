@@ -21,6 +21,7 @@ COMMANDS = {
     "fastmoe_trainer.data.preprocess": "preprocess",
     "fastmoe-export": "export", "trainer.outputs.export": "export", "fastmoe_trainer.outputs.export": "export",
     "fastmoe-bench": "bench", "bench": "bench", "fastmoe_bench": "bench",
+    "fastmoe_xpu.tools.config_sweep": "config_sweep",
 }
 
 
@@ -64,7 +65,7 @@ def _parser(command: str, study: str = "") -> argparse.ArgumentParser:
             _PARSERS[key] = _capture(cli.main, [study]) if study else cli.build_parser()
         else:
             module = {"launch": "trainer.ft.launch", "preprocess": "trainer.data.preprocess",
-                      "export": "trainer.outputs.export"}[command]
+                      "export": "trainer.outputs.export", "config_sweep": "fastmoe_xpu.tools.config_sweep"}[command]
             import importlib
             _PARSERS[key] = _capture(importlib.import_module(module).main, ["--help"])
     return _PARSERS[key]
@@ -133,7 +134,7 @@ def _checked_lines():
 def test_docs_show_commands():
     """The check below reads something: the docs show every command."""
     seen = {command for _, _, command, _ in _checked_lines()}
-    assert {"train", "launch", "preprocess", "export", "bench"} <= seen, seen
+    assert {"train", "launch", "preprocess", "export", "bench", "config_sweep"} <= seen, seen
 
 
 def test_every_documented_option_and_preset_exists():

@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"fastmoe_xpu": "fastmoe_xpu", "fastmoe_trainer": "trainer", "fastmoe_bench": "bench"}
 #: Run from the checkout only (python -m fastmoe_xpu.demo, python -m fastmoe_xpu.tools.<name>, tests).
 TOOLING = ("fastmoe_xpu/tools/", "fastmoe_xpu/demo.py", "fastmoe_xpu/reference.py")
+#: Where the kept Triton config tables live (package data: setup.py's PACKAGE_DATA).
+TUNED = "fastmoe_xpu/kernels/tuned"
+SAMPLE_TABLE = f"{TUNED}/sample-gpu.json"
 
 
 def _checkout_modules() -> set[str]:
@@ -48,6 +51,9 @@ def wheel(tmp_path_factory) -> Iterator[zipfile.ZipFile]:
         shutil.copy2(REPO / name, src / name)
     for folder in PACKAGE_DIRS.values():
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # one kept config table more than the checkout holds, so that the package data is seen shipped
+    # before the first device sweep has committed one
+    (src / SAMPLE_TABLE).write_text('{"format": 1, "device": "Sample GPU", "entries": []}\n', encoding="utf-8")
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "--disable-pip-version-check", "-q", "-w", str(out), str(src)],
@@ -85,6 +91,14 @@ def test_wheel_leaves_the_tooling_out(wheel):
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == set(PACKAGE_DIRS)
     assert _modules(wheel) == {p for p in _checkout_modules() if not _is_tooling(p)}
+
+
+def test_wheel_holds_the_kept_config_tables(wheel):
+    """The library reads them at a launch (fastmoe_xpu/kernels/kept_configs.py): every one of the
+    checkout, and the sample the build's source was given."""
+    kept = {f"{TUNED}/{p.name}" for p in (REPO / TUNED).glob("*.json")} | {SAMPLE_TABLE}
+    names = set(wheel.namelist())
+    assert kept - names == set(), f"kept config tables missing from the wheel: {sorted(kept - names)}"
 
 
 def test_every_console_script_runs_from_the_wheel(wheel):

@@ -19,12 +19,12 @@ def test_every_variable_is_read():
         "FASTMOE_CPU_CACHE": "off", "FASTMOE_CPU_CACHE_IDLE_MB": "512", "FASTMOE_CPU_CSR": "0",
         "FASTMOE_CPU_PIECE_MB": "8", "FASTMOE_DIST_BACKEND": "GLOO", "FASTMOE_DATA_CACHE": "/tmp/d",
         "FASTMOE_GEMM_ENGINE": "Grouped_MM", "FASTMOE_GEMM_CACHE": "/tmp/g.json",
-        "FASTMOE_EXPERT_PRECISION": "INT8",
+        "FASTMOE_EXPERT_PRECISION": "INT8", "FASTMOE_KEPT_CONFIGS": "off",
     }
     assert set(env) == set(settings.ENV_NAMES.values())
     s = settings.read(env)
     assert s == settings.Settings("triton", "xpu", False, False, 512.0, False, 8, "gloo", "/tmp/d",
-                                 "grouped_mm", "/tmp/g.json", "int8")
+                                 "grouped_mm", "/tmp/g.json", "int8", False)
 
 
 @pytest.mark.parametrize("name,value", [

@@ -5,8 +5,9 @@ compute capability 10.x: B200, GB200; see below), ``"hip"`` (AMD, gfx942), ``"xp
 GPU Max, PVC) and ``"interpreter"`` (``TRITON_INTERPRET=1`` on the CPU: small tiles so that tests
 exercise multi-tile paths quickly). The first config of each list is the one the launchers use;
 the others are alternatives that ``compile_check`` also compiles. On GPUs the grouped GEMMs
-(``gate_up_fwd``, ``grouped_mm_fwd``, ``grouped_mm_bwd``) time every config of their list once per
-N, K and rows-per-expert bucket and keep the fastest (``triton/autotune.py``).
+(``gate_up_fwd``, ``grouped_mm_fwd``, ``grouped_mm_bwd``) take the config of the package's kept
+table for the device (``kernels/tuned/``, :mod:`.kept_configs`), else time every config of their list
+once per dtype, N, K and rows-per-expert bucket and keep the fastest (``triton/autotune.py``).
 
 Intel notes (from the Intel XPU backend's performance guidance): ``tl.dot`` operands that are
 plain strided tiles are loaded through block pointers so that the backend emits 2D block loads and

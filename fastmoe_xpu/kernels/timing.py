@@ -3,7 +3,8 @@ the device names choices are keyed by, the checked interleaved timing of the sta
 the disk cache of timed engine choices.
 
 Both measured choices use it: the stage-4 implementation (:func:`.registry.choose_engine`, remembered
-on disk) and the Triton config of each grouped GEMM (``triton/autotune.py``, remembered in-process).
+on disk) and the Triton config of each grouped GEMM (``triton/autotune.py``, remembered in-process;
+the package's kept table for the device, :mod:`.kept_configs`, spares the timing).
 
 **Checked timing** (:func:`time_interleaved`). The engines are timed in rounds, one sample of each
 candidate per round in a rotating order, so that a busy second on the machine falls on every

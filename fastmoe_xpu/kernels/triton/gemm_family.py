@@ -158,7 +158,7 @@ def quantized_grouped_mm(kernel, key: str, qa: torch.Tensor, sa: torch.Tensor, i
     dev = out.device
     args = (qa, sa, idx if idx is not None else cum_token_counts, qw, sw if sw is not None else sa,
             cum_token_counts, out, N, K)
-    timed_launch(kernel, key, table_for(dev), (N, K, R, NR), row_grid(R, N, NR), args, dev,
+    timed_launch(kernel, key, table_for(dev), (N, K, R, NR), row_grid(R, N, NR), args, dev, dtype=qa.dtype,
                  TRANS_W=trans_w, GATHER=idx is not None, HAS_SW=sw is not None)
     return out
 
@@ -178,5 +178,5 @@ def quantized_wgrad(kernel, key: str, ql: torch.Tensor, sl: torch.Tensor, qr: to
     sl, sr = sl.float().contiguous(), sr.float().contiguous()
     dev = out.device
     timed_launch(kernel, key, table_for(dev), (N, M, rows, NR), tile_grid(M, N, NR),
-                 (ql, sl, qr, sr, bounds, out, M, N, *extra), dev, **constexprs)
+                 (ql, sl, qr, sr, bounds, out, M, N, *extra), dev, dtype=ql.dtype, **constexprs)
     return out

@@ -411,7 +411,7 @@ def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_count
     table = table_for(dev)
     timed_launch(_gate_up_fwd_kernel, "gate_up_fwd", table, (I, H, R, NR), row_grid(R, I, NR),
                  (x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, gate_up, h, H, I), dev,
-                 BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, x_TH.dtype))
+                 dtype=x_TH.dtype, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, x_TH.dtype))
     return gate_up, h
 
 
@@ -433,7 +433,7 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
     t, lb = lora if lora is not None else (a_RK, w)  # not read without LORA
     timed_launch(_grouped_mm_fwd_kernel, "grouped_mm_fwd", table, (N, K, R, NR), row_grid(R, N, NR),
                  (a_RK, w, cum_token_counts, out, t, lb, N, K, t.shape[1] if lora is not None else 0), dev,
-                 TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
+                 dtype=a_RK.dtype, TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
                  LORA=lora is not None, BLOCK_R=LORA_BLOCK_R)
     return out
 
@@ -449,7 +449,7 @@ def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | N
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
     timed_launch(_grouped_mm_bwd_kernel, "grouped_mm_bwd", table, (N, M, a_RM.shape[0], NR), tile_grid(M, N, NR),
                  (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), dev,
-                 GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RM.dtype))
+                 dtype=a_RM.dtype, GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RM.dtype))
     return dw
 
 

@@ -58,13 +58,16 @@ def timed_launch(
     grid: Callable[[dict[str, Any]], Sequence[int]],
     args: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]],
     device: torch.device,
+    *,
+    dtype: torch.dtype,
     **constexprs: Any,
 ) -> None:
     """The launch preamble of the grouped GEMMs: :func:`launch` with the config of ``key`` that
-    :func:`.autotune.choose` picks for ``shape`` (``(N, K, rows, NR)``, its key) on ``table``, over
+    :func:`.autotune.choose` picks for ``shape`` (``(N, K, rows, NR)``) and ``dtype`` (the
+    operands': bf16, fp16 and fp32 can prefer different tiles), its key, on ``table``, over
     ``grid(meta)`` of the config's tile sizes; ``args`` a sequence, or ``args(meta)`` where the
     arguments depend on the tile sizes (tensor descriptors)."""
     def go(cfg: KernelConfig) -> None:
         launch(kernel, grid(cfg.meta), args(cfg.meta) if callable(args) else args, cfg, device, **constexprs)
 
-    go(autotune.choose(key, table, *shape, device, go))
+    go(autotune.choose(key, table, *shape, device, go, dtype=dtype))

@@ -309,7 +309,7 @@ def gate_up_fwd(x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_count
                 _desc(gate_up[:, I:], [bm, bn]), _desc(h, [bm, bn]), gate_up, h, H, I, NR)
 
     timed_launch(_tma_gate_up_fwd_kernel, "tma_gate_up_fwd", table, (I, H, R, NR), _routed_grid(dev, R, I, NR), args,
-                 dev, DOT_PRECISION=dot_precision(table, x_TH.dtype))
+                 dev, dtype=x_TH.dtype, DOT_PRECISION=dot_precision(table, x_TH.dtype))
     return gate_up, h
 
 
@@ -332,7 +332,7 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
         return _desc(a_RK, [bm, bk]), _desc(w, w_box), cum_token_counts, _desc(out, [bm, bn]), out, N, K, NR
 
     timed_launch(_tma_grouped_mm_kernel, "tma_grouped_mm", table, (N, K, R, NR), _routed_grid(dev, R, N, NR), args,
-                 dev, TRANS_W=trans_w, DOT_PRECISION=dot_precision(table, a_RK.dtype))
+                 dev, dtype=a_RK.dtype, TRANS_W=trans_w, DOT_PRECISION=dot_precision(table, a_RK.dtype))
     return out
 
 
@@ -359,7 +359,7 @@ def _wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_to
     def grid(meta):
         return (num_programs(dev, NR * triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    timed_launch(_tma_wgrad_kernel, "tma_grouped_mm_bwd", table, (N, M, R, NR), grid, args, dev,
+    timed_launch(_tma_wgrad_kernel, "tma_grouped_mm_bwd", table, (N, M, R, NR), grid, args, dev, dtype=a_RM.dtype,
                  GATHER=idx is not None, DOT_PRECISION=dot_precision(table, a_RM.dtype))
     return dw
 
