@@ -61,6 +61,7 @@ import argparse
 import datetime as _dt
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -159,11 +160,11 @@ def _bench_module() -> str:
 
 
 def limits(keys: list[str] | tuple[str, ...], budget_s: float) -> dict[str, float]:
-    """Each step's limit: ``keys`` (the steps that will run) share the budget less the reserve in
-    proportion to their :data:`SHARES`; their limits add up to at most that."""
+    """Each step's limit in whole seconds: ``keys`` (the steps that will run) share the budget less the
+    reserve in proportion to their :data:`SHARES`, each rounded down, so they add up to at most that."""
     usable = max(0.0, budget_s - _RESERVE_S)
     total = sum(SHARES[k] for k in keys)
-    return {k: usable * SHARES[k] / total for k in keys} if total else {}
+    return {k: float(math.floor(usable * SHARES[k] / total)) for k in keys} if total else {}
 
 
 def tests_argv(python: str, tests: list[str], device: str, out: Path, limit_s: float,

@@ -141,19 +141,20 @@ def test_the_limits_share_the_budget_and_a_selection_shares_all_of_it(tmp_path: 
     steps = plan("cuda", tmp_path, ROOT, 540.0)
     run = [s for s in steps if s.key in DEFAULT_STEPS]
     assert [s.key for s in run] == ["compare", "tests", "rows", "mula", "launches", "memcheck"]
-    assert sum(s.timeout_s for s in run) == pytest.approx(535.0) and all(s.timeout_s > 20 for s in run)
+    total = sum(s.timeout_s for s in run)  # whole seconds, each rounded down
+    assert 535.0 - len(run) <= total <= 535.0 and all(s.timeout_s > 20 and s.timeout_s.is_integer() for s in run)
     for key in ("racecheck", "liger-tuned"):
         step = next(s for s in steps if s.key == key)
         assert step.skip.startswith(f"not a default step: --steps {key} runs it")
     chosen = plan("cuda", tmp_path, ROOT, 230.0, only=("liger-tuned", "launches"))
     runs = {s.key: s.timeout_s for s in chosen if s.key in ("liger-tuned", "launches")}
-    assert sum(runs.values()) == pytest.approx(225.0)
-    assert runs["liger-tuned"] / runs["launches"] == pytest.approx(SHARES["liger-tuned"] / SHARES["launches"])
+    assert 223.0 <= sum(runs.values()) <= 225.0
+    assert runs["liger-tuned"] / runs["launches"] == pytest.approx(SHARES["liger-tuned"] / SHARES["launches"], rel=0.05)
     assert main(["--dry-run", "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     printed = _limits_printed(out)
     assert len(printed) == len(DEFAULT_STEPS) and sum(printed) <= 540.0
-    assert out.count("[no limit: not run]") == 2 and "= 535 s of the 540 s budget" in out
+    assert out.count("[no limit: not run]") == 2 and f"= {sum(printed):.0f} s of the 540 s budget" in out
     assert main(["--dry-run", "--out", str(tmp_path / "o"), "--steps", "liger-tuned,launches", "--budget", "230"]) == 0
     printed = _limits_printed(capsys.readouterr().out)
     assert len(printed) == 2 and 220 <= sum(printed) <= 230
