@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                          f"when named); the peers {' and '.join(EXTERNAL_PROVIDERS)} (other projects' MoE layers on "
                          "the case's routing, run when named); fastmoe/<backend>@<engine> for one grouped-GEMM "
                          f"engine ({', '.join(ENGINES)}) "
-                         "(hf_v4 always runs: it is the correctness reference)")
+                         "(hf_v4 always runs: it is the correctness reference); with --shapes: only these of "
+                         "the set's providers (default: all that run here; the fp32 reference is the check)")
     ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
                     help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "
                          "per device, dtype and shape, its choice named in the provider's note)")

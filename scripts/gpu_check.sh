@@ -3,7 +3,7 @@
 # Uses the Python already installed here (no network): $PYTHON, else the first of .venv/bin/python,
 # python3, python that imports torch. Everything lands in one folder (gpu_check_out/<date> unless --out
 # is given); the steps and what they write are in fastmoe_xpu/tools/gpu_check.py. Without a device it
-# says so and exits non-zero; --dry-run lists the steps and exits 0 (it needs no torch).
+# says so and exits non-zero; --dry-run lists the steps with their time limits and exits 0 (it needs no torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .cases import Case
+from .cases import Case, generator, randn
 
 
 class DenseCeiling:
@@ -23,11 +23,11 @@ class DenseCeiling:
 
     def __init__(self, n: int, dtype: torch.dtype, device: torch.device, m: int | None = None,
                  k: int | None = None) -> None:
-        g = torch.Generator(device="cpu").manual_seed(1)
+        g = generator(device, 1)  # on a GPU drawn there (cases.draw_device)
         m, k = m or n, k or n
         self.n, self.shape = n, (m, k, n)
-        self.a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
-        self.b = torch.randn(k, n, generator=g).to(device=device, dtype=dtype)
+        self.a = randn(g, m, k, device=device, dtype=dtype)
+        self.b = randn(g, k, n, device=device, dtype=dtype)
         self.c = torch.empty(m, n, device=device, dtype=dtype)
 
     @classmethod
@@ -57,10 +57,10 @@ class GemmBound:
         dev, dt = case.device, case.dtype
         H, I = case.preset.hidden, case.preset.intermediate
         RT = case.rows
-        g = torch.Generator(device="cpu").manual_seed(2)
+        g = generator(dev, 2)  # on a GPU drawn there (cases.draw_device)
 
         def rnd(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) * 0.1).to(device=dev, dtype=dt)
+            return randn(g, *shape, std=0.1, device=dev, dtype=dt)
 
         self.w_gu = case.w_gate_up_N2IH.detach()
         self.w_d = case.w_down_NHI.detach()

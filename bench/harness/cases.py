@@ -26,6 +26,30 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 INIT_STD = 0.02
 
 
+def draw_device(device: str | torch.device) -> torch.device:
+    """Where a case's random inputs are drawn: on a GPU (cuda, xpu) the device itself, by its own
+    generator; elsewhere the CPU. Drawn on the host, the inputs of a T=32k layer (the weights, and
+    the GEMM-only bound's and the dense ceiling's operands: billions of elements per shape) took a
+    second per 10^8 elements of one core, most of a practitioners' run on an H200; on the device they
+    take milliseconds. A seed gives the same values every time on one kind of device; a GPU's values
+    differ from the CPU's."""
+    device = torch.device(device)
+    return device if device.type in ("cuda", "xpu") else torch.device("cpu")
+
+
+def generator(device: str | torch.device, seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` on :func:`draw_device` of ``device``."""
+    return torch.Generator(device=draw_device(device)).manual_seed(seed)
+
+
+def randn(g: torch.Generator, *shape: int, std: float = 1.0, device: str | torch.device,
+          dtype: torch.dtype) -> torch.Tensor:
+    """Normal values of ``std`` drawn by ``g`` (from :func:`generator`) in fp32 where ``g`` lives, then
+    put on ``device`` in ``dtype``."""
+    t = torch.randn(*shape, generator=g, device=g.device)
+    return (t * std if std != 1.0 else t).to(device=device, dtype=dtype)
+
+
 @dataclass
 class Case:
     preset: Preset
@@ -91,22 +115,22 @@ def make_case(
     device = torch.device(device)
     p = preset
     T, H, I, E, K, NR = p.tokens, p.hidden, p.intermediate, p.experts, p.top_k, p.local_experts
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = generator(device, seed)  # on the device where it is a GPU: see draw_device
 
-    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(device=device, dtype=dtype)
+    def draw(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return randn(g, *shape, std=std, device=device, dtype=dtype)
 
-    x_TH = randn(T, H)
-    gate_EH = randn(E, H, std=INIT_STD)
+    x_TH = draw(T, H)
+    gate_EH = draw(E, H, std=INIT_STD)
     with torch.no_grad():
         logits_TE = F.linear(x_TH, gate_EH)
         if routing == "router":
             weights_TK, idx_TK = topk_routing(logits_TE, K, norm_topk_prob=False)
         else:
             weights_TK, idx_TK = forced_uniform_routing(logits_TE, K, norm_topk_prob=False)
-    w_gate_up = nn.Parameter(randn(NR, 2 * I, H, std=INIT_STD))
-    w_down = nn.Parameter(randn(NR, H, I, std=INIT_STD))
-    dout_TH = randn(T, H)
+    w_gate_up = nn.Parameter(draw(NR, 2 * I, H, std=INIT_STD))
+    w_down = nn.Parameter(draw(NR, H, I, std=INIT_STD))
+    dout_TH = draw(T, H)
     counts = torch.bincount(idx_TK.reshape(-1).cpu(), minlength=E)[:NR].tolist()
     return Case(p, dtype, device, x_TH, weights_TK.contiguous(), idx_TK.contiguous(), dout_TH,
                 w_gate_up, w_down, gate_EH, counts)

@@ -15,7 +15,10 @@ Providers: transformers' ``grouped_mm`` experts (every user's default), FastSpar
 backend (its ``auto`` engine choice named) and on each grouped-GEMM engine that runs here
 (``triton_tma`` on sm_90+), Liger-Kernel's fused MoE (``liger``) and SonicMoE (``sonicmoe``), each
 reported as skipped with the reason when it cannot run; off a GPU transformers' ``eager`` experts too.
-Every provider is checked against one fp32 reference computed apart from the timing (the mask-based
+``--providers`` runs only the ones it names (``fastmoe/triton`` names its fp8 twin too under
+``--precision none fp8``; the GPU kit leaves out ``fastmoe/triton@loop``, a torch.mm per expert that
+takes 130-190 ms a call at T=32k and is timed at the Mula presets). The inputs are drawn on the device
+where it is a GPU (``harness.cases.draw_device``). Every provider is checked against one fp32 reference computed apart from the timing (the mask-based
 ``fastmoe_xpu.reference`` on fp32 copies of the case's tensors): the table gives each one's largest
 relative error over the output and the four gradients, and its peak memory on the device (what one
 forward+backward adds to what was allocated before it).
@@ -44,7 +47,7 @@ from ..harness.bounds import DenseCeiling
 from ..harness.cases import make_case
 from ..harness.measure import run_options
 from ..harness.presets import shape_set
-from ..harness.providers import EXTERNAL_PROVIDERS, build_provider, default_fastmoe
+from ..harness.providers import EXTERNAL_PROVIDERS, REFERENCE, build_provider, default_fastmoe, expand_names
 from ..harness.report import run_header
 from ..harness.runner import run_case
 from ..harness.usage import fail
@@ -56,18 +59,39 @@ GPU_TOKENS = 32768
 PEERS = ("hf_v5_grouped_mm", "hf_v5_eager", *EXTERNAL_PROVIDERS)
 
 
-def providers_for(device: torch.device, dtype: torch.dtype, precisions: list[str] | tuple[str, ...] = ()) -> list[str]:
+def providers_for(device: torch.device, dtype: torch.dtype, precisions: list[str] | tuple[str, ...] = (),
+                  only: list[str] | None = None) -> list[str]:
     """transformers' grouped_mm (and, off a GPU, its eager loop: 10-40x slower than the rest at T=32k on a
     GPU, it would take most of the time budget there), FastSparseMoE's default (and, for each of
     ``precisions`` other than ``none``, the same with its expert GEMMs quantized: ``fastmoe/triton:fp8``)
-    and each engine available next to its backend, then the other projects' layers."""
+    and each engine available next to its backend, then the other projects' layers.
+
+    ``only`` (``--providers``): just the providers it names, in that order, a named plain fastmoe
+    provider followed by its quantized twins; a named one that cannot run here is built all the same
+    and reported skipped with the reason (``fastmoe/triton@triton_tma`` before sm_90, say)."""
     fast = default_fastmoe(device)
     backend = fast.split("/", 1)[1]
+    if only is not None:
+        names = []
+        for n in only:
+            names.append(n)
+            if n.startswith("fastmoe/") and "@" not in n and ":" not in n:
+                names += [f"{n}:{p}" for p in precisions if p != "none"]
+        return list(dict.fromkeys(names))
     names = ["hf_v5_grouped_mm"] + ([] if device.type in ("cuda", "xpu") else ["hf_v5_eager"]) + [fast]
     names += [f"{fast}:{p}" for p in precisions if p != "none"]
     names += [f"{fast}@{e}" for e in registry.ENGINES
               if registry.IMPLEMENTATIONS[e].timed(device) and registry.unavailable_reason(e, backend, device, dtype) is None]
     return names + list(EXTERNAL_PROVIDERS)
+
+
+def named_providers(names: list[str] | None) -> list[str] | None:
+    """``--providers`` for the shape set: the names checked and ``fastmoe`` expanded
+    (:func:`~bench.harness.providers.expand_names`), without the ``hf_v4`` reference it adds (here the
+    fp32 reference is the check); None when none were named. Raises ValueError for an unknown name."""
+    if not names:
+        return None
+    return [n for n in expand_names(names) if n != REFERENCE or REFERENCE in names]
 
 
 def fp32_reference(case) -> dict:  # noqa: ANN001
@@ -238,6 +262,10 @@ def run_shapes(args) -> int:  # noqa: ANN001
     if unknown:
         fail(f"error: --shapes takes --precision none or one of {tuple(registry.PRECISIONS)} "
              f"(expert-GEMM precisions), not {unknown[0]!r}")
+    try:
+        only = named_providers(getattr(args, "providers", None))
+    except ValueError as exc:
+        fail(f"error: --providers: {exc}")
     rounds = run_options(args)
     header = run_header(device, {k: v for k, v in vars(args).items()})
     print(f"# {header['date_utc']}  {header['machine'].get('device_name', header['machine']['cpu_model'])}, "
@@ -255,7 +283,7 @@ def run_shapes(args) -> int:  # noqa: ANN001
         log(f"{p.name}: building inputs and the fp32 reference")
         case = make_case(p, dtype=args.dtype, device=device, seed=args.seed, routing=args.routing)
         ref = fp32_reference(case)
-        names = providers_for(device, case.dtype, precisions)
+        names = providers_for(device, case.dtype, precisions, only)
         res = run_case(case, names, backward=True, rounds=rounds, budget_s=args.budget, progress=not args.no_progress,
                        log=log, build=lambda name, c: build_provider(name, c, "auto"), reference_out=ref,
                        ceiling=DenseCeiling.same_flops(case))

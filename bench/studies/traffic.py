@@ -235,12 +235,14 @@ def layer_inputs(T: int, H: int, I: int, E: int, K: int, dtype: torch.dtype, dev
     else:
         from fastmoe_xpu.autograd.ops import route
 
-        g = torch.Generator().manual_seed(seed)
-        topk = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(device)
+        from ..harness.cases import generator
+
+        g = generator(device, seed)  # on a GPU drawn there: billions of elements at T=32k (cases.draw_device)
+        topk = torch.rand(T, E, generator=g, device=g.device).topk(K, dim=1).indices.to(device)
         rows = route(topk, 0, E, kernel_set, False)
 
         def new(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) / H ** 0.5).to(device=device, dtype=dtype)
+            return (torch.randn(*shape, generator=g, device=g.device) / H ** 0.5).to(device=device, dtype=dtype)
     return (new(T, H), new(E, 2 * I, H), new(E, H, I), new(T, K), *rows, new(T, H))
 
 

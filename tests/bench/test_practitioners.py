@@ -90,3 +90,42 @@ def test_shapes_run_times_a_precision_beside_the_plain_provider(tmp_path, capsys
     assert ratio["fwdbwd"] == pytest.approx(rows["fastmoe/torch"]["fwdbwd_ms"] / rows["fastmoe/torch:fp8"]["fwdbwd_ms"])
     with pytest.raises(SystemExit, match="--shapes takes --precision none or one of"):
         main(["--shapes", "practitioners", "--precision", "bf16-sr", "--out", str(tmp_path)])
+
+
+def test_providers_name_the_shape_sets_subset(tmp_path, capsys, monkeypatch):
+    """``--providers`` with ``--shapes``: only the named ones run (a named plain fastmoe provider brings its
+    quantized twin), one the set would leave out here is reported skipped with why, an unknown one is
+    refused in one line; no hf_v4 is added (the fp32 reference is the check)."""
+    from bench.studies.practitioners import named_providers, providers_for
+
+    cuda = torch.device("cuda")
+    assert providers_for(cuda, torch.bfloat16, ["none", "fp8"], only=["hf_v5_grouped_mm", "fastmoe/triton",
+                                                                     "fastmoe/triton@triton_tma", "liger"]) == \
+        ["hf_v5_grouped_mm", "fastmoe/triton", "fastmoe/triton:fp8", "fastmoe/triton@triton_tma", "liger"]
+    assert named_providers(None) is None and named_providers(["fastmoe", "liger"]) == \
+        ["fastmoe/torch", "fastmoe/triton", "liger"]
+    assert named_providers(["hf_v4", "liger"]) == ["hf_v4", "liger"]
+    monkeypatch.setitem(SHAPE_SETS, "practitioners", SHAPE_SETS["practitioners"][1:2])
+    args = ["--shapes", "practitioners", "--shape-scale", "128", "--shape-tokens", "8", "--rounds", "1",
+            "--no-progress", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="--providers: unknown provider 'fastmoe/triton@nope'"):
+        main([*args, "--providers", "fastmoe/triton@nope"])
+    assert main([*args, "--providers", "hf_v5_grouped_mm", "fastmoe/torch", "fastmoe/triton@triton"]) == 0
+    case = json.loads((tmp_path / "shapes_practitioners.json").read_text())["cases"][0]
+    assert set(case["providers"]) == {"hf_v5_grouped_mm", "fastmoe/torch", "fastmoe/triton@triton"}
+    assert case["providers"]["fastmoe/triton@triton"]["status"] == "skipped"
+    assert case["comparison"]["fastmoe"] == "fastmoe/torch" and case["comparison"]["peer"] == "hf_v5_grouped_mm"
+
+
+def test_inputs_are_drawn_on_the_gpu_and_on_the_cpu_as_before():
+    """A GPU case draws its inputs there (billions of elements at T=32k took minutes on the host); the
+    CPU's values are those of the CPU generator with the same seed, as they always were."""
+    from bench.harness.cases import draw_device, make_case
+
+    assert draw_device("cuda:1") == torch.device("cuda:1") and draw_device(torch.device("xpu")).type == "xpu"
+    assert draw_device("cpu") == torch.device("cpu") and draw_device("meta") == torch.device("cpu")
+    preset = shape_set("practitioners", scale=128, tokens=8)[1]
+    case = make_case(preset, dtype="fp32", device="cpu", seed=3)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(preset.tokens, preset.hidden, generator=g)
+    assert torch.equal(case.x_TH, x)
