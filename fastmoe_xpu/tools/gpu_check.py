@@ -36,10 +36,15 @@ transformers versions found there (no network), and writes everything into one f
 8. ``summary.md``: the comparison, one row per step (ran / failed / not run, and why; its time and
    limit), the last lines of each failed step's log, then the Mula table.
 
-Two more steps run only when ``--steps`` names them (the dry run and the summary say so):
+Four more steps run only when ``--steps`` names them (the dry run and the summary say so):
 ``racecheck``, ``compute-sanitizer --tool racecheck`` over a tinier bf16 forward+backward (it
-instruments every shared-memory access: not done in 45 s on an H200), and ``liger-tuned``, Qwen3-30B-A3B
-again with Liger's autotuner on (its published shape), FastSparseMoE beside it and nothing else.
+instruments every shared-memory access: not done in 45 s on an H200); ``liger-tuned``, Qwen3-30B-A3B
+again with Liger's autotuner on (its published shape), FastSparseMoE beside it and nothing else;
+``decode``, ``bench --mode infer --cuda-graph --preset decode``: OLMoE-1B-7B and Qwen3-30B-A3B layers at
+T = 1, 8, 64 and 256 tokens, each provider's forward captured in a CUDA graph and its replays timed,
+against transformers' ``grouped_mm`` and ``batched_mm`` (CUDA only); and ``configs``, ``python -m
+fastmoe_xpu.tools.config_sweep``: this GPU's kept Triton config table, written as ``<out>/tuned.json``
+to be copied into ``fastmoe_xpu/kernels/tuned/`` and committed.
 
 A step that fails does not stop the others; ``--steps`` runs a subset (the others are reported as not
 selected). What the machine's Python lacks and the kit carries (pure-Python wheels in ``kit_wheels/``, prepared
@@ -82,7 +87,8 @@ ENGINES = ("triton", "triton_tma", "grouped_mm", "loop")
 COMPARE_PROVIDERS = ("hf_v5_grouped_mm", "fastmoe/triton", *(f"fastmoe/triton@{e}" for e in ENGINES if e != "loop"),
                      "liger", "sonicmoe")
 #: The steps in the order they run (``--steps`` names a subset).
-STEP_KEYS = ("compare", "tests", "rows", "mula", "launches", "memcheck", "racecheck", "liger-tuned")
+STEP_KEYS = ("compare", "tests", "rows", "mula", "launches", "memcheck", "racecheck", "liger-tuned", "decode",
+             "configs")
 #: The steps a run without ``--steps`` runs. racecheck did not finish a tiny forward+backward in 45 s on
 #: an H200, and Liger's autotuner compiles some 200 kernel configs (minutes) on a fresh machine: each
 #: runs when ``--steps`` names it, with the budget shared among the steps named.
@@ -94,7 +100,10 @@ DEFAULT_STEPS = ("compare", "tests", "rows", "mula", "launches", "memcheck")
 #: device; launches 115 s, most of it drawing inputs on the host too; tests 34 s (one process), rows
 #: 12 s, mula 56 s, memcheck 41 s.
 SHARES = {"compare": 0.42, "tests": 0.15, "rows": 0.05, "mula": 0.14, "launches": 0.10, "memcheck": 0.14,
-          "racecheck": 0.3, "liger-tuned": 0.8}
+          "racecheck": 0.3, "liger-tuned": 0.8, "decode": 0.3, "configs": 0.8}
+#: The decode step's providers: transformers' two implementations for small batches and ours (hf_v4, the
+#: correctness reference, runs too, eagerly: its masks are read on the host, so it cannot be captured).
+DECODE_PROVIDERS = ("hf_v5_grouped_mm", "hf_v5_batched_mm", "fastmoe/triton")
 #: pytest-xdist workers of the tests step where xdist is importable (the kernel compilations run in
 #: parallel; the GPU machine has 16 cores).
 TEST_WORKERS = 4
@@ -267,6 +276,23 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
               str(out / "liger_tuned")],
         timeout_s=lim("liger-tuned"), env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": "1"},
     ))
+    steps.append(Step(
+        key="decode", name="decode in CUDA graphs: OLMoE-1B-7B and Qwen3-30B-A3B layers at T=1, 8, 64, 256, bf16, "
+                           "against transformers' grouped_mm and batched_mm",
+        argv=[*bench, "--device", device, "--dtype", "bf16", "--mode", "infer", "--cuda-graph", "--preset", "decode",
+              "--providers", *DECODE_PROVIDERS, "--rounds", "5", "--budget", str(max(2, round(0.05 * lim("decode")))),
+              "--no-progress", "--out", str(out / "decode")],
+        timeout_s=lim("decode"), env=cache,
+    ))
+    steps.append(Step(
+        key="configs", name="the Triton config sweep at the practitioners' shapes: this GPU's kept table "
+                            "(copy it into fastmoe_xpu/kernels/tuned/ and commit it)",
+        argv=[python, "-m", "fastmoe_xpu.tools.config_sweep", "--device", device, "--budget",
+              str(max(10, int(lim("configs")) - 30)), "--out", str(out / "tuned.json")],
+        timeout_s=lim("configs"),
+    ))
+    if device != "cuda":
+        skips["decode"] = skips.get("decode") or f"CUDA graphs are CUDA's; no capture on {device}"
     for step in steps:
         step.skip = skips.get(step.key)
         step.share = SHARES[step.key]

@@ -143,7 +143,7 @@ def test_the_limits_share_the_budget_and_a_selection_shares_all_of_it(tmp_path: 
     assert [s.key for s in run] == ["compare", "tests", "rows", "mula", "launches", "memcheck"]
     total = sum(s.timeout_s for s in run)  # whole seconds, each rounded down
     assert 535.0 - len(run) <= total <= 535.0 and all(s.timeout_s > 20 and s.timeout_s.is_integer() for s in run)
-    for key in ("racecheck", "liger-tuned"):
+    for key in ("racecheck", "liger-tuned", "decode", "configs"):
         step = next(s for s in steps if s.key == key)
         assert step.skip.startswith(f"not a default step: --steps {key} runs it")
     chosen = plan("cuda", tmp_path, ROOT, 230.0, only=("liger-tuned", "launches"))
@@ -154,7 +154,7 @@ def test_the_limits_share_the_budget_and_a_selection_shares_all_of_it(tmp_path: 
     out = capsys.readouterr().out
     printed = _limits_printed(out)
     assert len(printed) == len(DEFAULT_STEPS) and sum(printed) <= 540.0
-    assert out.count("[no limit: not run]") == 2 and f"= {sum(printed):.0f} s of the 540 s budget" in out
+    assert out.count("[no limit: not run]") == 4 and f"= {sum(printed):.0f} s of the 540 s budget" in out
     assert main(["--dry-run", "--out", str(tmp_path / "o"), "--steps", "liger-tuned,launches", "--budget", "230"]) == 0
     printed = _limits_printed(capsys.readouterr().out)
     assert len(printed) == 2 and 220 <= sum(printed) <= 230
@@ -312,3 +312,18 @@ def test_a_failed_steps_last_lines_are_in_the_summary(tmp_path: Path) -> None:
     assert "## What the failed steps printed last" in text and "### tests: the last lines of" in text
     assert "the last words" in text and "quiet" not in text
     assert "| tests: fails | FAILED (exit 3) |" in text
+
+
+def test_the_decode_and_config_steps(tmp_path):
+    """Opt-in: decode times CUDA-graph replays at the decode presets beside transformers' two
+    implementations for small batches; configs writes this GPU's kept config table into the output
+    folder, its own budget inside the step's limit; decode is CUDA's alone."""
+    steps = {s.key: s for s in plan("cuda", tmp_path, ROOT, 540.0, only=("decode", "configs"))}
+    dec, cfg = steps["decode"], steps["configs"]
+    assert dec.skip is None and cfg.skip is None
+    assert {"--mode", "infer", "--cuda-graph", "--preset", "decode"} <= set(dec.argv)
+    assert dec.argv[dec.argv.index("--providers") + 1:][:3] == ["hf_v5_grouped_mm", "hf_v5_batched_mm", "fastmoe/triton"]
+    assert cfg.argv[cfg.argv.index("--out") + 1] == str(tmp_path / "tuned.json")
+    assert float(cfg.argv[cfg.argv.index("--budget") + 1]) < cfg.timeout_s
+    xpu = {s.key: s for s in plan("xpu", tmp_path, ROOT, 540.0, only=("decode",))}
+    assert xpu["decode"].skip == "CUDA graphs are CUDA's; no capture on xpu"
