@@ -1,14 +1,25 @@
 """Document masking (``--data.document_mask``): every data set records its EOS id and the trainer finds it."""
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shutil
 
+import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+from trainer.config import ConfigError, ModelConfig, validate
 from trainer.data import ShardedDataset, ensure_default_dataset, load_manifest, manifest_eos_id, preprocess_files
 from trainer.data.build import build_dataset, memory_source
 from trainer.data.mixture import MixtureDataset
+from trainer.model.build import build_model
+from trainer.model.documents import document_kwargs, document_position_ids
+from fastmoe_xpu.compiling import compile_decoder
+from trainer.trainer import Trainer
+from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
 EOS = 256  # the byte tokenizer's
 
@@ -44,3 +55,151 @@ def test_a_manifest_without_an_eos_id_reads_as_none() -> None:
     assert manifest_eos_id({"tokenizer": {"type": "byte", "vocab_size": 258}}) is None
     assert manifest_eos_id({}) is None
     assert manifest_eos_id({"tokenizer": {"eos_id": 7}}) == 7
+
+
+# ------------------------------------------------------------------------------------------ the model path
+def test_positions_restart_after_every_eos() -> None:
+    ids = torch.tensor([[9, 9, EOS, 9, 9, 9, EOS, EOS, 9], [9, 9, 9, 9, 9, 9, 9, 9, 9], [EOS, 9, 9, 9, 9, 9, 9, 9, EOS]])
+    assert document_position_ids(ids, EOS).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], list(range(9)),
+                                                          [0, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert document_kwargs(ids, None) == {}
+    assert torch.equal(document_kwargs(ids, EOS)["position_ids"], document_position_ids(ids, EOS))
+
+
+#: the tiny models' end-of-document id
+DOC_EOS = 3
+TINY = dict(vocab_size=40, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=None,
+            pad_token_id=None, bos_token_id=None)
+
+
+def _family(name: str, attn: str) -> torch.nn.Module:
+    """A tiny model of ``name`` (built here, nothing downloaded) with attention implementation ``attn``; "olmoe"
+    is the trainer's own build (OLMoE with FastSparseMoeBlock patched in)."""
+    torch.manual_seed(0)
+    if name == "olmoe":
+        m = ModelConfig(vocab_size=TINY["vocab_size"], num_layers=2, hidden_size=32, num_heads=4, head_dim=8,
+                        intermediate_size=16, num_experts=4, top_k=2)
+        model = build_model(m, 64, seed=0)
+        model.set_attn_implementation(attn)
+        return model.eval()
+    import transformers
+
+    if name == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                          head_dim=8, attn_implementation=attn)
+        return transformers.Qwen3MoeForCausalLM(cfg).eval()
+    cfg = transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, attn_implementation=attn)
+    return transformers.MixtralForCausalLM(cfg).eval()
+
+
+def _packed_batch() -> torch.Tensor:
+    """Two instances of 24 tokens: four documents (one ending at the last token, one of a single DOC_EOS) and two."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(DOC_EOS + 1, TINY["vocab_size"], (2, 24), generator=g)
+    ids[0, [5, 6, 15, 23]] = DOC_EOS
+    ids[1, 9] = DOC_EOS
+    return ids
+
+
+def _assert_documents_alone(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Logits of the packed instances with document positions equal each document run alone (fp32, atol 1e-5),
+    and differ from attention across the documents (so the check is not vacuous)."""
+    with torch.no_grad():
+        packed = model(input_ids=ids, use_cache=False, **document_kwargs(ids, DOC_EOS)).logits
+        across = model(input_ids=ids, use_cache=False).logits
+        for b in range(ids.shape[0]):
+            starts = [0] + [i + 1 for i in range(ids.shape[1] - 1) if ids[b, i] == DOC_EOS]
+            for s, e in zip(starts, starts[1:] + [ids.shape[1]]):
+                alone = model(input_ids=ids[b:b + 1, s:e], use_cache=False).logits[0]
+                torch.testing.assert_close(packed[b, s:e], alone, rtol=0, atol=1e-5,
+                                           msg=lambda m, b=b, s=s: f"instance {b}, document at {s}: {m}")
+    assert (packed - across).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral"])
+def test_packed_logits_equal_each_document_alone(family: str, attn: str) -> None:
+    _assert_documents_alone(_family(family, attn), _packed_batch())
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_compiled_packed_logits_equal_each_document_alone(family: str) -> None:
+    """The trainer's --model.compile (the decoder stack compiled whole, fullgraph; aot_eager traces the graphs
+    inductor would get) keeps the documents apart: traced, transformers builds the packed mask unconditionally."""
+    torch._dynamo.reset()
+    model = _family(family, "sdpa")
+    compile_decoder(model, fullgraph=True, backend="aot_eager")
+    _assert_documents_alone(model, _packed_batch())
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+@pytest.fixture(scope="module")
+def short_docs_set(tmp_path_factory) -> str:
+    """Documents of 3-12 bytes, so that every 16-token instance packs several; 8 instances held out."""
+    d = tmp_path_factory.mktemp("short")
+    rng = np.random.default_rng(0)
+    docs = ["".join(rng.choice(list("abcdefgh xyz"), size=int(rng.integers(3, 13)))) for _ in range(300)]
+    src = d / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    return preprocess_files([str(src)], str(d / "set"), 16, progress=False, valid=8)
+
+
+def _documents_alone_ce(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """(summed cross-entropy, targets) of ``ids`` [N, C] when each document of each instance is run alone
+    through ``model`` (the document's last target, after its EOS, included)."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for b in range(ids.shape[0]):
+            starts = [0] + [i + 1 for i in range(ids.shape[1] - 1) if ids[b, i] == EOS]
+            for s, e in zip(starts, starts[1:] + [ids.shape[1]]):
+                logits = model(input_ids=ids[b:b + 1, s:e], use_cache=False).logits[0]
+                total += float(F.cross_entropy(logits.double(), labels[b, s:e], reduction="sum"))
+                n += e - s
+    return total, n
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-qwen3-moe"])
+def test_trainer_losses_are_those_of_each_document_alone(short_docs_set, data_cache, tmp_path, capsys,
+                                                         preset) -> None:
+    """With --data.document_mask the first step's LM loss and the validation loss equal the cross-entropy of
+    every document run alone through the same weights (rtol 1e-5), and differ from the run without it; the
+    start-up summary and run.json say which. The trainer's OLMoE path and a transformers family's (--model.arch hf)."""
+    cfg = small_cfg(data_cache, str(tmp_path / "on"), preset=preset, steps=1, data__path=short_docs_set,
+                    data__document_mask=True)
+    trainer = Trainer(cfg)
+    assert trainer.document_eos == EOS
+    model = copy.deepcopy(trainer.model)  # the weights of the first step
+    micro = trainer.loader.batch_at(0)
+    ce, n = _documents_alone_ce(model, torch.cat([mb[0] for mb in micro]), torch.cat([mb[1] for mb in micro]))
+    val = np.load(os.path.join(os.path.dirname(short_docs_set), "valid.npy")).astype(np.int64)
+    val_ce, val_n = _documents_alone_ce(model, torch.from_numpy(val[:, :-1]), torch.from_numpy(val[:, 1:]))
+    assert trainer.evaluate()["val_loss"] == pytest.approx(val_ce / val_n, rel=1e-5)
+    on = trainer.fit()
+    assert on[0]["lm_loss"] == pytest.approx(ce / n, rel=1e-5)
+    assert "document mask on (attention within each document, split at EOS id 256)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "on" / "run.json").read_text())["config"]["data"]["document_mask"] is True
+
+    off = Trainer(small_cfg(data_cache, str(tmp_path / "off"), preset=preset, steps=1,
+                            data__path=short_docs_set)).fit()
+    assert off[0]["lm_loss"] != pytest.approx(ce / n, rel=1e-5)  # attention across documents: another loss
+    assert "document mask off" in capsys.readouterr().out
+
+
+def test_a_data_set_without_an_eos_id_is_refused_in_one_line(short_docs_set, data_cache, tmp_path) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(os.path.dirname(short_docs_set), old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["tokenizer"]["eos_id"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match=r"--data.document_mask needs the end-of-document id.*records none.*"
+                                          r"fastmoe-preprocess.*or leave --data.document_mask out") as e:
+        Trainer(small_cfg(data_cache, str(tmp_path / "run"), steps=1, data__path=str(old), data__document_mask=True))
+    assert "\n" not in str(e.value)
+    Trainer(small_cfg(data_cache, str(tmp_path / "run2"), steps=1, data__path=str(old)))  # off: trains as before
+
+
+def test_document_mask_and_pipeline_stages_are_refused_together(data_cache, tmp_path) -> None:
+    cfg = small_cfg(data_cache, str(tmp_path), data__document_mask=True, parallel__pp=2)
+    with pytest.raises(ConfigError, match="--data.document_mask does not combine with --pp 2"):
+        validate(cfg, 2)
