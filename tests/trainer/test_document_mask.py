@@ -203,3 +203,14 @@ def test_document_mask_and_pipeline_stages_are_refused_together(data_cache, tmp_
     cfg = small_cfg(data_cache, str(tmp_path), data__document_mask=True, parallel__pp=2)
     with pytest.raises(ConfigError, match="--data.document_mask does not combine with --pp 2"):
         validate(cfg, 2)
+
+
+def test_mask_bench_prints_both_runs(short_docs_set, capsys) -> None:
+    """``python -m trainer.data.mask_bench``: both trainers step in turn and the table names both."""
+    from trainer.data.mask_bench import main
+
+    assert main(["--preset", "tiny-moe", "--steps", "3", "--data", short_docs_set, "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "instances holding a document boundary: 48/48 (100%)" in out
+    assert "| off |" in out and "| on |" in out and "on / off:" in out
+
