@@ -18,6 +18,7 @@ from trainer.data.mixture import MixtureDataset
 from trainer.model.build import build_model
 from trainer.model.documents import document_kwargs, document_position_ids
 from fastmoe_xpu.compiling import compile_decoder
+from parallel_util import run_workers
 from trainer.trainer import Trainer
 from trainer_util import data_cache, one_thread, small_cfg  # noqa: F401 (fixtures)
 
@@ -214,3 +215,28 @@ def test_mask_bench_prints_both_runs(short_docs_set, capsys) -> None:
     assert "instances holding a document boundary: 48/48 (100%)" in out
     assert "| off |" in out and "| on |" in out and "on / off:" in out
 
+
+# ------------------------------------------------------------------------------------------ layouts
+def _layout_worker(data_cache: str, out: str, data: str, preset: str, mask: bool, fsdp: bool) -> dict:
+    cfg = small_cfg(data_cache, out, preset, steps=2, data__path=data, data__document_mask=mask,
+                    parallel__dp_shard="fsdp" if fsdp else "none", eval__instances=8, eval__micro_batch=4)
+    cfg.eval.moe_health = False
+    t = Trainer(cfg)
+    hist = t.fit()
+    return {"losses": [r["lm_loss"] for r in hist], "val": hist[-1]["val_loss"], "fsdp": t.fsdp}
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-qwen3-moe"])
+def test_fsdp2_carries_the_document_positions(short_docs_set, data_cache, tmp_path, preset) -> None:
+    """FSDP2 on two gloo processes (the root's whole-model forward: the trainer's OLMoE path and a
+    transformers family's) trains and evaluates with the document mask as one process does (rtol 1e-5),
+    and not as one process does without it."""
+    one = _layout_worker(data_cache, str(tmp_path / "one"), short_docs_set, preset, True, False)
+    fsdp = run_workers(_layout_worker, 2, data_cache, str(tmp_path / "fsdp"), short_docs_set, preset, True, True)
+    off = _layout_worker(data_cache, str(tmp_path / "off"), short_docs_set, preset, False, False)
+    for r in fsdp:
+        assert r["fsdp"]
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        assert r["val"] == pytest.approx(one["val"], rel=1e-5)
+    assert off["losses"][0] != pytest.approx(one["losses"][0], rel=1e-5)
+    assert off["val"] != pytest.approx(one["val"], rel=1e-5)
