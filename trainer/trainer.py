@@ -331,8 +331,10 @@ class Trainer:
         lc.micro_batches_global = self.micro_batches_global
         input_ids = torch.cat([mb[0] for mb in micro_batches]).to(self.device)
         labels = torch.cat([mb[1] for mb in micro_batches]).to(self.device)
+        # every stage's rank reads the same micro-batches: each computes the document positions itself
+        kw = document_kwargs(input_ids, self.document_eos)
         with self._autocast():
-            parts = pipe.step(input_ids if pipe.is_first else None, labels if pipe.is_last else None)
+            parts = pipe.step(input_ids if pipe.is_first else None, labels if pipe.is_last else None, **kw)
         counts = getattr(lay, "tp_rank", 0) == 0  # TP ranks compute the same loss: count it once
         # parts is empty except on the last stage, whose DP x EP ranks hold the global sums
         return all_reduce_loss(parts if counts else [], m.num_experts if m.is_moe else 0, lay.world_group,

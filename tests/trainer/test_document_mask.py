@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import ConfigError, ModelConfig, validate
+from trainer.config import ConfigError, ModelConfig
 from trainer.data import ShardedDataset, ensure_default_dataset, load_manifest, manifest_eos_id, preprocess_files
 from trainer.data.build import build_dataset, memory_source
 from trainer.data.mixture import MixtureDataset
@@ -200,12 +200,6 @@ def test_a_data_set_without_an_eos_id_is_refused_in_one_line(short_docs_set, dat
     Trainer(small_cfg(data_cache, str(tmp_path / "run2"), steps=1, data__path=str(old)))  # off: trains as before
 
 
-def test_document_mask_and_pipeline_stages_are_refused_together(data_cache, tmp_path) -> None:
-    cfg = small_cfg(data_cache, str(tmp_path), data__document_mask=True, parallel__pp=2)
-    with pytest.raises(ConfigError, match="--data.document_mask does not combine with --pp 2"):
-        validate(cfg, 2)
-
-
 def test_mask_bench_prints_both_runs(short_docs_set, capsys) -> None:
     """``python -m trainer.data.mask_bench``: both trainers step in turn and the table names both."""
     from trainer.data.mask_bench import main
@@ -217,13 +211,15 @@ def test_mask_bench_prints_both_runs(short_docs_set, capsys) -> None:
 
 
 # ------------------------------------------------------------------------------------------ layouts
-def _layout_worker(data_cache: str, out: str, data: str, preset: str, mask: bool, fsdp: bool) -> dict:
+def _layout_worker(data_cache: str, out: str, data: str, preset: str, mask: bool, fsdp: bool, pp: int = 1) -> dict:
     cfg = small_cfg(data_cache, out, preset, steps=2, data__path=data, data__document_mask=mask,
-                    parallel__dp_shard="fsdp" if fsdp else "none", eval__instances=8, eval__micro_batch=4)
+                    parallel__dp_shard="fsdp" if fsdp else "none", parallel__pp=pp, eval__instances=8,
+                    eval__micro_batch=4)
     cfg.eval.moe_health = False
     t = Trainer(cfg)
     hist = t.fit()
-    return {"losses": [r["lm_loss"] for r in hist], "val": hist[-1]["val_loss"], "fsdp": t.fsdp}
+    return {"losses": [r["lm_loss"] for r in hist], "val": hist[-1]["val_loss"], "fsdp": t.fsdp,
+            "stages": t.pipeline is not None}
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-qwen3-moe"])
@@ -240,3 +236,19 @@ def test_fsdp2_carries_the_document_positions(short_docs_set, data_cache, tmp_pa
         assert r["val"] == pytest.approx(one["val"], rel=1e-5)
     assert off["losses"][0] != pytest.approx(one["losses"][0], rel=1e-5)
     assert off["val"] != pytest.approx(one["val"], rel=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-qwen3-moe"])
+def test_pipeline_stages_carry_the_document_positions(short_docs_set, data_cache, tmp_path, preset) -> None:
+    """PP=2 on two gloo processes (1F1B; every stage's rank computes the positions of the micro-batch it runs)
+    trains and evaluates with the document mask as one process does (rtol 1e-5), and not as it does without it."""
+    one = _layout_worker(data_cache, str(tmp_path / "one"), short_docs_set, preset, True, False)
+    pp = run_workers(_layout_worker, 2, data_cache, str(tmp_path / "pp"), short_docs_set, preset, True, False, 2)
+    off = run_workers(_layout_worker, 2, data_cache, str(tmp_path / "off"), short_docs_set, preset, False, False, 2)
+    for r in pp:
+        assert r["stages"]
+    last = pp[-1]  # the last stage holds the loss
+    assert last["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert last["val"] == pytest.approx(one["val"], rel=1e-5)
+    assert off[-1]["losses"][0] != pytest.approx(one["losses"][0], rel=1e-5)
+    assert off[-1]["val"] != pytest.approx(one["val"], rel=1e-5)

@@ -633,9 +633,6 @@ def check_parallel(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if p.pp > 1:
-        if cfg.data.document_mask:
-            raise ConfigError(f"--data.document_mask does not combine with --pp {p.pp} yet (the pipeline stages do "
-                              "not carry the document positions); leave one of them out")
         if m.compile:
             raise ConfigError(f"--model.compile does not combine with --pp {p.pp} (pipeline stages run eagerly); "
                               "drop one of them")

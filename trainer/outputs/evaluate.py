@@ -190,8 +190,8 @@ def _pipeline_forward(trainer: Any, batches: list) -> list:
             for t in (h, *extra):
                 dist.recv(t, src=prev)
             inputs = (h.to(hidden_dtype), *extra)
-        with trainer._autocast():
-            res = stage(*inputs)
+        with trainer._autocast():  # every stage's rank holds the micro-batch: each finds the documents itself
+            res = stage(*inputs, **document_kwargs(x.to(device), getattr(trainer, "document_eos", None)))
         if pipe.is_last:
             out.append((res[0], y.to(device), sel))
         else:
