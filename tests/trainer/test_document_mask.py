@@ -211,10 +211,11 @@ def test_mask_bench_prints_both_runs(short_docs_set, capsys) -> None:
 
 
 # ------------------------------------------------------------------------------------------ layouts
-def _layout_worker(data_cache: str, out: str, data: str, preset: str, mask: bool, fsdp: bool, pp: int = 1) -> dict:
+def _layout_worker(data_cache: str, out: str, data: str, preset: str, mask: bool, fsdp: bool, pp: int = 1,
+                   tp: int = 1, ep: int = 1) -> dict:
     cfg = small_cfg(data_cache, out, preset, steps=2, data__path=data, data__document_mask=mask,
-                    parallel__dp_shard="fsdp" if fsdp else "none", parallel__pp=pp, eval__instances=8,
-                    eval__micro_batch=4)
+                    parallel__dp_shard="fsdp" if fsdp else "none", parallel__pp=pp, parallel__tp=tp, parallel__ep=ep,
+                    eval__instances=8, eval__micro_batch=4)
     cfg.eval.moe_health = False
     t = Trainer(cfg)
     hist = t.fit()
@@ -252,3 +253,19 @@ def test_pipeline_stages_carry_the_document_positions(short_docs_set, data_cache
     assert last["val"] == pytest.approx(one["val"], rel=1e-5)
     assert off[-1]["losses"][0] != pytest.approx(one["losses"][0], rel=1e-5)
     assert off[-1]["val"] != pytest.approx(one["val"], rel=1e-5)
+
+
+@pytest.mark.parametrize("preset,axes", [("tiny-dense", {"tp": 2}), ("tiny-moe", {"ep": 2})])
+def test_tensor_and_expert_parallel_carry_the_document_mask(short_docs_set, data_cache, tmp_path, preset,
+                                                            axes) -> None:
+    """TP=2 (the dense OLMo's heads split) and EP=2 (OLMoE's experts split, tokens exchanged) on two gloo
+    processes train and evaluate with the document mask as one process does (rtol 1e-5)."""
+    one = _layout_worker(data_cache, str(tmp_path / "one"), short_docs_set, preset, True, False)
+    off = _layout_worker(data_cache, str(tmp_path / "off"), short_docs_set, preset, False, False)
+    tp, ep = axes.get("tp", 1), axes.get("ep", 1)
+    res = run_workers(_layout_worker, 2, data_cache, str(tmp_path / "par"), short_docs_set, preset, True, False, 1,
+                      tp, ep)
+    for r in res:
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert res[0]["val"] == pytest.approx(one["val"], rel=1e-5)  # rank 0 reports it (TP's other ranks count none)
+    assert off["losses"][0] != pytest.approx(one["losses"][0], rel=1e-5)
