@@ -269,3 +269,16 @@ def test_tensor_and_expert_parallel_carry_the_document_mask(short_docs_set, data
         assert r["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert res[0]["val"] == pytest.approx(one["val"], rel=1e-5)  # rank 0 reports it (TP's other ranks count none)
     assert off["losses"][0] != pytest.approx(one["losses"][0], rel=1e-5)
+
+
+def test_compiled_trainer_keeps_the_document_mask(short_docs_set, data_cache, tmp_path) -> None:
+    """--model.compile (aot_eager) with --data.document_mask trains to the eager run's losses (rtol 1e-5)."""
+    torch._dynamo.reset()
+    eager = _layout_worker(data_cache, str(tmp_path / "eager"), short_docs_set, "tiny-moe", True, False)
+    cfg = small_cfg(data_cache, str(tmp_path / "compiled"), steps=2, data__path=short_docs_set,
+                    data__document_mask=True, model__compile=True, model__compile_backend="aot_eager",
+                    eval__instances=8, eval__micro_batch=4)
+    cfg.eval.moe_health = False
+    hist = Trainer(cfg).fit()
+    assert [r["lm_loss"] for r in hist] == pytest.approx(eager["losses"], rel=1e-5)
+    assert hist[-1]["val_loss"] == pytest.approx(eager["val"], rel=1e-5)
