@@ -1,4 +1,7 @@
-"""Document masking (``--data.document_mask``): every data set records its EOS id and the trainer finds it."""
+"""Document masking (``--data.document_mask``): every data set records its EOS id and the trainer finds it;
+a packed instance's logits equal each document run alone (the trainer's OLMoE, Qwen3-MoE, Mixtral; eager,
+sdpa, compiled); the trainer's losses are those of the documents alone, on one process and on every layout
+(FSDP2, PP, TP, EP on two gloo processes); a data set without an EOS id is refused in one line."""
 from __future__ import annotations
 
 import copy
