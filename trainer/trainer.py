@@ -48,6 +48,7 @@ from .checkpoint.optim_state import sync_master_from_model
 from .checkpoint.restore import load_model
 from .config import ConfigError, TrainConfig, validate, validated_for
 from .layout import DeviceMesh, barrier, env_world_size, init_layout
+from .model.documents import document_kwargs
 from .model.loss import MicroLoss, all_reduce_loss, global_target_count, micro_batch_loss
 from .records.metrics import MetricsWriter, MfuMeter, SpikeDetector, device_peak_tflops
 from .model.build import build_model, flops_per_token, param_counts, torch_dtype
@@ -59,7 +60,20 @@ from .parallelism.tp import tp_localize
 from .optim.schedule import Schedule, check_resume, clipping_active
 from .outputs.run_dir import check_data_set, check_run_dir
 
-from .data import ShardedLoader, ensure_default_dataset, open_dataset
+from .data import ShardedLoader, ensure_default_dataset, manifest_eos_id, open_dataset
+
+
+def document_eos(cfg: TrainConfig, manifest: dict[str, Any], path: str) -> int | None:
+    """The EOS id ``--data.document_mask`` splits instances at, or None when it is off; a data set that records
+    no EOS id is refused in one line naming the fix."""
+    if not cfg.data.document_mask:
+        return None
+    eos = manifest_eos_id(manifest)
+    if eos is None:
+        raise ConfigError(f"--data.document_mask needs the end-of-document id, and data set {path} records none "
+                          "(its manifest's tokenizer has no eos_id): make it again with fastmoe-preprocess, which "
+                          "records it, or leave --data.document_mask out")
+    return eos
 
 
 class Trainer:
@@ -97,6 +111,8 @@ class Trainer:
                 f"data set {self.manifest_path} has context {manifest['context']}, --data.context asks for "
                 f"{cfg.data.context}; leave --data.context (--context) out to train at the data set's, or "
                 f"preprocess again with --context {cfg.data.context}")
+        #: --data.document_mask: the EOS id that ends each document (None: attention spans the whole instance)
+        self.document_eos = document_eos(cfg, manifest, self.manifest_path)
         data_vocab = self.data_vocab = int(manifest["tokenizer"]["vocab_size"])
         if m.vocab_size == 0:
             m.vocab_size = data_vocab
@@ -290,6 +306,7 @@ class Trainer:
             labels = mb[1].to(self.device, non_blocking=True)
             with self._autocast():
                 kw = {"output_router_logits": True} if want_router else {}
+                kw.update(document_kwargs(input_ids, self.document_eos))
                 if self.fsdp:  # the root's forward gathers the embedding, final norm and head
                     out = self.model(input_ids=input_ids, use_cache=False, **kw)
                     logits = out.logits
@@ -314,8 +331,10 @@ class Trainer:
         lc.micro_batches_global = self.micro_batches_global
         input_ids = torch.cat([mb[0] for mb in micro_batches]).to(self.device)
         labels = torch.cat([mb[1] for mb in micro_batches]).to(self.device)
+        # every stage's rank reads the same micro-batches: each computes the document positions itself
+        kw = document_kwargs(input_ids, self.document_eos)
         with self._autocast():
-            parts = pipe.step(input_ids if pipe.is_first else None, labels if pipe.is_last else None)
+            parts = pipe.step(input_ids if pipe.is_first else None, labels if pipe.is_last else None, **kw)
         counts = getattr(lay, "tp_rank", 0) == 0  # TP ranks compute the same loss: count it once
         # parts is empty except on the last stage, whose DP x EP ranks hold the global sums
         return all_reduce_loss(parts if counts else [], m.num_experts if m.is_moe else 0, lay.world_group,

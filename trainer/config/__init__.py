@@ -121,6 +121,10 @@ class DataConfig:
     valid: float = 0.05
     """Held-out validation split of the embedded default corpus: a fraction in (0, 1) or a count of instances
     (0: none); a data set of your own keeps the split ``fastmoe-preprocess --valid`` gave it."""
+    document_mask: bool = False
+    """Attend only within each document of an instance (block-diagonal causal attention, positions restarting
+    after every EOS the data set records), as OLMo 2 and Llama 3 pretrain; off: every token attends to the whole
+    instance, as the paper's runs did. The target after an EOS (the next document's first token) is still trained."""
 
 
 @dataclass

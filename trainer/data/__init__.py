@@ -7,7 +7,7 @@ API for the training loop:
         .next_batch() -> list[MicroBatch(input_ids [B, C], labels [B, C])]
         .state_dict() / .load_state_dict(state)
     open_dataset(spec, verify=True, seed=0) -> ShardedDataset, or MixtureDataset for NAME=PATH:WEIGHT,...
-    load_manifest(path) -> dict;  tokenizer_from_description(manifest["tokenizer"])
+    load_manifest(path) -> dict;  manifest_eos_id(manifest) -> the recorded EOS id or None;  tokenizer_from_description(manifest["tokenizer"])
 
 Names resolve lazily so that `fastmoe-preprocess` starts without importing torch.
 """
@@ -28,6 +28,7 @@ _EXPORTS = {
     "ShardedDataset": "loader",
     "ShardedLoader": "loader",
     "load_manifest": "loader",
+    "manifest_eos_id": "loader",
     "MixtureDataset": "mixture",
     "data_context": "mixture",
     "open_dataset": "mixture",

@@ -66,6 +66,13 @@ def load_manifest(path: str) -> dict[str, Any]:
     return m
 
 
+def manifest_eos_id(manifest: dict[str, Any]) -> int | None:
+    """The end-of-document id a data set (or a mixture: its parts share one tokenizer) records, or None for a
+    data set that does not record one."""
+    eos = dict(manifest.get("tokenizer") or {}).get("eos_id")
+    return None if eos is None or isinstance(eos, bool) else int(eos)
+
+
 def _preprocess_hint(inputs: str, out: str) -> str:
     """The command that makes a data set of ``inputs`` in ``out`` for ``--data``."""
     return f"fastmoe-preprocess --input {inputs} --context C --out {out}, then --data {out}"
@@ -86,6 +93,7 @@ class ShardedDataset:
         self.fingerprint = str(m["fingerprint"])
         self.tokenizer = dict(m["tokenizer"])
         self.vocab_size = int(self.tokenizer["vocab_size"])
+        self.eos_id = manifest_eos_id(m)
         self._shards = m["shards"]
         self._first = np.array([s["first_instance"] for s in self._shards], dtype=np.int64)
         self._arrays: list[np.ndarray | None] = [None] * len(self._shards)

@@ -110,6 +110,7 @@ class MixtureDataset:
         self.datasets = [ShardedDataset(m, verify=verify) for m in self.manifests]
         first = self.datasets[0]
         self.context, self.tokenizer, self.vocab_size = first.context, first.tokenizer, first.vocab_size
+        self.eos_id = first.eos_id  # the parts share one tokenizer (open_sources)
         self.num_instances = sum(d.num_instances for d in self.datasets)
         self.counts = slot_counts([s.weight for s in self.sources])
         pattern = np.repeat(np.arange(len(self.sources)), self.counts)

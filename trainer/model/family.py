@@ -126,6 +126,7 @@ class HfMoeRun:
     def forward_backward(self, trainer: Any, micro_batches: Sequence[Any], global_targets: float) -> Any:
         """Like :meth:`trainer.trainer.Trainer.forward_backward`: returns the global sums."""
         from .loss import MicroLoss, _lm_loss, all_reduce_loss
+        from .documents import document_kwargs
 
         acc: MicroLoss | None = None
         nmb = trainer.micro_batches_global
@@ -133,6 +134,7 @@ class HfMoeRun:
             input_ids = mb[0].to(trainer.device, non_blocking=True)
             labels = mb[1].to(trainer.device, non_blocking=True)
             kw = {"output_router_logits": True} if self.router_logits else {}
+            kw.update(document_kwargs(input_ids, trainer.document_eos))
             with trainer._autocast():
                 out = trainer.model(input_ids=input_ids, use_cache=False, **kw)
             loss, lm = _lm_loss(out.logits, labels, global_targets)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..data.build import VALID_NAME, sha256_file
 from ..layout import all_reduce_sum, pp_group
+from ..model.documents import document_kwargs
 from ..model.loss import IGNORE_INDEX
 from ..optim.fsdp import is_fsdp, reshard
 
@@ -129,12 +130,15 @@ def _evaluate_rows(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
         else:
             produced = []
             whole = is_fsdp(trainer.model)  # FSDP2 gathers the root's weights in the root's forward only
+            eos = getattr(trainer, "document_eos", None)  # --data.document_mask: the same masking as training
             for x, y, sel in batches:
+                x = x.to(device)
+                kw = document_kwargs(x, eos)
                 with trainer._autocast():
                     if whole:
-                        logits = trainer.model(input_ids=x.to(device), use_cache=False).logits
+                        logits = trainer.model(input_ids=x, use_cache=False, **kw).logits
                     else:
-                        out = trainer.model.model(input_ids=x.to(device), use_cache=False)
+                        out = trainer.model.model(input_ids=x, use_cache=False, **kw)
                         logits = trainer.model.lm_head(out.last_hidden_state)
                 produced.append((logits, y.to(device), sel))
         for logits, y, sel in produced:
@@ -186,8 +190,8 @@ def _pipeline_forward(trainer: Any, batches: list) -> list:
             for t in (h, *extra):
                 dist.recv(t, src=prev)
             inputs = (h.to(hidden_dtype), *extra)
-        with trainer._autocast():
-            res = stage(*inputs)
+        with trainer._autocast():  # every stage's rank holds the micro-batch: each finds the documents itself
+            res = stage(*inputs, **document_kwargs(x.to(device), getattr(trainer, "document_eos", None)))
         if pipe.is_last:
             out.append((res[0], y.to(device), sel))
         else:

@@ -157,7 +157,10 @@ class StageModel(nn.Module):
             zsum = zsum + torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
         return counts_E, probs_E, zsum
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """``position_ids`` [B, C]: positions restarting per document (``--data.document_mask``), given to every
+        stage alike (the schedule passes keyword arguments to each); the block-diagonal mask follows from them.
+        None: 0 .. C-1, attention over the whole instance."""
         from transformers.masking_utils import create_causal_mask
 
         base = self.model
@@ -172,7 +175,8 @@ class StageModel(nn.Module):
         else:
             hidden, *rest_list = inputs
             rest = tuple(rest_list)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask_kwargs = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
                            position_ids=position_ids)
         mask = create_causal_mask(**mask_kwargs)
@@ -352,12 +356,14 @@ class Pipeline:
         for m in self.modules:
             yield from m.named_parameters()
 
-    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[MicroLoss]:
-        """Forward and backward of ``n_microbatches`` micro-batches (split along dim 0)."""
+    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None,
+             position_ids: torch.Tensor | None = None) -> list[MicroLoss]:
+        """Forward and backward of ``n_microbatches`` micro-batches (split along dim 0). ``position_ids``
+        (``--data.document_mask``, the same on every stage's rank) reach every stage with its micro-batch."""
         if self.loss_cfg is not None:
             self.loss_cfg.parts.clear()
         args = (input_ids,) if self.is_first else ()
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {} if position_ids is None else {"position_ids": position_ids}
         if self.is_last:
             kwargs["target"] = labels
         self.schedule.step(*args, **kwargs)

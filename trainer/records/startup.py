@@ -61,7 +61,10 @@ def summary_lines(trainer: Any) -> list[str]:
         lines.append(threads.summary)
     ds = getattr(getattr(trainer, "loader", None), "dataset", None)
     named = ds.describe() if hasattr(ds, "describe") else trainer.manifest_path  # a mixture names its sources
-    lines.append(f"data: {named}, context {d.context}")
+    eos = getattr(trainer, "document_eos", None)
+    lines.append(f"data: {named}, context {d.context}, "
+                 + (f"document mask on (attention within each document, split at EOS id {eos})" if eos is not None
+                    else "document mask off (attention across the documents of an instance)"))
     lines.append(f"steps: {s.steps} of {s.global_batch} x {d.context} tokens (micro-batch {s.micro_batch})"
                  + (f", resuming at step {trainer.step}" if trainer.step else ""))
     lines.append(f"schedule: {trainer.schedule.phases()}")
