@@ -285,3 +285,20 @@ def test_compiled_trainer_keeps_the_document_mask(short_docs_set, data_cache, tm
     hist = Trainer(cfg).fit()
     assert [r["lm_loss"] for r in hist] == pytest.approx(eager["losses"], rel=1e-5)
     assert hist[-1]["val_loss"] == pytest.approx(eager["val"], rel=1e-5)
+
+
+def test_a_run_is_not_resumed_with_the_mask_changed(short_docs_set, data_cache, tmp_path) -> None:  # noqa: F811
+    """The mask is part of what a run is: the same --out with it turned on (or off) is refused in one
+    line naming the change; a run.json of an earlier version, without the field, reads as mask off."""
+    out = tmp_path / "run"
+    Trainer(small_cfg(data_cache, str(out), steps=1, data__path=short_docs_set)).fit()
+    with pytest.raises(ConfigError, match=r"holds another run .*--data\.document_mask False -> True"):
+        Trainer(small_cfg(data_cache, str(out), steps=2, data__path=short_docs_set, data__document_mask=True))
+    run_json = out / "run.json"
+    rec = json.loads(run_json.read_text())
+    del rec["config"]["data"]["document_mask"]
+    run_json.write_text(json.dumps(rec))
+    Trainer(small_cfg(data_cache, str(out), steps=2, data__path=short_docs_set,
+                      checkpoint__reschedule=True)).fit()  # resumes: off, as before
+    with pytest.raises(ConfigError, match=r"--data\.document_mask False -> True"):
+        Trainer(small_cfg(data_cache, str(out), steps=3, data__path=short_docs_set, data__document_mask=True))

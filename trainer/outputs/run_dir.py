@@ -18,8 +18,8 @@ IDENTITY = ((None, "preset"), (None, "seed"),
             *(("model", f) for f in ("arch", "num_layers", "hidden_size", "num_heads", "head_dim",
                                      "intermediate_size", "num_experts", "top_k", "norm_topk_prob", "rope_theta",
                                      "init_std", "init_from", "hf_config", "hf_family")),
-            ("data", "path"), ("data", "context"), ("data", "seed"), ("schedule", "global_batch"),
-            ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
+            ("data", "path"), ("data", "context"), ("data", "seed"), ("data", "document_mask"),
+            ("schedule", "global_batch"), ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -31,9 +31,11 @@ def check_run_dir(cfg: TrainConfig) -> None:
     if saved is None:
         return
     new = cfg.to_dict()
+    default = TrainConfig().to_dict()  # a field a run.json of an earlier version lacks had its default there
     changed = []
     for section, name in IDENTITY:
-        old_v = (saved if section is None else saved.get(section, {})).get(name)
+        had = saved if section is None else saved.get(section, {})
+        old_v = had[name] if name in had else (default if section is None else default.get(section, {})).get(name)
         new_v = (new if section is None else new.get(section, {})).get(name)
         if old_v != new_v:
             option = name if section is None else f"{section}.{name}"
