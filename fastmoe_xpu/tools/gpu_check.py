@@ -247,14 +247,19 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
         argv=[python, "-m", "fastmoe_xpu.tools.large_rows", "--device", device, "--json", str(out / "large_rows.json")],
         timeout_s=lim("rows"), env=cache,
     ))
-    providers = [*BASELINES, "fastmoe/triton", *(f"fastmoe/triton@{e}" for e in ENGINES)]
-    steps.append(Step(
-        key="mula", name="bench bf16 F+B on the Mula presets, every engine, against transformers",
-        argv=[*bench, "--device", device, "--dtype", "bf16", "--mode", "fwdbwd", "--preset", *PRESETS,
-              "--providers", *providers, "--rounds", "3", "--budget", str(max(2, round(0.2 * lim("mula")))),
-              "--no-progress", "--out", str(out / "bench")],
-        timeout_s=lim("mula"), env=cache,
-    ))
+    def bench_presets(key: str, name: str, mode: list[str], presets: list[str], providers: list[str], rounds: int,
+                      per_provider: float, folder: str) -> Step:
+        """A bf16 ``fastmoe-bench`` run over presets; ``per_provider``: each provider's budget per case as
+        a share of the step's limit."""
+        return Step(key=key, name=name, timeout_s=lim(key), env=cache,
+                    argv=[*bench, "--device", device, "--dtype", "bf16", *mode, "--preset", *presets, "--providers",
+                          *providers, "--rounds", str(rounds), "--budget", str(max(2, round(per_provider * lim(key)))),
+                          "--no-progress", "--out", str(out / folder)])
+
+    steps.append(bench_presets("mula", "bench bf16 F+B on the Mula presets, every engine, against transformers",
+                               ["--mode", "fwdbwd"], list(PRESETS),
+                               [*BASELINES, "fastmoe/triton", *(f"fastmoe/triton@{e}" for e in ENGINES)], 3, 0.2,
+                               "bench"))
     steps.append(Step(
         key="launches", name="each launch of one bf16 F+B timed at the practitioners' shapes (ms, GB/s, TFLOP/s), "
                              "beside its counted bytes, FLOPs and roofline floor",
@@ -276,14 +281,10 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
               str(out / "liger_tuned")],
         timeout_s=lim("liger-tuned"), env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": "1"},
     ))
-    steps.append(Step(
-        key="decode", name="decode in CUDA graphs: OLMoE-1B-7B and Qwen3-30B-A3B layers at T=1, 8, 64, 256, bf16, "
-                           "against transformers' grouped_mm and batched_mm",
-        argv=[*bench, "--device", device, "--dtype", "bf16", "--mode", "infer", "--cuda-graph", "--preset", "decode",
-              "--providers", *DECODE_PROVIDERS, "--rounds", "5", "--budget", str(max(2, round(0.05 * lim("decode")))),
-              "--no-progress", "--out", str(out / "decode")],
-        timeout_s=lim("decode"), env=cache,
-    ))
+    steps.append(bench_presets("decode", "decode in CUDA graphs: OLMoE-1B-7B and Qwen3-30B-A3B layers at T=1, 8, 64, "
+                               "256, bf16, against transformers' grouped_mm and batched_mm",
+                               ["--mode", "infer", "--cuda-graph"], ["decode"], list(DECODE_PROVIDERS), 5, 0.05,
+                               "decode"))
     steps.append(Step(
         key="configs", name="the Triton config sweep at the practitioners' shapes: this GPU's kept table "
                             "(copy it into fastmoe_xpu/kernels/tuned/ and commit it)",
