@@ -57,8 +57,29 @@ def _groups(cum_token_counts: torch.Tensor) -> tuple[int, list[tuple[int, int, i
     return b[-1], [(e, b[e], b[e + 1]) for e in range(len(b) - 1)]
 
 
+def _pooled(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised buffer; on the CPU from the torch backend's pool (:mod:`..torch.buffers`), which
+    keeps big buffers mapped between calls: a fresh one of hundreds of MB (a weight gradient) would be
+    faulted in page by page at every step, which cost the int8 layer more than its GEMMs."""
+    from ..torch.buffers import cached_empty
+
+    return cached_empty(shape, like, dtype)
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` into a pooled buffer."""
+    return torch.index_select(x, 0, idx, out=_pooled((idx.shape[0], x.shape[1]), x))
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in fp32, into a pooled buffer."""
+    h = _pooled(tuple(gate.shape), gate, torch.float32)
+    torch.ops.aten.silu.out(gate.float(), out=h)
+    return h.mul_(up)
+
+
 def _rows_buffer(rows: int, rt: int, width: int, like: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(max(rows, rt), width, dtype=like.dtype, device=like.device)
+    out = _pooled((max(rows, rt), width), like)
     out[rt:].zero_()
     return out
 
@@ -224,12 +245,12 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
         rt, groups = _groups(cum_token_counts)
         gate_up = _rows_buffer(input_indices.shape[0], rt, two_i, x_TH)
     if rt:
-        qx, sx = quantize_rows(x_TH.index_select(0, input_indices[:rt]), f.forward)
+        qx, sx = quantize_rows(_gather_rows(x_TH, input_indices[:rt]), f.forward)
         for e, s, t in groups:
             if t > s:
                 qmm(qx[s:t], sx[s:t], qw.codes[e].t(), qw.scales[e], out=gate_up[s:t])
     inter = two_i // 2
-    h = torch._C._nn.silu(gate_up[:, :inter].float()).mul_(gate_up[:, inter:].float()).to(x_TH.dtype)
+    h = _silu_mul(gate_up[:, :inter], gate_up[:, inter:]).to(x_TH.dtype)
     return gate_up, h
 
 
@@ -268,7 +289,7 @@ def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts
     check_stored_gemm_inputs(dy_RH, w_down_NHI, cum_token_counts, "down_bwd", not transposed)
     f = FORMATS[fmt]
     width = w_down_NHI.shape[1] if transposed else w_down_NHI.shape[2]
-    dw = torch.empty_like(w_down_NHI)
+    dw = _pooled(tuple(w_down_NHI.shape), w_down_NHI)
     k = _fp8_triton(grouped, fmt, dy_RH.device)
     qw = _weight(w_down_NHI, f, transposed, True, k)
     if k is not None:
@@ -292,7 +313,7 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     ``dh = w * g`` and ``dw_down = Q(dy_e)^T @ Q(w * h)_e``; ``h`` recomputed from ``gate_up`` in fp32."""
     f = FORMATS[fmt]
     inter = w_down_NHI.shape[2]
-    dw = torch.empty_like(w_down_NHI)
+    dw = _pooled(tuple(w_down_NHI.shape), w_down_NHI)
     k = _fp8_triton(grouped, fmt, dy_RH.device)
     qw = _weight(w_down_NHI, f, False, True, k)
     if k is not None:  # h recomputed inside the kernels: the weight gradient's codes, the row dots
@@ -314,7 +335,7 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
         _grouped_backward(dy_RH, h * w, qw, f, cum_token_counts, g, dw)
     else:
         rt, groups = _groups(cum_token_counts)
-        h = torch._C._nn.silu(gate_up_R2I[:rt, :inter].float()).mul_(gate_up_R2I[:rt, inter:].float())
+        h = _silu_mul(gate_up_R2I[:rt, :inter], gate_up_R2I[:rt, inter:])
         g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
         w = row_weights_R[:rt, None].float()
         _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
@@ -331,7 +352,7 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
     gathered again)."""
     check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_bwd")
     f = FORMATS[fmt]
-    dw = torch.empty_like(w_gate_up_N2IH)
+    dw = _pooled(tuple(w_gate_up_N2IH.shape), w_gate_up_N2IH)
     k = _fp8_triton(grouped, fmt, x_TH.device)
     qw = _weight(w_gate_up_N2IH, f, False, True, k)
     if k is not None:
@@ -344,7 +365,7 @@ def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input
         return dx_rows, dw
     rt, groups = _groups(cum_token_counts)
     dx_rows = _rows_buffer(d_gate_up_R2I.shape[0], rt, x_TH.shape[1], x_TH)
-    rows = x_TH.index_select(0, input_indices[:rt])
+    rows = _gather_rows(x_TH, input_indices[:rt])
     _backward_gemms(groups, d_gate_up_R2I, rows, qw, f, dx_rows, dw)
     return dx_rows, dw
 
