@@ -120,7 +120,9 @@ def _evaluate_rows(trainer: Any, rows: np.ndarray) -> dict[str, Any]:
     batches = rank_batches(rows, lay.data_rank, lay.data_world, cfg.eval.micro_batch)
     ce_N = torch.zeros(n, dtype=torch.float64, device=device)
     tok_N = torch.zeros(n, dtype=torch.float64, device=device)
-    counts = getattr(lay, "tp_rank", 0) == 0  # TP ranks compute the same numbers: count them once
+    # TP ranks compute the same numbers: summed over the whole world (a pipeline's), count them once;
+    # over the DP x EP group (one per TP rank) every rank counts, so every rank has the loss
+    counts = trainer.pipeline is None or getattr(lay, "tp_rank", 0) == 0
     was_training = [m.training for m in _modules(trainer)]
     for m in _modules(trainer):
         m.eval()
