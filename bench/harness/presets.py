@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from fastmoe_xpu.shape_sets import SHAPE_SETS as _SHAPE_DATA
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -94,20 +96,10 @@ def resolve_presets(names: list[str] | None) -> list[Preset]:
     return out
 
 
-#: The layers the published MoE kernels compare on (one MoE layer each; ``--shapes practitioners``),
-#: at T = 32768 tokens: (H, I, E, K) from each model's configuration. DeepSeek-V3 is its local slice
-#: at EP=8 (32 of 256 experts on the rank, the 32768 tokens all-gathered from 8 x 4096).
-SHAPE_SETS: dict[str, tuple[Preset, ...]] = {
-    "practitioners": (
-        Preset("olmoe-1b-7b", 2048, 1024, 64, 8, 32768, 1, "OLMoE-1B-7B"),
-        Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 32768, 1, "Qwen3-30B-A3B"),
-        Preset("qwen3-235b-a22b", 4096, 1536, 128, 8, 32768, 1, "Qwen3-235B-A22B"),
-        Preset("gpt-oss-20b", 2880, 2880, 32, 4, 32768, 1, "GPT-OSS-20B (its experts' shape; SwiGLU without "
-               "GPT-OSS's clamp and biases)"),
-        Preset("mixtral-8x7b", 4096, 14336, 8, 2, 32768, 1, "Mixtral-8x7B"),
-        Preset("deepseek-v3-ep8", 7168, 2048, 256, 8, 4096, 8, "DeepSeek-V3 local slice at EP=8 (32 of 256 experts)"),
-    ),
-}
+#: The layers the published MoE kernels compare on (one MoE layer each; ``--shapes practitioners``): the
+#: package's :data:`fastmoe_xpu.shape_sets.SHAPE_SETS` as presets.
+SHAPE_SETS: dict[str, tuple[Preset, ...]] = {name: tuple(Preset(*entry) for entry in entries)
+                                             for name, entries in _SHAPE_DATA.items()}
 
 
 def _scaled(width: int, scale: int) -> int:

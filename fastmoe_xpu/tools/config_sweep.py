@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..shape_sets import SHAPE_SETS as _SHAPE_DATA
+
 #: The Triton GEMM engines the sweep runs, and the grouped-GEMM kernels of each that autotune keys.
 ENGINE_KERNELS: dict[str, tuple[str, ...]] = {
     "triton": ("gate_up_fwd", "grouped_mm_fwd", "grouped_mm_bwd"),
@@ -36,7 +38,7 @@ ENGINE_KERNELS: dict[str, tuple[str, ...]] = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_BUDGET_S = 420.0
-SHAPE_SETS = ("practitioners",)
+SHAPE_SETS = tuple(_SHAPE_DATA)
 
 
 def engines_of(table: str) -> list[str]:
@@ -75,11 +77,12 @@ class Step:
 
 
 def shapes(shape_set: str, names: Sequence[str] | None = None) -> list[Shape]:
-    """The shapes of ``bench``'s shape set (the checkout's ``bench/harness/presets.py``), or those named."""
-    from bench.harness.presets import shape_set as presets
-
-    found = [Shape(p.name, p.tokens, p.hidden, p.intermediate, p.experts, p.top_k, p.local_experts)
-             for p in presets(shape_set)]
+    """The shapes of a shape set (:data:`..shape_sets.SHAPE_SETS`, the benchmark's ``--shapes``), or those named."""
+    sets = _SHAPE_DATA
+    if shape_set not in sets:
+        raise ValueError(f"unknown shape set {shape_set!r}; known: {sorted(sets)}")
+    found = [Shape(name, per_rank * ep, H, I, E, K, E // ep)
+             for name, H, I, E, K, per_rank, ep, _ in sets[shape_set]]
     if names:
         unknown = sorted(set(names) - {s.name for s in found})
         if unknown:
