@@ -33,6 +33,7 @@ from .collectives import (
     forward_allgather_backward_reducescatter,
     forward_reducescatter_backward_allgather,
 )
+from ..kernels.timing import capturing  # under a graph capture the dispatch checks its inputs on the device
 from .env import check_group_device
 from .groups import group_rank, group_size, member_position, world_if_none
 
@@ -266,12 +267,6 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         back_RO = all_to_all_autograd(partial_NH, state.send_splits, state.recv_splits, self.group)
         S, H = state.x_SH.shape
         return state.x_SH.new_zeros(S, H).index_add(0, state.token_of_row, back_RO)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being recorded into a CUDA graph now (then nothing may read a
-    device value on the host, and the dispatch checks its inputs on the device)."""
-    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def make_dispatcher(
