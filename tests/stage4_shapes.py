@@ -1,6 +1,6 @@
 """The stage-4 (expert MLP) shapes the kernel tests run, one table, picked by name.
 
-Each is awkward in one way: odd H and I, a prime expert count, T below one token block, K=1, every
+Each is awkward in one way: odd H and I, a prime expert count, T below one token block, K=1, K=E, every
 token on one expert, empty experts, an expert-parallel slice, low precision. The ``tma-`` ones keep
 H and I multiples of 4 (16-byte aligned fp32 rows, what the TMA descriptors need) while the tiles
 still do not divide them.
@@ -20,6 +20,7 @@ SHAPES = {
     "empty-experts-zero-weight-grad": (24, 2, 8, 0, 8, 20, 12, "low_half", torch.float32),
     "expert-parallel-start-3": (37, 3, 7, 3, 2, 33, 21, "random", torch.float32),
     "bf16-fp32-accumulation": (21, 2, 5, 0, 5, 32, 16, "random", torch.bfloat16),
+    "K-equals-E": (11, 5, 5, 0, 5, 20, 12, "random", torch.float32),
     "tma-ragged-tiles-prime-E": (37, 3, 7, 0, 7, 36, 20, "random", torch.float32),
     "tma-one-expert-many-row-tiles": (40, 2, 6, 0, 6, 24, 44, "one_expert", torch.float32),
     "tma-expert-parallel-slice": (37, 3, 7, 3, 2, 28, 20, "random", torch.float32),

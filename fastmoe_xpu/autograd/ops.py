@@ -292,15 +292,25 @@ def mlp_combine_backward_math(
     the down GEMM's backward, where ``dout_t @ Wd_e`` is formed anyway, with ``h`` recomputed from the
     saved pre-activation: neither ``h`` nor the expert outputs are kept (docs/algorithm.md, "Saved
     tensors")."""
-    # Stage 5 backward: each row gets its token's gradient, unweighted, and its weight.
-    dy_RH, row_weights_R = launchers.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
-                                                 cum_expert_counts)
-    # The down GEMM's backward applies the weights and reduces dy @ Wd against the recomputed h.
-    dh_RI, dw_down, d_row_weights_R = launchers.down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R,
-                                                                  cum_token_counts, w_down_NHI)
+    fused = getattr(launchers, "down_silu_bwd", None)
+    if fused is not None:
+        # The three steps below in one launcher: the rows' output gradients read in the GEMM loads,
+        # the SiLU*up gradient formed beside the router-weight dots (no [R, H] nor [R, I] round trip).
+        d_gate_up_R2I, dw_down, d_row_weights_R = fused(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                                        cum_expert_counts, input_indices, gate_up_R2I,
+                                                        cum_token_counts, w_down_NHI)
+    else:
+        # Stage 5 backward: each row gets its token's gradient, unweighted, and its weight.
+        dy_RH, row_weights_R = launchers.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                                     cum_expert_counts)
+        # The down GEMM's backward applies the weights and reduces dy @ Wd against the recomputed h.
+        dh_RI, dw_down, d_row_weights_R = launchers.down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R,
+                                                                      cum_token_counts, w_down_NHI)
+        del dy_RH
+        d_gate_up_R2I = launchers.silu_mul_bwd(gate_up_R2I, dh_RI, cum_token_counts)
+        del dh_RI
     dweights_TK = launchers.router_weights_bwd(d_row_weights_R, weights_TK, output_indices, selected_expert_indices,
                                                cum_expert_counts)
-    d_gate_up_R2I = launchers.silu_mul_bwd(gate_up_R2I, dh_RI, cum_token_counts)
     dx_rows_RH, dw_gate_up = launchers.gate_up_bwd(d_gate_up_R2I, x_TH, input_indices, cum_token_counts,
                                                    w_gate_up_N2IH)
     # Each token's rows are summed back in slot order: deterministic, no atomics. Unweighted, so the

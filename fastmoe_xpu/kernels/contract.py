@@ -154,7 +154,13 @@ LAUNCHERS = (
 #: callers look them up and otherwise compose the required ones. ``down_fwd_lora(h, cum_token_counts,
 #: w_down, t, lora_b, transposed=False)``: :meth:`KernelBackend.down_fwd` plus a LoRA adapter's
 #: ``t @ lora_b[e]^T`` (``t [R, r]``, ``lora_b [NR, out, r]``) in the same kernel (the Triton backend).
-FUSED_LAUNCHERS = ("down_fwd_lora",)
+#: ``down_silu_bwd(dout, weights, output_indices, selected_expert_indices, cum_expert_counts, input_indices,
+#: gate_up, cum_token_counts, w_down)``: ``combine_bwd``, ``down_weighted_bwd`` and ``silu_mul_bwd`` as one
+#: launcher giving ``(d_gate_up [R, 2I], dw_down [NR, H, I], d_row_weights [R] fp32)``, the output
+#: gradient's rows read in the GEMM loads (``dout[input_indices[r]]``, no ``[R, H]`` copy) and the SiLU*up
+#: gradient formed in the router-weight pass (the Triton engine). A kernel set takes a fused launcher
+#: from its stage-4 engine only: it runs that engine's GEMMs.
+FUSED_LAUNCHERS = ("down_fwd_lora", "down_silu_bwd")
 #: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/registry.py``).
 STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd", "gate_up_bwd")
 

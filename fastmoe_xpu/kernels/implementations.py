@@ -56,7 +56,7 @@ from typing import Callable, Mapping
 import torch
 
 from .. import settings
-from .contract import LAUNCHERS, STAGE4_LAUNCHERS, KernelBackend
+from .contract import FUSED_LAUNCHERS, LAUNCHERS, STAGE4_LAUNCHERS, KernelBackend
 from .timing import apart_from_caller
 
 #: The stages an implementation may provide, and the launchers each stage consists of.
@@ -271,6 +271,9 @@ class KernelSet:
         for name in LAUNCHERS:
             source = engine_module if name in STAGE4_LAUNCHERS and name in provided else base_module
             setattr(self, name, getattr(source, name))
+        for name in FUSED_LAUNCHERS:  # from the engine alone: a fused launcher runs its own GEMMs
+            if name in getattr(engine_module, "__all__", ()) or name in provided:
+                setattr(self, name, getattr(engine_module, name))
 
     def __repr__(self) -> str:
         return f"<kernels {self.NAME}>"

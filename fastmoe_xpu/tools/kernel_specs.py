@@ -103,10 +103,10 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         "x_ptr": act, "input_idx_ptr": _P32, "cum_token_ptr": _P32, "w_ptr": act, "gate_up_ptr": act, "h_ptr": act,
         "H": _I32, "I": _I32}, dict(gemm_flags),
         ("x_ptr", "input_idx_ptr", "cum_token_ptr", "w_ptr", "gate_up_ptr", "h_ptr", "H", "I")))
-    mm_sig = {"a_ptr": act, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "t_ptr": act, "lb_ptr": act,
-              "N": _I32, "K": _I32, "RANK": _I32}
-    mm_aligned = ("a_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "t_ptr", "lb_ptr", "N", "K")
-    lora_off = {"LORA": False, "BLOCK_R": grouped_gemm.LORA_BLOCK_R}
+    mm_sig = {"a_ptr": act, "idx_ptr": _P32, "w_ptr": act, "cum_token_ptr": _P32, "out_ptr": act, "t_ptr": act,
+              "lb_ptr": act, "N": _I32, "K": _I32, "RANK": _I32}
+    mm_aligned = ("a_ptr", "idx_ptr", "w_ptr", "cum_token_ptr", "out_ptr", "t_ptr", "lb_ptr", "N", "K")
+    lora_off = {"LORA": False, "BLOCK_R": grouped_gemm.LORA_BLOCK_R, "GATHER_A": False}
     out.append(("grouped_mm_fwd[W^T]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
                 {"TRANS_W": True, **gemm_flags, **lora_off}, mm_aligned))
     out.append(("grouped_mm_fwd[W]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
@@ -115,23 +115,37 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
     for trans, tag in ((True, "W^T"), (False, "W")):
         out.append((f"grouped_mm_fwd[{tag}+lora]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
                     {"TRANS_W": trans, **gemm_flags, **lora_off, "LORA": True}, mm_aligned + ("RANK",)))
+    # down_silu_bwd's input gradient: the output gradient's rows gathered in the A loads (pointer loads;
+    # not on Intel, where down_silu_bwd keeps the block-pointer GEMMs over gathered rows)
+    if not block_ptr:
+        out.append(("grouped_mm_fwd[W+gather]", "grouped_mm_fwd", grouped_gemm._grouped_mm_fwd_kernel, mm_sig,
+                    {"TRANS_W": False, **gemm_flags, **lora_off, "BLOCK_PTR": False, "GATHER_A": True}, mm_aligned))
     bwd_sig = {"a_ptr": act, "b_ptr": act, "idx_ptr": _P32, "cum_token_ptr": _P32, "dw_ptr": act,
                "M": _I32, "N": _I32}
     bwd_aligned = ("a_ptr", "b_ptr", "idx_ptr", "cum_token_ptr", "dw_ptr", "M", "N")
     out.append(("grouped_mm_bwd[rows]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": False, **gemm_flags}, bwd_aligned))
+                {"GATHER": False, **gemm_flags, "GATHER_A": False}, bwd_aligned))
     out.append(("grouped_mm_bwd[gather]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
-                {"GATHER": True, **gemm_flags}, bwd_aligned))
+                {"GATHER": True, **gemm_flags, "GATHER_A": False}, bwd_aligned))
+    # down_silu_bwd's weight gradient: the output gradient's rows gathered as the left operand (not on Intel)
+    if not block_ptr:
+        out.append(("grouped_mm_bwd[gather_a]", "grouped_mm_bwd", grouped_gemm._grouped_mm_bwd_kernel, bwd_sig,
+                    {"GATHER": False, **gemm_flags, "BLOCK_PTR": False, "GATHER_A": True}, bwd_aligned))
     out.append(("silu_mul_bwd", "silu_mul_bwd", grouped_gemm._silu_mul_bwd_kernel, {
         "gate_up_ptr": act, "dh_ptr": act, "d_gate_up_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32,
         "NR": _I32}, {"HAS_COUNTS": True},
         ("gate_up_ptr", "dh_ptr", "d_gate_up_ptr", "cum_token_ptr", "I")))
     # down_weighted_bwd after its input-gradient GEMM: h recomputed, router-weight dots, rows weighted,
     # w * h written for the weight gradient.
-    out.append(("row_dot_scale", "row_dot_scale", grouped_gemm._row_dot_scale_kernel, {
-        "dh_ptr": act, "gate_up_ptr": act, "rw_ptr": "*fp32", "cum_token_ptr": _P32, "d_row_ptr": "*fp32",
-        "hw_ptr": act, "R": _I32, "I": _I32, "NR": _I32}, {},
-        ("dh_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "d_row_ptr", "hw_ptr", "I")))
+    # With SILU_BWD (down_silu_bwd): the SiLU*up gradient written instead of the scaled dh.
+    for silu in (False, True):
+        out.append((f"row_dot_scale{'[silu_bwd]' if silu else ''}", "row_dot_scale",
+                    grouped_gemm._row_dot_scale_kernel, {
+                        "dh_ptr": act, "gate_up_ptr": act, "rw_ptr": "*fp32", "cum_token_ptr": _P32,
+                        "d_row_ptr": "*fp32", "hw_ptr": act, "d_gate_up_ptr": act, "R": _I32, "I": _I32,
+                        "NR": _I32}, {"SILU_BWD": silu},
+                    ("dh_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "d_row_ptr", "hw_ptr", "d_gate_up_ptr",
+                     "I")))
     comb_sig = {"y_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
                 "cum_expert_ptr": _P32, "out_ptr": act, "T": _I32, "H": _I32, "K": _I32}
     comb_aligned = ("y_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "out_ptr", "H", "K")
@@ -139,11 +153,13 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
                 comb_aligned))
     out.append(("combine_fwd[sum]", "combine_fwd", combine._combine_fwd_kernel, comb_sig, {"WEIGHTED": False},
                 comb_aligned))
-    out.append(("combine_bwd", "combine_bwd", combine._combine_bwd_kernel, {
-        "dout_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32, "cum_expert_ptr": _P32,
-        "dy_ptr": act, "row_w_ptr": "*fp32", "T": _I32, "H": _I32, "K": _I32}, {},
-        ("dout_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dy_ptr", "row_w_ptr",
-         "H", "K")))
+    for write_dy in (True, False):  # without WRITE_DY: the rows' weights alone (down_silu_bwd)
+        out.append((f"combine_bwd{'' if write_dy else '[row_weights]'}", "combine_bwd", combine._combine_bwd_kernel, {
+            "dout_ptr": act, "weights_ptr": act, "output_idx_ptr": _P32, "selected_ptr": _P32,
+            "cum_expert_ptr": _P32, "dy_ptr": act, "row_w_ptr": "*fp32", "T": _I32, "H": _I32, "K": _I32},
+            {"WRITE_DY": write_dy},
+            ("dout_ptr", "weights_ptr", "output_idx_ptr", "selected_ptr", "cum_expert_ptr", "dy_ptr", "row_w_ptr",
+             "H", "K")))
     out.append(("router_weights_bwd", "router_weights_bwd", combine._router_weights_bwd_kernel, {
         "d_row_w_ptr": "*fp32", "output_idx_ptr": _P32, "selected_ptr": _P32, "cum_expert_ptr": _P32,
         "dweights_ptr": act, "T": _I32, "K": _I32}, {"BLOCK_K": K},

@@ -241,6 +241,71 @@ def test_expert_mlp_matches_reference(T, K, E, start, num_local, H, I, pattern, 
         assert torch.count_nonzero(dw_gu[E // 2:]) == 0 and torch.count_nonzero(dw_d[E // 2:]) == 0
 
 
+@pytest.mark.parametrize("T,K,E,start,num_local,H,I,pattern,dtype", MLP_CASES + stage4_cases("K-equals-E"))
+def test_down_silu_bwd_matches_reference(T, K, E, start, num_local, H, I, pattern, dtype):
+    """The fused ``down_silu_bwd`` (the output gradient's rows gathered in the GEMM loads, the SiLU*up
+    gradient in the router-weight pass) against autograd through the reference down GEMM in fp32, and
+    against the launchers it replaces (``combine_bwd``, ``down_weighted_bwd``, ``silu_mul_bwd``)."""
+    torch.manual_seed(2)
+    idx = make_routing(T, K, E, pattern, seed=1)
+    counts, (inp, out, sel) = _stages_2_3(tops, idx, start, num_local, 8)
+    cum_token, cum_expert = counts[4], counts[3]
+    rt = int(cum_token[-1])
+    weights = torch.rand(T, K).to(dtype)
+    dout = torch.randn(T, H, dtype=dtype)
+    w_d = (torch.randn(num_local, H, I) / I ** 0.5).to(dtype)
+    gate_up = torch.randn(T * K, 2 * I).to(dtype)
+    # Each routed row's weight and token, from the slots.
+    slot_token = torch.repeat_interleave(torch.arange(T), counts[2].long())
+    rw_ref = torch.zeros(rt)
+    rw_ref[out[:rt].long()] = weights[slot_token, sel[:rt].long()].float()
+    assert torch.equal(inp[:rt].long()[out[:rt].long()], slot_token)
+
+    gur = gate_up[:rt].float().requires_grad_()
+    dr = w_d.float().requires_grad_()
+    rwr = rw_ref.clone().requires_grad_()
+    hr = torch.nn.functional.silu(gur[:, :I]) * gur[:, I:]
+    ref_y = reference.reference_down(hr, cum_token, dr)
+    (ref_y * rwr[:, None]).backward(dout[inp[:rt].long()].float())
+
+    rw = tops.combine.row_weights(weights, out, sel, cum_expert, T * K)
+    assert rw.dtype == torch.float32 and torch.equal(rw[:rt], rw_ref)
+    d_gate_up, dw_d, d_row_w = tops.down_silu_bwd(dout, weights, out, sel, cum_expert, inp, gate_up, cum_token, w_d)
+    assert d_gate_up.shape == (T * K, 2 * I) and d_gate_up.dtype == dtype and d_row_w.dtype == torch.float32
+    assert dw_d.shape == w_d.shape and dw_d.dtype == dtype
+    assert_close(d_gate_up[:rt], gur.grad, dtype)
+    assert_close(dw_d, dr.grad, dtype)
+    assert_close(d_row_w[:rt], rwr.grad, dtype)
+    # The composed launchers on the same inputs.
+    dy, row_w = tops.combine_bwd(dout, weights, out, sel, cum_expert)
+    dh, c_dw_d, c_d_row_w = tops.down_weighted_bwd(dy, gate_up, row_w, cum_token, w_d)
+    c_d_gate_up = tops.silu_mul_bwd(gate_up, dh, cum_token)
+    assert_close(d_gate_up[:rt], c_d_gate_up[:rt], dtype)
+    assert_close(dw_d, c_dw_d, dtype)
+    assert_close(d_row_w[:rt], c_d_row_w[:rt], dtype)
+    if pattern == "low_half":
+        assert torch.count_nonzero(dw_d[E // 2:]) == 0
+
+
+def test_down_silu_bwd_rejects_bad_inputs():
+    T, H, I, NR, K = 4, 8, 6, 2, 2
+    dout, weights = torch.randn(T, H), torch.rand(T, K)
+    inp = torch.zeros(T * K, dtype=torch.int32)
+    out = torch.arange(T * K, dtype=torch.int32)
+    sel = (torch.arange(T * K) % K).to(torch.int32)
+    cum_e = torch.arange(0, T * K + 1, K, dtype=torch.int32)
+    cum = torch.tensor([0, 4, 8], dtype=torch.int32)
+    w_d, gate_up = torch.randn(NR, H, I), torch.randn(T * K, 2 * I)
+    with pytest.raises(ValueError, match="down_silu_bwd: dout"):
+        tops.down_silu_bwd(torch.randn(T, H + 1), weights, out, sel, cum_e, inp, gate_up, cum, w_d)
+    with pytest.raises(ValueError, match="down_silu_bwd: dout"):
+        tops.down_silu_bwd(dout, weights, out, sel, cum_e, inp, torch.randn(T * K, 2 * I + 2), cum, w_d)
+    with pytest.raises(ValueError, match="cum_token_counts has 2 entries"):
+        tops.down_silu_bwd(dout, weights, out, sel, cum_e, inp, gate_up, cum[:2], w_d)
+    with pytest.raises(ValueError, match="row_weights"):
+        tops.down_silu_bwd(dout, torch.rand(T + 1, K), out, sel, cum_e, inp, gate_up, cum, w_d)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_dot_scale_writes_the_weighted_h(dtype):
     """``row_dot_scale`` (the down backward's row pass): over the RT routed rows, the router-weight
@@ -431,9 +496,10 @@ def test_no_host_sync_and_launches_per_layer():
     assert audit.syncs["forward"] == [] and audit.syncs["backward"] == []
     assert dict(fwd) == {"_count_tokens_fwd_kernel": 1, "_cumsum_counts_fwd_kernel": 1, "_build_indices_fwd_kernel": 1,
                          "_gate_up_fwd_kernel": 1, "_grouped_mm_fwd_kernel": 1, "_combine_fwd_kernel": 1}
+    # combine_bwd's kernel writes only the rows' weights: the down backward reads dout's rows in its loads,
+    # and the row pass forms the SiLU*up gradient (no _silu_mul_bwd_kernel).
     assert dict(bwd) == {"_combine_bwd_kernel": 1, "_grouped_mm_fwd_kernel": 2, "_grouped_mm_bwd_kernel": 2,
-                         "_router_weights_bwd_kernel": 1, "_silu_mul_bwd_kernel": 1, "_combine_fwd_kernel": 1,
-                         "_row_dot_scale_kernel": 1}
+                         "_router_weights_bwd_kernel": 1, "_combine_fwd_kernel": 1, "_row_dot_scale_kernel": 1}
     # Besides the router, stages 2-5 add one memset (the per-expert totals of the counting stage).
     assert audit.ops["forward"]["aten::zeros"] == 1
     # The detector does detect: the torch backend reads counts on the host.

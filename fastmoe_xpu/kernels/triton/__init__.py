@@ -14,7 +14,8 @@ from __future__ import annotations
 from ..contract import FUSED_LAUNCHERS, LAUNCHERS
 from .combine import combine_bwd, combine_fwd, router_weights_bwd
 from .counting import count_tokens
-from .grouped_gemm import down_bwd, down_fwd, down_fwd_lora, down_weighted_bwd, gate_up_bwd, gate_up_fwd, silu_mul_bwd
+from .grouped_gemm import (down_bwd, down_fwd, down_fwd_lora, down_silu_bwd, down_weighted_bwd, gate_up_bwd, gate_up_fwd,
+                           silu_mul_bwd)
 from .indices import build_indices
 
 NAME = "triton"

@@ -72,8 +72,10 @@ def _combine_bwd_kernel(
     K,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    WRITE_DY: tl.constexpr,
 ):
-    """``dy[row_i] = dout[t]`` (unweighted) and ``row_w[row_i] = weights[t, k_i]`` per slot i of t.
+    """``dy[row_i] = dout[t]`` (unweighted) and ``row_w[row_i] = weights[t, k_i]`` per slot i of t;
+    without ``WRITE_DY`` only ``row_w`` (grid ``(ceil(T/BLOCK_T), 1)``; ``dout`` and ``dy`` not read).
 
     Grid ``(ceil(T/BLOCK_T), ceil(H/BLOCK_H))``; program ``(p, c)`` owns tokens
     ``[p*BLOCK_T, (p+1)*BLOCK_T)`` and columns ``[c*BLOCK_H, (c+1)*BLOCK_H)`` of their rows of
@@ -85,11 +87,14 @@ def _combine_bwd_kernel(
     offs_t, t_mask, first, count = token_slots(cum_expert_ptr, T, BLOCK_T)
     offs_h, h_mask = tile(tl.program_id(1), BLOCK_H, H)
     tok = offs_t.to(tl.int64)
-    dout = tl.load(dout_ptr + tok[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :], other=0.0)
+    if WRITE_DY:
+        dout = tl.load(dout_ptr + tok[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & h_mask[None, :],
+                       other=0.0)
     for j in range(0, tl.max(count, axis=0)):
         has, row = slot_row(output_idx_ptr, first, count, j)
-        tl.store(dy_ptr + row[:, None] * H + offs_h[None, :], dout.to(dy_ptr.dtype.element_ty),
-                 mask=has[:, None] & h_mask[None, :])
+        if WRITE_DY:
+            tl.store(dy_ptr + row[:, None] * H + offs_h[None, :], dout.to(dy_ptr.dtype.element_ty),
+                     mask=has[:, None] & h_mask[None, :])
         if tl.program_id(1) == 0:
             k = tl.load(selected_ptr + first + j, mask=has, other=0)
             w = tl.load(weights_ptr + tok * K + k, mask=has, other=0.0).to(tl.float32)
@@ -200,9 +205,29 @@ def combine_bwd(dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices:
     _launch.launch(
         _combine_bwd_kernel, grid,
         (dout_TH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, dy, row_w, T, H, K),
-        cfg, dev,
+        cfg, dev, WRITE_DY=True,
     )
     return dy, row_w
+
+
+def row_weights(weights_TK: torch.Tensor, output_indices: torch.Tensor, selected_expert_indices: torch.Tensor,
+                cum_expert_counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """``row_weights [rows] fp32``, ``row_weights[row] = weights[t, k]`` for each slot (t, k, row): the
+    second half of :func:`combine_bwd` alone (``_combine_bwd_kernel`` without ``WRITE_DY``), for a
+    backward that reads the output gradient's rows in its GEMM loads. Rows no slot points at are
+    unspecified."""
+    T, K = _check_slots("row_weights", weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
+    dev = weights_TK.device
+    row_w = torch.empty(rows, dtype=torch.float32, device=dev)
+    if T == 0 or rows == 0:
+        return row_w
+    cfg = get_config(table_for(dev), "combine_bwd")
+    _launch.launch(
+        _combine_bwd_kernel, (triton.cdiv(T, cfg.meta["BLOCK_T"]), 1),
+        (weights_TK, weights_TK, output_indices, selected_expert_indices, cum_expert_counts, row_w, row_w, T, 0, K),
+        cfg, dev, WRITE_DY=False,
+    )
+    return row_w
 
 
 def router_weights_bwd(d_row_weights_R: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ..configs import table_for, dot_precision, get_config, uses_block_ptr
 from ..contract import check_float, check_gemm_inputs, check_index, check_stored_gemm_inputs
+from . import combine as _combine
 from . import launch as _launch
 from .common import block_ptr_dot, expert_rows, tile, weight_tile_ptrs
 from .gemm_family import dot_k_loop, row_grid, tile_grid
@@ -136,6 +137,7 @@ def _gate_up_fwd_kernel(
 @triton.jit
 def _grouped_mm_fwd_kernel(
     a_ptr,
+    idx_ptr,
     w_ptr,
     cum_token_ptr,
     out_ptr,
@@ -152,8 +154,11 @@ def _grouped_mm_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     LORA: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    GATHER_A: tl.constexpr,
 ):
-    """``out[r] = a[r] @ B_e`` for the rows r of each expert e, plus ``t[r] @ LB_e^T`` with ``LORA``.
+    """``out[r] = a[src(r)] @ B_e`` for the rows r of each expert e, plus ``t[r] @ LB_e^T`` with ``LORA``;
+    ``src(r) = idx[r]`` with ``GATHER_A`` (the down input gradient reading the output gradient's rows
+    ``dout[token(r)]`` in its loads: no ``[R, H]`` copy of them), else ``r``.
 
     ``TRANS_W``: ``B_e = W_e^T`` with ``W [NR, N, K]`` (forward); else ``B_e = W_e`` with
     ``W [NR, K, N]`` (input gradient). Grid ``(P, ceil(N/BLOCK_N), NR)`` as above; program
@@ -162,7 +167,8 @@ def _grouped_mm_fwd_kernel(
     writes ``out [R, N]`` in a's dtype. ``LORA``: a LoRA adapter's up-projection in the epilogue,
     ``t [R, RANK]`` (the rows' ``s a A_e^T``) times ``LB [NR, N, RANK]`` (``B_e``) accumulated into the
     same fp32 tile before the one store, ``RANK`` in chunks of ``BLOCK_R``; else ``t_ptr``,
-    ``lb_ptr`` and ``RANK`` are not read.
+    ``lb_ptr`` and ``RANK`` are not read. ``GATHER_A``: ``a [T, K]`` and ``idx [R]`` int32 (pointer
+    loads: the host passes ``BLOCK_PTR`` false), else ``idx_ptr`` is not read.
     """
     pid_n = tl.program_id(1)
     e, row_start, n_rows = expert_rows(cum_token_ptr)
@@ -186,7 +192,11 @@ def _grouped_mm_fwd_kernel(
                                          block_shape=(BLOCK_K, BLOCK_N), order=(1, 0))
             acc = block_ptr_dot(a_bp, b_bp, acc, K, BLOCK_K, DOT_PRECISION)
         else:
-            a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
+            if GATHER_A:
+                src = tl.load(idx_ptr + rows, mask=m_mask, other=0).to(tl.int64)
+                a_ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
+            else:
+                a_ptrs = a_ptr + rows[:, None] * K + offs_k[None, :]
             b_ptrs, b_step = weight_tile_ptrs(w_e, offs_k, offs_n, N, K, BLOCK_K, TRANS_W)
             acc = dot_k_loop(acc, a_ptrs, BLOCK_K, b_ptrs, b_step, m_mask, n_mask, offs_k, K, BLOCK_K, "float",
                              DOT_PRECISION, False)
@@ -225,9 +235,11 @@ def _grouped_mm_bwd_kernel(
     GATHER: tl.constexpr,
     BLOCK_PTR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GATHER_A: tl.constexpr,
 ):
-    """Weight gradient ``dW_e = a[rows_e]^T @ b[src(rows_e)]`` with ``src(r) = idx[r]`` when
-    ``GATHER`` else ``r``.
+    """Weight gradient ``dW_e = a[src_a(rows_e)]^T @ b[src(rows_e)]`` with ``src(r) = idx[r]`` when
+    ``GATHER`` else ``r``, and ``src_a(r) = idx[r]`` when ``GATHER_A`` (the down weight gradient
+    reading ``dout[token(r)]``; pointer loads, the host passes ``BLOCK_PTR`` false) else ``r``.
 
     Grid ``(ceil(M/BLOCK_M), ceil(N/BLOCK_N), NR)``; program ``(m, n, e)`` owns the tile
     ``[m*BLOCK_M, (m+1)*BLOCK_M) x [n*BLOCK_N, (n+1)*BLOCK_N)`` of ``dW_e`` and reduces over all of
@@ -269,18 +281,26 @@ def _grouped_mm_bwd_kernel(
                                   order=(1, 0))
         tl.store(dw_bp, acc.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
     else:
-        at_ptrs = a_ptr + (row0 + offs_k[None, :]) * M + offs_m[:, None]
         for k0 in range(0, n_rows, BLOCK_K):
             k_mask = offs_k < n_rows - k0
-            a = tl.load(at_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if GATHER:
-                src = tl.load(idx_ptr + row0 + k0 + offs_k, mask=k_mask, other=0).to(tl.int64)
+            rows_k = row0 + k0 + offs_k
+            if GATHER or GATHER_A:
+                src = tl.load(idx_ptr + rows_k, mask=k_mask, other=0).to(tl.int64)
             else:
-                src = row0 + k0 + offs_k
-            b = tl.load(b_ptr + src[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
+                src = rows_k
+            if GATHER_A:
+                a_rows = src
+            else:
+                a_rows = rows_k
+            if GATHER:
+                b_rows = src
+            else:
+                b_rows = rows_k
+            a = tl.load(a_ptr + a_rows[None, :] * M + offs_m[:, None], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + b_rows[:, None] * N + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :],
                         other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            at_ptrs += BLOCK_K * M
         dw_ptrs = dw_ptr + e.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -334,16 +354,24 @@ def _row_dot_scale_kernel(
     cum_token_ptr,
     d_row_ptr,
     hw_ptr,
+    d_gate_up_ptr,
     R,
     I,
     NR,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    SILU_BWD: tl.constexpr,
 ):
     """The down input gradient's epilogue as its own pass: ``d_row[r] = <dh_r, h_r>`` (fp32) with
     ``h = silu(gate) * up`` recomputed from ``gate_up [R, 2I]``, then ``dh_r *= rw[r]`` in place, and
     ``hw_r = rw[r] * h_r`` written (``hw [R, I]`` in dh's dtype): the down weight gradient's B operand,
     computed once here instead of once per output tile inside that GEMM's reduction.
+
+    ``SILU_BWD``: instead of writing ``rw * dh`` back, the gradient of ``silu(gate) * up`` at it goes
+    to ``d_gate_up [R, 2I]`` (dh's dtype; ``_silu_mul_bwd_kernel``'s formulas on the fp32 ``rw * dh``,
+    not on its rounded copy): the gate and up tiles are loaded here anyway, so ``silu_mul_bwd``'s pass
+    (reading ``dh`` and ``gate_up`` again) and ``dh``'s write-back go away; else ``d_gate_up_ptr`` is
+    not read.
 
     Grid ``(ceil(R/BLOCK_R),)``; program ``r`` owns rows ``[r*BLOCK_R, (r+1)*BLOCK_R)`` and walks
     their I columns in ``BLOCK_I`` steps, so a row's dot product is summed in one fixed order (no
@@ -368,9 +396,15 @@ def _row_dot_scale_kernel(
         up = tl.load(gate_up_ptr + gu + I, mask=mask, other=0.0).to(tl.float32)
         d_ptrs = dh_ptr + offs_r[:, None] * I + offs_i[None, :]
         dh = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
-        h = gate * tl.sigmoid(gate) * up
+        sig = tl.sigmoid(gate)
+        h = gate * sig * up
         dot += tl.sum(dh * h, axis=1)
-        tl.store(d_ptrs, (dh * rw[:, None]).to(out_ty), mask=mask)
+        if SILU_BWD:
+            dhw = dh * rw[:, None]
+            tl.store(d_gate_up_ptr + gu, (dhw * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask)
+            tl.store(d_gate_up_ptr + gu + I, (dhw * gate * sig).to(out_ty), mask=mask)
+        else:
+            tl.store(d_ptrs, (dh * rw[:, None]).to(out_ty), mask=mask)
         tl.store(hw_ptr + offs_r[:, None] * I + offs_i[None, :], (h * rw[:, None]).to(out_ty), mask=mask)
     tl.store(d_row_ptr + offs_r, dot, mask=r_mask)
 
@@ -420,10 +454,13 @@ LORA_BLOCK_R = 16
 
 
 def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Tensor, trans_w: bool,
-                lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                a_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``out [R, N] = a[src(r)] @ B_e`` per expert group, ``src(r) = a_rows[r]`` (``R = len(a_rows)``,
+    a gather inside the loads) when given, else ``r`` (``R = len(a)``)."""
     NR = w.shape[0]
     N, K = (w.shape[1], w.shape[2]) if trans_w else (w.shape[2], w.shape[1])
-    R = a_RK.shape[0]
+    R = a_RK.shape[0] if a_rows is None else a_rows.shape[0]
     out = a_RK.new_empty(R, N)
     if R == 0:
         return out
@@ -432,24 +469,32 @@ def _grouped_mm(a_RK: torch.Tensor, w: torch.Tensor, cum_token_counts: torch.Ten
 
     t, lb = lora if lora is not None else (a_RK, w)  # not read without LORA
     timed_launch(_grouped_mm_fwd_kernel, "grouped_mm_fwd", table, (N, K, R, NR), row_grid(R, N, NR),
-                 (a_RK, w, cum_token_counts, out, t, lb, N, K, t.shape[1] if lora is not None else 0), dev,
-                 dtype=a_RK.dtype, TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RK.dtype),
-                 LORA=lora is not None, BLOCK_R=LORA_BLOCK_R)
+                 (a_RK, a_rows if a_rows is not None else cum_token_counts, w, cum_token_counts, out, t, lb, N, K,
+                  t.shape[1] if lora is not None else 0), dev,
+                 dtype=a_RK.dtype, TRANS_W=trans_w, BLOCK_PTR=uses_block_ptr(table) and a_rows is None,
+                 DOT_PRECISION=dot_precision(table, a_RK.dtype), LORA=lora is not None, BLOCK_R=LORA_BLOCK_R,
+                 GATHER_A=a_rows is not None)
     return out
 
 
 def _grouped_mm_wgrad(a_RM: torch.Tensor, b: torch.Tensor, idx: torch.Tensor | None, cum_token_counts: torch.Tensor,
-                      w_like: torch.Tensor) -> torch.Tensor:
-    """``dW [NR, M, N] = a[rows_e]^T @ b[rows_e]`` (``b`` gathered by ``idx`` when given)."""
+                      w_like: torch.Tensor, a_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``dW [NR, M, N] = a[rows_e]^T @ b[rows_e]`` (``b`` gathered by ``idx`` when given, ``a`` by
+    ``a_rows``; not both)."""
     NR, M, N = w_like.shape
     dw = torch.empty_like(w_like)
     dev = a_RM.device
     table = table_for(dev)
+    if idx is not None and a_rows is not None:
+        raise ValueError("grouped_mm_bwd gathers one operand's rows, not both")
+    rows = a_RM.shape[0] if a_rows is None else a_rows.shape[0]
+    gather = idx if idx is not None else a_rows
 
     # Keyed on the weight's (M, N) and the rows reduced over per expert.
-    timed_launch(_grouped_mm_bwd_kernel, "grouped_mm_bwd", table, (N, M, a_RM.shape[0], NR), tile_grid(M, N, NR),
-                 (a_RM, b, idx if idx is not None else cum_token_counts, cum_token_counts, dw, M, N), dev,
-                 dtype=a_RM.dtype, GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table), DOT_PRECISION=dot_precision(table, a_RM.dtype))
+    timed_launch(_grouped_mm_bwd_kernel, "grouped_mm_bwd", table, (N, M, rows, NR), tile_grid(M, N, NR),
+                 (a_RM, b, gather if gather is not None else cum_token_counts, cum_token_counts, dw, M, N), dev,
+                 dtype=a_RM.dtype, GATHER=idx is not None, BLOCK_PTR=uses_block_ptr(table) and a_rows is None,
+                 DOT_PRECISION=dot_precision(table, a_RM.dtype), GATHER_A=a_rows is not None)
     return dw
 
 
@@ -529,21 +574,65 @@ def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weight
 
 
 def row_dot_scale(dh_RI: torch.Tensor, gate_up_R2I: torch.Tensor, row_weights_R: torch.Tensor,
-                  cum_token_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  cum_token_counts: torch.Tensor, silu_bwd: bool = False) -> tuple[torch.Tensor, ...]:
     """``(d_row_weights [R] fp32 = <dh_r, h_r>, hw [R, I] = row_weights[r] * h_r)`` with ``h``
     recomputed from ``gate_up`` in fp32 (``hw`` rounded once to dh's dtype), and ``dh_r *=
     row_weights[r]`` in place (``_row_dot_scale_kernel``; rows past RT untouched in ``dh`` and
-    unspecified in ``hw``)."""
+    unspecified in ``hw``). ``silu_bwd``: ``dh`` is left as it is and a third result, ``d_gate_up
+    [R, 2I]``, the gradient of SiLU*up at ``row_weights[r] * dh_r`` (what :func:`silu_mul_bwd` gives
+    from the scaled ``dh``), is written in the same pass."""
     R, I = dh_RI.shape
     d_row_w = torch.empty(R, dtype=torch.float32, device=dh_RI.device)
     hw = torch.empty_like(dh_RI)
+    d_gate_up = _alloc_rows(dh_RI, R, 2 * I) if silu_bwd else None
     if R and I:
         dev = dh_RI.device
         cfg = get_config(table_for(dev), "row_dot_scale")
         _launch.launch(_row_dot_scale_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
-                       (dh_RI, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, hw, R, I,
-                        cum_token_counts.numel() - 1), cfg, dev)
-    return d_row_w, hw
+                       (dh_RI, gate_up_R2I, row_weights_R, cum_token_counts, d_row_w, hw,
+                        d_gate_up if silu_bwd else hw, R, I, cum_token_counts.numel() - 1), cfg, dev,
+                       SILU_BWD=silu_bwd)
+    return (d_row_w, hw, d_gate_up) if silu_bwd else (d_row_w, hw)
+
+
+def down_silu_bwd(dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                  selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor,
+                  input_indices: torch.Tensor, gate_up_R2I: torch.Tensor, cum_token_counts: torch.Tensor,
+                  w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``combine_bwd``, ``down_weighted_bwd`` and ``silu_mul_bwd`` in three launches (and a small
+    one for the rows' weights), with no ``[R, H]`` row gradients and no ``[R, I]`` round trip:
+    ``(d_gate_up [R, 2I], dw_down [NR, H, I], d_row_weights [R] fp32)``, R = ``len(input_indices)``.
+
+    The input-gradient GEMM reads each row's output gradient ``dout[input_indices[r]]`` inside its
+    loads (``_grouped_mm_fwd_kernel``'s ``GATHER_A``), the row pass (``_row_dot_scale_kernel``'s
+    ``SILU_BWD``) forms the router-weight dots, ``w * h`` and the SiLU*up gradient at ``w * dh``, and
+    the weight gradient reads the same gathered rows of ``dout`` against ``w * h``. On the block-pointer
+    (Intel) table the rows are gathered once by ``combine_bwd`` instead, as ``down_weighted_bwd`` has them."""
+    check_float("down_silu_bwd", None, dout=dout_TH, gate_up=gate_up_R2I, w_down=w_down_NHI)
+    check_index("down_silu_bwd", dout_TH.device, input_indices=input_indices, cum_token_counts=cum_token_counts)
+    NR, H, I = w_down_NHI.shape
+    R = input_indices.shape[0]
+    if dout_TH.dim() != 2 or dout_TH.shape[1] != H or gate_up_R2I.shape != (R, 2 * I):
+        raise ValueError(f"down_silu_bwd: dout {tuple(dout_TH.shape)} and gate_up {tuple(gate_up_R2I.shape)} do not "
+                         f"fit down_proj {tuple(w_down_NHI.shape)} and {R} rows (expected [T, {H}] and [{R}, {2 * I}])")
+    if cum_token_counts.numel() != NR + 1:
+        raise ValueError(f"down_silu_bwd: cum_token_counts has {cum_token_counts.numel()} entries, expected {NR + 1}")
+    if uses_block_ptr(table_for(dout_TH.device)):
+        # Intel: the gathered rows would leave the 2D block loads for pointer loads, and the gathered
+        # input-gradient GEMM spills at its default tile in the PVC compile gate (docs/xpu.md): the rows
+        # are written once as [R, H] and both GEMMs read them through block pointers.
+        dy, row_weights_R = _combine.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                                 cum_expert_counts)
+        rows = None
+    else:
+        dy, rows = dout_TH, input_indices
+        row_weights_R = _combine.row_weights(weights_TK, output_indices, selected_expert_indices, cum_expert_counts,
+                                             R)
+    dh = _grouped_mm(dy, w_down_NHI, cum_token_counts, False, a_rows=rows)
+    d_row_w, hw, d_gate_up = row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts, silu_bwd=True)
+    del dh
+    dw = _grouped_mm_wgrad(dy, hw, None, cum_token_counts, w_down_NHI, a_rows=rows)
+    return d_gate_up, dw, d_row_w
 
 
 def _alloc_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
