@@ -182,6 +182,8 @@ def test_tma_engine_through_autograd_matches_reference(launched, backend):
         assert_close(a, b, torch.float32, f"d{name}")
     assert torch.count_nonzero(grads[2][4]) == 0 and torch.count_nonzero(grads[3][4]) == 0
     assert TMA_KERNELS <= set(launched)
+    # the engine's fused down backward: the SiLU*up gradient in the router-weight pass, no silu_mul_bwd
+    assert launched["_row_dot_scale_kernel"] == 1 and "_silu_mul_bwd_kernel" not in launched
 
 
 def test_unaligned_widths_run_the_plain_kernels(launched):

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ..configs import CONFIGS, dot_precision, table_for
 from ..contract import check_float, check_index, check_stored_gemm_inputs
+from . import combine as _combine
 from . import grouped_gemm as _plain
 from .launch import timed_launch
 from .common import item_tile, next_expert, row_walk_start, tile
@@ -408,6 +409,25 @@ def down_weighted_bwd(dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, row_weight
     return dh, dw, d_row_w
 
 
+def down_silu_bwd(dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                  selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor,
+                  input_indices: torch.Tensor, gate_up_R2I: torch.Tensor, cum_token_counts: torch.Tensor,
+                  w_down_NHI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused down backward (``contract.FUSED_LAUNCHERS``) on this engine's GEMMs: ``(d_gate_up [R, 2I],
+    dw_down, d_row_weights [R] fp32)``. The output gradient's rows are written once by ``combine_bwd``
+    (TMA descriptors load boxes of consecutive rows, not gathered ones); the SiLU*up gradient is formed
+    in the router-weight pass (``row_dot_scale`` with ``silu_bwd``), so ``dh`` makes no round trip
+    through ``silu_mul_bwd``. ``input_indices`` is not read."""
+    dy_RH, row_weights_R = _combine.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                                cum_expert_counts)
+    _plain.check_down_weighted_bwd(dy_RH, gate_up_R2I, row_weights_R, cum_token_counts, w_down_NHI)
+    dh = _grouped_mm(dy_RH, w_down_NHI, cum_token_counts, False)
+    d_row_w, hw, d_gate_up = _plain.row_dot_scale(dh, gate_up_R2I, row_weights_R, cum_token_counts, silu_bwd=True)
+    del dh
+    dw = _wgrad(dy_RH, hw, None, cum_token_counts, w_down_NHI)
+    return d_gate_up, dw, d_row_w
+
+
 def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
                 cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx_rows [R, H] = d_gate_up @ w_gate_up[e]`` and ``dw_gate_up [NR, 2I, H] = d_e^T @ x[rows_e]``
@@ -418,5 +438,5 @@ def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: 
     return dx_rows, dw
 
 
-#: The launchers this engine provides (``silu_mul_bwd`` comes from the kernel backend).
-LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")
+#: The launchers this engine provides (``silu_mul_bwd`` comes from the kernel backend), and its fused one.
+LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd", "down_silu_bwd")
