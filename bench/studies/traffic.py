@@ -74,6 +74,7 @@ class Op:
     read: int
     written: int
     shapes: str = ""
+    regathered: int = 0  #: bytes more if every gathered row were read from HBM (:data:`GATHERED_OPERANDS`)
 
 
 @dataclass
@@ -86,6 +87,30 @@ class Pass:
         n_op = sum(o.kind == "op" for o in self.ops)
         n_k = sum(o.kind == "kernel" for o in self.ops)
         return n_op, n_k, sum(o.read for o in self.ops), sum(o.written for o in self.ops)
+
+
+#: Kernels that read an operand's rows through an index: ``name -> [(operand arg, index arg, constexpr
+#: that turns the gather on, or None: always)]``. Counted once (its distinct rows) in the table; a row
+#: taken by K routed rows is read K times, from L2 when it is still there, from HBM when not.
+GATHERED_OPERANDS = {
+    "_gate_up_fwd_kernel": [(0, 1, None)],
+    "_grouped_mm_fwd_kernel": [(0, 1, "GATHER_A")],
+    "_grouped_mm_bwd_kernel": [(1, 2, "GATHER"), (0, 2, "GATHER_A")],
+    "_int8_grouped_mm_kernel": [(0, 2, "GATHER")],
+    "_fp8_grouped_mm_kernel": [(0, 2, "GATHER")],
+}
+
+
+def regathered_bytes(name: str, args: Any, constexprs: dict) -> int:
+    """The bytes a launch of kernel ``name`` reads beyond its gathered operands' distinct rows when
+    every gathered row comes from HBM: ``len(index) * row bytes - the operand's bytes``."""
+    extra = 0
+    for src, idx, flag in GATHERED_OPERANDS.get(name, ()):
+        if flag is not None and not constexprs.get(flag):
+            continue
+        a, rows = args[src], args[idx]
+        extra += max(0, rows.numel() * a.stride(0) * a.element_size() - unique_bytes(a))
+    return extra
 
 
 def _desc(t: Any) -> str:
@@ -151,7 +176,8 @@ def recording() -> Iterator[_Recorder]:
         for g in grid:
             progs *= int(g)
         name = getattr(kernel, "fn", kernel).__name__
-        rec.add(Op(name, "kernel", total, 0, f"{config.name} grid={tuple(int(g) for g in grid)} ({progs} programs)"))
+        rec.add(Op(name, "kernel", total, 0, f"{config.name} grid={tuple(int(g) for g in grid)} ({progs} programs)",
+                   regathered_bytes(name, args, constexprs)))
 
     launch_mod.launch = record
     try:
@@ -161,14 +187,31 @@ def recording() -> Iterator[_Recorder]:
         launch_mod.launch = real
 
 
+#: A kernel set named ``<set>:composed``: the set without its fused launchers (``contract.FUSED_LAUNCHERS``),
+#: so the op composes their work from the required ones, as before the fusion; to compare the two.
+COMPOSED = ":composed"
+
+
+def _launchers(kernel_set: str) -> tuple[Any, frozenset]:
+    """The launchers of ``kernel_set`` and the names hidden from the op (``:composed``: the fused ones)."""
+    from fastmoe_xpu.kernels import kernels
+    from fastmoe_xpu.kernels.contract import FUSED_LAUNCHERS
+
+    if kernel_set.endswith(COMPOSED):
+        return kernels(kernel_set[:-len(COMPOSED)]), frozenset(FUSED_LAUNCHERS)
+    return kernels(kernel_set), frozenset()
+
+
 class _Labelled:
     """The launchers of a kernel set, each call run inside ``around(name)`` (a context manager: a new
-    pass named after the launcher, or a timed span)."""
+    pass named after the launcher, or a timed span); the names in ``hidden`` are absent."""
 
-    def __init__(self, launchers: Any, around: Callable[[str], Any]) -> None:
-        self._l, self._around = launchers, around
+    def __init__(self, launchers: Any, hidden: frozenset, around: Callable[[str], Any]) -> None:
+        self._l, self._around, self._hidden = launchers, around, hidden
 
     def __getattr__(self, name: str) -> Any:
+        if name in self._hidden:
+            raise AttributeError(name)
         fn = getattr(self._l, name)
         if not callable(fn):
             return fn
@@ -196,7 +239,7 @@ def _new_pass(rec: _Recorder, name: str) -> Iterator[None]:
 #: down forward [R, I] x [I, H]; the down backward's input gradient and weight gradient (one down GEMM
 #: each); the gate/up backward's input gradient and weight gradient (one gate/up GEMM each). The other
 #: passes (combine, SiLU*up backward, router weights) do no GEMM.
-GEMM_MACS_PER_ROW_HI = {"gate_up_fwd": 2, "down_fwd": 1, "down_weighted_bwd": 2, "gate_up_bwd": 4}
+GEMM_MACS_PER_ROW_HI = {"gate_up_fwd": 2, "down_fwd": 1, "down_weighted_bwd": 2, "down_silu_bwd": 2, "gate_up_bwd": 4}
 
 
 def gemm_flops(pass_name: str, T: int, H: int, I: int, K: int) -> int:
@@ -239,7 +282,7 @@ def layer_inputs(T: int, H: int, I: int, E: int, K: int, dtype: torch.dtype, dev
 
         g = generator(device, seed)  # on a GPU drawn there: billions of elements at T=32k (cases.draw_device)
         topk = torch.rand(T, E, generator=g, device=g.device).topk(K, dim=1).indices.to(device)
-        rows = route(topk, 0, E, kernel_set, False)
+        rows = route(topk, 0, E, kernel_set.removesuffix(COMPOSED), False)
 
         def new(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, generator=g, device=g.device) / H ** 0.5).to(device=device, dtype=dtype)
@@ -259,25 +302,21 @@ def _layer_passes(launchers: Any, inputs: tuple[torch.Tensor, ...], between=lamb
 def layer_traffic(kernel_set: str, T: int, H: int, I: int, E: int, K: int, dtype: torch.dtype,
                   table: str = "cuda") -> list[Pass]:
     """The passes of one layer's forward and backward (stages 4-5) on kernel set ``kernel_set``, each
-    with its GEMM FLOPs."""
-    from fastmoe_xpu.kernels import kernels
-    from fastmoe_xpu.kernels.configs import use
-    from fastmoe_xpu.kernels.quantized import core as qcore
-
+    with its GEMM FLOPs (``<set>:composed``: without its fused launchers)."""
     return count_passes(kernel_set, layer_inputs(T, H, I, E, K, dtype), table)
 
 
 def count_passes(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str = "cuda") -> list[Pass]:
     """The passes of one forward and backward on ``inputs`` (:func:`layer_inputs`), counted; the Triton
     kernels do not run (on a real device their outputs are left unwritten)."""
-    from fastmoe_xpu.kernels import kernels
     from fastmoe_xpu.kernels.configs import use
     from fastmoe_xpu.kernels.quantized import core as qcore
 
     (T, H), (_, I2, _), K = inputs[0].shape, inputs[1].shape, inputs[3].shape[1]
     qcore.forget_weights()
+    launchers, hidden = _launchers(kernel_set)
     with use(table), recording() as rec:
-        _layer_passes(_Labelled(kernels(kernel_set), functools.partial(_new_pass, rec)), inputs,
+        _layer_passes(_Labelled(launchers, hidden, functools.partial(_new_pass, rec)), inputs,
                       between=lambda: setattr(rec, "current", Pass("(between)")))
     qcore.forget_weights()
     passes = [p for p in rec.passes if p.ops]
@@ -296,22 +335,24 @@ def report(kernel_set: str, passes: list[Pass], bandwidth_gbs: float, detail: bo
     longer of its bytes at ``bandwidth_gbs`` and its FLOPs at ``peak_tflops``), and a total line."""
     lines = [f"### {kernel_set}", "",
              "| pass | torch ops | Triton launches | GB torch ops (read + written) | GB Triton kernels (arguments "
-             "once) | ms at bandwidth | GEMM GFLOP | ms at peak | floor ms |", "|---|---|---|---|---|---|---|---|---|"]
-    tot = [0, 0, 0, 0, 0]
+             "once) | GB if gathered rows miss L2 | ms at bandwidth | GEMM GFLOP | ms at peak | floor ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    tot = [0, 0, 0, 0, 0, 0]
     floor_total = 0.0
     for p in passes:
         n_op = sum(o.kind == "op" for o in p.ops)
         n_k = sum(o.kind == "kernel" for o in p.ops)
         by_ops = sum(o.read + o.written for o in p.ops if o.kind == "op")
         by_k = sum(o.read + o.written for o in p.ops if o.kind == "kernel")
-        tot = [a + b for a, b in zip(tot, (n_op, n_k, by_ops, by_k, p.flops))]
+        regather = sum(o.regathered for o in p.ops)
+        tot = [a + b for a, b in zip(tot, (n_op, n_k, by_ops, by_k, p.flops, regather))]
         floor = floor_ms(by_ops + by_k, p.flops, bandwidth_gbs, peak_tflops or float("inf"))
         floor_total += floor
-        lines.append(f"| {p.name} | {n_op} | {n_k} | {_gb(by_ops)} | {_gb(by_k)} | "
+        lines.append(f"| {p.name} | {n_op} | {n_k} | {_gb(by_ops)} | {_gb(by_k)} | {_gb(by_k + regather)} | "
                      f"{(by_ops + by_k) / bandwidth_gbs / 1e6:.2f} | {p.flops / 1e9:.1f} | "
                      f"{_at_peak(p.flops, peak_tflops)} | "
                      f"{floor:.2f} |")
-    lines.append(f"| **total** | {tot[0]} | {tot[1]} | {_gb(tot[2])} | {_gb(tot[3])} | "
+    lines.append(f"| **total** | {tot[0]} | {tot[1]} | {_gb(tot[2])} | {_gb(tot[3])} | {_gb(tot[3] + tot[5])} | "
                  f"{(tot[2] + tot[3]) / bandwidth_gbs / 1e6:.2f} | {tot[4] / 1e9:.1f} | "
                  f"{_at_peak(tot[4], peak_tflops)} | "
                  f"{floor_total:.2f} |")
@@ -363,7 +404,6 @@ def time_launches(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str 
     """Each pass of one forward and backward on ``inputs`` timed, and each Triton launch in it: the
     minimum over ``rounds`` calls after a warm-up one (CUDA / XPU events on a device, the host clock on
     the CPU, where the torch set's passes are its launches)."""
-    from fastmoe_xpu.kernels import kernels
     from fastmoe_xpu.kernels.configs import use
     from fastmoe_xpu.kernels.quantized import core as qcore
     from fastmoe_xpu.kernels.triton import launch as launch_mod
@@ -395,7 +435,7 @@ def time_launches(kernel_set: str, inputs: tuple[torch.Tensor, ...], table: str 
     launch_mod.launch = timed_launch
     try:
         with use(table), torch.no_grad():
-            launchers = _Labelled(kernels(kernel_set), span)
+            launchers = _Labelled(*_launchers(kernel_set), span)
             for r in range(rounds + 1):
                 marks.clear()
                 _layer_passes(launchers, inputs)
@@ -492,13 +532,35 @@ def main(argv: list[str] | None = None) -> int:
         for ks in args.sets:
             peak = args.peak_tflops or peak_for(model, ks, args.dtype)
             if args.time is None or ks != "torch":  # the torch set reads its bounds on the host: not on meta
-                print(report(ks, layer_traffic(ks, *shape, dtype, args.table), bandwidth, args.detail, peak))
+                passes = layer_traffic(ks, *shape, dtype, args.table)
+                print(report(ks, passes, bandwidth, args.detail, peak))
                 print(f"(GEMM FLOPs at {peak:.0f} TFLOP/s; floor: the longer of bytes at the bandwidth and FLOPs "
-                      "at the peak, per pass)\n")
+                      "at the peak, per pass)")
+                print(fused_vs_composed(ks, passes, shape, dtype, args.table) + "\n")
             if args.time is not None:
                 print(time_report(ks, shape, dtype, args.time, args.table, args.rounds), flush=True)
                 print()
     return 0
+
+
+def fused_vs_composed(kernel_set: str, passes: list[Pass], shape: tuple[int, int, int, int, int],
+                      dtype: torch.dtype, table: str) -> str:
+    """One line: the set's bytes against the same set without its fused launchers (``<set>:composed``),
+    both ways of counting; empty when the set has no fused launcher the layer uses."""
+    if kernel_set.endswith(COMPOSED):
+        return ""
+    composed = layer_traffic(kernel_set + COMPOSED, *shape, dtype, table)
+    if [p.name for p in composed] == [p.name for p in passes]:
+        return ""
+
+    def gb(ps: list[Pass]) -> tuple[int, int]:
+        once = sum(o.read + o.written for p in ps for o in p.ops)
+        return once, once + sum(o.regathered for p in ps for o in p.ops)
+
+    (f1, f2), (c1, c2) = gb(passes), gb(composed)
+    return (f"F+B bytes with the fused launchers: {_gb(f1)} GB (arguments once), {_gb(f2)} GB (gathered rows "
+            f"from HBM); composed ({kernel_set}{COMPOSED}): {_gb(c1)} / {_gb(c2)} GB: {100 * (1 - f1 / c1):.1f}% / "
+            f"{100 * (1 - f2 / c2):.1f}% fewer")
 
 
 def time_report(kernel_set: str, shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: str,

@@ -26,10 +26,11 @@ transformers versions found there (no network), and writes everything into one f
 5. ``mula``: ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, with the benchmark's GEMM-only bound;
-6. ``launches``: ``bench traffic --shape all --sets triton --time <dev>``: each Triton launch of one bf16
+6. ``launches``: ``bench traffic --shape all --sets triton triton:composed --time <dev>``: each Triton launch of one bf16
    forward+backward (stages 4-5) at the practitioners' shapes timed with device events (min of 3 after a
    warm-up): its ms, GB/s and TFLOP/s beside the bytes and GEMM FLOPs counted on the meta device and
-   the pass's roofline floor (H200's figures), so the backward's time is placed pass by pass;
+   the pass's roofline floor (H200's figures), so the backward's time is placed pass by pass; beside it
+   the same set without its fused launchers (``:composed``), what the fused down backward gains or loses;
 7. ``memcheck``: ``compute-sanitizer`` over a small forward+backward (CUDA, where the tool is installed;
    otherwise the step says why it did not run; where the tool refuses the device, e.g. ``Device not
    supported``, the step is reported as not run with the tool's own words and does not fail the check);
@@ -263,7 +264,8 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
     steps.append(Step(
         key="launches", name="each launch of one bf16 F+B timed at the practitioners' shapes (ms, GB/s, TFLOP/s), "
                              "beside its counted bytes, FLOPs and roofline floor",
-        argv=[*bench, "traffic", "--shape", "all", "--sets", "triton", "--time", device, "--rounds", "3"],
+        argv=[*bench, "traffic", "--shape", "all", "--sets", "triton", "triton:composed", "--time", device, "--rounds",
+              "3"],
         timeout_s=lim("launches"), env=cache,
     ))
     for tool, size in (("memcheck", "small"), ("racecheck", "tiny")):
