@@ -26,8 +26,9 @@ transformers versions found there (no network), and writes everything into one f
 5. ``mula``: ``bench --device <dev> --dtype bf16`` on the Mula presets against ``hf_v4``,
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, with the benchmark's GEMM-only bound;
-6. ``launches``: ``bench traffic --shape all --sets triton triton:composed --time <dev>``: each Triton launch of one bf16
-   forward+backward (stages 4-5) at the practitioners' shapes timed with device events (min of 3 after a
+6. ``launches``: ``bench traffic --shape olmoe-1b-7b qwen3-30b-a3b qwen3-235b-a22b --sets triton triton:composed
+   triton+fp8 --time <dev>``: each Triton launch of one bf16 and one fp8 forward+backward (stages 4-5) at
+   three practitioners' shapes (the goals' two first) timed with device events (min of 3 after a
    warm-up): its ms, GB/s and TFLOP/s beside the bytes and GEMM FLOPs counted on the meta device and
    the pass's roofline floor (H200's figures), so the backward's time is placed pass by pass; beside it
    the same set without its fused launchers (``:composed``), what the fused down backward gains or loses;
@@ -102,6 +103,8 @@ DEFAULT_STEPS = ("compare", "tests", "rows", "mula", "launches", "memcheck")
 #: 12 s, mula 56 s, memcheck 41 s.
 SHARES = {"compare": 0.42, "tests": 0.15, "rows": 0.05, "mula": 0.14, "launches": 0.10, "memcheck": 0.14,
           "racecheck": 0.3, "liger-tuned": 0.8, "decode": 0.3, "configs": 0.8}
+#: The launches step's shapes (of the practitioners' set, timed in this order): the device goals' two first.
+LAUNCH_SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 #: The decode step's providers: transformers' two implementations for small batches and ours (hf_v4, the
 #: correctness reference, runs too, eagerly: its masks are read on the host, so it cannot be captured).
 DECODE_PROVIDERS = ("hf_v5_grouped_mm", "hf_v5_batched_mm", "fastmoe/triton")
@@ -264,8 +267,8 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
     steps.append(Step(
         key="launches", name="each launch of one bf16 F+B timed at the practitioners' shapes (ms, GB/s, TFLOP/s), "
                              "beside its counted bytes, FLOPs and roofline floor",
-        argv=[*bench, "traffic", "--shape", "all", "--sets", "triton", "triton:composed", "--time", device, "--rounds",
-              "3"],
+        argv=[*bench, "traffic", "--shape", *LAUNCH_SHAPES, "--sets", "triton", "triton:composed", "triton+fp8",
+              "--time", device, "--rounds", "3"],
         timeout_s=lim("launches"), env=cache,
     ))
     for tool, size in (("memcheck", "small"), ("racecheck", "tiny")):

@@ -181,7 +181,11 @@ def test_the_gpu_kit_step_is_this_command_line(tmp_path, capsys):
     from fastmoe_xpu.tools import gpu_check
 
     (step,) = [s for s in gpu_check.plan("cuda", tmp_path, tmp_path, 540.0) if s.key == "launches"]
-    assert step.argv[3:6] == ["traffic", "--shape", "all"] and step.timeout_s <= 0.1 * 540
+    assert step.argv[3:5] == ["traffic", "--shape"] and step.timeout_s <= 0.1 * 540
+    shapes = step.argv[5:step.argv.index("--sets")]
+    assert shapes[:2] == ["olmoe-1b-7b", "qwen3-30b-a3b"] and len(shapes) == 3
+    sets = step.argv[step.argv.index("--sets") + 1:step.argv.index("--time")]
+    assert sets == ["triton", "triton:composed", "triton+fp8"]
     assert step.argv[step.argv.index("--time") + 1] == "cuda"
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the step would run")
