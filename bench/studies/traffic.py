@@ -98,6 +98,8 @@ GATHERED_OPERANDS = {
     "_grouped_mm_bwd_kernel": [(1, 2, "GATHER"), (0, 2, "GATHER_A")],
     "_int8_grouped_mm_kernel": [(0, 2, "GATHER")],
     "_fp8_grouped_mm_kernel": [(0, 2, "GATHER")],
+    "_fp8q_rows_kernel": [(0, 1, "GATHER")],
+    "_fp8q_cols_kernel": [(0, 1, "GATHER")],
 }
 
 

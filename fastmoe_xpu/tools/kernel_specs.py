@@ -227,34 +227,38 @@ def _fp8_pass_variants(act: str) -> list:
     rows times the router weights (e4m3); SiLU*up and the router-weight dots."""
     e4, e5 = "*fp8e4nv", "*fp8e5"
     fmt = {e4: dict(QMAX=448.0, MANT=3, MIN_EXP=-6), e5: dict(QMAX=57344.0, MANT=2, MIN_EXP=-14)}
-    rows_aligned = ("v_ptr", "cs_ptr", "cum_token_ptr", "q_ptr", "s_ptr", "L")
+    rows_aligned = ("v_ptr", "idx_ptr", "cs_ptr", "cum_token_ptr", "q_ptr", "s_ptr", "L")
     out = []
-    for tag, key, v_ty, q_ty, cols, has_cs, routed in (
-            ("rows:x", "fp8q_rows", act, e4, False, False, False),
-            ("rows:h", "fp8q_rows", act, e4, False, False, True),
-            ("rows:dgrad", "fp8q_rows", act, e5, False, True, True),
-            ("wcols", "fp8q_wcols", act, e4, True, False, False)):
-        sig = {"v_ptr": v_ty, "cs_ptr": "*fp32", "cum_token_ptr": _P32, "q_ptr": q_ty, "s_ptr": "*fp32", "C": _I32,
-               "L": _I32, "NR": _I32}
+    # rows:dgrad+gather: the fused down backward's output-gradient rows, read by token
+    for tag, key, v_ty, q_ty, cols, has_cs, routed, gather in (
+            ("rows:x", "fp8q_rows", act, e4, False, False, False, False),
+            ("rows:h", "fp8q_rows", act, e4, False, False, True, False),
+            ("rows:dgrad", "fp8q_rows", act, e5, False, True, True, False),
+            ("rows:dgrad+gather", "fp8q_rows", act, e5, False, True, True, True),
+            ("wcols", "fp8q_wcols", act, e4, True, False, False, False)):
+        sig = {"v_ptr": v_ty, "idx_ptr": _P32, "cs_ptr": "*fp32", "cum_token_ptr": _P32, "q_ptr": q_ty,
+               "s_ptr": "*fp32", "C": _I32, "L": _I32, "NR": _I32}
         out.append((f"fp8q_{'wcols' if cols else 'rows'}[{tag}]", key, fp8_gemm._fp8q_rows_kernel, sig,
-                    {**fmt[q_ty], "ROUND_FIRST": False, "COLS": cols, "HAS_CS": has_cs, "ROUTED_ONLY": routed},
+                    {**fmt[q_ty], "ROUND_FIRST": False, "COLS": cols, "HAS_CS": has_cs, "ROUTED_ONLY": routed,
+                     "GATHER": gather},
                     rows_aligned if not cols else rows_aligned[:-1] + ("C",)))
     csig = {"v_ptr": act, "idx_ptr": _P32, "rw_ptr": "*fp32", "cum_token_ptr": _P32, "pcum_ptr": _P32, "q_ptr": e4,
             "s_ptr": "*fp32", "N": _I32, "LD": _I32, "NR": _I32, "stride_v": _I32}
     caligned = ("v_ptr", "idx_ptr", "rw_ptr", "cum_token_ptr", "pcum_ptr", "q_ptr", "s_ptr", "N", "LD", "stride_v")
-    for tag, q_ty, gather, silu in (("grad", e5, False, False), ("gather", e4, True, False),
-                                    ("silu", e4, False, True)):
+    for tag, q_ty, gather, silu in (("grad", e5, False, False), ("grad+gather", e5, True, False),
+                                    ("gather", e4, True, False), ("silu", e4, False, True)):
         out.append((f"fp8q_cols[{tag}]", "fp8q_cols", fp8_gemm._fp8q_cols_kernel, {**csig, "q_ptr": q_ty},
                     {**fmt[q_ty], "ROUND_FIRST": False, "GATHER": gather, "SILU": silu, "ROW_W": silu,
-                     "WRITE_PCUM": not (gather or silu), "ROW_ALIGN": fp8_gemm.ROW_ALIGN}, caligned))
+                     "WRITE_PCUM": q_ty == e5, "ROW_ALIGN": fp8_gemm.ROW_ALIGN}, caligned))
     out.append(("fp8q_silu_mul", "fp8q_silu_mul", fp8_gemm._fp8q_silu_mul_kernel, {
         "gate_up_ptr": act, "h_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32, "NR": _I32},
         {"ROUND_FIRST": False},
         ("gate_up_ptr", "h_ptr", "cum_token_ptr", "I")))
-    out.append(("fp8q_row_dot", "fp8q_row_dot", fp8_gemm._fp8q_row_dot_kernel, {
-        "g_ptr": "*fp32", "gate_up_ptr": act, "rw_ptr": "*fp32", "cum_token_ptr": _P32, "dh_ptr": act,
-        "d_row_ptr": "*fp32", "R": _I32, "I": _I32, "NR": _I32}, {"ROUND_FIRST": False},
-        ("g_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "dh_ptr", "d_row_ptr", "I")))
+    for silu_bwd in (False, True):  # with SILU_BWD: the fused down backward's SiLU*up gradient
+        out.append((f"fp8q_row_dot{'[silu_bwd]' if silu_bwd else ''}", "fp8q_row_dot", fp8_gemm._fp8q_row_dot_kernel, {
+            "g_ptr": "*fp32", "gate_up_ptr": act, "rw_ptr": "*fp32", "cum_token_ptr": _P32, "dh_ptr": act,
+            "d_row_ptr": "*fp32", "R": _I32, "I": _I32, "NR": _I32}, {"ROUND_FIRST": False, "SILU_BWD": silu_bwd},
+            ("g_ptr", "gate_up_ptr", "rw_ptr", "cum_token_ptr", "dh_ptr", "d_row_ptr", "I")))
     return out
 
 

@@ -26,7 +26,8 @@ def test_unique_bytes_counts_expanded_dims_once():
 def test_fp8_path_runs_every_row_pass_in_triton():
     passes = traffic.layer_traffic("triton+fp8", T, H, I, E, K, torch.bfloat16)
     names = [p.name for p in passes]
-    assert names[:2] == ["gate_up_fwd", "down_fwd"] and "down_weighted_bwd" in names and "gate_up_bwd" in names
+    assert names[:2] == ["gate_up_fwd", "down_fwd"] and "down_silu_bwd" in names and "gate_up_bwd" in names
+    assert "silu_mul_bwd" not in names and "combine_bwd" not in names  # the fused down backward
     kernels = [o.name for _, o in _ops(passes) if o.kind == "kernel"]
     assert kernels.count("_fp8_grouped_mm_kernel") == 4 and kernels.count("_fp8_grouped_wgrad_kernel") == 2
     # the weights quantized in the forward (one kernel each), reused by the backward; x, h and the two
@@ -71,7 +72,13 @@ def test_the_fused_backward_moves_a_fifth_fewer_bytes():
     assert sum(p.flops for p in fused) == sum(p.flops for p in composed)
     line = traffic.fused_vs_composed("triton", fused, (T_, H_, I_, E_, K_), torch.bfloat16, "cuda")
     assert "15.184 GB (arguments once)" in line and "22.0% / 11.3% fewer" in line
-    assert traffic.fused_vs_composed("triton+fp8", traffic.layer_traffic("triton+fp8", T, H, I, E, K, torch.bfloat16),
+    # fp8 next to the Triton base has the fused down backward too; int8 has none: no line
+    fp8 = traffic.layer_traffic("triton+fp8", T_, H_, I_, E_, K_, torch.bfloat16)
+    fp8_composed = traffic.layer_traffic("triton+fp8:composed", T_, H_, I_, E_, K_, torch.bfloat16)
+    (f1, f2), (c1, c2) = _gb(fp8), _gb(fp8_composed)
+    assert c1 - f1 >= R * H_ * b + T_ * H_ * b + 3 * R * I_ * b - 1e7 and f2 < c2
+    assert "fewer" in traffic.fused_vs_composed("triton+fp8", fp8, (T_, H_, I_, E_, K_), torch.bfloat16, "cuda")
+    assert traffic.fused_vs_composed("triton+int8", traffic.layer_traffic("triton+int8", T, H, I, E, K, torch.bfloat16),
                                      (T, H, I, E, K), torch.bfloat16, "cuda") == ""
 
 

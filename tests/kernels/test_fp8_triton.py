@@ -423,6 +423,59 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
     # two weights quantized in the forward, none again in the backward
     assert launched.count("_fp8q_rows_kernel") == 2 + 2 + 2, launched  # + x, h; + two input gradients
     assert launched.count("_fp8q_cols_kernel") == 4, launched
+    # the fused down backward: no [R, H] copy of the output gradient's rows, no silu_mul_bwd pass
+    assert "_silu_mul_bwd_kernel" not in launched and launched.count("_combine_bwd_kernel") == 1, launched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantize_rows_gathered_equals_the_gathered_copy(dev, dtype):
+    """``quantize_rows`` reading rows ``v[idx[c]]`` by index (the down backward's output-gradient rows by
+    token) gives the codes and scales of the copied rows, with and without the experts' column scales,
+    ``routed_only`` leaving rows past RT aside (their idx points anywhere)."""
+    g = torch.Generator().manual_seed(11)
+    T, L, counts = 13, 37, [5, 0, 11, 3]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32).to(dev)
+    rt = sum(counts)
+    v = (torch.randn(T, L, generator=g) * torch.rand(L, generator=g) * 3).to(dtype).to(dev)
+    idx = torch.randint(0, T, (rt + 4,), generator=g, dtype=torch.int32).to(dev)
+    cs = torch.rand(len(counts), L, generator=g).to(dev) + 0.1
+    for fmt in (E4M3, E5M2):
+        q, sc = fp8_gemm.quantize_rows(v, fmt, idx=idx)
+        wq, wsc = fp8_gemm.quantize_rows(v[idx.long()], fmt)
+        assert q.shape == (rt + 4, L) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+        assert torch.equal(sc, wsc)
+        q, sc = fp8_gemm.quantize_rows(v, fmt, cs, cum, routed_only=True, idx=idx)
+        wq, wsc = fp8_gemm.quantize_rows(v[idx.long()], fmt, cs, cum, routed_only=True)
+        assert torch.equal(q[:rt].view(torch.uint8), wq[:rt].view(torch.uint8)) and torch.equal(sc[:rt], wsc[:rt])
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_gemm.quantize_rows(v[None], E4M3, idx=idx)
+
+
+@pytest.mark.parametrize("shape", [(29, 24, 20, 16, 4, 3, 9), (37, 33, 20, 7, 3, 0, 7), (5, 16, 9, 9, 2, 0, 9)],
+                         ids=["local-slice", "odd-H-I", "empty-experts"])
+def test_fused_down_backward_equals_the_composed_one(dev, shape, launched, no_host_bounds):
+    """``down_silu_bwd`` of ``triton+fp8`` (the output gradient's rows read by token in both quantization
+    passes, the SiLU*up gradient in the router-weight pass) gives exactly what ``combine_bwd``,
+    ``down_weighted_bwd`` and ``silu_mul_bwd`` give in turn: the same codes, so the same bits."""
+    from fastmoe_xpu.autograd import ops
+
+    T, H, I, E, K, start, nl = shape
+    x, weights, idx, w_gu, w_d, dout = layer_case(T, H, I, E, K, seed=4, empty=T == 5)
+    w_gu, w_d = w_gu[start:start + nl].contiguous().to(dev), w_d[start:start + nl].contiguous().to(dev)
+    tri = kernels("triton+fp8")
+    rows = ops.route(idx.to(dev), start, nl, "triton", True)
+    inp, out, sel, cum, cum_e = rows
+    gate_up, _ = tri.gate_up_fwd(x.to(dev), inp, cum, w_gu)
+    weights, dout = weights.to(dev), dout.to(dev)
+    rt = int(cum[-1])
+    launched.clear()
+    d_gu, dw, d_row = tri.down_silu_bwd(dout, weights, out, sel, cum_e, inp, gate_up, cum, w_d)
+    assert "_silu_mul_bwd_kernel" not in launched and launched.count("_combine_bwd_kernel") == 1, launched
+    dy, row_w = tri.combine_bwd(dout, weights, out, sel, cum_e)
+    dh, c_dw, c_d_row = tri.down_weighted_bwd(dy, gate_up, row_w, cum, w_d)
+    c_d_gu = tri.silu_mul_bwd(gate_up, dh, cum)
+    assert torch.equal(dw, c_dw) and torch.equal(d_row[:rt], c_d_row[:rt])
+    assert torch.equal(d_gu[:rt], c_d_gu[:rt])  # fp32 activations: no rounding between the two
 
 
 def test_overlapped_promotion_gives_the_same_sums(dev, monkeypatch):

@@ -144,22 +144,26 @@ def _weight(w: torch.Tensor, f, transposed: bool, reuse: bool, k) -> "QWeight": 
 
 def _fp8_backward(k, g: torch.Tensor, a: torch.Tensor, qw, f, cum_token_counts: torch.Tensor, d_rows: torch.Tensor,
                   dw: torch.Tensor, transposed: bool = False, a_idx: torch.Tensor | None = None,
-                  a_silu_weights: torch.Tensor | None = None) -> None:  # noqa: ANN001
+                  a_silu_weights: torch.Tensor | None = None, g_idx: torch.Tensor | None = None) -> None:  # noqa: ANN001
     """:func:`_grouped_backward` on the Triton fp8 kernels, every operand quantized in one pass: the
     input gradient's rows times their expert's weight scales (found on the device), and the weight
     gradient's column codes of ``g`` and of ``a`` (``a_idx``: the rows ``a[a_idx]``;
     ``a_silu_weights``: ``a`` is ``gate_up`` and the rows are ``a_silu_weights[r] * silu(gate_r) *
-    up_r``, recomputed in fp32 on the way)."""
+    up_r``, recomputed in fp32 on the way; ``g_idx``: the gradient's rows are ``g[g_idx]``, read by
+    index in both quantization passes)."""
     R = d_rows.shape[0]
     if R == 0:
         dw.zero_()
         return
-    qg, sg = k.quantize_rows(g[:R], f.grad, qw.scales, cum_token_counts, routed_only=True)
+    if g_idx is not None:
+        qg, sg = k.quantize_rows(g, f.grad, qw.scales, cum_token_counts, routed_only=True, idx=g_idx[:R])
+    else:
+        qg, sg = k.quantize_rows(g[:R], f.grad, qw.scales, cum_token_counts, routed_only=True)
     k.fp8_grouped_mm(qg, sg, None, qw.codes, None, cum_token_counts, d_rows, trans_w=transposed)
     NR = cum_token_counts.numel() - 1
     pcum = torch.empty(NR + 1, dtype=torch.int32, device=g.device)  # the blocks' bounds, summed by the kernel
     length = padded_length(R, NR)
-    qgc, sgc = k.quantize_cols_grouped_t(g, f.grad, cum_token_counts, length, padded_cum_out=pcum)
+    qgc, sgc = k.quantize_cols_grouped_t(g, f.grad, cum_token_counts, length, idx=g_idx, padded_cum_out=pcum)
     if a_silu_weights is not None:
         qa, sa = k.quantize_cols_grouped_t(a, f.forward, cum_token_counts, length, row_weights=a_silu_weights,
                                            silu=True)
@@ -345,6 +349,38 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     return dh, dw, d_row_w
 
 
+def down_silu_bwd(fmt: str, dout_TH: torch.Tensor, weights_TK: torch.Tensor, output_indices: torch.Tensor,
+                  selected_expert_indices: torch.Tensor, cum_expert_counts: torch.Tensor, input_indices: torch.Tensor,
+                  gate_up_R2I: torch.Tensor, cum_token_counts: torch.Tensor, w_down_NHI: torch.Tensor,
+                  grouped: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused down backward (``contract.FUSED_LAUNCHERS``) next to the Triton base: ``(d_gate_up [R, 2I],
+    dw_down, d_row_weights [R] fp32)`` with the same codes and scales as ``combine_bwd``,
+    :func:`down_weighted_bwd` and ``silu_mul_bwd`` in turn. On the Triton fp8 kernels the output
+    gradient's rows ``dout[input_indices[r]]`` are read by index in both of their quantization passes
+    (no ``[R, H]`` copy), and the router-weight pass writes the SiLU*up gradient at ``w * g`` rounded as
+    ``dh`` would have been (no ``dh`` round trip); elsewhere the three steps run as they are."""
+    from ..triton import combine as tcombine
+    from ..triton import grouped_gemm as tgemm
+
+    k = _fp8_triton(grouped, fmt, dout_TH.device)
+    if k is None:
+        dy, row_w = tcombine.combine_bwd(dout_TH, weights_TK, output_indices, selected_expert_indices,
+                                         cum_expert_counts)
+        dh, dw, d_row_w = down_weighted_bwd(fmt, dy, gate_up_R2I, row_w, cum_token_counts, w_down_NHI, grouped)
+        return tgemm.silu_mul_bwd(gate_up_R2I, dh, cum_token_counts), dw, d_row_w
+    f = FORMATS[fmt]
+    R, inter = input_indices.shape[0], w_down_NHI.shape[2]
+    row_w = tcombine.row_weights(weights_TK, output_indices, selected_expert_indices, cum_expert_counts, R)
+    dw = _pooled(tuple(w_down_NHI.shape), w_down_NHI)
+    qw = _weight(w_down_NHI, f, False, True, k)
+    g = torch.empty(R, inter, dtype=torch.float32, device=dout_TH.device)
+    _fp8_backward(k, dout_TH, gate_up_R2I, qw, f, cum_token_counts, g, dw, a_silu_weights=row_w, g_idx=input_indices)
+    d_gate_up = dout_TH.new_empty(R, 2 * inter)
+    d_row_w = torch.empty(R, dtype=torch.float32, device=dout_TH.device)
+    k.row_dot_scale(g, gate_up_R2I, row_w, cum_token_counts, d_gate_up, d_row_w, silu_bwd=True)
+    return d_gate_up, dw, d_row_w
+
+
 def gate_up_bwd(fmt: str, d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: torch.Tensor,
                 cum_token_counts: torch.Tensor, w_gate_up_N2IH: torch.Tensor, grouped: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,6 +418,15 @@ def bind(fmt: str, grouped: bool = False) -> dict[str, Callable[..., Any]]:
     return {name: functools.partial(globals()[name], fmt) for name in LAUNCHERS}
 
 
+#: The fused launcher of the fp8 format next to the Triton base (``contract.FUSED_LAUNCHERS``).
+FP8_TRITON_FUSED = ("down_silu_bwd",)
+
+
 def launchers_for(fmt: str, base: str) -> SimpleNamespace:
-    """The launchers of format ``fmt`` next to kernel base ``base``."""
-    return SimpleNamespace(LAUNCHERS=LAUNCHERS, **bind(fmt, grouped=base == "triton"))
+    """The launchers of format ``fmt`` next to kernel base ``base`` (fp8 next to the Triton base: and
+    :func:`down_silu_bwd`)."""
+    launchers = bind(fmt, grouped=base == "triton")
+    if fmt == "fp8" and base == "triton":
+        launchers.update({name: functools.partial(globals()[name], fmt, grouped=True) for name in FP8_TRITON_FUSED})
+        return SimpleNamespace(LAUNCHERS=LAUNCHERS + FP8_TRITON_FUSED, **launchers)
+    return SimpleNamespace(LAUNCHERS=LAUNCHERS, **launchers)

@@ -37,6 +37,8 @@ elements.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -115,6 +117,7 @@ def _fp8_grouped_wgrad_kernel(l_ptr, sl_ptr, r_ptr, sr_ptr, pcum_ptr, out_ptr, M
 @triton.jit
 def _fp8q_rows_kernel(
     v_ptr,
+    idx_ptr,
     cs_ptr,
     cum_token_ptr,
     q_ptr,
@@ -132,6 +135,7 @@ def _fp8q_rows_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    GATHER: tl.constexpr = False,
 ):
     """Per-line quantization: ``v`` holds B blocks of C lines of L values, one fp32 scale per line
     (``amax / qmax``, ``s [B, C]``) and codes ``round(v * qmax / amax)`` (``q``, v's layout). A line is
@@ -141,7 +145,10 @@ def _fp8q_rows_kernel(
     ``cum_token_counts [NR+1]`` on the device (rows past RT: the last expert's), as the input
     gradients need (``dy * s(W)``). ``ROUTED_ONLY`` (rows): programs past RT exit (their rows'
     codes are unspecified). Two sweeps over each line: the amax, then the codes (the same fp32
-    operations as :func:`..quantized.core.quantize_rows`, so the same codes and scales).
+    operations as :func:`..quantized.core.quantize_rows`, so the same codes and scales). ``GATHER``
+    (rows, B = 1): line c is the row ``v[idx[c]]`` of ``v [T, L]`` (``idx [C]`` int32; the down
+    backward's output-gradient rows read by token, no ``[R, L]`` copy), its codes at row c of ``q [C, L]``;
+    else ``idx_ptr`` is not read.
 
     Grid ``(ceil(C/BLOCK_C), B)``."""
     b = tl.program_id(1).to(tl.int64)
@@ -151,6 +158,11 @@ def _fp8q_rows_kernel(
     if COLS:
         base = b * C * L + offs_c.to(tl.int64)[:, None]
         step = C
+    elif GATHER:
+        src = tl.load(idx_ptr + offs_c, mask=c_mask, other=0).to(tl.int64)
+        base = src[:, None] * L
+        step = 1
+        dst = offs_c.to(tl.int64)[:, None] * L - base  # the codes' offset from the values'
     else:
         base = b * C * L + offs_c.to(tl.int64)[:, None] * L
         step = 1
@@ -173,6 +185,8 @@ def _fp8q_rows_kernel(
     code_ty = q_ptr.dtype.element_ty
     for l0 in range(0, L, BLOCK_L):
         v, at, mask = line_values(v_ptr, base, step, l0 + offs_l, c_mask, L, cs_rows, HAS_CS)
+        if GATHER:
+            at = at + dst
         tl.store(q_ptr + at, to_fp8(v * inv[:, None], code_ty, MANT, MIN_EXP, ROUND_FIRST), mask=mask)
 
 
@@ -294,10 +308,13 @@ def _fp8q_row_dot_kernel(
     ROUND_FIRST: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
+    SILU_BWD: tl.constexpr = False,
 ):
     """After the down input gradient ``g [R, I]`` (fp32): ``d_row[r] = <g_r, h_r>`` (fp32, ``h =
     silu(gate) * up`` recomputed from ``gate_up [R, 2I]``) and ``dh_r = rw[r] * g_r`` in dh's dtype,
-    for the RT routed rows. Grid ``(ceil(R/BLOCK_R),)``."""
+    for the RT routed rows. ``SILU_BWD``: ``dh`` is ``d_gate_up [R, 2I]`` instead, the gradient of
+    SiLU*up at ``dh_r`` rounded to that dtype (what ``silu_mul_bwd`` computes from the stored ``dh``:
+    its formulas, in fp32), so ``dh`` is neither written nor read back. Grid ``(ceil(R/BLOCK_R),)``."""
     out_ty = dh_ptr.dtype.element_ty
     row_end = tl.minimum(tl.load(cum_token_ptr + NR), R)
     offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -311,7 +328,15 @@ def _fp8q_row_dot_kernel(
         at = offs_r[:, None] * I + offs_i[None, :]
         g = tl.load(g_ptr + at, mask=mask, other=0.0)
         dot += tl.sum(g * (silu(gate) * up), axis=1)
-        tl.store(dh_ptr + at, to_float(g * rw[:, None], out_ty, ROUND_FIRST), mask=mask)
+        dh = to_float(g * rw[:, None], out_ty, ROUND_FIRST)
+        if SILU_BWD:
+            dh = dh.to(tl.float32)
+            sig = tl.sigmoid(gate)
+            gu = offs_r[:, None] * 2 * I + offs_i[None, :]
+            tl.store(dh_ptr + gu, to_float(dh * up * sig * (1.0 + gate * (1.0 - sig)), out_ty, ROUND_FIRST), mask=mask)
+            tl.store(dh_ptr + gu + I, to_float(dh * gate * sig, out_ty, ROUND_FIRST), mask=mask)
+        else:
+            tl.store(dh_ptr + at, dh, mask=mask)
     tl.store(d_row_ptr + offs_r, dot, mask=r_mask)
 
 
@@ -392,19 +417,26 @@ def _cfg(kernel: str, dev: torch.device):  # noqa: ANN202
 
 def quantize_rows(v: torch.Tensor, dtype: torch.dtype, col_scales: torch.Tensor | None = None,
                   cum_token_counts: torch.Tensor | None = None, routed_only: bool = False,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [..., L], scales [...])`` of ``v [..., L]`` with one scale per row (the same codes and
     scales as :func:`..quantized.core.quantize_rows`) in one kernel. ``col_scales [NR, L]``: row r
     of the 2-D ``v`` is first multiplied by the column scales of its expert (from
     ``cum_token_counts [NR+1]``, on the device; rows past RT take the last expert's).
     ``routed_only``: only the RT rows (``cum_token_counts[-1]``) are quantized, the others' codes
-    and scales are unspecified."""
+    and scales are unspecified. ``idx [C]`` int32: the rows are ``v[idx[c]]`` of the 2-D ``v [T, L]``
+    (read by index inside the kernel), codes ``[C, L]``."""
     dev = v.device
     v = v.contiguous()
     L = v.shape[-1]
-    C = v.numel() // L if L else 0
-    codes = torch.empty(v.shape, dtype=dtype, device=dev)
-    scales = torch.empty(v.shape[:-1], dtype=torch.float32, device=dev)
+    if idx is not None:
+        if v.dim() != 2:
+            raise ValueError("quantize_rows: gathered rows need a 2-D v")
+        shape = (idx.shape[0], L)
+    else:
+        shape = tuple(v.shape)
+    C = (math.prod(shape) // L) if L else 0
+    codes = torch.empty(shape, dtype=dtype, device=dev)
+    scales = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
     if C == 0 or L == 0:
         return codes, scales.zero_()
     has_cs = col_scales is not None
@@ -414,8 +446,10 @@ def quantize_rows(v: torch.Tensor, dtype: torch.dtype, col_scales: torch.Tensor 
     cs = col_scales.float().contiguous() if has_cs else scales
     cum = cum_token_counts if cum_token_counts is not None else scales
     cfg = _cfg("fp8q_rows", dev)
-    _launch.launch(_fp8q_rows_kernel, (triton.cdiv(C, cfg.meta["BLOCK_C"]), 1), (v, cs, cum, codes, scales, C, L, nr),
-                   cfg, dev, **_format(dtype, dev), COLS=False, HAS_CS=has_cs, ROUTED_ONLY=routed_only)
+    _launch.launch(_fp8q_rows_kernel, (triton.cdiv(C, cfg.meta["BLOCK_C"]), 1),
+                   (v, idx if idx is not None else cum, cs, cum, codes, scales, C, L, nr),
+                   cfg, dev, **_format(dtype, dev), COLS=False, HAS_CS=has_cs, ROUTED_ONLY=routed_only,
+                   GATHER=idx is not None)
     return codes, scales
 
 
@@ -432,8 +466,9 @@ def quantize_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fals
     if w.numel() == 0:
         return codes, scales.zero_()
     cfg = _cfg("fp8q_wcols", dev)
-    _launch.launch(_fp8q_rows_kernel, (triton.cdiv(C, cfg.meta["BLOCK_C"]), B), (w, scales, scales, codes, scales, C, L, 1),
-                   cfg, dev, **_format(dtype, dev), COLS=True, HAS_CS=False, ROUTED_ONLY=False)
+    _launch.launch(_fp8q_rows_kernel, (triton.cdiv(C, cfg.meta["BLOCK_C"]), B),
+                   (w, scales, scales, scales, codes, scales, C, L, 1),
+                   cfg, dev, **_format(dtype, dev), COLS=True, HAS_CS=False, ROUTED_ONLY=False, GATHER=False)
     return codes, scales
 
 
@@ -484,9 +519,11 @@ def silu_mul(gate_up: torch.Tensor, cum_token_counts: torch.Tensor, out: torch.T
 
 
 def row_dot_scale(g: torch.Tensor, gate_up: torch.Tensor, row_weights: torch.Tensor, cum_token_counts: torch.Tensor,
-                  dh: torch.Tensor, d_row: torch.Tensor) -> None:
+                  dh: torch.Tensor, d_row: torch.Tensor, silu_bwd: bool = False) -> None:
     """For the routed rows: ``d_row[r] = <g_r, silu(gate_r) * up_r>`` and ``dh_r = row_weights[r] * g_r``
-    (in dh's dtype); ``g [R, I]`` fp32, ``gate_up [R, 2I]``, ``dh [R, I]``, ``d_row [R]`` fp32."""
+    (in dh's dtype); ``g [R, I]`` fp32, ``gate_up [R, 2I]``, ``dh [R, I]``, ``d_row [R]`` fp32.
+    ``silu_bwd``: ``dh [R, 2I]`` receives the gradient of SiLU*up at that ``dh_r`` instead (what
+    ``silu_mul_bwd`` gives from it)."""
     R, I = g.shape
     if R == 0:
         return
@@ -494,4 +531,4 @@ def row_dot_scale(g: torch.Tensor, gate_up: torch.Tensor, row_weights: torch.Ten
     cfg = _cfg("fp8q_row_dot", dev)
     _launch.launch(_fp8q_row_dot_kernel, (triton.cdiv(R, cfg.meta["BLOCK_R"]),),
                    (g, gate_up.contiguous(), row_weights.float().contiguous(), cum_token_counts, dh, d_row, R, I,
-                    cum_token_counts.numel() - 1), cfg, dev, ROUND_FIRST=dev.type == "cpu")
+                    cum_token_counts.numel() - 1), cfg, dev, ROUND_FIRST=dev.type == "cpu", SILU_BWD=silu_bwd)
