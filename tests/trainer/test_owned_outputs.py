@@ -26,10 +26,10 @@ def _export(capsys, *args: str) -> tuple[int, str]:
 
 def _refused(capsys, root: Path, *args: str) -> str:
     """Runs the export, which must refuse in one line (exit 2) and leave every file under ``root`` as it was."""
-    before = snapshot(root)
+    before = snapshot(root, dirs=True)
     code, err = _export(capsys, *args)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
-    assert snapshot(root) == before
+    assert snapshot(root, dirs=True) == before
     return err
 
 
@@ -92,12 +92,12 @@ def test_export_names_the_damaged_slot_it_skipped_and_what_an_empty_run_lacks(da
 def test_an_export_over_the_run_is_refused_before_any_work(data_cache, tmp_path):
     run = tmp_path / "run"
     Trainer(small_cfg(data_cache, str(run), steps=1, eval__enabled=False)).fit()
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, dirs=True)
     for target in (run, tmp_path, run / "checkpoints"):
         with pytest.raises(ConfigError, match=f"--eval.export_hf {target} is or holds the run's "):
             Trainer(small_cfg(data_cache, str(run), steps=1, eval__enabled=False, eval__export_hf=str(target),
                               eval__overwrite=True))
-    assert snapshot(tmp_path) == before
+    assert snapshot(tmp_path, dirs=True) == before
 
 
 def test_another_run_is_refused_and_the_same_run_resumes_its_records(data_cache, tmp_path, capsys):
@@ -105,13 +105,13 @@ def test_another_run_is_refused_and_the_same_run_resumes_its_records(data_cache,
     Trainer(small_cfg(data_cache, str(run), steps=2, eval__enabled=False)).fit()
     metrics = run / "metrics.jsonl"
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, dirs=True)
     with pytest.raises(ConfigError, match=r"--out .* holds another run \(.*run\.json: --seed 0 -> 1\); give this "
                                           r"run a fresh --out, or that run's configuration to resume it"):
         Trainer(dataclasses.replace(small_cfg(data_cache, str(run), steps=2, eval__enabled=False), seed=1))
     with pytest.raises(ConfigError, match="--model.num_layers"):
         Trainer(small_cfg(data_cache, str(run), "small-moe", steps=2, eval__enabled=False))
-    assert snapshot(tmp_path) == before
+    assert snapshot(tmp_path, dirs=True) == before
     # the same configuration again: complete already, its records kept
     capsys.readouterr()
     Trainer(small_cfg(data_cache, str(run), steps=2, eval__enabled=False)).fit()
@@ -135,13 +135,13 @@ def test_preprocess_overwrite_replaces_only_its_own_data_set(tmp_path, capsys):
     assert marker["kind"] == "data set" and "manifest.json" in marker["files"]
     assert prep("--overwrite") == 0
     (out / "run.json").write_text("{}")
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, dirs=True)
     capsys.readouterr()
     assert prep("--overwrite") == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"fastmoe-preprocess: error: --out {out} holds a training run (run.json); --overwrite replaces "
                    "only a data set written there and nothing else: give a new or empty directory"), err
-    assert snapshot(tmp_path) == before
+    assert snapshot(tmp_path, dirs=True) == before
 
 
 def test_make_run_twice_and_what_the_command_line_refuses(tmp_path, capsys):
@@ -166,13 +166,13 @@ def test_make_run_twice_and_what_the_command_line_refuses(tmp_path, capsys):
     assert (hf / "model.safetensors").read_bytes() == first
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     # an export over the run, and another run in its --out: one line, exit 2, nothing touched
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, dirs=True)
     for extra, says in ((["--export-hf", str(run), "--eval.overwrite"], f"--eval.export_hf {run} is or holds the "
                          f"run's --out"), (["--preset", "small-moe"], f"--out {run} holds another run (")):
         assert main([*argv, *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"error: {says}"), err
-        assert snapshot(tmp_path) == before
+        assert snapshot(tmp_path, dirs=True) == before
 
 
 def test_an_export_folder_taken_during_training_loses_nothing(data_cache, tmp_path, capsys):

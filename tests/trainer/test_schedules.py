@@ -179,7 +179,7 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
     assert [r["lr"] for r in trunk] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4])
     slot = next(p for p in (main_out / "checkpoints").glob("slot-*") if json.loads(
         (p / "meta.json").read_text())["step"] == 6)
-    before = snapshot(main_out)
+    before = snapshot(main_out, dirs=True)
 
     branch_out = tmp_path / "decay3"
     argv = ["--preset", "tiny-moe", "--context", "16", "--global-batch", "8", "--micro-batch", "2", "--warmup", "2",
@@ -192,7 +192,7 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
     assert f"resumed from {slot} at step 6" in out
     assert "steps 1-6 had the same rates on both, continuing on the new schedule" in out
     assert "schedule: wsd, warmup steps 1-2, stable at 1.00e-03 steps 3-6, linear decay to 1.00e-04 steps 7-9" in out
-    assert snapshot(main_out) == before  # read, never written to
+    assert snapshot(main_out, dirs=True) == before  # read, never written to
 
     branch = read_metrics(str(branch_out / "metrics.jsonl"))
     assert [r["step"] for r in branch] == [7, 8, 9]
@@ -207,7 +207,7 @@ def test_a_decay_branch_from_a_stable_checkpoint(tmp_path, data_cache, capsys): 
     # the same command again resumes from the branch's own checkpoint, not from the trunk's
     assert main(argv) == 0
     assert f"resumed from {branch_out / 'checkpoints'}" in capsys.readouterr().out
-    assert snapshot(main_out) == before
+    assert snapshot(main_out, dirs=True) == before
 
 
 # ------------------------------------------------------------------------------ the chart

@@ -229,13 +229,17 @@ def maybe_hang(step: int, rank: int) -> None:
 def check_out_dir(path: str | os.PathLike) -> None:
     """Raise ValueError (one line naming the path and the reason) unless ``path`` is, or can be
     made, a writable directory. Called before any model is built, so a bad ``--out`` costs nothing
-    and is not retried by the launcher (exit 2)."""
+    and is not retried by the launcher (exit 2). A directory that was there keeps its times: the probe
+    file made and removed in it does not show as a change (a refused command changes nothing)."""
     p = Path(path)
     try:
+        before = p.stat() if p.is_dir() else None
         p.mkdir(parents=True, exist_ok=True)
         probe = p / f".write-test-{socket.gethostname()}-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
+        if before is not None:
+            os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns))
     except OSError as e:
         reason = e.strerror or type(e).__name__
         if isinstance(e, (NotADirectoryError, FileExistsError)):

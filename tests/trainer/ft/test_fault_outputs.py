@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parents[3]
 def test_check_out_dir(tmp_path: Path) -> None:
     fault.check_out_dir(tmp_path / "new" / "dir")
     assert (tmp_path / "new" / "dir").is_dir()
+    # a directory that was there keeps its times through the probe (made and removed in it)
+    old = tmp_path / "old"
+    old.mkdir()
+    os.utime(old, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    fault.check_out_dir(old)
+    assert old.stat().st_mtime_ns == 1_000_000_000_000_000_000 and list(old.iterdir()) == []
     f = tmp_path / "file"
     f.write_text("")
     with pytest.raises(ValueError, match="regular file"):
