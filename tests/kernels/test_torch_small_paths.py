@@ -149,3 +149,22 @@ def test_layer_gradients_through_launchers(engine, T, H, I, E, K, start, nl, off
     assert_close(out, want, torch.float32, "out")
     for name, a, b in zip(("x", "w_gate_up", "w_down", "weights"), grads, want_grads):
         assert_close(a, b, torch.float32, f"d {name}")
+
+
+@pytest.mark.parametrize("inter", [1, 7, grouped_gemm.SHORT_ROWS - 1, grouped_gemm.SHORT_ROWS, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra_rows", [0, 3])
+def test_silu_mul_bwd_both_row_lengths_match_autograd(inter, dtype, extra_rows):
+    """``silu_mul_bwd`` below ``SHORT_ROWS`` columns (contiguous copies of gate and up) and from it
+    on (the column slices, a piece of rows at a time) against autograd of ``silu(gate) * up`` in
+    fp64; ``gate_up`` may hold rows past the ``dh`` rows (R > RT), which are not read."""
+    g = torch.Generator().manual_seed(inter)
+    rt = 37
+    gate_up = torch.randn(rt + extra_rows, 2 * inter, generator=g).to(dtype)
+    dh = torch.randn(rt, inter, generator=g).to(dtype)
+    got = grouped_gemm.silu_mul_bwd(gate_up, dh)
+    assert got.shape == (rt, 2 * inter) and got.dtype == dtype
+    gu = gate_up[:rt].double().requires_grad_()
+    gate, up = gu.chunk(2, 1)
+    (torch.nn.functional.silu(gate) * up).backward(dh.double())
+    assert_close(got, gu.grad.to(dtype), dtype, f"silu_mul_bwd I={inter}")
