@@ -201,9 +201,13 @@ def untimed_engine(backend: str, gemm_engine: str, device: torch.device | str, d
     except KeyError:
         pass
     answer = None
-    if (backend == "torch" and torch.device(device).type == "cpu" and layer_macs(*shape) <= SMALL_LAYER_MACS
+    dev = torch.device(device)
+    # Whether the engine is one of ``candidates`` here, asked of it alone: the others' availability
+    # checks run probe GEMMs, a few milliseconds of a first call that times nothing.
+    if (backend == "torch" and dev.type == "cpu" and layer_macs(*shape) <= SMALL_LAYER_MACS
             and resolve_request(gemm_engine, backend) == "auto"
-            and SMALL_LAYER_ENGINE in candidates(backend, device, dtype)):
+            and IMPLEMENTATIONS[backend].timed(dev) and IMPLEMENTATIONS[SMALL_LAYER_ENGINE].timed(dev)
+            and unavailable_reason(SMALL_LAYER_ENGINE, backend, dev, dtype) is None):
         answer = SMALL_LAYER_ENGINE
     if len(_UNTIMED_ANSWERS) >= 4096:  # one entry per token count seen: bounded for long generations
         _UNTIMED_ANSWERS.clear()

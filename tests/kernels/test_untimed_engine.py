@@ -30,7 +30,7 @@ def _inputs(T, H, I, E, K, seed=0):
     return x, w_gu, w_d, weights, idx
 
 
-def test_untimed_engine_answers_only_for_small_auto_layers_on_the_cpu():
+def test_untimed_engine_answers_only_for_small_auto_layers_on_the_cpu(monkeypatch):
     T, H, I, E, K = SHAPE
     small, large = (T, K, H, I, E), (2048, 8, 2048, 1024, 64)
     assert registry.layer_macs(*small) > 4 * 2**20 >= registry.layer_macs(48, 2, 64, 32, 8)
@@ -48,6 +48,12 @@ def test_untimed_engine_answers_only_for_small_auto_layers_on_the_cpu():
         assert registry.untimed_engine("torch", "auto", "meta", torch.float32, small) is None
     with settings.override(gemm_engine="native"):
         assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, small) is None
+    # where the engine cannot run (a torch without grouped_mm), the layer times its candidates as before
+    monkeypatch.setattr(registry, "unavailable_reason", lambda engine, *a: f"no {engine}")
+    registry.forget_choices()
+    with settings.override(gemm_engine="auto"):
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, small) is None
+    registry.forget_choices()
 
 
 def _grads(out, tensors, seed=1):
