@@ -501,6 +501,27 @@ def test_id_guard_never_reads_the_device_off_the_cpu() -> None:
     check_ids(torch.full((4, 2), E - 1, dtype=torch.long), E)
 
 
+def test_id_guard_answer_is_reused_by_the_counting_stage(monkeypatch) -> None:
+    """On the CPU the guard's one ``aminmax`` is the counting stage's "every id local" answer for the
+    same ids: stages 2 and 3 then run without another; ids changed in place are asked about again."""
+    from fastmoe_xpu.integrations.experts import check_ids
+    from fastmoe_xpu.kernels import torch as torch_kernels
+    from fastmoe_xpu.kernels.torch import counting
+
+    idx = torch.tensor([[0, 1], [E - 1, 2]])
+    check_ids(idx, E)
+    calls = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(t) or aminmax(t))
+    c = torch_kernels.count_tokens(idx, 0, E, 8)
+    torch_kernels.build_indices(idx, c.partial_cum_token_counts, c.cum_expert_counts, 0, E, 8)
+    assert not calls
+    idx[0, 0] = E  # in place: asked again, and refused
+    with pytest.raises(ValueError, match="outside"):
+        check_ids(idx, E)
+    assert len(calls) == 1 and not counting.all_local(idx, 0, E)
+
+
 def test_routed_rows_read_only_under_expert_parallelism() -> None:
     """Without EP every slot is routed: T * K, no device read (a meta tensor proves it); with EP
     sentinels the count is read back."""

@@ -40,6 +40,7 @@ from .. import settings
 from ..autograd.moe_experts import moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
+from ..kernels.torch.counting import all_local
 from .peft_lora import is_peft_wrapper, parametrized_weights, stored_weight, unwrap_experts, wrapper_chain
 
 #: The name under which the implementation is registered.
@@ -201,10 +202,10 @@ def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
     accelerator: ``torch._assert_async``, a device-side check that never waits for the device (a
     host read here would be a sync per layer); a bad id then fails at the next synchronisation."""
     if top_k_index.device.type == "cpu":
-        if top_k_index.numel():
-            lo, hi = torch.aminmax(top_k_index)  # one call: a small layer's whole step is a few dozen
-            if int(lo) < 0 or int(hi) >= num_experts:
-                raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
+        # One aminmax (a small layer's whole step is a few dozen ops), whose answer the torch
+        # backend's counting and index stages then reuse for these ids (``counting.all_local``).
+        if top_k_index.numel() and not all_local(top_k_index, 0, num_experts):
+            raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
         return
     bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
     torch._assert_async(~bad, f"fastmoe experts: top_k_index holds ids outside [0, {num_experts}) and "
