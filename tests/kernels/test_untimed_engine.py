@@ -83,3 +83,32 @@ def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypa
         assert_close(g, r, msg=name)
     if grad:
         assert not got[1][-1].any() and not got[2][-1].any()  # the expert no token chose
+
+
+def test_small_layer_with_lora_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch):
+    """A layer with per-expert LoRA adapters in the same size range: the staged LoRA chain on the
+    untimed engine, nothing timed; output and gradients (input, router weights, every adapter) are
+    the reference's."""
+    from fastmoe_xpu.autograd.lora_ops import ExpertsLora, LoraWeights
+    from fastmoe_xpu.reference import reference_lora_experts_forward
+
+    T, H, I, E, K = SHAPE
+    x, w_gu, w_d, weights, idx = _inputs(*SHAPE)
+    w_gu, w_d = w_gu.detach(), w_d.detach()  # frozen base weights
+    g = torch.Generator().manual_seed(3)
+    ad = lambda *s: (0.3 * torch.randn(*s, generator=g)).requires_grad_()  # noqa: E731
+    lg, ld = (ad(E, 5, H), ad(E, 2 * I, 5), 0.75), (ad(E, 5, I), ad(E, H, 5), 2.0)
+    ran: list[str] = []
+    kernels = ops.kernels
+    monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
+    monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
+    registry.forget_choices()
+    with settings.override(gemm_engine="auto"):
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="auto",
+                                  lora=ExpertsLora(LoraWeights(*lg), LoraWeights(*ld)))
+    assert registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE) in ran and not registry._WATCHES
+    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
+    assert_close(out, ref, msg="forward")
+    inputs = [x, weights, *lg[:2], *ld[:2]]
+    for name, a, b in zip(("dx", "dweights", "A1", "B1", "A2", "B2"), _grads(out, inputs), _grads(ref, inputs)):
+        assert_close(a, b, msg=name)
