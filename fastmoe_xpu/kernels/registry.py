@@ -175,9 +175,9 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
 
 
 #: ``auto``'s engine, untimed, for a small layer on the CPU (:func:`untimed_engine`): where timing
-#: could only save a fraction of a millisecond per call and costs the first call tens of milliseconds.
+#: could only save a fraction of a millisecond per call and cost a tiny model's first call 60-210 ms.
 #: ``grouped_mm`` was the fastest full-precision engine at every layer of at most 24 Mi
-#: multiply-accumulates measured (docs/small_shapes.md, "auto without timing").
+#: multiply-accumulates measured (docs/small_shapes.md, "Whole tiny models of each family").
 SMALL_LAYER_ENGINE = "grouped_mm"
 #: The largest layer (:func:`layer_macs`) that takes :data:`SMALL_LAYER_ENGINE` untimed.
 SMALL_LAYER_MACS = 16 * 2**20
