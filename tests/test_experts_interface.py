@@ -193,6 +193,37 @@ def test_gpt_oss_clamped_swiglu() -> None:
     _compare(module, x, idx, torch.rand(9, 2))
 
 
+@pytest.mark.parametrize("flags, act, gate_mixin", [
+    ({"is_transposed": True, "has_bias": True}, "silu", None),
+    ({"is_concatenated": False}, "silu", _Interleaved),
+    ({"has_gate": False}, "relu2", None),
+    ({}, "gelu", None),
+], ids=["transposed-biased", "interleaved", "no-gate", "gelu"])
+def test_plain_path_small_layer_takes_the_untimed_engine(flags, act, gate_mixin, monkeypatch) -> None:
+    """With ``auto`` (not the suite's pinned "native"), a small layer on the plain path runs its two
+    grouped GEMMs on the registry's untimed engine for its size, times nothing, and matches eager:
+    output and every gradient. A module naming an engine keeps the base's own."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.autograd import ops
+    from fastmoe_xpu.kernels import registry, timing
+
+    ran: list[str] = []
+    kernels = ops.kernels
+    monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
+    monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
+    registry.forget_choices()
+    engine_set = registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE)
+    with settings.override(gemm_engine="auto"):
+        module, _ = _case(flags, act=act, gate_mixin=gate_mixin, T=13, K=3)
+        assert not describe_layout(module)["fused"] and engine_set in ran
+        ran.clear()
+        module.fastmoe_gemm_engine = "loop"  # named: the plain path's own engine, as before
+        module.config._experts_implementation = "fastmoe"
+        module(torch.randn(5, H), *_routing(5, 2))
+        assert engine_set not in ran and "torch" in ran
+    registry.forget_choices()
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_shared_experts_stay_the_familys(family: str) -> None:
     """The shared path is the family's own module; only the routed experts dispatch to us."""

@@ -37,9 +37,10 @@ import torch
 import torch.nn as nn
 
 from .. import settings
-from ..autograd.moe_experts import moe_experts_forward
+from ..autograd.moe_experts import kernel_backend, moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
+from ..kernels.registry import untimed_engine
 from ..kernels.torch.counting import all_local
 from .peft_lora import is_peft_wrapper, parametrized_weights, stored_weight, unwrap_experts, wrapper_chain
 
@@ -271,7 +272,19 @@ def fastmoe_experts_forward(
                                      backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision,
                                      check_ids=ids_check)
     else:
+        # The plain path's two grouped GEMMs run on the base's own engine, or, for a small eager layer
+        # with the module's engine left to ``auto``, on ``auto``'s engine for its size, untimed
+        # (registry ``untimed_engine``: one grouped GEMM per projection instead of a loop over experts).
+        engine = None
+        if precision is None and not lora and not flags["expert_parallel"] and not torch.compiler.is_compiling():
+            inter = w_down.shape[1] if flags["is_transposed"] else w_down.shape[2]
+            engine = untimed_engine(kernel_backend(backend, x_TH.device), _module_attr(self, "fastmoe_gemm_engine", "auto"),
+                                    x_TH.device, x_TH.dtype, (T, top_k_index.shape[1], x_TH.shape[1], inter,
+                                                              self.num_experts))
+
         def expert_rows(x, input_indices, cum_token_counts, kernels_name):
+            if engine is not None and "+" not in kernels_name:
+                kernels_name = f"{kernels_name}+{engine}"
             return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1],
                                  (w_up.contiguous(), w_down.contiguous()), lora)
 
