@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     fam.add_argument("--family-scale", type=count, default=1,
                      help="with --family: divide H and I by this (a layer too large or slow here; printed)")
     fam.add_argument("--tokens", type=count, default=None, help="with --family: tokens of the layer call (default 2048)")
+    fam.add_argument("--family-models", nargs="*", default=None, metavar="NAME",
+                     help="whole tiny models instead (hidden 128, 8 experts, 4 x 64 tokens): transformers' grouped_mm "
+                          "against fastmoe, forward+backward, median of same-round ratios and first calls "
+                          "(default: qwen3_moe mixtral deepseek_v3 gpt_oss olmoe)")
     sh = ap.add_argument_group("shapes", "one MoE layer at each shape of a published set, in TFLOP/s beside a dense "
                                "torch.mm of the same FLOPs (bench/studies/practitioners.py)")
     sh.add_argument("--shapes", default=None, choices=["practitioners"],
@@ -184,6 +188,10 @@ def _run(args: argparse.Namespace) -> int:
     from fastmoe_xpu.threads import configure
 
     print(f"fastmoe-bench: {configure(args.threads).summary}", file=sys.stderr, flush=True)
+    if args.family_models is not None:
+        from .studies.families import run_tiny_models
+
+        return run_tiny_models(args)
     if args.family:
         from .studies.families import run_family
 

@@ -193,6 +193,37 @@ def test_gpt_oss_clamped_swiglu() -> None:
     _compare(module, x, idx, torch.rand(9, 2))
 
 
+@pytest.mark.parametrize("flags, act, gate_mixin", [
+    ({"is_transposed": True, "has_bias": True}, "silu", None),
+    ({"is_concatenated": False}, "silu", _Interleaved),
+    ({"has_gate": False}, "relu2", None),
+    ({}, "gelu", None),
+], ids=["transposed-biased", "interleaved", "no-gate", "gelu"])
+def test_plain_path_small_layer_takes_the_untimed_engine(flags, act, gate_mixin, monkeypatch) -> None:
+    """With ``auto`` (not the suite's pinned "native"), a small layer on the plain path runs its two
+    grouped GEMMs on the registry's untimed engine for its size, times nothing, and matches eager:
+    output and every gradient. A module naming an engine keeps the base's own."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.autograd import ops
+    from fastmoe_xpu.kernels import registry, timing
+
+    ran: list[str] = []
+    kernels = ops.kernels
+    monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
+    monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
+    registry.forget_choices()
+    engine_set = registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE)
+    with settings.override(gemm_engine="auto"):
+        module, _ = _case(flags, act=act, gate_mixin=gate_mixin, T=13, K=3)
+        assert not describe_layout(module)["fused"] and engine_set in ran
+        ran.clear()
+        module.fastmoe_gemm_engine = "loop"  # named: the plain path's own engine, as before
+        module.config._experts_implementation = "fastmoe"
+        module(torch.randn(5, H), *_routing(5, 2))
+        assert engine_set not in ran and "torch" in ran
+    registry.forget_choices()
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_shared_experts_stay_the_familys(family: str) -> None:
     """The shared path is the family's own module; only the routed experts dispatch to us."""
@@ -499,6 +530,27 @@ def test_id_guard_never_reads_the_device_off_the_cpu() -> None:
     with pytest.raises(ValueError, match="outside"):
         check_ids(torch.full((4, 2), E, dtype=torch.long), E)
     check_ids(torch.full((4, 2), E - 1, dtype=torch.long), E)
+
+
+def test_id_guard_answer_is_reused_by_the_counting_stage(monkeypatch) -> None:
+    """On the CPU the guard's one ``aminmax`` is the counting stage's "every id local" answer for the
+    same ids: stages 2 and 3 then run without another; ids changed in place are asked about again."""
+    from fastmoe_xpu.integrations.experts import check_ids
+    from fastmoe_xpu.kernels import torch as torch_kernels
+    from fastmoe_xpu.kernels.torch import counting
+
+    idx = torch.tensor([[0, 1], [E - 1, 2]])
+    check_ids(idx, E)
+    calls = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(t) or aminmax(t))
+    c = torch_kernels.count_tokens(idx, 0, E, 8)
+    torch_kernels.build_indices(idx, c.partial_cum_token_counts, c.cum_expert_counts, 0, E, 8)
+    assert not calls
+    idx[0, 0] = E  # in place: asked again, and refused
+    with pytest.raises(ValueError, match="outside"):
+        check_ids(idx, E)
+    assert len(calls) == 1 and not counting.all_local(idx, 0, E)
 
 
 def test_routed_rows_read_only_under_expert_parallelism() -> None:

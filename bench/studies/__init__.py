@@ -23,7 +23,8 @@ STUDIES = (
     Study("table3", "--table3 [--quick]", "the published Table 3, layer to training step, for the four Mula "
                                           "models, each measured row above the published one"),
     Study("families", "--family NAME", "one experts layer of qwen3_moe, gpt_oss or mixtral at its published "
-                                       "shape: the family's eager and grouped_mm against fastmoe"),
+                                       "shape: the family's eager and grouped_mm against fastmoe; with "
+                                       "--family-models [NAME ...], whole tiny models of each family instead"),
     Study("practitioners", "--shapes practitioners", "one MoE layer at the shapes published MoE kernels compare "
                                                      "on, in TFLOP/s, beside a dense mm of the same FLOPs"),
     Study("compiled", "--compile", "whole-model forward+backward, eager against torch.compile, compile time apart"),

@@ -12,6 +12,14 @@ timing, the GEMM-only bound, the dense ceiling and the correctness check against
 ``--family-scale S`` divides H and I by S (rounded to a multiple of 8) and ``--tokens T`` sets the
 tokens, for machines where the published layer does not fit or takes too long; the output says so.
 
+``fastmoe-bench --family-models [NAME ...]`` runs whole models instead, at the size people first try
+a family at (:data:`TINY_MODEL`: :func:`fastmoe_xpu.integrations.families.tiny_config` with hidden
+128 and 8 experts, top-2, a batch of 4 x 64 tokens): one forward+backward of the causal LM with
+``experts_implementation="grouped_mm"`` (transformers' own) against ``"fastmoe"``, both models with the
+same weights, interleaved in every round; per family the median of the same-round ratios, the
+ratio of the minimums, and each model's first call (wall time: what a first step waits, the
+``auto`` engine choice included), after one untimed call of an ``"eager"`` model has warmed torch.
+
 Legend: T tokens, H hidden, I intermediate, E experts, K experts per token.
 """
 from __future__ import annotations
@@ -19,7 +27,10 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import math
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +41,7 @@ import torch.nn as nn
 from ..harness.cases import Case, make_case
 from ..harness.presets import Preset
 from ..harness.providers import Provider
-from ..harness.report import MODES, derive, format_case, machine_line, run_header
+from ..harness.report import MODES, derive, format_case, machine_line, plural, run_header
 from ..harness.runner import run_case
 from ..harness.usage import fail
 
@@ -174,5 +185,128 @@ def run_family(args: Any) -> int:
     gc.collect()
     if not ok:
         print(f"# CORRECTNESS FAILURE: an implementation disagrees with {names[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+#: The whole model a family is first tried at (``--family-models``): the fields of
+#: :func:`~fastmoe_xpu.integrations.families.tiny_config` set here where the family's config has them.
+TINY_MODEL: dict[str, int] = {"hidden_size": 128, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8}
+#: Its batch: sequences x tokens.
+TINY_BATCH = (4, 64)
+#: The families ``--family-models`` runs unless named.
+TINY_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe")
+#: The two contestants: transformers' own grouped_mm experts, and fastmoe.
+TINY_IMPLEMENTATIONS = ("grouped_mm", "fastmoe")
+
+
+def tiny_model(family: str, implementation: str, seed: int = 0) -> tuple[nn.Module, Any]:
+    """``(model, config)``: ``family``'s causal LM (or base model) at :data:`TINY_MODEL`, fp32, in train
+    mode, its weights drawn from ``seed`` (the same for every implementation)."""
+    from fastmoe_xpu.integrations.families import build_model, tiny_config
+
+    import fastmoe_xpu  # noqa: F401  (registers "fastmoe")
+
+    base = tiny_config(family)
+    cfg = tiny_config(family, **{k: v for k, v in TINY_MODEL.items() if hasattr(base, k)})
+    torch.manual_seed(seed)
+    model, _ = build_model(cfg, experts_implementation=implementation)
+    return model.train(), cfg
+
+
+def _experts_shape(cfg: Any) -> str:
+    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None)
+    experts = next((getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(cfg, k, None), int)), None)
+    return f"H={cfg.hidden_size} I={inter} E={experts} K={getattr(cfg, 'num_experts_per_tok', None)}"
+
+
+def measure_tiny_model(family: str, rounds: int, *, seed: int = 0, min_sample_s: float = 0.01,
+                       clock: Any = time.perf_counter) -> dict[str, Any]:
+    """One family at :data:`TINY_MODEL`: ``{"experts": shape, "first_s": {impl: s}, "samples": {impl: [s]},
+    "calls": per sample, "loss_diff": |loss difference| at the first call}``; a sample is the mean
+    of ``calls`` forward+backward steps (enough for ``min_sample_s``), the implementations
+    interleaved in every round, their order rotating."""
+    from fastmoe_xpu.kernels import registry
+
+    ids = torch.randint(3, 96, TINY_BATCH, generator=torch.Generator().manual_seed(seed + 1))
+
+    def stepper(model: nn.Module) -> Any:
+        def step() -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss.detach()
+        return step
+
+    stepper(tiny_model(family, "eager", seed)[0])()  # warms torch (autograd, attention) for both first calls
+    registry.forget_choices()  # the fastmoe model's first call makes its engine choices afresh
+    steps, first, losses, cfg = {}, {}, {}, None
+    for impl in TINY_IMPLEMENTATIONS:
+        model, cfg = tiny_model(family, impl, seed)
+        steps[impl] = stepper(model)
+        t0 = time.perf_counter()
+        losses[impl] = steps[impl]()
+        first[impl] = time.perf_counter() - t0
+    warm = []
+    for step in steps.values():
+        t0 = clock()
+        step()
+        warm.append(clock() - t0)
+    calls = max(1, math.ceil(min_sample_s / max(min(warm), 1e-9)))
+    names = list(steps)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = clock()
+            for _ in range(calls):
+                steps[name]()
+            samples[name].append((clock() - t0) / calls)
+    return {"experts": _experts_shape(cfg), "first_s": first, "samples": samples, "calls": calls,
+            "loss_diff": float((losses["fastmoe"] - losses["grouped_mm"]).abs())}
+
+
+def tiny_model_row(family: str, res: dict[str, Any]) -> str:
+    """One Markdown row of :func:`measure_tiny_model`'s result: fastmoe's speedup over transformers'
+    ``grouped_mm`` as the median of same-round ratios and the ratio of the minimums."""
+    hf, fm = res["samples"]["grouped_mm"], res["samples"]["fastmoe"]
+    median = statistics.median(a / b for a, b in zip(hf, fm))
+    return (f"| {family} | {res['experts']} | {min(hf) * 1e3:.2f} | {min(fm) * 1e3:.2f} | {median:.3f}x "
+            f"| {min(hf) / min(fm):.3f}x | {res['first_s']['grouped_mm'] * 1e3:.0f} / {res['first_s']['fastmoe'] * 1e3:.0f} "
+            f"| {res['loss_diff']:.1e} |")
+
+
+def run_tiny_models(args: Any) -> int:
+    """The ``--family-models`` entry of ``fastmoe-bench`` (``args`` from :func:`bench.cli.build_parser`)."""
+    from ..harness.measure import CLOCKS, run_options
+
+    rounds = run_options(args, default_rounds=15)
+    families = args.family_models or list(TINY_FAMILIES)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        fail("error: --family-models runs on the CPU")
+    header = run_header(device, dict(vars(args)))
+    print(f"# {header['date_utc']}  {machine_line(header['machine'])}")
+    print(f"# {header['command']}")
+    print(f"# whole model, fp32, forward+backward of the causal LM at {TINY_MODEL}, batch "
+          f"{TINY_BATCH[0]} x {TINY_BATCH[1]} tokens; {plural(rounds, 'interleaved round')}, clock {args.clock}; "
+          "first call: wall time, after an eager model's")
+    print("| family | experts layer | grouped_mm ms (min) | fastmoe ms (min) | fastmoe speedup, median of "
+          "same-round ratios | ratio of minimums | first call ms, grouped_mm / fastmoe | loss difference |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    results = {}
+    for family in families:
+        res = measure_tiny_model(family, rounds, seed=args.seed, min_sample_s=args.min_sample_ms / 1e3,
+                                 clock=CLOCKS[args.clock])
+        results[family] = res
+        print(tiny_model_row(family, res), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "family_models.json"
+    path.write_text(json.dumps({**header, "families": results}, indent=2, default=str) + "\n")
+    print(f"# wrote {path}")
+    bad = [f for f, r in results.items() if not r["loss_diff"] <= 1e-4]
+    if bad:
+        print(f"# CORRECTNESS FAILURE: fastmoe's loss differs from grouped_mm's for {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..kernels.contract import TOKEN_BLOCK_SIZE
 from ..kernels.registry import (
-    check_choice, check_precision, precision_engine, resolve_backend, whole_layer,
+    check_choice, check_precision, precision_engine, resolve_backend, untimed_engine, whole_layer,
 )
 from .lora_ops import ExpertsLora, lora_experts, lora_mlp_combine
 from .ops import INFERENCE, ExpertRows, call, combine, experts, mlp_combine, route
@@ -102,7 +102,9 @@ def moe_experts_forward(
     stage-4 GEMM quantized, on the registry's implementation of that precision (which then replaces
     ``gemm_engine``); None: full precision. A fused layer with ``gemm_engine="auto"`` small enough for
     one of the registry's ``experts`` implementations (:func:`~fastmoe_xpu.kernels.registry.whole_layer`)
-    runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers.
+    runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers; a
+    larger one still small enough (:func:`~fastmoe_xpu.kernels.registry.untimed_engine`) runs the
+    staged chain on ``auto``'s engine for its size without timing it, unless ``ep_group`` spans ranks.
     ``check_ids``: where every id must name a local expert (no expert parallelism), a function that
     raises on ``topk_idx`` holding another; called first, or on the small-layer path only when its
     layout found such an id (it has counted them anyway)."""
@@ -123,9 +125,8 @@ def moe_experts_forward(
         # ``experts``), with its LoRA adapters where it has them. A traced graph keeps the staged
         # chain: it serves any T without a guard on the size (an exported program's dynamic
         # dimensions allow none), and a compiled graph has no launch overhead to save.
-        layer = whole_layer(base, gemm_engine, x_TH.device, x_TH.dtype,
-                            (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local),
-                            lora=bool(lora))
+        shape = (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local)
+        layer = whole_layer(base, gemm_engine, x_TH.device, x_TH.dtype, shape, lora=bool(lora))
         if layer is not None:
             if lora:
                 out_TH, plan = lora_experts(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, lora,
@@ -136,6 +137,12 @@ def moe_experts_forward(
             if check_ids is not None and int(plan[-1]) & 1:  # the plan's dump bit: an id outside the local experts
                 check_ids(topk_idx_TK)
             return out_TH
+        # A small layer without expert parallelism takes auto's engine for its size untimed (registry:
+        # ``untimed_engine``): no timing at the first call, nothing to watch. (Under expert parallelism
+        # the ranks' row counts differ; they agree on one timed choice instead.)
+        fixed = untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape) if not _group_name(ep_group) else None
+        if fixed is not None:
+            gemm_engine = gemm = fixed
     if check_ids is not None:
         check_ids(topk_idx_TK)
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that

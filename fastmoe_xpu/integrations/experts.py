@@ -37,9 +37,11 @@ import torch
 import torch.nn as nn
 
 from .. import settings
-from ..autograd.moe_experts import moe_experts_forward
+from ..autograd.moe_experts import kernel_backend, moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
+from ..kernels.registry import untimed_engine
+from ..kernels.torch.counting import all_local
 from .peft_lora import is_peft_wrapper, parametrized_weights, stored_weight, unwrap_experts, wrapper_chain
 
 #: The name under which the implementation is registered.
@@ -201,10 +203,10 @@ def check_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
     accelerator: ``torch._assert_async``, a device-side check that never waits for the device (a
     host read here would be a sync per layer); a bad id then fails at the next synchronisation."""
     if top_k_index.device.type == "cpu":
-        if top_k_index.numel():
-            lo, hi = torch.aminmax(top_k_index)  # one call: a small layer's whole step is a few dozen
-            if int(lo) < 0 or int(hi) >= num_experts:
-                raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
+        # One aminmax (a small layer's whole step is a few dozen ops), whose answer the torch
+        # backend's counting and index stages then reuse for these ids (``counting.all_local``).
+        if top_k_index.numel() and not all_local(top_k_index, 0, num_experts):
+            raise ValueError(f"top_k_index holds ids outside [0, {num_experts}) and _is_expert_parallel is False")
         return
     bad = ((top_k_index < 0) | (top_k_index >= num_experts)).any()
     torch._assert_async(~bad, f"fastmoe experts: top_k_index holds ids outside [0, {num_experts}) and "
@@ -270,7 +272,19 @@ def fastmoe_experts_forward(
                                      backend=backend, gemm_engine=engine, lora=lora, expert_precision=precision,
                                      check_ids=ids_check)
     else:
+        # The plain path's two grouped GEMMs run on the base's own engine, or, for a small eager layer
+        # with the module's engine left to ``auto``, on ``auto``'s engine for its size, untimed
+        # (registry ``untimed_engine``: one grouped GEMM per projection instead of a loop over experts).
+        engine = None
+        if precision is None and not lora and not flags["expert_parallel"] and not torch.compiler.is_compiling():
+            inter = w_down.shape[1] if flags["is_transposed"] else w_down.shape[2]
+            engine = untimed_engine(kernel_backend(backend, x_TH.device), _module_attr(self, "fastmoe_gemm_engine", "auto"),
+                                    x_TH.device, x_TH.dtype, (T, top_k_index.shape[1], x_TH.shape[1], inter,
+                                                              self.num_experts))
+
         def expert_rows(x, input_indices, cum_token_counts, kernels_name):
+            if engine is not None and "+" not in kernels_name:
+                kernels_name = f"{kernels_name}+{engine}"
             return _plain_stage4(self, flags, x, input_indices, cum_token_counts, kernels_name, top_k_index.shape[1],
                                  (w_up.contiguous(), w_down.contiguous()), lora)
 

@@ -90,6 +90,7 @@ def forget_choices() -> None:
     _WATCHES.clear()
     _ANSWERS.clear()
     _LAYER_ANSWERS.clear()
+    _UNTIMED_ANSWERS.clear()
 
 
 def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -170,6 +171,47 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
     if len(_LAYER_ANSWERS) >= 4096:  # one entry per token count seen: bounded for long generations
         _LAYER_ANSWERS.clear()
     _LAYER_ANSWERS[key] = answer
+    return answer
+
+
+#: ``auto``'s engine, untimed, for a small layer on the CPU (:func:`untimed_engine`): where timing
+#: could only save a fraction of a millisecond per call and cost a tiny model's first call 60-210 ms.
+#: ``grouped_mm`` was the fastest full-precision engine at every layer of at most 24 Mi
+#: multiply-accumulates measured (docs/small_shapes.md, "Whole tiny models of each family").
+SMALL_LAYER_ENGINE = "grouped_mm"
+#: The largest layer (:func:`layer_macs`) that takes :data:`SMALL_LAYER_ENGINE` untimed.
+SMALL_LAYER_MACS = 16 * 2**20
+
+
+#: Answers of :func:`untimed_engine` by its arguments and the settings in force.
+_UNTIMED_ANSWERS: dict[tuple, str | None] = {}
+
+
+def untimed_engine(backend: str, gemm_engine: str, device: torch.device | str, dtype: torch.dtype,
+                   shape: tuple[int, int, int, int, int]) -> str | None:
+    """The engine a layer's ``auto`` takes without timing, or None where it times its candidates:
+    :data:`SMALL_LAYER_ENGINE` for the torch base on the CPU, a layer of at most
+    :data:`SMALL_LAYER_MACS` (``shape``: ``(T, K, H, I, NR)``, as for :func:`whole_layer`), when
+    ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto`` and that engine is one of the
+    candidates here. The same answer for the same shape on every machine and under any load (nothing
+    is timed, stored or watched). Asked on every layer call: answered from a dict after the first."""
+    key = (backend, gemm_engine, device, dtype, shape, settings.get())
+    try:
+        return _UNTIMED_ANSWERS[key]
+    except KeyError:
+        pass
+    answer = None
+    dev = torch.device(device)
+    # Whether the engine is one of ``candidates`` here, asked of it alone: the others' availability
+    # checks run probe GEMMs, a few milliseconds of a first call that times nothing.
+    if (backend == "torch" and dev.type == "cpu" and layer_macs(*shape) <= SMALL_LAYER_MACS
+            and resolve_request(gemm_engine, backend) == "auto"
+            and IMPLEMENTATIONS[backend].timed(dev) and IMPLEMENTATIONS[SMALL_LAYER_ENGINE].timed(dev)
+            and unavailable_reason(SMALL_LAYER_ENGINE, backend, dev, dtype) is None):
+        answer = SMALL_LAYER_ENGINE
+    if len(_UNTIMED_ANSWERS) >= 4096:  # one entry per token count seen: bounded for long generations
+        _UNTIMED_ANSWERS.clear()
+    _UNTIMED_ANSWERS[key] = answer
     return answer
 
 

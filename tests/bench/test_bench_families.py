@@ -48,3 +48,25 @@ def test_family_published_shapes_and_errors() -> None:
         family_preset("gpt_oss", scale=0)
     with pytest.raises(SystemExit, match="unknown family"):
         main(["--family", "no_such", "--no-progress"])
+
+
+def test_family_models_tiny_whole_models(tmp_path, capsys) -> None:
+    """``--family-models``: whole tiny models, transformers' grouped_mm against fastmoe, one row each
+    with the median of same-round ratios and both first calls; the two losses agree."""
+    old = torch.get_num_threads()
+    try:
+        rc = main(["--family-models", "qwen3_moe", "gpt_oss", "--rounds", "2", "--min-sample-ms", "0", "--threads", "1",
+                   "--out", str(tmp_path), "--no-progress"])
+    finally:
+        torch.set_num_threads(old)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    data = json.loads((tmp_path / "family_models.json").read_text())
+    assert list(data["families"]) == ["qwen3_moe", "gpt_oss"]
+    for family, res in data["families"].items():
+        assert res["experts"].startswith("H=128 ") and "E=8 K=2" in res["experts"]
+        assert res["calls"] == 1 and res["loss_diff"] <= 1e-4
+        assert all(len(v) == 2 and min(v) > 0 for v in res["samples"].values())
+        assert all(res["first_s"][impl] > 0 for impl in ("grouped_mm", "fastmoe"))
+        assert f"| {family} | {res['experts']} |" in printed
+    assert "median of same-round ratios" in printed

@@ -212,6 +212,11 @@ def test_a_loaded_retiming_keeps_a_trusted_choice(cache_file, unknown_load):
     assert watch.engine == "loop" and cache_file.read_text() == before
 
 
+#: Tokens per sequence of the real layers below (two sequences, H=128, I=64, E=6, K=2): 18.9 Mi
+#: multiply-accumulates, above ``registry.SMALL_LAYER_MACS``, where ``auto`` times its engines.
+_T = 192
+
+
 def _cfg(H, I, E, K):
     return SimpleNamespace(hidden_size=H, intermediate_size=I, num_experts=E, num_experts_per_tok=K,
                            norm_topk_prob=True, hidden_act="silu")
@@ -226,11 +231,12 @@ def test_a_wrong_stored_choice_is_found_out_in_use(cache_file, quiet):
     """A real layer with a cache that claims its engine runs far faster than anything can: within a
     few forward+backward calls the layer is timed again and the cache holds real times."""
     torch.manual_seed(0)
+    assert registry.layer_macs(2 * _T, 2, 128, 64, 6) > registry.SMALL_LAYER_MACS
     block = FastSparseMoeBlock(_cfg(128, 64, 6, 2), backend="torch")
-    x = torch.randn(2, 96, 128, requires_grad=True)
-    key = registry.ShapeKey("torch", "float32", 128, 64, 6, registry.rows_bucket(2 * 96 * 2))
+    x = torch.randn(2, _T, 128, requires_grad=True)
+    key = registry.ShapeKey("torch", "float32", 128, 64, 6, registry.rows_bucket(2 * _T * 2))
     timing.store(timing.device_name("cpu"), key, "loop", dict.fromkeys(_CANDIDATES, 1e-7),
-                 forward=dict.fromkeys(_CANDIDATES, 4e-8), rows=2 * 96 * 2, timed={"reason": "poisoned"})
+                 forward=dict.fromkeys(_CANDIDATES, 4e-8), rows=2 * _T * 2, timed={"reason": "poisoned"})
     for call in range(1, 3 * registry.CHECK_EVERY + 1):
         _fb(block, x)
         (entry,) = _entries(cache_file).values()
@@ -338,11 +344,11 @@ def test_no_grad_calls_run_the_inference_engine(cache_file, monkeypatch):
 
     torch.manual_seed(0)
     block = FastSparseMoeBlock(_cfg(128, 64, 6, 2), backend="torch", gemm_engine="auto")
-    x = torch.randn(2, 96, 128)
+    x = torch.randn(2, _T, 128)
     quick = _other("loop")
-    key = registry.ShapeKey("torch", "float32", 128, 64, 6, registry.rows_bucket(2 * 96 * 2))
+    key = registry.ShapeKey("torch", "float32", 128, 64, 6, registry.rows_bucket(2 * _T * 2))
     timing.store(timing.device_name("cpu"), key, "loop", {e: 1.0 if e == "loop" else 1.5 for e in _CANDIDATES},
-                 forward={e: 0.4 for e in _CANDIDATES} | {quick: 0.2}, rows=2 * 96 * 2)
+                 forward={e: 0.4 for e in _CANDIDATES} | {quick: 0.2}, rows=2 * _T * 2)
     ran: list[str] = []
     kernels = ops.kernels
     monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
@@ -354,7 +360,7 @@ def test_no_grad_calls_run_the_inference_engine(cache_file, monkeypatch):
         inferred = block(x)
     assert registry.kernel_set_name("torch", quick) in ran
     torch.testing.assert_close(inferred, trained.detach(), rtol=1e-5, atol=1e-6)
-    shape = (128, 64, 6, 2 * 96 * 2)
+    shape = (128, 64, 6, 2 * _T * 2)
     assert registry.chosen_for("torch", "cpu", torch.float32, shape) == "loop"
     assert registry.chosen_for("torch", "cpu", torch.float32, shape, inference=True) == quick
 
@@ -395,7 +401,8 @@ def test_a_graph_capture_neither_times_nor_checks_the_choice(cache_file, unknown
     cfg = SimpleNamespace(hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                           norm_topk_prob=True, hidden_act="silu")
     block = FastSparseMoeBlock(cfg, backend="torch")
-    x = torch.randn(1, 256, 64)
+    x = torch.randn(1, 768, 64)
+    assert registry.layer_macs(768, 2, 64, 64, 4) > registry.SMALL_LAYER_MACS  # timed, so watched
     block(x)  # warm-up: the choice for this shape
     (w,) = [w for (name, key), w in registry._WATCHES.items() if key.hidden == 64 and key.intermediate == 64]
     calls = w.calls

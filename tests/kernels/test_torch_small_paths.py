@@ -149,3 +149,48 @@ def test_layer_gradients_through_launchers(engine, T, H, I, E, K, start, nl, off
     assert_close(out, want, torch.float32, "out")
     for name, a, b in zip(("x", "w_gate_up", "w_down", "weights"), grads, want_grads):
         assert_close(a, b, torch.float32, f"d {name}")
+
+
+@pytest.mark.parametrize("inter", [1, 7, grouped_gemm.SHORT_ROWS - 1, grouped_gemm.SHORT_ROWS, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra_rows", [0, 3])
+def test_silu_mul_bwd_both_row_lengths_match_autograd(inter, dtype, extra_rows):
+    """``silu_mul_bwd`` below ``SHORT_ROWS`` columns (contiguous copies of gate and up) and from it
+    on (the column slices, a piece of rows at a time) against autograd of ``silu(gate) * up`` in
+    fp64; ``gate_up`` may hold rows past the ``dh`` rows (R > RT), which are not read."""
+    g = torch.Generator().manual_seed(inter)
+    rt = 37
+    gate_up = torch.randn(rt + extra_rows, 2 * inter, generator=g).to(dtype)
+    dh = torch.randn(rt, inter, generator=g).to(dtype)
+    got = grouped_gemm.silu_mul_bwd(gate_up, dh)
+    assert got.shape == (rt, 2 * inter) and got.dtype == dtype
+    gu = gate_up[:rt].double().requires_grad_()
+    gate, up = gu.chunk(2, 1)
+    (torch.nn.functional.silu(gate) * up).backward(dh.double())
+    assert_close(got, gu.grad.to(dtype), dtype, f"silu_mul_bwd I={inter}")
+
+
+def test_all_local_answers_again_only_for_the_same_unmodified_ids():
+    """``all_local`` keeps its last answer for the same ids tensor at the same version: an in-place
+    change of the ids, another local range or another tensor with the same values asks again."""
+    idx = torch.tensor([[0, 1], [2, 3]])
+    assert counting.all_local(idx, 0, 4) and counting.all_local(idx, 0, 4)
+    assert not counting.all_local(idx, 1, 4)  # another range: asked again
+    assert counting.all_local(idx, 0, 4)
+    idx[1, 1] = 7  # in place: the version counter moves
+    assert not counting.all_local(idx, 0, 4)
+    idx[1, 1] = 3
+    assert counting.all_local(idx, 0, 4)
+    other = idx.clone()
+    other[0, 0] = -1
+    assert not counting.all_local(other, 0, 4)
+    # stages 2 and 3 on ids changed in place between two layer calls follow the change
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    for step in range(3):
+        c = ops.count_tokens(ids, 0, 4, 2)
+        r = ops.build_indices(ids, c.partial_cum_token_counts, c.cum_expert_counts, 0, 4, 2)
+        want_c = ref.reference_count_tokens(ids, 0, 4, 2)
+        want_r = ref.reference_build_indices(ids, want_c.partial_cum_token_counts, want_c.cum_expert_counts, 0, 4, 2)
+        for got, want in zip((*c, *r), (*want_c, *want_r)):
+            assert torch.equal(got, want)
+        ids[2, 0] = 5 if step == 0 else 1  # an id outside the local range, then back

@@ -5,19 +5,51 @@ RT routed rows on this rank (sum of the local experts' token counts), R >= RT ro
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..contract import INDEX_DTYPE, TokenCounts, check_count_inputs, num_blocks
 
 
+#: :func:`all_local`'s last answer: (weak reference to the ids, their version counter, expert_start,
+#: num_local, answer). Stage 3 asks about the very ids stage 2 just asked about (``build_indices``
+#: right after ``count_tokens`` in one layer call): one ``aminmax`` and its host reads instead of two.
+_LAST_ANSWER: list[tuple | None] = [None]
+
+
 def all_local(topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> bool:
     """True when every id is one of the local experts ``[expert_start, expert_start + num_local)``
     (no expert parallelism, or a rank that holds every chosen expert): one ``aminmax`` and a host
-    read, free on the CPU. Every launcher of stages 2, 3 and 5 then has a fixed ``[T, K]`` layout."""
+    read, free on the CPU. Every launcher of stages 2, 3 and 5 then has a fixed ``[T, K]`` layout.
+    Asked again about the same ids, unmodified (the same tensor object, the same version counter),
+    it answers from the last call."""
     if topk_idx_TK.numel() == 0:
         return False
+    last = _LAST_ANSWER[0]
+    if (last is not None and last[0]() is topk_idx_TK and last[1] == topk_idx_TK._version
+            and last[2] == expert_start and last[3] == num_local):
+        return last[4]
     lo, hi = torch.aminmax(topk_idx_TK)
-    return int(lo) >= expert_start and int(hi) < expert_start + num_local
+    answer = int(lo) >= expert_start and int(hi) < expert_start + num_local
+    _LAST_ANSWER[0] = (weakref.ref(topk_idx_TK), topk_idx_TK._version, expert_start, num_local, answer)
+    return answer
+
+
+#: ``(n, per_block, device) -> [n]`` int64 ``(i + per_block) // per_block``: the block part of
+#: :func:`_count_all_local`'s keys, the same for every call of a shape (read only).
+_BLOCK_KEYS: dict[tuple, torch.Tensor] = {}
+
+
+def _block_keys(n: int, per_block: int, device: torch.device) -> torch.Tensor:
+    key = (n, per_block, device)
+    keys = _BLOCK_KEYS.get(key)
+    if keys is None:
+        if len(_BLOCK_KEYS) >= 64:  # one per token count seen: bounded for long generations
+            _BLOCK_KEYS.clear()
+        keys = _BLOCK_KEYS[key] = torch.arange(per_block, n + per_block, device=device).div_(
+            per_block, rounding_mode="floor")
+    return keys
 
 
 def count_tokens(
@@ -58,11 +90,10 @@ def _count_all_local(
     dev = topk_idx_TK.device
     n = T * K
     per_block = K * block_size
-    # block + 1 - expert_start*TH for every entry, then + TH * id: the shifted key in one add.
-    keys = torch.arange(per_block, n + per_block, device=dev).div_(per_block, rounding_mode="floor")
+    # block + 1 (cached per shape) + TH * id, then - expert_start*TH: the shifted key.
+    keys = torch.add(_block_keys(n, per_block, dev), topk_idx_TK.reshape(-1), alpha=TH)
     if expert_start:
         keys.sub_(expert_start * TH)
-    keys.add_(topk_idx_TK.reshape(-1), alpha=TH)
     shifted = torch.bincount(keys, minlength=num_local * TH + 1)
     partial_cum = shifted.cumsum(0, dtype=INDEX_DTYPE)
     partial = shifted[1:].to(INDEX_DTYPE)

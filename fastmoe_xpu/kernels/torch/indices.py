@@ -50,6 +50,20 @@ def _indices_all_local(topk_idx_TK: torch.Tensor) -> RowIndices:
     order = torch.argsort(topk_idx_TK.reshape(-1), stable=True)
     input_indices = (order if K == 1 else order.div(K, rounding_mode="floor")).to(INDEX_DTYPE)
     output_indices = torch.empty(n, dtype=INDEX_DTYPE, device=dev)
-    output_indices.scatter_(0, order, torch.arange(n, dtype=INDEX_DTYPE, device=dev))
+    output_indices.scatter_(0, order, _positions(n, dev))
     selected = torch.arange(n, dtype=INDEX_DTYPE, device=dev).remainder_(K)  # half the cost of a repeat
     return RowIndices(input_indices, output_indices, selected)
+
+
+#: ``(n, device) -> arange(n)`` in the index dtype: the rows the inverse permutation scatters (read only).
+_POSITIONS: dict[tuple, torch.Tensor] = {}
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, device)
+    pos = _POSITIONS.get(key)
+    if pos is None:
+        if len(_POSITIONS) >= 64:  # one per token count seen: bounded for long generations
+            _POSITIONS.clear()
+        pos = _POSITIONS[key] = torch.arange(n, dtype=INDEX_DTYPE, device=device)
+    return pos

@@ -1,0 +1,114 @@
+"""``auto`` without timing for small layers (``registry.untimed_engine``): a fused layer above the
+padded op's budget and at most ``registry.SMALL_LAYER_MACS`` runs the staged chain on
+``registry.SMALL_LAYER_ENGINE``, times nothing and keeps no watch; its numbers are the reference's.
+
+Awkward shapes: T not a multiple of anything, K=3, an expert no token chose, odd H and I; forward
+and the gradients of the input, both weights and the routing weights.
+"""
+import pytest
+import torch
+
+from fastmoe_xpu import settings
+from fastmoe_xpu.autograd import ops
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
+from fastmoe_xpu.kernels import registry, timing
+from fastmoe_xpu.reference import reference_experts_forward
+from tolerances import assert_close
+
+# (T, H, I, E, K): 8.6 Mi multiply-accumulates, between the padded op's budget and SMALL_LAYER_MACS.
+SHAPE = (333, 72, 40, 7, 3)
+
+
+def _inputs(T, H, I, E, K, seed=0):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])  # expert E-1: no rows
+    x = torch.randn(T, H, requires_grad=True)
+    w_gu = (0.3 * torch.randn(E, 2 * I, H)).requires_grad_()
+    w_d = (0.3 * torch.randn(E, H, I)).requires_grad_()
+    weights = torch.rand(T, K, requires_grad=True)
+    return x, w_gu, w_d, weights, idx
+
+
+def test_untimed_engine_answers_only_for_small_auto_layers_on_the_cpu(monkeypatch):
+    T, H, I, E, K = SHAPE
+    small, large = (T, K, H, I, E), (2048, 8, 2048, 1024, 64)
+    assert registry.layer_macs(*small) > 4 * 2**20 >= registry.layer_macs(48, 2, 64, 32, 8)
+    with settings.override(gemm_engine="auto"):  # the tests' conftest pins "native"
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, small) == registry.SMALL_LAYER_ENGINE
+        assert registry.whole_layer("torch", "auto", "cpu", torch.float32, small) is None  # above the padded op's
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, large) is None
+        edge = (registry.SMALL_LAYER_MACS // (3 * 64 * 64), 1, 64, 64, 8)  # the largest T within the budget
+        over = (edge[0] + 1, *edge[1:])
+        assert registry.layer_macs(*edge) <= registry.SMALL_LAYER_MACS < registry.layer_macs(*over)
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, edge) == registry.SMALL_LAYER_ENGINE
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, over) is None
+        assert registry.untimed_engine("torch", "loop", "cpu", torch.float32, small) is None  # named: as named
+        assert registry.untimed_engine("triton", "auto", "cpu", torch.float32, small) is None
+        assert registry.untimed_engine("torch", "auto", "meta", torch.float32, small) is None
+    with settings.override(gemm_engine="native"):
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, small) is None
+    # where the engine cannot run (a torch without grouped_mm), the layer times its candidates as before
+    monkeypatch.setattr(registry, "unavailable_reason", lambda engine, *a: f"no {engine}")
+    registry.forget_choices()
+    with settings.override(gemm_engine="auto"):
+        assert registry.untimed_engine("torch", "auto", "cpu", torch.float32, small) is None
+    registry.forget_choices()
+
+
+def _grads(out, tensors, seed=1):
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad(out, tensors, dout)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch, grad):
+    x, w_gu, w_d, weights, idx = _inputs(*SHAPE)
+    ran: list[str] = []
+    kernels = ops.kernels
+    monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
+    monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
+    registry.forget_choices()
+    with settings.override(gemm_engine="auto"), torch.set_grad_enabled(grad):
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="auto")
+        got = _grads(out, (x, w_gu, w_d, weights)) if grad else ()
+    assert registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE) in ran
+    others = {registry.kernel_set_name("torch", e) for e in registry.ENGINES} - {"torch"}  # "torch": stages 2-3
+    assert set(ran) & others == {registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE)}, ran
+    assert not registry._WATCHES and not registry._CHOSEN  # nothing chosen by timing, nothing watched
+    want = reference_experts_forward(x, weights, idx, w_gu, w_d)
+    assert_close(out, want, msg="output")
+    for name, g, r in zip(("dx", "dw_gate_up", "dw_down", "dweights"), got,
+                          _grads(want, (x, w_gu, w_d, weights)) if grad else ()):
+        assert_close(g, r, msg=name)
+    if grad:
+        assert not got[1][-1].any() and not got[2][-1].any()  # the expert no token chose
+
+
+def test_small_layer_with_lora_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch):
+    """A layer with per-expert LoRA adapters in the same size range: the staged LoRA chain on the
+    untimed engine, nothing timed; output and gradients (input, router weights, every adapter) are
+    the reference's."""
+    from fastmoe_xpu.autograd.lora_ops import ExpertsLora, LoraWeights
+    from fastmoe_xpu.reference import reference_lora_experts_forward
+
+    T, H, I, E, K = SHAPE
+    x, w_gu, w_d, weights, idx = _inputs(*SHAPE)
+    w_gu, w_d = w_gu.detach(), w_d.detach()  # frozen base weights
+    g = torch.Generator().manual_seed(3)
+    ad = lambda *s: (0.3 * torch.randn(*s, generator=g)).requires_grad_()  # noqa: E731
+    lg, ld = (ad(E, 5, H), ad(E, 2 * I, 5), 0.75), (ad(E, 5, I), ad(E, H, 5), 2.0)
+    ran: list[str] = []
+    kernels = ops.kernels
+    monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
+    monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
+    registry.forget_choices()
+    with settings.override(gemm_engine="auto"):
+        out = moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="auto",
+                                  lora=ExpertsLora(LoraWeights(*lg), LoraWeights(*ld)))
+    assert registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE) in ran and not registry._WATCHES
+    ref = reference_lora_experts_forward(x, weights, idx, w_gu, w_d, lg, ld)
+    assert_close(out, ref, msg="forward")
+    inputs = [x, weights, *lg[:2], *ld[:2]]
+    for name, a, b in zip(("dx", "dweights", "A1", "B1", "A2", "B2"), _grads(out, inputs), _grads(ref, inputs)):
+        assert_close(a, b, msg=name)
