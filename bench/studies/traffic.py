@@ -241,7 +241,8 @@ def _new_pass(rec: _Recorder, name: str) -> Iterator[None]:
 #: down forward [R, I] x [I, H]; the down backward's input gradient and weight gradient (one down GEMM
 #: each); the gate/up backward's input gradient and weight gradient (one gate/up GEMM each). The other
 #: passes (combine, SiLU*up backward, router weights) do no GEMM.
-GEMM_MACS_PER_ROW_HI = {"gate_up_fwd": 2, "down_fwd": 1, "down_weighted_bwd": 2, "down_silu_bwd": 2, "gate_up_bwd": 4}
+GEMM_MACS_PER_ROW_HI = {"gate_up_fwd": 2, "down_fwd": 1, "gate_up_down_fwd": 3, "down_weighted_bwd": 2, "down_silu_bwd": 2,
+                        "gate_up_bwd": 4}
 
 
 def gemm_flops(pass_name: str, T: int, H: int, I: int, K: int) -> int:

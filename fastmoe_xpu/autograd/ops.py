@@ -274,8 +274,13 @@ def mlp_combine_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], gate_up [R, 2I])``: the gathered gate/up GEMM with SiLU*up, the down GEMM and the
     weighted sum of each token's rows."""
-    gate_up_R2I, h_RI = launchers.gate_up_fwd(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
-    y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
+    fused = getattr(launchers, "gate_up_down_fwd", None)
+    if fused is not None:  # the two GEMMs with no h between them (fp8: its codes made from gate_up)
+        gate_up_R2I, y_RH = fused(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, w_down_NHI)
+    else:
+        gate_up_R2I, h_RI = launchers.gate_up_fwd(x_TH, input_indices, cum_token_counts, w_gate_up_N2IH)
+        y_RH = launchers.down_fwd(h_RI, cum_token_counts, w_down_NHI)
+        del h_RI
     out_TH = launchers.combine_fwd(y_RH, weights_TK, output_indices, selected_expert_indices, cum_expert_counts)
     return out_TH, gate_up_R2I
 

@@ -160,7 +160,10 @@ LAUNCHERS = (
 #: gradient's rows read in the GEMM loads (``dout[input_indices[r]]``, no ``[R, H]`` copy) and the SiLU*up
 #: gradient formed in the router-weight pass (the Triton engine). A kernel set takes a fused launcher
 #: from its stage-4 engine only: it runs that engine's GEMMs.
-FUSED_LAUNCHERS = ("down_fwd_lora", "down_silu_bwd")
+#: ``gate_up_down_fwd(x, input_indices, cum_token_counts, w_gate_up, w_down)``: ``gate_up_fwd`` then ``down_fwd``
+#: as one launcher giving ``(gate_up [R, 2I], y [R, H])``, for a kernel set that can feed the down GEMM
+#: without writing ``h`` (fp8 next to the Triton base: ``h``'s codes made from ``gate_up``).
+FUSED_LAUNCHERS = ("down_fwd_lora", "down_silu_bwd", "gate_up_down_fwd")
 #: The launchers of stage 4, which a grouped-GEMM engine may provide (``kernels/registry.py``).
 STAGE4_LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "silu_mul_bwd", "gate_up_bwd")
 

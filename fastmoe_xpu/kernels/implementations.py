@@ -272,7 +272,7 @@ class KernelSet:
             source = engine_module if name in STAGE4_LAUNCHERS and name in provided else base_module
             setattr(self, name, getattr(source, name))
         for name in FUSED_LAUNCHERS:  # from the engine alone: a fused launcher runs its own GEMMs
-            if name in getattr(engine_module, "__all__", ()) or name in provided:
+            if (name in getattr(engine_module, "__all__", ()) or name in provided) and hasattr(engine_module, name):
                 setattr(self, name, getattr(engine_module, name))
 
     def __repr__(self) -> str:

@@ -250,6 +250,11 @@ def _fp8_pass_variants(act: str) -> list:
         out.append((f"fp8q_cols[{tag}]", "fp8q_cols", fp8_gemm._fp8q_cols_kernel, {**csig, "q_ptr": q_ty},
                     {**fmt[q_ty], "ROUND_FIRST": False, "GATHER": gather, "SILU": silu, "ROW_W": silu,
                      "WRITE_PCUM": q_ty == e5, "ROW_ALIGN": fp8_gemm.ROW_ALIGN}, caligned))
+    # the fused fp8 forward: h's codes made from gate_up, h never written
+    out.append(("fp8q_rows[silu]", "fp8q_rows", fp8_gemm._fp8q_silu_rows_kernel, {
+        "gate_up_ptr": act, "h_like_ptr": act, "cum_token_ptr": _P32, "q_ptr": e4, "s_ptr": "*fp32", "C": _I32,
+        "L": _I32, "NR": _I32}, {**fmt[e4], "ROUND_FIRST": False},
+        ("gate_up_ptr", "h_like_ptr", "cum_token_ptr", "q_ptr", "s_ptr", "L")))
     out.append(("fp8q_silu_mul", "fp8q_silu_mul", fp8_gemm._fp8q_silu_mul_kernel, {
         "gate_up_ptr": act, "h_ptr": act, "cum_token_ptr": _P32, "R": _I32, "I": _I32, "NR": _I32},
         {"ROUND_FIRST": False},

@@ -26,13 +26,17 @@ def test_unique_bytes_counts_expanded_dims_once():
 def test_fp8_path_runs_every_row_pass_in_triton():
     passes = traffic.layer_traffic("triton+fp8", T, H, I, E, K, torch.bfloat16)
     names = [p.name for p in passes]
-    assert names[:2] == ["gate_up_fwd", "down_fwd"] and "down_silu_bwd" in names and "gate_up_bwd" in names
-    assert "silu_mul_bwd" not in names and "combine_bwd" not in names  # the fused down backward
+    assert names[0] == "gate_up_down_fwd" and "down_silu_bwd" in names and "gate_up_bwd" in names
+    # the fused forward and down backward: no h, no [R, H] output-gradient rows, no silu_mul_bwd pass
+    assert not {"gate_up_fwd", "down_fwd", "silu_mul_bwd", "combine_bwd"} & set(names)
     kernels = [o.name for _, o in _ops(passes) if o.kind == "kernel"]
     assert kernels.count("_fp8_grouped_mm_kernel") == 4 and kernels.count("_fp8_grouped_wgrad_kernel") == 2
-    # the weights quantized in the forward (one kernel each), reused by the backward; x, h and the two
-    # input gradients' rows; four column-code operands
-    assert kernels.count("_fp8q_rows_kernel") == 6 and kernels.count("_fp8q_cols_kernel") == 4
+    # the weights quantized in the forward (one kernel each), reused by the backward; x and the two
+    # input gradients' rows; h's codes from gate_up; four column-code operands
+    assert kernels.count("_fp8q_rows_kernel") == 5 and kernels.count("_fp8q_silu_rows_kernel") == 1
+    assert kernels.count("_fp8q_cols_kernel") == 4 and "_fp8q_silu_mul_kernel" not in kernels
+    composed = [p.name for p in traffic.layer_traffic("triton+fp8:composed", T, H, I, E, K, torch.bfloat16)]
+    assert composed[:2] == ["gate_up_fwd", "down_fwd"] and "silu_mul_bwd" in composed
     for name, op in _ops(passes):
         if op.kind == "op":  # bookkeeping of the expert bounds only: nothing of a row buffer's size
             assert op.read + op.written <= 64 * (E + 1), (name, op)
@@ -91,7 +95,7 @@ def test_a_host_read_fails_loudly():
 def test_report_table(capsys):
     assert traffic.main(["--shape", "qwen3-30b-a3b", "--sets", "triton+fp8"]) == 0
     out = capsys.readouterr().out
-    assert "| gate_up_fwd |" in out and "| **total** |" in out and "T=32768 H=2048 I=768 E=128 K=8" in out
+    assert "| gate_up_down_fwd |" in out and "| **total** |" in out and "T=32768 H=2048 I=768 E=128 K=8" in out
 
 
 # ---------------------------------------------------------------- GEMM FLOPs, roofline floor, each launch timed

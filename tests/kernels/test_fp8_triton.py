@@ -421,8 +421,10 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
     tol = _layer_tol(dev)
     check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
     # two weights quantized in the forward, none again in the backward
-    assert launched.count("_fp8q_rows_kernel") == 2 + 2 + 2, launched  # + x, h; + two input gradients
+    assert launched.count("_fp8q_rows_kernel") == 2 + 1 + 2, launched  # + x; + two input gradients
     assert launched.count("_fp8q_cols_kernel") == 4, launched
+    # the fused forward: h's codes made from gate_up (h never written)
+    assert launched.count("_fp8q_silu_rows_kernel") == 1 and "_fp8q_silu_mul_kernel" not in launched, launched
     # the fused down backward: no [R, H] copy of the output gradient's rows, no silu_mul_bwd pass
     assert "_silu_mul_bwd_kernel" not in launched and launched.count("_combine_bwd_kernel") == 1, launched
 
@@ -449,6 +451,33 @@ def test_quantize_rows_gathered_equals_the_gathered_copy(dev, dtype):
         assert torch.equal(q[:rt].view(torch.uint8), wq[:rt].view(torch.uint8)) and torch.equal(sc[:rt], wsc[:rt])
     with pytest.raises(ValueError, match="2-D"):
         fp8_gemm.quantize_rows(v[None], E4M3, idx=idx)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(29, 24, 20, 16, 4, 3, 9), (37, 33, 21, 7, 3, 0, 7), (5, 16, 9, 9, 2, 0, 9)],
+                         ids=["local-slice", "odd-H-I", "empty-experts"])
+def test_fused_forward_equals_the_composed_one(dev, shape, act, launched, no_host_bounds):
+    """``gate_up_down_fwd`` of ``triton+fp8`` (``h``'s codes made from ``gate_up`` in one pass, ``h`` never
+    written) gives exactly what ``gate_up_fwd`` then ``down_fwd`` give: the same ``gate_up``, the same
+    codes of ``h`` (SiLU*up rounded to the activations' dtype first, as ``h`` was stored), so the same ``y``."""
+    from fastmoe_xpu.autograd import ops
+
+    T, H, I, E, K, start, nl = shape
+    x, _, idx, w_gu, w_d, _ = layer_case(T, H, I, E, K, seed=6, empty=T == 5)
+    x = x.to(act).to(dev)
+    w_gu, w_d = (w[start:start + nl].contiguous().to(act).to(dev) for w in (w_gu, w_d))
+    tri = kernels("triton+fp8")
+    inp, out, sel, cum, cum_e = ops.route(idx.to(dev), start, nl, "triton", True)
+    rt = int(cum[-1])
+    gate_up, y = tri.gate_up_down_fwd(x, inp, cum, w_gu, w_d)
+    assert launched.count("_fp8q_silu_rows_kernel") == 1 and "_fp8q_silu_mul_kernel" not in launched, launched
+    c_gate_up, h = tri.gate_up_fwd(x, inp, cum, w_gu)
+    c_y = tri.down_fwd(h, cum, w_d)
+    assert gate_up.dtype == y.dtype == act and y.shape == (T * K, H)
+    assert torch.equal(gate_up[:rt], c_gate_up[:rt]) and torch.equal(y[:rt], c_y[:rt])
+    q, sc = fp8_gemm.quantize_silu_rows(gate_up, E4M3, cum, act)
+    wq, wsc = fp8_gemm.quantize_rows(h, E4M3, cum_token_counts=cum, routed_only=True)
+    assert torch.equal(q[:rt].view(torch.uint8), wq[:rt].view(torch.uint8)) and torch.equal(sc[:rt], wsc[:rt])
 
 
 @pytest.mark.parametrize("shape", [(29, 24, 20, 16, 4, 3, 9), (37, 33, 20, 7, 3, 0, 7), (5, 16, 9, 9, 2, 0, 9)],

@@ -285,6 +285,36 @@ def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_dow
     return y
 
 
+def gate_up_down_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_token_counts: torch.Tensor,
+                     w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, grouped: bool = True,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused forward (``contract.FUSED_LAUNCHERS``) next to the Triton base: ``(gate_up [R, 2I], y [R, H])``,
+    what :func:`gate_up_fwd` then :func:`down_fwd` give. On the Triton fp8 kernels ``h`` is never
+    written: one pass makes its codes and scales from ``gate_up`` (SiLU*up rounded to the activations'
+    dtype, as ``h`` was stored, then quantized per row: the same bits); elsewhere the two run as they are."""
+    k = _fp8_triton(grouped, fmt, x_TH.device)
+    if k is None:
+        gate_up, h = gate_up_fwd(fmt, x_TH, input_indices, cum_token_counts, w_gate_up_N2IH, grouped)
+        return gate_up, down_fwd(fmt, h, cum_token_counts, w_down_NHI, False, grouped)
+    check_gemm_inputs(x_TH, w_gate_up_N2IH, cum_token_counts, "gate_up_fwd")
+    check_stored_gemm_inputs(x_TH.new_empty(0, w_down_NHI.shape[2]), w_down_NHI, cum_token_counts, "down_fwd", False)
+    f = FORMATS[fmt]
+    R, two_i = input_indices.shape[0], w_gate_up_N2IH.shape[1]
+    if two_i != 2 * w_down_NHI.shape[2]:
+        raise ValueError(f"gate_up_down_fwd: gate_up_proj {tuple(w_gate_up_N2IH.shape)} and down_proj "
+                         f"{tuple(w_down_NHI.shape)} disagree on I")
+    gate_up = x_TH.new_empty(R, two_i)
+    y = x_TH.new_empty(R, w_down_NHI.shape[1])
+    qw_gu = _weight(w_gate_up_N2IH, f, False, False, k)
+    qw_d = _weight(w_down_NHI, f, False, False, k)
+    if x_TH.shape[0] == 0 or R == 0:
+        return gate_up, y
+    qx, sx = k.quantize_rows(x_TH, f.forward)  # every token once; the GEMM gathers the routed rows' codes
+    k.fp8_grouped_mm(qx, sx, input_indices, qw_gu.codes, qw_gu.scales, cum_token_counts, gate_up, trans_w=True)
+    qh, sh = k.quantize_silu_rows(gate_up, f.forward, cum_token_counts, x_TH.dtype)
+    return gate_up, k.fp8_grouped_mm(qh, sh, None, qw_d.codes, qw_d.scales, cum_token_counts, y, trans_w=True)
+
+
 def down_bwd(fmt: str, dy_RH: torch.Tensor, h_RI: torch.Tensor, cum_token_counts: torch.Tensor,
              w_down_NHI: torch.Tensor, transposed: bool = False, grouped: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -418,8 +448,8 @@ def bind(fmt: str, grouped: bool = False) -> dict[str, Callable[..., Any]]:
     return {name: functools.partial(globals()[name], fmt) for name in LAUNCHERS}
 
 
-#: The fused launcher of the fp8 format next to the Triton base (``contract.FUSED_LAUNCHERS``).
-FP8_TRITON_FUSED = ("down_silu_bwd",)
+#: The fused launchers of the fp8 format next to the Triton base (``contract.FUSED_LAUNCHERS``).
+FP8_TRITON_FUSED = ("gate_up_down_fwd", "down_silu_bwd")
 
 
 def launchers_for(fmt: str, base: str) -> SimpleNamespace:

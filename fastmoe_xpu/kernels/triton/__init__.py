@@ -11,7 +11,7 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR local expert
 """
 from __future__ import annotations
 
-from ..contract import FUSED_LAUNCHERS, LAUNCHERS
+from ..contract import LAUNCHERS
 from .combine import combine_bwd, combine_fwd, router_weights_bwd
 from .counting import count_tokens
 from .grouped_gemm import (down_bwd, down_fwd, down_fwd_lora, down_silu_bwd, down_weighted_bwd, gate_up_bwd, gate_up_fwd,
@@ -20,4 +20,7 @@ from .indices import build_indices
 
 NAME = "triton"
 
-__all__ = ["NAME", *LAUNCHERS, *FUSED_LAUNCHERS]
+#: The fused launchers this backend has (``contract.FUSED_LAUNCHERS``; ``gate_up_down_fwd`` is fp8's).
+FUSED = ("down_fwd_lora", "down_silu_bwd")
+
+__all__ = ["NAME", *LAUNCHERS, *FUSED]

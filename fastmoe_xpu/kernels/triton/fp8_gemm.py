@@ -295,6 +295,51 @@ def _fp8q_silu_mul_kernel(
 
 
 @triton.jit
+def _fp8q_silu_rows_kernel(
+    gate_up_ptr,
+    h_like_ptr,
+    cum_token_ptr,
+    q_ptr,
+    s_ptr,
+    C,
+    L,
+    NR,
+    QMAX: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """``h = silu(gate) * up`` of the RT routed rows of ``gate_up [C, 2L]``, rounded to the activations'
+    dtype (``h_like``'s, not read) as ``_fp8q_silu_mul_kernel`` stores it, quantized per row as
+    ``_fp8q_rows_kernel`` quantizes the stored ``h``: the same codes ``q [C, L]`` and scales ``s [C]``
+    with no ``h`` written or read. Two sweeps over each row's ``gate_up`` (the amax, then the codes),
+    the second from L2. Grid ``(ceil(C/BLOCK_C),)``."""
+    offs_c, c_mask = tile(tl.program_id(0), BLOCK_C, C)
+    c_mask = c_mask & (offs_c < tl.load(cum_token_ptr + NR))
+    rows = offs_c.to(tl.int64)
+    offs_l = tl.arange(0, BLOCK_L)
+    h_ty = h_like_ptr.dtype.element_ty
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        mask = c_mask[:, None] & ((l0 + offs_l)[None, :] < L)
+        gate, up = gate_up_halves(gate_up_ptr, rows, l0 + offs_l, mask, L)
+        h = to_float(silu(gate) * up, h_ty, ROUND_FIRST).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(h), axis=1))
+    inv, scale = inverse_scale(amax, QMAX)
+    tl.store(s_ptr + rows, scale, mask=c_mask)
+    code_ty = q_ptr.dtype.element_ty
+    for l0 in range(0, L, BLOCK_L):
+        mask = c_mask[:, None] & ((l0 + offs_l)[None, :] < L)
+        gate, up = gate_up_halves(gate_up_ptr, rows, l0 + offs_l, mask, L)
+        h = to_float(silu(gate) * up, h_ty, ROUND_FIRST).to(tl.float32)
+        tl.store(q_ptr + rows[:, None] * L + (l0 + offs_l)[None, :],
+                 to_fp8(h * inv[:, None], code_ty, MANT, MIN_EXP, ROUND_FIRST), mask=mask)
+
+
+@triton.jit
 def _fp8q_row_dot_kernel(
     g_ptr,
     gate_up_ptr,
@@ -501,6 +546,24 @@ def quantize_cols_grouped_t(v: torch.Tensor, dtype: torch.dtype, cum_token_count
          v.stride(0)),
         cfg, dev, **_format(dtype, dev), GATHER=idx is not None, SILU=silu, ROW_W=row_weights is not None,
         WRITE_PCUM=padded_cum_out is not None, ROW_ALIGN=ROW_ALIGN)
+    return codes, scales
+
+
+def quantize_silu_rows(gate_up: torch.Tensor, dtype: torch.dtype, cum_token_counts: torch.Tensor,
+                       act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(silu_mul(gate_up, ...), dtype, routed_only=True)`` for ``h`` in ``act_dtype`` without
+    ``h``: ``(codes [R, I], scales [R])`` of the routed rows (the others' unspecified), the same bits."""
+    dev = gate_up.device
+    R, I = gate_up.shape[0], gate_up.shape[1] // 2
+    codes = torch.empty(R, I, dtype=dtype, device=dev)
+    scales = torch.empty(R, dtype=torch.float32, device=dev)
+    if R == 0 or I == 0:
+        return codes, scales.zero_()
+    h_like = torch.empty(0, dtype=act_dtype, device=dev)  # its dtype only
+    cfg = _cfg("fp8q_rows", dev)
+    _launch.launch(_fp8q_silu_rows_kernel, (triton.cdiv(R, cfg.meta["BLOCK_C"]),),
+                   (gate_up.contiguous(), h_like, cum_token_counts, codes, scales, R, I,
+                    cum_token_counts.numel() - 1), cfg, dev, **_format(dtype, dev))
     return codes, scales
 
 
