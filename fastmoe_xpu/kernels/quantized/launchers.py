@@ -336,12 +336,16 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     else:
         rt, groups = _groups(cum_token_counts)
         h = _silu_mul(gate_up_R2I[:rt, :inter], gate_up_R2I[:rt, inter:])
-        g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
+        # every routed row of g is written by its expert's input gradient: pooled, not zeroed
+        g = _pooled((rt, inter), dy_RH, torch.float32)
         w = row_weights_R[:rt, None].float()
-        _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
+        _backward_gemms(groups, dy_RH, torch.mul(h, w, out=_pooled((rt, inter), h)), qw, f, g, dw)
     d_row_w = torch.linalg.vecdot(g, h)
     dh = _rows_buffer(dy_RH.shape[0], rt, inter, dy_RH)
-    dh[:rt] = g.mul_(w)
+    if dh.dtype == torch.float32:  # straight into its rows, no [R, I] temporary
+        torch.mul(g, w, out=dh[:rt])
+    else:
+        dh[:rt] = g.mul_(w)
     return dh, dw, d_row_w
 
 
