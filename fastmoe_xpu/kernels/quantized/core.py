@@ -91,7 +91,7 @@ def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: 
 
 # ---------------------------------------------------------------- fused passes (int8, large tensors)
 #: Tensors of at least this many elements are quantized and dequantized by the fused kernels below.
-FUSED_MIN_ELEMENTS = 1 << 18
+FUSED_MIN_ELEMENTS = 1 << 16
 _FUSED: dict[tuple, object] = {}
 _FUSED_FAILED: list[str] = []
 
