@@ -245,14 +245,17 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
         rt, groups = _groups(cum_token_counts)
         gate_up = _rows_buffer(input_indices.shape[0], rt, two_i, x_TH)
     if rt:
-        # Every token quantized once (per row: a routed row gets its token's codes and scale), then
-        # the routed rows' one-byte codes gathered: K times fewer rows to quantize than the gathered
-        # fp32 rows, and a quarter of the gather's bytes.
         idx = input_indices[:rt]
-        qx_T, sx_T = quantize_rows(x_TH, f.forward)
-        qx = torch.index_select(qx_T, 0, idx, out=_pooled((rt, qx_T.shape[1]), qx_T))
-        sx = sx_T.index_select(0, idx)
-        del qx_T
+        if rt >= x_TH.shape[0]:
+            # Every token quantized once (per row: a routed row gets its token's codes and scale), then
+            # the routed rows' one-byte codes gathered: up to K times fewer rows to quantize than the
+            # gathered fp32 rows, and a quarter of the gather's bytes.
+            qx_T, sx_T = quantize_rows(x_TH, f.forward)
+            qx = torch.index_select(qx_T, 0, idx, out=_pooled((rt, qx_T.shape[1]), qx_T))
+            sx = sx_T.index_select(0, idx)
+            del qx_T
+        else:  # fewer routed rows than tokens (most of them go to other ranks' experts): the same codes
+            qx, sx = quantize_rows(_gather_rows(x_TH, idx), f.forward)
         for e, s, t in groups:
             if t > s:
                 qmm(qx[s:t], sx[s:t], qw.codes[e].t(), qw.scales[e], out=gate_up[s:t])
