@@ -337,6 +337,47 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("local", [None, (2, 3)], ids=["all-experts", "experts-2-4"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+def test_int8_fused_passes_and_pooled_buffers_match_reference(monkeypatch, shape, local):
+    """The int8 layer with every quantize and epilogue on the fused passes (which large layers run:
+    their codes and scales, the int32 sums and the down backward's rows in pooled CPU buffers; each
+    token quantized once and its codes gathered, or with ``local`` (an expert-parallel slice: experts
+    ``[start, start + n)`` of E, fewer routed rows than tokens) the routed rows gathered, then
+    quantized) at the awkward shapes, held to the reference, twice in a row: the second call gets
+    the first call's buffers back from the pool and must not see what they held (the same bits as
+    the first)."""
+    from fastmoe_xpu.kernels.torch import buffers
+
+    monkeypatch.setattr(core, "FUSED_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(buffers._CpuBufferCache, "MIN_BYTES", 0)  # every buffer of these small shapes pooled
+    if core._FUSED_FAILED:
+        pytest.skip(f"fused int8 passes unavailable: {core._FUSED_FAILED[0]}")
+    buffers.release_buffers()
+    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
+    start = 0
+    if local is not None:
+        start, n = local
+        w_gu, w_d = w_gu[start:start + n].contiguous(), w_d[start:start + n].contiguous()
+    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8", expert_start=start)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
+                                  expert_start=start, expert_precision="int8")
+        out.backward(dout)
+        got = (out, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[1].grad)
+        for g, w, what in zip(got, want, ("output", "input gradient", "gate_up weight gradient",
+                                          "down weight gradient", "router-weight gradient")):
+            _close(g, w, "int8", what)
+        runs.append([t.detach().clone() for t in got])
+    assert not core._FUSED_FAILED, core._FUSED_FAILED
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not buffers._CACHE.enabled or buffers._CACHE.pool, "nothing came from the pool"
+    buffers.release_buffers()
+
+
+@pytest.mark.slow
 def test_int8_layer_compiles_nothing_after_warm_up(monkeypatch, tmp_path):
     """The int8 layer's fused passes compile while it warms up and never after: calls whose rows per
     expert change (each a new routing, an empty expert among them) run the compiled passes without

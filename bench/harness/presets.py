@@ -63,6 +63,8 @@ PRESETS: dict[str, Preset] = {
         *(Preset(f"qwen3-decode-{t}", 2048, 768, 128, 8, t, 1,
                  f"Qwen3-30B-A3B layer at decode: {t} token{'s' if t > 1 else ''} ({8 * t} rows)")
           for t in (1, 8, 64, 256)),
+        Preset("int8-layer", 1536, 768, 32, 6, 1024, 1,
+               "a mid-size layer, 1024 tokens (192 rows per expert): the shape the CPU int8 goal is stated on"),
         Preset("tiny", 64, 32, 8, 2, 48, 1, "tiny shapes for tests"),
         Preset("tiny-ep", 64, 32, 8, 2, 24, 2, "tiny local slice (EP=2) for tests"),
     )

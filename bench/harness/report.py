@@ -114,6 +114,9 @@ def derive(result: dict, fast_names: list[str]) -> dict:
             }
         metrics[mode] = m
     result["metrics"] = metrics
+    for mode in modes:  # each quantized provider over its plain one (in the JSON as well)
+        metrics[mode]["precision_speedups"] = {name: {"over": base, "min": lo, "paired": paired}
+                                               for name, base, lo, paired in precision_speedups(result, mode)}
     return result
 
 
@@ -216,6 +219,24 @@ def _case_notes(result: dict) -> list[tuple[str, str]]:
             if p.get(k)]
 
 
+def precision_speedups(result: dict, mode: str) -> list[tuple[str, str, float, float | None]]:
+    """``(quantized provider, its plain provider, speedup by min times, by the median of same-round
+    ratios)`` for each ``<fastmoe provider>:<precision>`` that ran beside its plain one (above 1: the
+    quantized provider is faster)."""
+    ok = {n: p for n, p in result["providers"].items() if p.get("status") == "ok" and p.get(mode, {}).get("n")}
+    out = []
+    for name, p in ok.items():
+        base = ok.get(name.split(":", 1)[0]) if ":" in name else None
+        if base is not None and p[mode]["min_s"] > 0:
+            out.append((name, name.split(":", 1)[0], base[mode]["min_s"] / p[mode]["min_s"], _paired(base[mode], p[mode])))
+    return out
+
+
+def _precision_lines(result: dict, mode: str) -> list[str]:
+    return [f"{name} over {base}: {lo:.2f}x (min) | {'-' if paired is None else f'{paired:.2f}x'} (paired)"
+            for name, base, lo, paired in precision_speedups(result, mode)]
+
+
 def format_case(result: dict, mode: str, fast: str, legend: bool = True) -> str:
     """One case's table; ``legend``: with the lines that say what the columns mean (a run of several
     cases prints them once, after the last case: :func:`case_legend`)."""
@@ -235,6 +256,7 @@ def format_case(result: dict, mode: str, fast: str, legend: bool = True) -> str:
                      f"{r['ceil']:>5.0f}% {r['x_bound']:>8.2f} {100 / r['x_bound']:>5.0f}% {r['x_paired']:>7} "
                      f"{r['speedup']:>23} {r['saved']:>9} {r['faults']:>7} {r['rounds']:>5}{r['star']}  {r['correct']}".rstrip())
     lines += [f"  * {name}: {note}" for name, note in _case_notes(result)]
+    lines += [f"  {line}" for line in _precision_lines(result, mode)]
     if legend:
         lines += [f"  {c}" for c in case_legend()]
     return "\n".join(lines)
@@ -444,6 +466,7 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
                        f"{row['ceil']:.0f}% | {row['x_bound']:.2f} / {row['x_paired']} | {speedup} | {row['saved']} | "
                        f"{row['faults']} | {row['rounds']}{row['star']} | {row['correct']} |")
         out += [f"\n\\* {name}: {note}" for name, note in _case_notes(r)]
+        out += [f"\n{line}" for line in _precision_lines(r, mode)]
         out.append("")
     return "\n".join(out)
 

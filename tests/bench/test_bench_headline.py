@@ -79,3 +79,19 @@ def test_bad_input_is_one_error_line(argv, message, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--out", str(tmp_path), "--no-progress"])
     assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_a_quantized_provider_is_printed_over_its_plain_one():
+    """``--precision none int8``: the case ends with the int8 provider's speedup over the plain one, by
+    min times and by the median of same-round ratios, and the JSON metrics carry the same numbers."""
+    q = f"{FAST}:int8"
+    res = derive(run_case(make_case(PRESETS["tiny"]), ["hf_v4", FAST, q], rounds=2, budget_s=60.0, ceiling_n=32,
+                          progress=False), [FAST])
+    m = res["metrics"]["fwdbwd"]
+    got = m["precision_speedups"][q]
+    p = m["providers"]
+    assert got["over"] == FAST and got["min"] == pytest.approx(p[FAST]["min_s"] / p[q]["min_s"])
+    assert got["paired"] is not None and got["paired"] > 0
+    line = f"{q} over {FAST}: {got['min']:.2f}x (min) | {got['paired']:.2f}x (paired)"
+    assert line in format_case(res, "fwdbwd", FAST)
+    assert "int8-layer" in PRESETS and (PRESETS["int8-layer"].hidden, PRESETS["int8-layer"].intermediate) == (1536, 768)

@@ -91,21 +91,42 @@ def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: 
 
 # ---------------------------------------------------------------- fused passes (int8, large tensors)
 #: Tensors of at least this many elements are quantized and dequantized by the fused kernels below.
-FUSED_MIN_ELEMENTS = 1 << 18
+FUSED_MIN_ELEMENTS = 1 << 16
 _FUSED: dict[tuple, object] = {}
 _FUSED_FAILED: list[str] = []
 
 
-def _quantize_rows(v, col_scales):  # noqa: ANN001, ANN202
-    return _quantize_eager(v, torch.int8, -1, col_scales)
+# The quantize passes write their codes and scales into the buffers they are given (inductor stores
+# straight into them: no temporary), so that big codes (a weight's, the gathered rows') come from the
+# CPU buffer pool like every other big buffer of the path instead of a fresh mapping per call, which
+# the kernel faults in and zeroes page by page (a 113 MB weight code buffer: 27,000 faults, more
+# time than the pass itself).
+def _quantize_rows(v, col_scales, q, s):  # noqa: ANN001, ANN202
+    codes, scales = _quantize_eager(v, torch.int8, -1, col_scales)
+    q.copy_(codes)
+    s.copy_(scales)
 
 
-def _quantize_rows_unscaled(v):  # noqa: ANN001, ANN202
-    return _quantize_eager(v, torch.int8, -1, None)
+def _quantize_rows_unscaled(v, q, s):  # noqa: ANN001, ANN202
+    codes, scales = _quantize_eager(v, torch.int8, -1, None)
+    q.copy_(codes)
+    s.copy_(scales)
 
 
-def _quantize_cols(v):  # noqa: ANN001, ANN202
-    return _quantize_eager(v, torch.int8, -2, None)
+def _quantize_cols(v, q, s):  # noqa: ANN001, ANN202
+    codes, scales = _quantize_eager(v, torch.int8, -2, None)
+    q.copy_(codes)
+    s.copy_(scales)
+
+
+def _codes_and_scales(v: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised int8 codes shaped like ``v`` and fp32 scales over ``dim`` (reduced), from the CPU
+    buffer pool (:mod:`..torch.buffers`; small ones from the allocator)."""
+    from ..torch.buffers import cached_empty
+
+    shape = list(v.shape)
+    del shape[dim]
+    return cached_empty(tuple(v.shape), v, torch.int8), cached_empty(tuple(shape), v, torch.float32)
 
 
 def _epilogue_rows(out, acc, sa):  # noqa: ANN001, ANN202
@@ -126,16 +147,16 @@ def _variant(name: str, args: tuple) -> tuple[tuple, object, tuple]:
     a function of its own, compiled on its own, so that dynamo guards on nothing but sizes (which
     ``dynamic=True`` keeps symbolic) and no variant's recompiles count against another's limit.
     Parameters are passed detached: their type and static sizes would guard too."""
-    if name == "quantize":
-        v, dim, col_scales = args
+    if name == "quantize":  # (v, dim, col_scales, codes, scales): the outputs' buffers last
+        v, dim, col_scales, q, s = args
         v = v.detach()
         dim = dim - v.dim() if dim >= 0 else dim
         if dim == -1:
             if col_scales is None:
-                return ("quantize", "rows", v.dim()), _quantize_rows_unscaled, (v,)
-            return ("quantize", "rows-scaled", v.dim()), _quantize_rows, (v, col_scales.detach())
+                return ("quantize", "rows", v.dim()), _quantize_rows_unscaled, (v, q, s)
+            return ("quantize", "rows-scaled", v.dim()), _quantize_rows, (v, col_scales.detach(), q, s)
         if dim == -2 and col_scales is None:
-            return ("quantize", "cols", v.dim()), _quantize_cols, (v,)
+            return ("quantize", "cols", v.dim()), _quantize_cols, (v, q, s)
         raise ValueError(f"no fused quantize over dim {dim} with column scales {col_scales is not None}")
     out, acc, sa, sb, *rest = args
     cols_first = bool(rest[0]) if rest else False
@@ -167,13 +188,18 @@ def _fused(key: tuple, fn):  # noqa: ANN001, ANN202
 
 def _run_fused(name: str, *args):  # noqa: ANN001, ANN202
     """``(True, result)``, or ``(False, None)`` where the fused kernel cannot run. ``name`` is
-    ``"quantize"`` (``v, dim, col_scales``) or ``"epilogue"`` (``out, acc, sa, sb[, cols_first]``)."""
+    ``"quantize"`` (``v, dim, col_scales``; the result ``(codes, scales)`` in pooled buffers) or
+    ``"epilogue"`` (``out, acc, sa, sb[, cols_first]``)."""
+    if name == "quantize":
+        outs = _codes_and_scales(args[0], args[1])
+        args = (*args, *outs)
     key, fn, call_args = _variant(name, args)
     compiled = _fused(key, fn)
     if compiled is None:
         return False, None
     try:
-        return True, compiled(*call_args)
+        res = compiled(*call_args)
+        return True, outs if name == "quantize" else res
     except Exception as exc:  # no compiler, or a compiler that fails: the eager passes, same numbers
         import warnings
 
@@ -312,6 +338,10 @@ def int_mm(a: torch.Tensor, b: torch.Tensor, pad: bool | None = None) -> torch.T
     if pad is None:
         pad = a.device.type != "cpu"
     if not pad:
+        if a.device.type == "cpu":  # the int32 sums in a pooled buffer (a weight gradient's: 9 MB)
+            from ..torch.buffers import cached_empty
+
+            return torch._int_mm(a, b, out=cached_empty((M, N), a, torch.int32))
         return torch._int_mm(a, b)
     Mp, Kp, Np = max(M, 17), -(-K // 8) * 8, -(-N // 8) * 8
     if (Mp, Kp, Np) == (M, K, N):
@@ -386,6 +416,9 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
         hit = _WEIGHTS.get(key)
         if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == dtype and hit[3] == transposed:
             return hit[4]
+    # A stale entry's codes are dropped first: on the CPU they come from the buffer pool, which can
+    # then hand the same buffer to the new codes instead of keeping two per weight.
+    _WEIGHTS.pop(key, None)
     if quantize is not None:
         q = quantize(w, dtype, transposed)
     else:

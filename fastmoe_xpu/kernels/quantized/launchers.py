@@ -249,7 +249,17 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
         rt, groups = _groups(cum_token_counts)
         gate_up = _rows_buffer(input_indices.shape[0], rt, two_i, x_TH)
     if rt:
-        qx, sx = quantize_rows(_gather_rows(x_TH, input_indices[:rt]), f.forward)
+        idx = input_indices[:rt]
+        if rt >= x_TH.shape[0]:
+            # Every token quantized once (per row: a routed row gets its token's codes and scale), then
+            # the routed rows' one-byte codes gathered: up to K times fewer rows to quantize than the
+            # gathered fp32 rows, and a quarter of the gather's bytes.
+            qx_T, sx_T = quantize_rows(x_TH, f.forward)
+            qx = torch.index_select(qx_T, 0, idx, out=_pooled((rt, qx_T.shape[1]), qx_T))
+            sx = sx_T.index_select(0, idx)
+            del qx_T
+        else:  # fewer routed rows than tokens (most of them go to other ranks' experts): the same codes
+            qx, sx = quantize_rows(_gather_rows(x_TH, idx), f.forward)
         for e, s, t in groups:
             if t > s:
                 qmm(qx[s:t], sx[s:t], qw.codes[e].t(), qw.scales[e], out=gate_up[s:t])
@@ -370,12 +380,16 @@ def down_weighted_bwd(fmt: str, dy_RH: torch.Tensor, gate_up_R2I: torch.Tensor, 
     else:
         rt, groups = _groups(cum_token_counts)
         h = _silu_mul(gate_up_R2I[:rt, :inter], gate_up_R2I[:rt, inter:])
-        g = torch.zeros(rt, inter, dtype=torch.float32, device=dy_RH.device)
+        # every routed row of g is written by its expert's input gradient: pooled, not zeroed
+        g = _pooled((rt, inter), dy_RH, torch.float32)
         w = row_weights_R[:rt, None].float()
-        _backward_gemms(groups, dy_RH, h * w, qw, f, g, dw)
+        _backward_gemms(groups, dy_RH, torch.mul(h, w, out=_pooled((rt, inter), h)), qw, f, g, dw)
     d_row_w = torch.linalg.vecdot(g, h)
     dh = _rows_buffer(dy_RH.shape[0], rt, inter, dy_RH)
-    dh[:rt] = g.mul_(w)
+    if dh.dtype == torch.float32:  # straight into its rows, no [R, I] temporary
+        torch.mul(g, w, out=dh[:rt])
+    else:
+        dh[:rt] = g.mul_(w)
     return dh, dw, d_row_w
 
 
