@@ -17,10 +17,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..kernels import grouped_mm
 from ..kernels.contract import TOKEN_BLOCK_SIZE
 from ..kernels.registry import (
     check_choice, check_precision, precision_engine, resolve_backend, untimed_engine, whole_layer,
 )
+from ..kernels.torch.counting import all_local
 from .lora_ops import ExpertsLora, lora_experts, lora_mlp_combine
 from .ops import INFERENCE, ExpertRows, call, combine, experts, mlp_combine, route
 
@@ -143,6 +145,13 @@ def moe_experts_forward(
         fixed = untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape) if not _group_name(ep_group) else None
         if fixed is not None:
             gemm_engine = gemm = fixed
+            # On grouped_mm, a plain fp32 layer whose ids are all local runs in one piece (stages 2-5
+            # as one autograd node, grouped_mm.small_layer): fewer ops than route + mlp_combine.
+            if (fixed == "grouped_mm" and grouped_mm.ONE_PIECE and not lora and expert_start == 0
+                    and num_local == w_gate_up_N2IH.shape[0]
+                    and grouped_mm.small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
+                    and all_local(topk_idx_TK, 0, num_local)):
+                return grouped_mm.small_layer(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
     if check_ids is not None:
         check_ids(topk_idx_TK)
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
