@@ -61,16 +61,22 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype) -> str | 
     return _probe(dev.type, dev.index, dtype)
 
 
+def _aligned_as_is(t: torch.Tensor) -> bool:
+    align = max(1, _ALIGN_BYTES // t.element_size())
+    s_row, s_col = t.stride(-2), t.stride(-1)
+    if t.data_ptr() % _ALIGN_BYTES:
+        return False
+    return ((s_col == 1 and s_row % align == 0 and s_row >= t.shape[-1])
+            or (s_row == 1 and s_col % align == 0 and s_col >= t.shape[-2]))
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its strides suit grouped_mm (one unit stride, the other a multiple of 16
     bytes, a 16-byte-aligned start); else a copy with the same values in padded storage."""
+    if _aligned_as_is(t):
+        return t
     align = max(1, _ALIGN_BYTES // t.element_size())
     s_row, s_col = t.stride(-2), t.stride(-1)
-    ok_ptr = t.data_ptr() % _ALIGN_BYTES == 0
-    if ok_ptr and s_col == 1 and s_row % align == 0 and s_row >= t.shape[-1]:
-        return t
-    if ok_ptr and s_row == 1 and s_col % align == 0 and s_col >= t.shape[-2]:
-        return t
     # Pad the contiguous dimension of the copy: transposed views (the weights read as W^T) stay
     # column-major, so the copy keeps the memory order grouped_mm prefers for them.
     col_major = s_row == 1 and s_col != 1
@@ -80,6 +86,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     buf = src.new_empty((*src.shape[:-1], padded))[..., :width]
     buf.copy_(src)
     return buf.transpose(-2, -1) if col_major else buf
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether grouped_mm takes ``t`` as it is (:func:`_aligned` would return it unchanged)."""
+    return _aligned_as_is(t)
+
+
+def grouped_mm_op():  # noqa: ANN201
+    """``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm`` before it was public): differentiable."""
+    return _op()
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
