@@ -211,11 +211,17 @@ def _gate(gate_up_R2I: torch.Tensor, inter: int) -> torch.Tensor:
     return gate.contiguous() if inter < _SHORT_ROWS else gate
 
 
+def _bag_sums(y_RH: torch.Tensor, row_of_slot: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum of y[row_of_slot[i]]`` over token t's slots ``[bags[t], bags[t+1])`` (aten's
+    ``embedding_bag``, mode sum, the last offset included)."""
+    return torch.embedding_bag(y_RH, row_of_slot, bags, False, 0, False, None, True)[0]
+
+
 class _SmallLayer(torch.autograd.Function):
     """Stages 2-5 of a small fused fp32 layer whose ids are all local: the rows sorted by expert
     (one stable ``argsort``, one ``bincount`` for the group ends), one grouped GEMM per projection
     and direction, the routing weight applied to ``h`` (``[R, I]``, narrower than the ``[R, H]``
-    output at every family's shape), each token's rows summed by ``index_add_``. Its backward is
+    output at every family's shape), each token's rows summed by one ``embedding_bag``. Its backward is
     written out: the weights' gradients from the saved gathered rows and ``h``, the router weights'
     as the row dot products ``<dy @ W_down[e], h>``. About a third fewer ops, and one autograd node
     instead of two ops' worth of dispatch, than the staged chain (``fastmoe::route`` and
@@ -235,14 +241,21 @@ class _SmallLayer(torch.autograd.Function):
         h_RI = torch._C._nn.silu(_gate(gate_up_R2I, inter)).mul_(gate_up_R2I[:, inter:])
         w_R1 = weights_TK.reshape(-1).index_select(0, order_R).unsqueeze(1)
         y_RH = _gmm(h_RI * w_R1, w_down_NHI.transpose(-2, -1), offs)
-        out_TH = x_TH.new_zeros(T, y_RH.shape[1]).index_add_(0, token_R, y_RH)
-        ctx.save_for_backward(rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, order_R, offs, gate_up_R2I, h_RI, w_R1)
+        # Each token's K rows summed in slot order by one embedding_bag (a bag per token over the rows
+        # of its slots): half the time of zeros + index_add_ at 512 rows of 128.
+        n = order_R.numel()
+        row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(n, device=order_R.device))
+        bags = torch.arange(0, n + 1, K, device=order_R.device)
+        out_TH = _bag_sums(y_RH, row_of_slot, bags)
+        ctx.save_for_backward(rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, row_of_slot, bags, offs, gate_up_R2I,
+                              h_RI, w_R1)
         ctx.tokens = T
         return out_TH
 
     @staticmethod
     def backward(ctx, dout_TH):  # noqa: ANN001, ANN205
-        rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, order_R, offs, gate_up_R2I, h_RI, w_R1 = ctx.saved_tensors
+        (rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, row_of_slot, bags, offs, gate_up_R2I, h_RI,
+         w_R1) = ctx.saved_tensors
         need_x, need_gu, need_d, need_w = ctx.needs_input_grad[:4]
         inter = h_RI.shape[1]
         dy_RH = dout_TH.index_select(0, token_R)
@@ -251,7 +264,7 @@ class _SmallLayer(torch.autograd.Function):
         dweights_TK = None
         if need_w:
             d_w_R = torch.linalg.vecdot(g_RI, h_RI)
-            dweights_TK = torch.empty_like(d_w_R).index_copy_(0, order_R, d_w_R).view(ctx.tokens, -1)
+            dweights_TK = d_w_R.index_select(0, row_of_slot).view(ctx.tokens, -1)
         dx_TH = dw_gate_up = None
         if need_x or need_gu:
             dh_RI = g_RI.mul_(w_R1)
@@ -265,7 +278,7 @@ class _SmallLayer(torch.autograd.Function):
                 dw_gate_up = _gmm(d_gate_up_R2I.t(), rows_RH, offs)
             if need_x:
                 dx_rows_RH = _gmm(d_gate_up_R2I, w_gate_up_N2IH, offs)
-                dx_TH = dx_rows_RH.new_zeros(ctx.tokens, dx_rows_RH.shape[1]).index_add_(0, token_R, dx_rows_RH)
+                dx_TH = _bag_sums(dx_rows_RH, row_of_slot, bags)
         return dx_TH, dw_gate_up, dw_down, dweights_TK, None
 
 
