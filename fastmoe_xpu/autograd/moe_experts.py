@@ -106,7 +106,10 @@ def moe_experts_forward(
     one of the registry's ``experts`` implementations (:func:`~fastmoe_xpu.kernels.registry.whole_layer`)
     runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers; a
     larger one still small enough (:func:`~fastmoe_xpu.kernels.registry.untimed_engine`) runs the
-    staged chain on ``auto``'s engine for its size without timing it, unless ``ep_group`` spans ranks.
+    staged chain on ``auto``'s engine for its size without timing it, unless ``ep_group`` spans ranks;
+    on ``grouped_mm``, fp32, eager, untraced, with every id local and no adapters, in one piece
+    (:func:`~fastmoe_xpu.kernels.grouped_mm.small_layer`). A small fp32 ``expert_rows`` layer on the
+    CPU with every id local routes and combines its rows with plain torch ops (:func:`_plain_small`).
     ``check_ids``: where every id must name a local expert (no expert parallelism), a function that
     raises on ``topk_idx`` holding another; called first, or on the small-layer path only when its
     layout found such an id (it has counted them anyway)."""

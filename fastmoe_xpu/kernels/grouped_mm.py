@@ -223,10 +223,10 @@ class _SmallLayer(torch.autograd.Function):
     and direction, the routing weight applied to ``h`` (``[R, I]``, narrower than the ``[R, H]``
     output at every family's shape), each token's rows summed by one ``embedding_bag``. Its backward is
     written out: the weights' gradients from the saved gathered rows and ``h``, the router weights'
-    as the row dot products ``<dy @ W_down[e], h>``. About a third fewer ops, and one autograd node
-    instead of two ops' worth of dispatch, than the staged chain (``fastmoe::route`` and
-    ``fastmoe::mlp_combine``) it replaces at these sizes (docs/small_shapes.md); the same numbers up
-    to the order of fp32 sums."""
+    as the row dot products ``<dy @ W_down[e], h>``. Fewer ops than the staged chain
+    (``fastmoe::route`` and ``fastmoe::mlp_combine``) it replaces at these sizes, and none of the op
+    and engine-choice layers around them (docs/small_shapes.md); the same numbers up to the order of
+    fp32 sums."""
 
     @staticmethod
     def forward(ctx, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK):  # noqa: ANN001, ANN205
