@@ -120,3 +120,48 @@ def test_family_matches_eager(family: str, fastmoe_calls: list[int]) -> None:
             hf16 = _run(model, ids, is_lm, backward=False)
         hf_err = (hf16[0] - ref16[0]).abs().max().item()
         assert err.max().item() <= 2 * hf_err, f"{family} bf16: fastmoe off by {err.max().item()}, grouped_mm by {hf_err}"
+
+
+#: The families ``fastmoe-bench --family-models`` runs (bench/studies/families.py).
+SMALL_FAMILIES = [f for f in ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe") if f in {x.name for x in FAMILIES}]
+
+
+@pytest.mark.parametrize("family", SMALL_FAMILIES)
+def test_family_small_auto_layers_match_eager(family: str, fastmoe_calls: list[int],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the size a family is first tried at (hidden 128, 8 experts, 4 x 64 tokens: above the
+    padded op's budget, within the untimed engine's) with the engine left to ``auto``, as a user's
+    model runs: a fused layout runs each layer in one piece (``grouped_mm.small_layer``); logits,
+    loss and every gradient are eager's at fp32 1e-5."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.kernels import grouped_mm
+
+    pieces = [0]
+    small_layer = grouped_mm.small_layer
+
+    def counting(*args):
+        pieces[0] += 1
+        return small_layer(*args)
+
+    monkeypatch.setattr(grouped_mm, "small_layer", counting)
+    base = tiny_config(family)
+    fields = {"hidden_size": 128, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8}
+    cfg = tiny_config(family, **{k: v for k, v in fields.items() if hasattr(base, k)})
+    torch.manual_seed(0)
+    model, is_lm = build_model(cfg, "eager")
+    model.float().train()
+    ids = torch.randint(3, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
+    ref = _run(model, ids, is_lm)
+    model.set_experts_implementation("fastmoe")
+    with settings.override(gemm_engine="auto"):
+        got = _run(model, ids, is_lm)
+    assert fastmoe_calls[0] >= 1
+    if family != "gpt_oss":  # GPT-OSS's own gate between the GEMMs: the plain path
+        assert pieces[0] >= 1, f"{family}: no layer ran in one piece"
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    for name, g_ref in ref[2].items():
+        g = got[2][name]
+        assert (g is None) == (g_ref is None), f"{family}: {name} has a gradient in one implementation only"
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{family} grad {name}: {m}")

@@ -199,14 +199,32 @@ def test_gpt_oss_clamped_swiglu() -> None:
     ({"has_gate": False}, "relu2", None),
     ({}, "gelu", None),
 ], ids=["transposed-biased", "interleaved", "no-gate", "gelu"])
-def test_plain_path_small_layer_takes_the_untimed_engine(flags, act, gate_mixin, monkeypatch) -> None:
+@pytest.mark.parametrize("one_piece", [True, False], ids=["plain-small", "route-combine"])
+@pytest.mark.parametrize("torch_gmm", [True, False], ids=["torch-grouped-mm", "grouped-linear-op"])
+def test_plain_path_small_layer_takes_the_untimed_engine(flags, act, gate_mixin, one_piece, torch_gmm,
+                                                         monkeypatch) -> None:
     """With ``auto`` (not the suite's pinned "native"), a small layer on the plain path runs its two
     grouped GEMMs on the registry's untimed engine for its size, times nothing, and matches eager:
-    output and every gradient. A module naming an engine keeps the base's own."""
+    output and every gradient. A module naming an engine keeps the base's own. ``one_piece``: its
+    rows routed and combined by plain torch ops (``moe_experts._plain_small``, where the ops
+    ``fastmoe::route`` and ``fastmoe::combine`` then never run); else by those ops. ``torch_gmm``:
+    the GEMMs as torch's own differentiable grouped_mm (``PLAIN_TORCH_GROUPED_MM``); else through
+    the ``fastmoe::grouped_linear`` op on the engine's launchers."""
     from fastmoe_xpu import settings
-    from fastmoe_xpu.autograd import ops
-    from fastmoe_xpu.kernels import registry, timing
+    from fastmoe_xpu.autograd import moe_experts, ops
+    from fastmoe_xpu.integrations import experts as integration
+    from fastmoe_xpu.kernels import grouped_mm, registry, timing
 
+    monkeypatch.setattr(moe_experts, "PLAIN_ONE_PIECE", one_piece)
+    monkeypatch.setattr(integration, "PLAIN_TORCH_GROUPED_MM", torch_gmm)
+    gmms: list[int] = []
+    gmm_op = grouped_mm.grouped_mm_op
+    monkeypatch.setattr(grouped_mm, "grouped_mm_op", lambda: gmms.append(1) or gmm_op())
+    staged: list[int] = []
+    for name in ("route", "combine"):
+        op = getattr(moe_experts, name)
+        body = ops._BODY_OF[op]
+        monkeypatch.setitem(ops._BODY_OF, op, lambda *a, __b=body: staged.append(1) or __b(*a))
     ran: list[str] = []
     kernels = ops.kernels
     monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
@@ -215,7 +233,9 @@ def test_plain_path_small_layer_takes_the_untimed_engine(flags, act, gate_mixin,
     engine_set = registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE)
     with settings.override(gemm_engine="auto"):
         module, _ = _case(flags, act=act, gate_mixin=gate_mixin, T=13, K=3)
-        assert not describe_layout(module)["fused"] and engine_set in ran
+        assert not describe_layout(module)["fused"]
+        assert bool(staged) != one_piece, staged
+        assert (engine_set in ran) != torch_gmm and bool(gmms) == torch_gmm, (ran, gmms)
         ran.clear()
         module.fastmoe_gemm_engine = "loop"  # named: the plain path's own engine, as before
         module.config._experts_implementation = "fastmoe"

@@ -17,10 +17,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..kernels.contract import TOKEN_BLOCK_SIZE
+from ..kernels import grouped_mm
+from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE
 from ..kernels.registry import (
     check_choice, check_precision, precision_engine, resolve_backend, untimed_engine, whole_layer,
 )
+from ..kernels.torch.counting import all_local
 from .lora_ops import ExpertsLora, lora_experts, lora_mlp_combine
 from .ops import INFERENCE, ExpertRows, call, combine, experts, mlp_combine, route
 
@@ -104,7 +106,10 @@ def moe_experts_forward(
     one of the registry's ``experts`` implementations (:func:`~fastmoe_xpu.kernels.registry.whole_layer`)
     runs on it instead of the staged chain in eager mode: ``fastmoe::experts``, the same numbers; a
     larger one still small enough (:func:`~fastmoe_xpu.kernels.registry.untimed_engine`) runs the
-    staged chain on ``auto``'s engine for its size without timing it, unless ``ep_group`` spans ranks.
+    staged chain on ``auto``'s engine for its size without timing it, unless ``ep_group`` spans ranks;
+    on ``grouped_mm``, fp32, eager, untraced, with every id local and no adapters, in one piece
+    (:func:`~fastmoe_xpu.kernels.grouped_mm.small_layer`). A small fp32 ``expert_rows`` layer on the
+    CPU with every id local routes and combines its rows with plain torch ops (:func:`_plain_small`).
     ``check_ids``: where every id must name a local expert (no expert parallelism), a function that
     raises on ``topk_idx`` holding another; called first, or on the small-layer path only when its
     layout found such an id (it has counted them anyway)."""
@@ -143,6 +148,17 @@ def moe_experts_forward(
         fixed = untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape) if not _group_name(ep_group) else None
         if fixed is not None:
             gemm_engine = gemm = fixed
+            # On grouped_mm, a plain fp32 layer whose ids are all local runs in one piece (stages 2-5
+            # as one autograd node, grouped_mm.small_layer): fewer ops than route + mlp_combine.
+            if (fixed == "grouped_mm" and grouped_mm.ONE_PIECE and not lora and expert_start == 0
+                    and num_local == w_gate_up_N2IH.shape[0]
+                    and grouped_mm.small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
+                    and all_local(topk_idx_TK, 0, num_local)):
+                return grouped_mm.small_layer(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+    if expert_rows is not None and PLAIN_ONE_PIECE and _plain_in_one_piece(x_TH, weights_TK, topk_idx_TK, base,
+                                                                        expert_start, num_local, expert_precision,
+                                                                        ep_group):
+        return _plain_small(x_TH, weights_TK, topk_idx_TK, num_local, expert_rows, base)
     if check_ids is not None:
         check_ids(topk_idx_TK)
     # Eager: exact row counts (the torch backend reads them for free). Traced: worst-case rows, so that
@@ -163,3 +179,44 @@ def moe_experts_forward(
     y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base if expert_precision is None else f"{base}+{gemm}")
     return call(combine, y_RH.contiguous(), weights_TK, output_indices, selected_expert_indices, cum_expert_counts,
                 base)
+
+
+#: Whether a small plain-layout layer (another layout's ``expert_rows``) routes and combines its rows
+#: with plain torch ops around its stage 4 (:func:`_plain_small`) where it can; False: ``fastmoe::route``
+#: and ``fastmoe::combine``.
+PLAIN_ONE_PIECE = True
+#: The most routed rows (T*K) :func:`_plain_small` takes: its index_add_ sums were measured against
+#: the combine op at 512 rows (docs/small_shapes.md), the size a family is first tried at.
+PLAIN_SMALL_ROWS = 4096
+
+
+def _plain_in_one_piece(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, base: str,
+                        expert_start: int, num_local: int, expert_precision: str | None,
+                        ep_group: dist.ProcessGroup | None) -> bool:
+    """Whether :func:`_plain_small` takes this call: the torch base on the CPU, eager and untraced
+    (plain tensors, no dispatch mode), fp32, no precision, no expert parallelism, at most
+    :data:`PLAIN_SMALL_ROWS` rows, every id local."""
+    return (base == "torch" and x_TH.device.type == "cpu" and x_TH.dtype == torch.float32
+            and weights_TK.dtype == torch.float32 and expert_precision is None and expert_start == 0
+            and 0 < topk_idx_TK.numel() <= PLAIN_SMALL_ROWS and not _group_name(ep_group)
+            and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and type(x_TH) in (torch.Tensor, torch.nn.Parameter) and type(weights_TK) in (torch.Tensor, torch.nn.Parameter)
+            and all_local(topk_idx_TK, 0, num_local))
+
+
+def _plain_small(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, num_local: int,
+                 expert_rows: ExpertRows, base: str) -> torch.Tensor:
+    """Stages 2, 3 and 5 of a small plain-layout layer in plain torch ops around its stage 4: the rows
+    sorted by expert (a stable ``argsort``, a ``bincount`` for the group ends), the rows' outputs
+    weighted and summed per token by ``index_add``; autograd differentiates the weighting and the
+    sums (the router weights' gradient included). Fewer ops than ``fastmoe::route`` and
+    ``fastmoe::combine`` with their backward at a small layer's rows; the same rows in the same order."""
+    T, K = topk_idx_TK.shape
+    flat = topk_idx_TK.reshape(-1)
+    order_R = torch.argsort(flat, stable=True)
+    token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
+    cum_token_counts = torch.zeros(num_local + 1, dtype=INDEX_DTYPE, device=x_TH.device)
+    torch.cumsum(torch.bincount(flat, minlength=num_local), 0, out=cum_token_counts[1:])
+    y_RH = expert_rows(x_TH, token_R.to(INDEX_DTYPE), cum_token_counts, base)
+    w_R1 = weights_TK.reshape(-1).index_select(0, order_R).unsqueeze(1)
+    return y_RH.new_zeros(T, y_RH.shape[1]).index_add(0, token_R, y_RH * w_R1)

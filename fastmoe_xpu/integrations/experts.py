@@ -40,6 +40,7 @@ from .. import settings
 from ..autograd.moe_experts import kernel_backend, moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
+from ..kernels import grouped_mm
 from ..kernels.registry import untimed_engine
 from ..kernels.torch.counting import all_local
 from .peft_lora import is_peft_wrapper, parametrized_weights, stored_weight, unwrap_experts, wrapper_chain
@@ -352,10 +353,30 @@ def _plain_stage4(
     return y
 
 
+#: Whether the plain path's grouped GEMMs on the untimed small-layer engine run as torch's own
+#: differentiable ``grouped_mm`` (:func:`_linear`); False: the ``fastmoe::grouped_linear`` op. At
+#: GPT-OSS's tiny model (docs/small_shapes.md) the op's layers cost about 5% of the whole step.
+PLAIN_TORCH_GROUPED_MM = True
+_SMALL_PLAIN_KERNELS = "torch+grouped_mm"
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
 def _linear(a: torch.Tensor, w: torch.Tensor, lora: LoraWeights | None, cum_token_counts: torch.Tensor,
             kernels_name: str, transposed: bool) -> torch.Tensor:
-    """One grouped GEMM of the plain path, with its adapter when it has one."""
+    """One grouped GEMM of the plain path, with its adapter when it has one. On the untimed small-layer
+    engine (``torch+grouped_mm``), fp32, eager and untraced, with operands grouped_mm takes as they
+    are and both widths a multiple of four: torch's own differentiable ``grouped_mm`` (:data:`PLAIN_TORCH_GROUPED_MM`), the same GEMMs
+    as the ``fastmoe::grouped_linear`` op's without its layers around them, forward and backward."""
     if lora is None:
+        if (PLAIN_TORCH_GROUPED_MM and kernels_name == _SMALL_PLAIN_KERNELS and a.dtype == torch.float32
+                and w.dtype == torch.float32 and a.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not torch._C._len_torch_dispatch_stack()
+                and type(a) in _PLAIN_TYPES and type(w) in _PLAIN_TYPES):
+            b = w if transposed else w.transpose(-2, -1)
+            # Both widths a multiple of 16 bytes: then the backward's operands (the output's gradient,
+            # a^T) suit grouped_mm as well, as the forward's do when aligned.
+            if a.shape[1] % 4 == 0 and b.shape[2] % 4 == 0 and grouped_mm.aligned(a) and grouped_mm.aligned(b):
+                return grouped_mm.grouped_mm_op()(a, b, offs=cum_token_counts[1:])
         return grouped_linear(a, w, cum_token_counts, kernels_name, transposed)
     return lora_grouped_linear(a, w, lora, cum_token_counts, kernels_name, transposed)
 

@@ -61,16 +61,22 @@ def unsupported_reason(device: torch.device | str, dtype: torch.dtype) -> str | 
     return _probe(dev.type, dev.index, dtype)
 
 
+def _aligned_as_is(t: torch.Tensor) -> bool:
+    align = max(1, _ALIGN_BYTES // t.element_size())
+    s_row, s_col = t.stride(-2), t.stride(-1)
+    if t.data_ptr() % _ALIGN_BYTES:
+        return False
+    return ((s_col == 1 and s_row % align == 0 and s_row >= t.shape[-1])
+            or (s_row == 1 and s_col % align == 0 and s_col >= t.shape[-2]))
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its strides suit grouped_mm (one unit stride, the other a multiple of 16
     bytes, a 16-byte-aligned start); else a copy with the same values in padded storage."""
+    if _aligned_as_is(t):
+        return t
     align = max(1, _ALIGN_BYTES // t.element_size())
     s_row, s_col = t.stride(-2), t.stride(-1)
-    ok_ptr = t.data_ptr() % _ALIGN_BYTES == 0
-    if ok_ptr and s_col == 1 and s_row % align == 0 and s_row >= t.shape[-1]:
-        return t
-    if ok_ptr and s_row == 1 and s_col % align == 0 and s_col >= t.shape[-2]:
-        return t
     # Pad the contiguous dimension of the copy: transposed views (the weights read as W^T) stay
     # column-major, so the copy keeps the memory order grouped_mm prefers for them.
     col_major = s_row == 1 and s_col != 1
@@ -80,6 +86,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     buf = src.new_empty((*src.shape[:-1], padded))[..., :width]
     buf.copy_(src)
     return buf.transpose(-2, -1) if col_major else buf
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether grouped_mm takes ``t`` as it is (:func:`_aligned` would return it unchanged)."""
+    return _aligned_as_is(t)
+
+
+def grouped_mm_op():  # noqa: ANN201
+    """``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm`` before it was public): differentiable."""
+    return _op()
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -178,3 +194,109 @@ def gate_up_bwd(d_gate_up_R2I: torch.Tensor, x_TH: torch.Tensor, input_indices: 
 
 #: The launchers this engine provides (the rest of stage 4 comes from the kernel backend).
 LAUNCHERS = ("gate_up_fwd", "down_fwd", "down_bwd", "down_weighted_bwd", "gate_up_bwd")
+
+
+# ---------------------------------------------------------------- a small layer in one piece
+#: Whether ``moe_experts_forward`` runs a small layer that ``auto`` gives this engine untimed in one
+#: piece (:func:`small_layer`) where it can; False: the staged chain on this engine's launchers.
+ONE_PIECE = True
+#: Below this many columns an elementwise pass over a column slice of ``[R, 2I]`` runs row by row in
+#: ATen; :class:`_SmallLayer` copies gate (and up) out first there, as the torch base's
+#: ``silu_mul_bwd`` does (``kernels/torch/grouped_gemm.py``, ``SHORT_ROWS``).
+_SHORT_ROWS = 64
+
+
+def _gate(gate_up_R2I: torch.Tensor, inter: int) -> torch.Tensor:
+    gate = gate_up_R2I[:, :inter]
+    return gate.contiguous() if inter < _SHORT_ROWS else gate
+
+
+def _bag_sums(y_RH: torch.Tensor, row_of_slot: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum of y[row_of_slot[i]]`` over token t's slots ``[bags[t], bags[t+1])`` (aten's
+    ``embedding_bag``, mode sum, the last offset included)."""
+    return torch.embedding_bag(y_RH, row_of_slot, bags, False, 0, False, None, True)[0]
+
+
+class _SmallLayer(torch.autograd.Function):
+    """Stages 2-5 of a small fused fp32 layer whose ids are all local: the rows sorted by expert
+    (one stable ``argsort``, one ``bincount`` for the group ends), one grouped GEMM per projection
+    and direction, the routing weight applied to ``h`` (``[R, I]``, narrower than the ``[R, H]``
+    output at every family's shape), each token's rows summed by one ``embedding_bag``. Its backward is
+    written out: the weights' gradients from the saved gathered rows and ``h``, the router weights'
+    as the row dot products ``<dy @ W_down[e], h>``. Fewer ops than the staged chain
+    (``fastmoe::route`` and ``fastmoe::mlp_combine``) it replaces at these sizes, and none of the op
+    and engine-choice layers around them (docs/small_shapes.md); the same numbers up to the order of
+    fp32 sums."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK):  # noqa: ANN001, ANN205
+        T, K = topk_idx_TK.shape
+        inter = w_down_NHI.shape[2]
+        flat = topk_idx_TK.reshape(-1)
+        order_R = torch.argsort(flat, stable=True)  # row r holds slot order[r] = t*K + k
+        offs = torch.bincount(flat, minlength=w_gate_up_N2IH.shape[0]).cumsum(0, dtype=torch.int32)
+        token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
+        rows_RH = x_TH.index_select(0, token_R)
+        gate_up_R2I = _gmm(rows_RH, w_gate_up_N2IH.transpose(-2, -1), offs)
+        h_RI = torch._C._nn.silu(_gate(gate_up_R2I, inter)).mul_(gate_up_R2I[:, inter:])
+        w_R1 = weights_TK.reshape(-1).index_select(0, order_R).unsqueeze(1)
+        y_RH = _gmm(h_RI * w_R1, w_down_NHI.transpose(-2, -1), offs)
+        # Each token's K rows summed in slot order by one embedding_bag (a bag per token over the rows
+        # of its slots): half the time of zeros + index_add_ at 512 rows of 128.
+        n = order_R.numel()
+        row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(n, device=order_R.device))
+        bags = torch.arange(0, n + 1, K, device=order_R.device)
+        out_TH = _bag_sums(y_RH, row_of_slot, bags)
+        ctx.save_for_backward(rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, row_of_slot, bags, offs, gate_up_R2I,
+                              h_RI, w_R1)
+        ctx.tokens = T
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, dout_TH):  # noqa: ANN001, ANN205
+        (rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, row_of_slot, bags, offs, gate_up_R2I, h_RI,
+         w_R1) = ctx.saved_tensors
+        need_x, need_gu, need_d, need_w = ctx.needs_input_grad[:4]
+        inter = h_RI.shape[1]
+        dy_RH = dout_TH.index_select(0, token_R)
+        dw_down = _gmm(dy_RH.t(), h_RI * w_R1, offs) if need_d else None
+        g_RI = _gmm(dy_RH, w_down_NHI, offs)  # d(h * w) / w: unweighted, its dot with h is the weight's gradient
+        dweights_TK = None
+        if need_w:
+            d_w_R = torch.linalg.vecdot(g_RI, h_RI)
+            dweights_TK = d_w_R.index_select(0, row_of_slot).view(ctx.tokens, -1)
+        dx_TH = dw_gate_up = None
+        if need_x or need_gu:
+            dh_RI = g_RI.mul_(w_R1)
+            gate = _gate(gate_up_R2I, inter)
+            up = gate_up_R2I[:, inter:]
+            if inter < _SHORT_ROWS:
+                up = up.contiguous()
+            d_gate_up_R2I = torch.cat([torch.ops.aten.silu_backward(dh_RI * up, gate),
+                                       torch._C._nn.silu(gate).mul_(dh_RI)], 1)
+            if need_gu:
+                dw_gate_up = _gmm(d_gate_up_R2I.t(), rows_RH, offs)
+            if need_x:
+                dx_rows_RH = _gmm(d_gate_up_R2I, w_gate_up_N2IH, offs)
+                dx_TH = _bag_sums(dx_rows_RH, row_of_slot, bags)
+        return dx_TH, dw_gate_up, dw_down, dweights_TK, None
+
+
+def small_layer_runs(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                     weights_TK: torch.Tensor) -> bool:
+    """Whether :func:`small_layer` takes these tensors: fp32 on the CPU, plain tensors (no subclass,
+    no dispatch mode: a traced program keeps the staged chain's ops), at least one row."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (x_TH.device.type == "cpu" and x_TH.dtype == torch.float32 and weights_TK.dtype == torch.float32
+            and w_gate_up_N2IH.dtype == torch.float32 and w_down_NHI.dtype == torch.float32
+            and weights_TK.numel() > 0 and not torch._C._len_torch_dispatch_stack()
+            and all(type(t) in plain for t in (x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)))
+
+
+def small_layer(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: the fused layer (gate/up GEMM, SiLU*up, down GEMM, weighted sum of each token's
+    rows) over ``w_gate_up [NR, 2I, H]`` and ``w_down [NR, H, I]`` as one autograd node
+    (:class:`_SmallLayer`). Every id in ``topk_idx`` must name one of the NR experts (the caller
+    checks); for :func:`small_layer_runs` tensors."""
+    return _SmallLayer.apply(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)

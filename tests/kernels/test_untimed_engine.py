@@ -11,7 +11,7 @@ import torch
 from fastmoe_xpu import settings
 from fastmoe_xpu.autograd import ops
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
-from fastmoe_xpu.kernels import registry, timing
+from fastmoe_xpu.kernels import grouped_mm, registry, timing
 from fastmoe_xpu.reference import reference_experts_forward
 from tolerances import assert_close
 
@@ -61,20 +61,32 @@ def _grads(out, tensors, seed=1):
     return torch.autograd.grad(out, tensors, dout)
 
 
+@pytest.mark.parametrize("one_piece", [True, False])
 @pytest.mark.parametrize("grad", [True, False])
-def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch, grad):
+def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch, grad, one_piece):
+    """On the untimed engine (grouped_mm) a plain fp32 layer runs in one piece (``one_piece``:
+    ``grouped_mm.small_layer``, no staged launcher) or, with that switched off, as the staged chain
+    on that engine's launchers; either way nothing is timed and the numbers are the reference's."""
     x, w_gu, w_d, weights, idx = _inputs(*SHAPE)
     ran: list[str] = []
     kernels = ops.kernels
     monkeypatch.setattr(ops, "kernels", lambda name: ran.append(name) or kernels(name))
     monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
+    monkeypatch.setattr(grouped_mm, "ONE_PIECE", one_piece)
+    pieces: list[int] = []
+    small_layer = grouped_mm.small_layer
+    monkeypatch.setattr(grouped_mm, "small_layer", lambda *a: pieces.append(1) or small_layer(*a))
     registry.forget_choices()
     with settings.override(gemm_engine="auto"), torch.set_grad_enabled(grad):
         out = moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="auto")
         got = _grads(out, (x, w_gu, w_d, weights)) if grad else ()
-    assert registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE) in ran
-    others = {registry.kernel_set_name("torch", e) for e in registry.ENGINES} - {"torch"}  # "torch": stages 2-3
-    assert set(ran) & others == {registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE)}, ran
+    if one_piece:
+        assert pieces and not ran, ran  # no staged launcher at all
+    else:
+        assert not pieces
+        assert registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE) in ran
+        others = {registry.kernel_set_name("torch", e) for e in registry.ENGINES} - {"torch"}  # "torch": stages 2-3
+        assert set(ran) & others == {registry.kernel_set_name("torch", registry.SMALL_LAYER_ENGINE)}, ran
     assert not registry._WATCHES and not registry._CHOSEN  # nothing chosen by timing, nothing watched
     want = reference_experts_forward(x, weights, idx, w_gu, w_d)
     assert_close(out, want, msg="output")
@@ -83,6 +95,59 @@ def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypa
         assert_close(g, r, msg=name)
     if grad:
         assert not got[1][-1].any() and not got[2][-1].any()  # the expert no token chose
+
+
+@pytest.mark.parametrize("T,H,I,E,K", [(7, 33, 5, 5, 3), (1, 8, 3, 4, 1), (50, 40, 70, 6, 2), (19, 16, 8, 3, 3)])
+@pytest.mark.parametrize("skew", [False, True])
+def test_small_layer_in_one_piece_matches_the_reference(T, H, I, E, K, skew):
+    """``grouped_mm.small_layer`` on its own at awkward shapes: odd widths (H=33: operands copied
+    into aligned storage), K=1 and K=E, I on both sides of the contiguous-gate threshold, every
+    token on the same few experts (``skew``: empty experts, one crowded); forward and the gradients
+    of the input, both weights and the routing weights against the fp32 reference."""
+    g = torch.Generator().manual_seed(T * 1000 + H + skew)
+    if skew:
+        idx = torch.stack([torch.arange(K) + (E - K) * (t % 2) for t in range(T)])  # the first and last K only
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    w_gu = (0.3 * torch.randn(E, 2 * I, H, generator=g)).requires_grad_()
+    w_d = (0.3 * torch.randn(E, H, I, generator=g)).requires_grad_()
+    weights = torch.rand(K, T, generator=g).t().requires_grad_()  # non-contiguous, as a router's may be
+    assert grouped_mm.small_layer_runs(x, w_gu, w_d, weights)
+    out = grouped_mm.small_layer(x, w_gu, w_d, weights, idx)
+    want = reference_experts_forward(x, weights, idx, w_gu, w_d)
+    assert_close(out, want, msg="output")
+    tensors = (x, w_gu, w_d, weights)
+    for name, a, b in zip(("dx", "dw_gate_up", "dw_down", "dweights"), _grads(out, tensors), _grads(want, tensors)):
+        assert a.shape == b.shape, name
+        assert_close(a, b, msg=name)
+
+
+def test_small_layer_in_one_piece_with_frozen_weights_and_where_it_does_not_run():
+    """Only the gradients asked for (frozen weights: the input's and the router's), the reference's;
+    a bf16 layer or a traced call (a dispatch mode) is not taken; through ``moe_experts_forward`` an
+    id outside the experts still raises (the staged chain's check)."""
+    T, H, I, E, K = 40, 24, 12, 4, 2
+    x, w_gu, w_d, weights, idx = _inputs(T, H, I, E, K)
+    w_gu, w_d = w_gu.detach(), w_d.detach()
+    out = grouped_mm.small_layer(x, w_gu, w_d, weights, idx)
+    want = reference_experts_forward(x, weights, idx, w_gu, w_d)
+    for name, a, b in zip(("dx", "dweights"), _grads(out, (x, weights)), _grads(want, (x, weights))):
+        assert_close(a, b, msg=name)
+    assert not grouped_mm.small_layer_runs(x.bfloat16(), w_gu.bfloat16(), w_d.bfloat16(), weights.bfloat16())
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        assert not grouped_mm.small_layer_runs(x, w_gu, w_d, weights)
+    bad = idx.clone()
+    bad[3, 1] = E + 2
+    with settings.override(gemm_engine="auto"), pytest.raises((ValueError, IndexError, RuntimeError)):
+        moe_experts_forward(x, weights, bad, w_gu, w_d, gemm_engine="auto",
+                            check_ids=lambda ids: (_ for _ in ()).throw(ValueError("id outside")))
 
 
 def test_small_layer_with_lora_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch):
