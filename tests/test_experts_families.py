@@ -80,6 +80,17 @@ def test_not_built_tiny_lists_only_decorated_families(family: str) -> None:
     assert family in {f.name for f in FAMILIES}, f"{family} is listed as not built tiny but has no decorated experts"
 
 
+def _assert_same_step(family: str, got: tuple, ref: tuple) -> None:
+    """Logits, loss and every parameter's gradient of one step (``_run``'s results) equal at fp32 1e-5."""
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    for name, g_ref in ref[2].items():
+        g = got[2][name]
+        assert (g is None) == (g_ref is None), f"{family}: {name} has a gradient in one implementation only"
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{family} grad {name}: {m}")
+
+
 @pytest.mark.parametrize("family", _params())
 def test_family_matches_eager(family: str, fastmoe_calls: list[int]) -> None:
     cfg = tiny_config(family)
@@ -92,13 +103,7 @@ def test_family_matches_eager(family: str, fastmoe_calls: list[int]) -> None:
     model.set_experts_implementation("fastmoe")
     got = _run(model, ids, is_lm)
     assert fastmoe_calls[0] >= 1, f"{family}: the fastmoe experts function never ran"
-    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
-    for name, g_ref in ref[2].items():
-        g = got[2][name]
-        assert (g is None) == (g_ref is None), f"{family}: {name} has a gradient in one implementation only"
-        if g is not None:
-            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{family} grad {name}: {m}")
+    _assert_same_step(family, got, ref)
 
     # bf16 forward, same weights
     model.to(torch.bfloat16).set_experts_implementation("eager")
@@ -158,10 +163,4 @@ def test_family_small_auto_layers_match_eager(family: str, fastmoe_calls: list[i
     assert fastmoe_calls[0] >= 1
     if family != "gpt_oss":  # GPT-OSS's own gate between the GEMMs: the plain path
         assert pieces[0] >= 1, f"{family}: no layer ran in one piece"
-    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
-    for name, g_ref in ref[2].items():
-        g = got[2][name]
-        assert (g is None) == (g_ref is None), f"{family}: {name} has a gradient in one implementation only"
-        if g is not None:
-            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{family} grad {name}: {m}")
+    _assert_same_step(family, got, ref)
