@@ -74,6 +74,9 @@ KERNELS = (
     "fp8q_cols",
     "fp8q_silu_mul",
     "fp8q_row_dot",
+    "fp8b_grouped_mm",
+    "fp8b_grouped_wgrad",
+    "fp8b_weight",
 )
 
 
@@ -161,6 +164,15 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "fp8q_cols": [_c("r64n64", 4, 1, BLOCK_R=64, BLOCK_N=64, BLOCK_E=128)],
         "fp8q_silu_mul": [_c("r16i256", 4, 1, BLOCK_R=16, BLOCK_I=256)],
         "fp8q_row_dot": [_c("r16i256", 4, 1, BLOCK_R=16, BLOCK_I=256)],
+        # The block-scaled fp8 GEMMs (triton/fp8_block_gemm.py, sm_89+): the k-step is the recipe's
+        # 128-wide scale block (not a config choice), the activation or gradient tile loaded in its own
+        # dtype and quantized in registers, each k-step's partial product scaled into the fp32
+        # accumulator; the weights' 128 x 128 blocks quantized one program each.
+        "fp8b_grouped_mm": [_c("m128n128", 8, 3, BLOCK_M=128, BLOCK_N=128), _c("m64n128", 4, 3, BLOCK_M=64, BLOCK_N=128),
+                            _c("m128n64", 4, 3, BLOCK_M=128, BLOCK_N=64)],
+        "fp8b_grouped_wgrad": [_c("m128n128", 8, 3, BLOCK_M=128, BLOCK_N=128),
+                               _c("m64n128", 4, 3, BLOCK_M=64, BLOCK_N=128)],
+        "fp8b_weight": [_c("default", 8, 1)],
         # The persistent TMA kernels (triton/tma_gemm.py, sm_90+): one program per SM, so the tile is
         # the whole parallelism; 8 warps = two warpgroups sharing the 128-row tile's wgmma.
         "tma_gate_up_fwd": [_mm("m128n64k64", 8, 4), _mm("m128n128k64", 8, 3), _mm("m64n64k64", 4, 4)],
@@ -205,6 +217,9 @@ CONFIGS: dict[str, dict[str, list[KernelConfig]]] = {
         "fp8q_cols": [_c("r8n16", 1, 1, BLOCK_R=8, BLOCK_N=16, BLOCK_E=4)],
         "fp8q_silu_mul": [_c("r4i16", 1, 1, BLOCK_R=4, BLOCK_I=16)],
         "fp8q_row_dot": [_c("r4i16", 1, 1, BLOCK_R=4, BLOCK_I=16)],
+        "fp8b_grouped_mm": [_c("m16n16", 1, 1, BLOCK_M=16, BLOCK_N=16)],
+        "fp8b_grouped_wgrad": [_c("m16n16", 1, 1, BLOCK_M=16, BLOCK_N=16)],
+        "fp8b_weight": [_c("default", 1, 1)],
         "silu_mul_bwd": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "row_dot_scale": [_c("r8i16", 1, 1, BLOCK_R=8, BLOCK_I=16)],
         "combine_fwd": [_c("t4h16", 1, 1, BLOCK_T=4, BLOCK_H=16)],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.configs import configs
-from ..kernels.triton import combine, counting, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm
+from ..kernels.triton import combine, counting, fp8_block_gemm, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm
 
 @dataclass
 class KernelSpec:
@@ -168,7 +168,43 @@ def _variants(target: str) -> list[tuple[str, str, Any, dict[str, str], dict[str
         out += _tma_variants(act, _P32, _I32)
     out += _int8_variants(act)
     if target == "cuda":  # fp8 dots: NVIDIA's OCP e4m3 / e5m2 (gfx942 has another fp8 encoding, PVC none)
-        out += _fp8_variants(act)
+        out += _fp8_variants(act) + _fp8_block_variants(act)
+    return out
+
+
+def _fp8_block_variants(act: str) -> list:
+    """The block-scaled fp8 GEMMs (``expert_precision="fp8-block"``) as their launchers call them: the
+    gate/up forward (x's rows gathered and quantized to e4m3 in the loads), the down forward (h made
+    from ``gate_up`` in the loads), the input gradients (e5m2: the output gradient's rows gathered by
+    token, ``d_gate_up``'s rows, both weight layouts, fp32 ``g`` or the activations' dtype out); the
+    weight gradients (e5m2 gradient rows, plain or gathered, against e4m3 x rows gathered, SiLU*up
+    times the router weights, or plain rows); the weights' block quantizer."""
+    e4 = "*fp8e4nv"
+    blk = fp8_block_gemm.BLOCK
+    sig = {"a_ptr": act, "idx_ptr": _P32, "w_ptr": e4, "ws_ptr": "*fp32", "cum_token_ptr": _P32, "out_ptr": act,
+           "N": _I32, "K": _I32, "stride_a": _I32, "SB0": _I32, "SB1": _I32}
+    aligned = ("a_ptr", "idx_ptr", "w_ptr", "ws_ptr", "cum_token_ptr", "out_ptr", "N", "K", "stride_a")
+    out = []
+    for tag, mode, trans, grad, out_ty in (("gate_up", "gather", True, False, act), ("down:silu", "silu", True, False, act),
+                                           ("down", "rows", True, False, act), ("down:W", "rows", False, False, act),
+                                           ("dgrad:gather", "gather", False, True, "*fp32"),
+                                           ("dgrad", "rows", False, True, act), ("dgrad:W^T", "rows", True, True, act)):
+        out.append((f"fp8b_grouped_mm[{tag}]", fp8_block_gemm.KERNEL, fp8_block_gemm._fp8b_grouped_mm_kernel,
+                    {**sig, "out_ptr": out_ty},
+                    {"QB": blk, "A_MODE": mode, "TRANS_W": trans, "A_E5M2": grad, "ROUND_FIRST": False}, aligned))
+    wsig = {"l_ptr": act, "l_idx_ptr": _P32, "r_ptr": act, "r_idx_ptr": _P32, "rw_ptr": "*fp32",
+            "cum_token_ptr": _P32, "out_ptr": act, "M": _I32, "N": _I32, "stride_l": _I32, "stride_r": _I32}
+    waligned = ("l_ptr", "l_idx_ptr", "r_ptr", "r_idx_ptr", "rw_ptr", "cum_token_ptr", "out_ptr", "M", "N",
+                "stride_l", "stride_r")
+    for tag, lg, rg, rs, left_grad in (("gate_up", False, True, False, True), ("down:silu", True, False, True, True),
+                                       ("down", False, False, False, True), ("down:W^T", False, False, False, False)):
+        out.append((f"fp8b_grouped_wgrad[{tag}]", fp8_block_gemm.WGRAD_KERNEL,
+                    fp8_block_gemm._fp8b_grouped_wgrad_kernel, wsig,
+                    {"QB": blk, "L_GATHER": lg, "R_GATHER": rg, "R_SILU": rs, "L_E5M2": left_grad,
+                     "R_E5M2": not left_grad, "ROUND_FIRST": False}, waligned))
+    out.append(("fp8b_weight", fp8_block_gemm.WEIGHT_KERNEL, fp8_block_gemm._fp8b_weight_kernel,
+                {"w_ptr": act, "q_ptr": e4, "s_ptr": "*fp32", "D0": _I32, "D1": _I32, "SB0": _I32, "SB1": _I32},
+                {"QB": blk, "ROUND_FIRST": False}, ("w_ptr", "q_ptr", "s_ptr", "D1")))
     return out
 
 

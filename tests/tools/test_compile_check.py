@@ -23,13 +23,15 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from fastmoe_xpu.kernels import configs  # noqa: E402
-from fastmoe_xpu.kernels.triton import combine, counting, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm  # noqa: E402
+from fastmoe_xpu.kernels.triton import (  # noqa: E402
+    combine, counting, fp8_block_gemm, fp8_gemm, grouped_gemm, indices, int8_gemm, tma_gemm,
+)
 from fastmoe_xpu.tools import compile_check, offset_check  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = (counting, indices, grouped_gemm, combine)
 #: Kernels compiled for some targets only: the TMA grouped GEMMs and the fp8 ones are NVIDIA's (sm_90+, sm_89+).
-TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm, fp8_gemm), "hip": (int8_gemm,), "xpu": (int8_gemm,)}
+TARGET_MODULES = {"cuda": (tma_gemm, int8_gemm, fp8_gemm, fp8_block_gemm), "hip": (int8_gemm,), "xpu": (int8_gemm,)}
 TARGET_MODULES["sm100"] = TARGET_MODULES["cuda"]  # Blackwell compiles the sm_90 kernel set
 
 
@@ -184,7 +186,7 @@ def test_blackwell_kernels_use_tcgen05(default_rows):
         utc = {m for m in row["sass"] if m.startswith("UTC")}
         if row["kernel"].startswith("int8_"):
             assert utc == {"UTCIMMA"} if row["mma"] == "tcgen05" else (not utc and "IMMA" in row["sass"]), row
-        elif row["kernel"].startswith("fp8_"):
+        elif row["kernel"].startswith(("fp8_", "fp8b_")) and row["kernel"] in gemms:
             assert utc == {"UTCQMMA"}, row  # fp8 operands: tcgen05's narrow-float form
         elif row["kernel"] in gemms:
             assert utc and "UTCIMMA" not in utc and "UTCQMMA" not in utc, row
@@ -246,6 +248,24 @@ def test_fp8_grouped_gemm_uses_fp8_mma(default_rows):
     if compile_check._cuobjdump() is not None:
         for name in ("fp8_grouped_wgrad[W]", "fp8_grouped_wgrad[W^T]", "fp8_grouped_mm[W^T+gather]"):
             assert "LDGSTS" in rows[name]["sass"], rows[name]
+
+
+def test_fp8_block_gemms_use_fp8_mma(default_rows):
+    """The block-scaled fp8 GEMMs (``fp8-block``: seven row-GEMM variants, four weight-gradient
+    variants) compile for sm_90 without spills to wgmma's fp8 form (QGMMA) and no 16-bit float MMA,
+    though their operands arrive in the activations' dtype: the codes are made in registers, so the
+    only MMA is the fp8 one; the weights' block quantizer has no matrix product."""
+    rows = {r["kernel"]: r for r in default_rows if r["kernel"].startswith("fp8b_") and r["target"] == "cuda"}
+    assert set(rows) == {s.name for s in compile_check.kernel_specs("cuda") if s.name.startswith("fp8b_")}
+    assert len(rows) == 12
+    for name, row in rows.items():
+        assert row["ok"] and row["spills"] == 0, row
+        if name == "fp8b_weight":
+            assert row["mma"] == "-", row
+            continue
+        assert row["mma"] == "wgmma", row
+        if compile_check._cuobjdump() is not None:
+            assert "QGMMA" in row["sass"] and "HGMMA" not in row["sass"], row
 
 
 def test_offset_check_finds_planted_int32_products():

@@ -199,3 +199,23 @@ def gate_up_halves(gate_up_ptr, offs_r, offs_i, mask, I):
     gate = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu + I, mask=mask, other=0.0).to(tl.float32)
     return gate, up
+
+
+@triton.jit
+def quantize_tile(v, AXIS: tl.constexpr, E5M2: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """fp32 tile ``v`` as fp8 codes with one scale per slice along ``AXIS`` (reduced): ``e4m3``
+    (``/448``) or ``E5M2`` (``/57344``); returns ``(codes, scales)``, zero codes for an all-zero slice."""
+    amax = tl.max(tl.abs(v), axis=AXIS)
+    if E5M2:
+        inv, scale = inverse_scale(amax, 57344.0)
+    else:
+        inv, scale = inverse_scale(amax, 448.0)
+    if AXIS == 1:
+        scaled = v * inv[:, None]
+    else:
+        scaled = v * inv[None, :]
+    if E5M2:
+        q = to_fp8(scaled, tl.float8e5, 2, -14, ROUND_FIRST)
+    else:
+        q = to_fp8(scaled, tl.float8e4nv, 3, -6, ROUND_FIRST)
+    return q, scale
