@@ -86,6 +86,20 @@ def no_host_bounds(monkeypatch):  # noqa: ANN001, ANN201
     return lambda: monkeypatch.setattr(qlaunchers, "_groups", real)
 
 
+def fp8_layer_tol(device: torch.device) -> dict:
+    """The fp8 layers' tolerance against their reference: under the interpreter, fp32 sums in another
+    order than the reference's exact ones (as tests/test_precision.py allows the torch base's fp8); on a
+    GPU, the coarser in-MMA additions, which may move a requantized value to the neighbouring code."""
+    return dict(rtol=2e-5, atol=1e-6) if device.type == "cpu" else dict(rtol=2e-2, atol=1e-3)
+
+
+def close_to_scale(got: torch.Tensor, want: torch.Tensor, what: str, tol: dict) -> None:
+    """``got`` equals ``want`` within ``tol``'s ``rtol``, the absolute part ``atol + rtol * max|want|``."""
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got.detach().float().cpu(), want.float().cpu(), rtol=tol["rtol"],
+                               atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{what}: {m}")
+
+
 def check_layer(close: Callable[[torch.Tensor, torch.Tensor, str], None], out: torch.Tensor,
                 leaves: list[torch.Tensor], want: tuple[torch.Tensor, ...]) -> None:
     """``close`` on a layer's output and the gradients of its leaves ``(x, weights, w_gate_up, w_down)``

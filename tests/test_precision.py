@@ -166,7 +166,7 @@ def test_precision_errors():
         registry.precision_engine("int8", "torch", "meta", torch.float32)
     # precision entries are never a gemm_engine choice, and auto never times them
     assert "int8" not in registry.ENGINES and "int8" not in registry.candidates("torch", "cpu", torch.float32)
-    assert registry.PRECISIONS == {"int8": ("int8",), "fp8": ("fp8",)}
+    assert registry.PRECISIONS == {"int8": ("int8",), "fp8": ("fp8",), "fp8-block": ("fp8-block",)}
 
 
 @pytest.mark.parametrize("shape", [(5, 13, 11), (16, 8, 8), (40, 24, 7)])
@@ -300,7 +300,7 @@ def test_int8_experts_from_pretrained(tmp_path, family):
     # "none" clears it, for a saved int8 model loaded at full precision
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "q", fastmoe_expert_precision="none").eval()
     assert plain.config.fastmoe_expert_precision is None
-    refused = "fastmoe_expert_precision must be one of \\(None, 'int8', 'fp8'\\), got 'int4'"
+    refused = "fastmoe_expert_precision must be one of \\(None, 'int8', 'fp8', 'fp8-block'\\), got 'int4'"
     with pytest.raises(ValueError, match=refused):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="fastmoe",
                                              fastmoe_expert_precision="int4")

@@ -124,6 +124,13 @@ def _quantized_reason(fmt: str) -> Callable[..., str | None]:
     return reason
 
 
+def _block_reason(device: torch.device, dtype: torch.dtype, base: str | None = None) -> str | None:
+    from .quantized.fp8_block import unsupported_reason
+
+    with apart_from_caller():
+        return unsupported_reason(device, dtype, base)
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One entry of the registry."""
@@ -195,6 +202,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_quantized_reason("int8"), timed=lambda device: False, precision="int8"),
         Implementation("fp8", ("gemm",), ("cpu", "cuda", "xpu"), _FLOATS, ".quantized.fp8",
                        unavailable=_quantized_reason("fp8"), timed=lambda device: False, precision="fp8"),
+        Implementation("fp8-block", ("gemm",), ("cpu", "cuda"), _FLOATS, ".quantized.fp8_block",
+                       unavailable=_block_reason, timed=lambda device: False, precision="fp8-block"),
         # Measured on the CPU against the staged chain and transformers (docs/small_shapes.md).
         Implementation("padded", ("experts",), ("cpu",), _FLOATS, ".torch.padded", bases=("torch",),
                        max_layer_macs=4 * 2**20, adapters=True),

@@ -23,7 +23,8 @@ from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import fp8_gemm, launch  # noqa: E402
 from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
-    LAYER_SHAPES, check_layer, down_case, layer_case, no_host_bounds, run_layer, wgrad_case,
+    LAYER_SHAPES, check_layer, close_to_scale, down_case, fp8_layer_tol, layer_case, no_host_bounds, run_layer,
+    wgrad_case,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -40,19 +41,6 @@ def dev(device):
 def _acc_bound(device: torch.device, k: int) -> float:
     """Relative bound of the kernels' fp32 sums, as a fraction of the sum of |products|."""
     return k * 2.0 ** -24 if device.type == "cpu" else 2.0 ** -8
-
-
-def _layer_tol(device: torch.device) -> dict:
-    # the interpreter: fp32 sums in another order than the reference's exact ones, as
-    # tests/test_precision.py allows the torch base's fp8; a GPU: the coarser in-MMA additions, which
-    # may move a requantized value to the neighbouring code
-    return dict(rtol=2e-5, atol=1e-6) if device.type == "cpu" else dict(rtol=2e-2, atol=1e-3)
-
-
-def _close(got, want, what, tol):
-    scale = want.abs().max().item() if want.numel() else 1.0
-    torch.testing.assert_close(got.detach().float().cpu(), want.float().cpu(), rtol=tol["rtol"],
-                               atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{what}: {m}")
 
 
 def _codes(shape, dtype, g, spread=40.0):
@@ -189,8 +177,8 @@ def test_triton_fp8_layer_matches_reference(dev, shape, launched, no_host_bounds
     """``expert_precision="fp8"`` on the Triton base: output and every gradient against the reference,
     all six expert GEMMs in the fp8 kernels (none in the bf16 ones), no host read of the bounds."""
     out, leaves, want, idx = run_layer(shape, dev, "fp8")
-    tol = _layer_tol(dev)
-    check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
+    tol = fp8_layer_tol(dev)
+    check_layer(lambda got, ref, what: close_to_scale(got, ref, what, tol), out, leaves, want)
     # gate_up forward, down forward, down input gradient, gate_up input gradient
     assert launched.count("_fp8_grouped_mm_kernel") == 4, launched
     assert launched.count("_fp8_grouped_wgrad_kernel") == 2, launched  # down and gate_up weight gradients
@@ -213,20 +201,20 @@ def test_triton_fp8_down_launchers_both_layouts(dev, transposed, launched, no_ho
     assert launched.count("_fp8_grouped_mm_kernel") == 2, launched
     assert launched.count("_fp8_grouped_wgrad_kernel") == 1, launched
     no_host_bounds()
-    tol = _layer_tol(dev)
+    tol = fp8_layer_tol(dev)
     if dev.type == "cpu" and registry.unavailable_reason("fp8", "torch", dev, torch.float32) is None:
         ref = kernels("torch+fp8")  # torch._scaled_mm with row-wise scales (on the CPU from torch 2.13)
-        _close(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt], "against torch+fp8 forward", tol)
+        close_to_scale(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt], "against torch+fp8 forward", tol)
         want_da, want_dw = ref.down_bwd(dy, a, cum, stored, transposed=transposed)
-        _close(da[:rt], want_da[:rt], "against torch+fp8 input gradient", tol)
-        _close(dw, want_dw, "against torch+fp8 weight gradient", tol)
+        close_to_scale(da[:rt], want_da[:rt], "against torch+fp8 input gradient", tol)
+        close_to_scale(dw, want_dw, "against torch+fp8 weight gradient", tol)
     for e in range(4):
         s, t = int(cum[e]), int(cum[e + 1])
         if s < t:
-            _close(y[s:t], qref.qlinear(a[s:t], w[e], "fp8"), f"expert {e} forward", tol)
+            close_to_scale(y[s:t], qref.qlinear(a[s:t], w[e], "fp8"), f"expert {e} forward", tol)
             ref_da, ref_dw = qref.qlinear_backward(dy[s:t], a[s:t], w[e], "fp8")
-            _close(da[s:t], ref_da, f"expert {e} input gradient", tol)
-            _close(dw[e].t() if transposed else dw[e], ref_dw, f"expert {e} weight gradient", tol)
+            close_to_scale(da[s:t], ref_da, f"expert {e} input gradient", tol)
+            close_to_scale(dw[e].t() if transposed else dw[e], ref_dw, f"expert {e} weight gradient", tol)
         else:
             assert torch.count_nonzero(dw[e]) == 0
 
@@ -418,8 +406,8 @@ def test_triton_fp8_local_experts_matches_reference(dev, launched, no_host_bound
     finally:
         qcore._quantize_eager, qcore.quantize_cols_grouped_t = real
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "fp8", expert_start=start)
-    tol = _layer_tol(dev)
-    check_layer(lambda got, ref, what: _close(got, ref, what, tol), out, leaves, want)
+    tol = fp8_layer_tol(dev)
+    check_layer(lambda got, ref, what: close_to_scale(got, ref, what, tol), out, leaves, want)
     # two weights quantized in the forward, none again in the backward
     assert launched.count("_fp8q_rows_kernel") == 2 + 1 + 2, launched  # + x; + two input gradients
     assert launched.count("_fp8q_cols_kernel") == 4, launched

@@ -93,7 +93,7 @@ def test_dp_is_inferred_from_the_world() -> None:
     # quantized expert GEMMs need experts run by FastSparseMoeBlock
     (["--preset", "tiny-dense", "--model.expert_precision", "int8"], "--model.expert_precision int8 needs a MoE model"),
     (["--optim.stochastic_rounding"], "need --model.param_dtype bf16, got 'fp32'"),
-    (["--model.expert_precision", "int4"], "--model.expert_precision must be one of ['none', 'int8', 'fp8']"),
+    (["--model.expert_precision", "int4"], "--model.expert_precision must be one of ['none', 'int8', 'fp8', 'fp8-block']"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> None:
     code = main(argv + ["--out", str(tmp_path / "out")])

@@ -398,11 +398,11 @@ class QWeight(NamedTuple):
     """``[NR, O]``: one per output channel."""
 
 
-_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.dtype, bool, QWeight]] = {}
+_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.dtype, bool, QWeight, str]] = {}
 
 
 def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
-                     reuse: bool = False, quantize=None) -> QWeight:  # noqa: ANN001
+                     reuse: bool = False, quantize=None, recipe: str = "channel") -> QWeight:  # noqa: ANN001
     """``w [NR, O, In]`` (``transposed``: stored ``[NR, In, O]``) quantized per output channel.
 
     The forward (``reuse=False``) quantizes and remembers the result for this tensor object and its
@@ -410,11 +410,14 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
     else quantizes again. An in-place update (an optimizer step) bumps the version, and a freed
     tensor's entry is dropped with it, so a stale copy is never used. ``quantize(w, dtype,
     transposed)``: another implementation of the same codes and scales (the Triton fp8 path's
-    one-pass kernel) instead of :func:`quantize_rows` / :func:`quantize_cols`."""
+    one-pass kernel) instead of :func:`quantize_rows` / :func:`quantize_cols`. ``recipe``: which scales
+    ``quantize`` makes (``"channel"``, per output channel; ``"block"``, the ``fp8-block`` recipe's
+    square blocks), part of what a remembered entry must match."""
     key = id(w)
     if reuse:
         hit = _WEIGHTS.get(key)
-        if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == dtype and hit[3] == transposed:
+        if (hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == dtype and hit[3] == transposed
+                and hit[5] == recipe):
             return hit[4]
     # A stale entry's codes are dropped first: on the CPU they come from the buffer pool, which can
     # then hand the same buffer to the new codes instead of keeping two per weight.
@@ -428,7 +431,7 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
         ref = weakref.ref(w, lambda _r, k=key: _WEIGHTS.pop(k, None))
     except TypeError:  # not weak-referenceable: nothing is kept
         return qw
-    _WEIGHTS[key] = (ref, w._version, dtype, transposed, qw)
+    _WEIGHTS[key] = (ref, w._version, dtype, transposed, qw, recipe)
     return qw
 
 

@@ -1,0 +1,302 @@
+"""The block-scaled fp8 recipe (``expert_precision="fp8-block"``, ``kernels/triton/fp8_block_gemm.py``)
+against its plain-PyTorch reference (``kernels/quantized/block_reference.py``): the weights' block
+quantizer bit for bit, each GEMM variant (activations and gradients quantized in the GEMMs' loads),
+and the whole layer forward and backward at awkward shapes, gradients included.
+
+The recipe's block is 128; most tests also run it at 16 (``fp8_block_gemm.BLOCK`` set for the test) so
+that the interpreter's small shapes span several blocks along every contracted axis. Device-aware as
+tests/kernels/test_fp8_triton.py: the interpreter on the CPU, ``--device cuda`` compiled on sm_89+.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
+from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
+from fastmoe_xpu.kernels.quantized import block_reference as bref, core as qcore  # noqa: E402
+from fastmoe_xpu.kernels.triton import fp8_block_gemm as fb  # noqa: E402
+from fastmoe_xpu.routing import topk_routing  # noqa: E402
+from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
+    LAYER_SHAPES, check_layer, close_to_scale, fp8_layer_tol, layer_case, no_host_bounds, wgrad_case,
+)
+
+BLOCKS = pytest.mark.parametrize("qb", [16, 128], ids=["qb16", "qb128"])
+#: The quantization passes of the per-channel fp8 recipe: the block recipe runs none of them.
+PASSES = {"_fp8q_rows_kernel", "_fp8q_cols_kernel", "_fp8q_silu_rows_kernel", "_fp8q_silu_mul_kernel",
+          "_silu_mul_bwd_kernel", "_fp8_grouped_mm_kernel", "_fp8_grouped_wgrad_kernel"}
+
+
+@pytest.fixture
+def dev(device):
+    if not fb.available(device):
+        pytest.skip(f"the block-scaled fp8 kernels do not run on {device} (fp8 tensor cores: sm_89 or newer)")
+    return device
+
+
+@pytest.fixture
+def block(monkeypatch):
+    """Sets the recipe's block for the test (the launchers read ``fp8_block_gemm.BLOCK`` at each call)."""
+    def use(qb: int) -> int:
+        monkeypatch.setattr(fb, "BLOCK", qb)
+        qcore.forget_weights()
+        return qb
+    yield use
+    qcore.forget_weights()
+
+
+def _cum(counts):
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("qb", [16, 32, 128])
+def test_weight_blocks_same_codes(dev, qb, launched):
+    """One kernel: e4m3 codes in the weight's layout and one scale per ``qb x qb`` block, bit for bit
+    the reference's, with dimensions not multiples of the block, a zero block (zero codes and scale),
+    values at rounding ties and a tiny block."""
+    g = torch.Generator().manual_seed(qb)
+    w = torch.randn(3, 45, 37, generator=g) * torch.rand(3, 45, 1, generator=g) * 10
+    w[1, :qb, :qb] = 0
+    w[2, 5, 7] = 31.73 * w[2, :qb, :qb].abs().max() / 448  # a code on the edge of a binade
+    w[0, -3:, -2:] *= 1e-6
+    codes, scales = fb.quantize_weight_blocks(w.to(dev), qb)
+    assert launched == ["_fp8b_weight_kernel"]
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (3, -(-45 // qb), -(-37 // qb))
+    for e in range(3):
+        q, s = bref.weight_blocks(w[e], qb)
+        assert torch.equal(codes[e].cpu().double(), q[:45, :37]), e
+        assert torch.equal(scales[e].cpu(), s), e
+    assert scales[1, 0, 0] == 0 and codes[1, :qb, :qb].float().eq(0).all()
+
+
+def _rows_want(a_mode, a, idx, w, s, t, qb, grad, out_dtype):
+    """The reference rows of expert ``w`` for rows ``s:t``."""
+    if a_mode == "gather":
+        rows = a[idx[s:t].long()]
+    elif a_mode == "silu":
+        k = a.shape[1] // 2
+        rows = (torch.nn.functional.silu(a[s:t, :k]) * a[s:t, k:]).to(out_dtype).float()
+    else:
+        rows = a[s:t]
+    # the forward x W^T with W [N, K]; the input gradient dy W with W [K, N] = [O, In]
+    return bref.qlinear_input_grad(rows, w, qb) if grad else bref.qlinear(rows, w, qb)
+
+
+@BLOCKS
+@pytest.mark.parametrize("case", ["x:gather", "h:silu", "h:rows", "dgrad:rows", "dgrad:gather"])
+def test_row_gemm_matches_reference(dev, qb, case, launched):
+    """Each expert row against the reference's block products; counts 19, 0, 1, 17, 3 (an empty expert,
+    a single row, partial row tiles), K = 37 and N = 45 (partial blocks and tiles), rows past RT
+    untouched; the activations' tiles quantized to e4m3 in the loads (gathered by token, SiLU*up of
+    ``gate_up``), the gradients' to e5m2 against the forward's weight codes read along the other axis."""
+    what, a_mode = case.split(":")
+    grad = what == "dgrad"
+    g = torch.Generator().manual_seed(qb + len(case))
+    counts = [19, 0, 1, 17, 3]
+    cum = _cum(counts)
+    rt, R, N, K, T = sum(counts), sum(counts) + 3, 45, 37, 23
+    NR = len(counts)
+    # the forward: W [N, K] (out x in); the input gradient: W [K, N] is the forward's [O, In] weight
+    w = torch.randn(NR, K if grad else N, N if grad else K, generator=g) * torch.rand(NR, 1, 1, generator=g)
+    codes, scales = fb.quantize_weight_blocks(w.to(dev), qb)
+    width = 2 * K if a_mode == "silu" else K
+    a = torch.randn(T if a_mode == "gather" else R, width, generator=g) * torch.rand(width, generator=g) * 3
+    a[2] = 0  # a zero row
+    idx = torch.randint(0, T, (R,), generator=g, dtype=torch.int32) if a_mode == "gather" else None
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((R, N), 7.0, dtype=out_dtype, device=dev)
+        fb.fp8b_grouped_mm(a.to(dev), None if idx is None else idx.to(dev), codes, scales, cum.to(dev), out,
+                           trans_w=not grad, a_mode=a_mode, grad=grad, qb=qb)
+        out = out.cpu()
+        for e in range(NR):
+            s, t = int(cum[e]), int(cum[e + 1])
+            if s < t:
+                want = _rows_want(a_mode, a, idx, w[e], s, t, qb, grad, out_dtype)
+                tol = fp8_layer_tol(dev) if out_dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
+                close_to_scale(out[s:t], want, f"expert {e} ({out_dtype})", tol)
+        assert out[rt:].eq(7.0).all()
+    assert set(launched) == {"_fp8b_weight_kernel", "_fp8b_grouped_mm_kernel"}
+
+
+@BLOCKS
+@pytest.mark.parametrize("case", ["gate_up", "down:silu", "down", "down:W^T", "grad:gather"])
+@pytest.mark.parametrize("counts", [[19, 0, 1, 17, 33], [1], [0, 0, 2]], ids=["awkward", "T1", "leading-empty"])
+def test_wgrad_matches_reference(dev, qb, case, counts, launched):
+    """The weight gradient against the reference's block products over each expert's rows (blocks of
+    ``qb`` rows from the expert's first): the gradient's rows (e5m2) against x's rows gathered by token,
+    SiLU*up of ``gate_up`` times the router weights, plain rows, the transposed layout's ``h^T dy``
+    (e4m3 on the left), and gathered gradient rows; zero for an empty expert; the rows past RT (NaN,
+    inf, out-of-range indices) never read. M = 21, N = 37: partial tiles; 33 rows: three blocks of 16."""
+    M, N = 21, 37
+    cum, grad, x, idx = wgrad_case(counts, M, N, seed=len(counts))
+    NR, R = len(counts), len(idx)
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(R, 2 * N, generator=g)
+    rw = torch.rand(R, generator=g)
+    rows_h = torch.randn(R, N, generator=g)
+    left_grad = case != "down:W^T"
+    out = torch.full((NR, N, M) if not left_grad else (NR, M, N), 7.0, device=dev)
+    d = lambda t: t.to(dev)  # noqa: E731
+    if case == "gate_up":
+        fb.fp8b_grouped_wgrad(d(grad), d(x), d(cum), out, right_idx=d(idx), qb=qb)
+    elif case == "down:silu":
+        fb.fp8b_grouped_wgrad(d(grad), d(gate_up), d(cum), out, right_silu_weights=d(rw), qb=qb)
+    elif case == "down":
+        fb.fp8b_grouped_wgrad(d(grad), d(rows_h), d(cum), out, qb=qb)
+    elif case == "down:W^T":
+        fb.fp8b_grouped_wgrad(d(rows_h), d(grad), d(cum), out, left_grad=False, qb=qb)
+    else:  # the gradient's rows gathered by token from a [T, M] tensor
+        grad_t = torch.randn(13, M, generator=g)
+        fb.fp8b_grouped_wgrad(d(grad_t), d(rows_h), d(cum), out, left_idx=d(idx), qb=qb)
+    assert launched == ["_fp8b_grouped_wgrad_kernel"]
+    out = out.cpu()
+    for e in range(NR):
+        s, t = int(cum[e]), int(cum[e + 1])
+        if s == t:
+            assert torch.count_nonzero(out[e]) == 0, e
+            continue
+        if case == "gate_up":
+            want = bref.qweight_grad(grad[s:t], x[idx[s:t].long()], qb)
+        elif case == "down:silu":
+            h = torch.nn.functional.silu(gate_up[s:t, :N]) * gate_up[s:t, N:] * rw[s:t, None]
+            want = bref.qweight_grad(grad[s:t], h, qb)
+        elif case == "down:W^T":  # e4m3 rows on the left, e5m2 on the right
+            want = _left_e4m3(rows_h[s:t], grad[s:t], qb)
+        elif case == "down":
+            want = bref.qweight_grad(grad[s:t], rows_h[s:t], qb)
+        else:
+            want = bref.qweight_grad(grad_t[idx[s:t].long()], rows_h[s:t], qb)
+        close_to_scale(out[e], want, f"expert {e}", fp8_layer_tol(dev))
+
+
+def _left_e4m3(left, right, qb):
+    """``Q(left)^T Q(right)`` with the left side in e4m3 and the right in e5m2 (the transposed layout)."""
+    out = torch.zeros(left.shape[1], right.shape[1], dtype=torch.float64)
+    for r0 in range(0, left.shape[0], qb):
+        lb, rb = left[r0:r0 + qb].float(), right[r0:r0 + qb].float()
+        ql, sl = bref._codes(lb, lb.abs().amax(0, keepdim=True), bref.FWD)
+        qr, sr = bref._codes(rb, rb.abs().amax(0, keepdim=True), bref.GRAD)
+        out += (ql.t() @ qr).float().double() * sl[0, :, None].double() * sr[0, None, :].double()
+    return out.float()
+
+
+def _routing(T, E, K, mode, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    if mode == "one-expert":  # every token's first choice is expert E - 1
+        logits[:, E - 1] += 100
+    return topk_routing(logits, K, True)
+
+
+LAYERS = pytest.mark.parametrize("shape", [
+    (37, 33, 20, 7, 3, "random"),     # odd H and I, prime E
+    (5, 16, 9, 9, 2, "empty"),        # T below a tile, experts left empty
+    (1, 12, 10, 4, 2, "random"),      # one token
+    (11, 24, 20, 5, 1, "random"),     # K = 1
+    (6, 20, 12, 3, 3, "random"),      # K = E
+    (19, 40, 24, 6, 1, "one-expert"),  # every token to one expert
+], ids=lambda s: "T{}-H{}-I{}-E{}-K{}-{}".format(*s))
+
+
+@BLOCKS
+@LAYERS
+def test_layer_matches_reference(dev, qb, shape, block, launched, no_host_bounds):
+    """``expert_precision="fp8-block"`` next to the Triton base: output and every gradient against the
+    reference, with the fused launchers (h never written, the output gradient's rows read by token) and
+    no quantization pass: the weights quantized once each per step (the backward finds them again),
+    every expert GEMM one block-scaled kernel, no host read of the expert bounds."""
+    T, H, I, E, K, mode = shape
+    block(qb)
+    x, _, _, w_gu, w_d, dout = layer_case(T, H, I, E, K, seed=T + E)
+    if mode == "empty":
+        x, weights, idx, w_gu, w_d, dout = layer_case(T, H, I, E, K, empty=True)
+    else:
+        weights, idx = _routing(T, E, K, mode, seed=T * E)
+    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                              expert_precision="fp8-block")
+    out.backward(dout.to(dev))
+    want = bref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, qb)
+    tol = fp8_layer_tol(dev)
+    check_layer(lambda got, ref, what: close_to_scale(got, ref, what, tol), out, leaves, want)
+    assert launched.count("_fp8b_weight_kernel") == 2, launched
+    # gate_up forward, down forward (SiLU*up in its loads), down input gradient, gate_up input gradient
+    assert launched.count("_fp8b_grouped_mm_kernel") == 4, launched
+    assert launched.count("_fp8b_grouped_wgrad_kernel") == 2, launched
+    assert not PASSES & set(launched), launched
+    if mode == "empty":
+        assert torch.count_nonzero(leaves[2].grad[K + 1:]) == 0
+    if mode == "one-expert":
+        assert torch.count_nonzero(leaves[2].grad[:-1]) == 0 and torch.count_nonzero(leaves[2].grad[-1]) > 0
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_down_launchers_both_layouts(dev, transposed, block, launched, no_host_bounds):
+    """``down_fwd`` / ``down_bwd`` of ``triton+fp8-block`` in the stored and transposed layouts against
+    the reference per expert: the square blocks of the stored weight serve both orientations."""
+    block(16)
+    g = torch.Generator().manual_seed(3)
+    counts = [5, 0, 19, 1]
+    cum = _cum(counts)
+    a, dy = torch.randn(sum(counts) + 2, 21, generator=g), torch.randn(sum(counts) + 2, 35, generator=g)
+    w = torch.randn(4, 35, 21, generator=g)
+    stored = w.transpose(1, 2).contiguous() if transposed else w
+    ks = kernels("triton+fp8-block")
+    y = ks.down_fwd(a.to(dev), cum.to(dev), stored.to(dev), transposed=transposed).cpu()
+    da, dw = (t.cpu() for t in ks.down_bwd(dy.to(dev), a.to(dev), cum.to(dev), stored.to(dev), transposed=transposed))
+    assert launched.count("_fp8b_grouped_mm_kernel") == 2 and launched.count("_fp8b_grouped_wgrad_kernel") == 1
+    tol = fp8_layer_tol(dev)
+    for e in range(4):
+        s, t = int(cum[e]), int(cum[e + 1])
+        if s == t:
+            assert torch.count_nonzero(dw[e]) == 0
+            continue
+        # the transposed layout's blocks are the same squares read the other way: the same codes
+        close_to_scale(y[s:t], bref.qlinear(a[s:t], w[e], 16), f"expert {e} forward", tol)
+        close_to_scale(da[s:t], bref.qlinear_input_grad(dy[s:t], w[e], 16), f"expert {e} input gradient", tol)
+        if transposed:
+            close_to_scale(dw[e], _left_e4m3(a[s:t], dy[s:t], 16), f"expert {e} weight gradient", tol)
+        else:
+            close_to_scale(dw[e], bref.qweight_grad(dy[s:t], a[s:t], 16), f"expert {e} weight gradient", tol)
+
+
+def test_bf16_layer_close_to_reference(dev):
+    """bf16 activations and weights at the recipe's block of 128 (H = 160: two blocks, one partial):
+    the layer agrees with the reference on the same bf16 values up to the bf16 roundings of the stored
+    rows, output and every gradient."""
+    x, weights, idx, w_gu, w_d, dout = layer_case(23, 160, 40, 5, 2, seed=2)
+    x, weights, w_gu, w_d, dout = (t.to(torch.bfloat16) for t in (x, weights, w_gu, w_d, dout))
+    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                              expert_precision="fp8-block")
+    out.backward(dout.to(dev))
+    assert out.dtype == torch.bfloat16 and leaves[2].grad.dtype == torch.bfloat16
+    want = bref.moe_forward_backward(x, weights.float(), idx, w_gu, w_d, dout, 128)
+    got = [out, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[1].grad]
+    for name, a, b in zip(("out", "dx", "dw_gate_up", "dw_down", "dweights"), got, want):
+        rel = ((a.detach().float().cpu() - b).norm() / b.norm()).item()
+        assert rel < 0.05, (name, rel)  # as tests/kernels/test_fp8_triton.py's bf16 bound
+
+
+def test_unavailable_and_bad_input():
+    """The recipe runs next to the Triton base only, and says so; bad operands are refused with the
+    shapes named."""
+    reason = registry.unavailable_reason("fp8-block", "torch", "cpu", torch.float32)
+    assert reason and "triton kernel base only" in reason
+    with pytest.raises(RuntimeError, match="expert_precision='fp8-block' cannot run here: .*triton kernel base"):
+        registry.precision_engine("fp8-block", "torch", "cpu", torch.float32)
+    codes = torch.zeros(2, 8, 8, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(2, 1, 1)
+    cum = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block scales"):
+        fb.fp8b_grouped_mm(torch.zeros(4, 8), None, codes, torch.zeros(2, 2, 1), cum, torch.empty(4, 8), True, qb=8)
+    with pytest.raises(ValueError, match="a_mode"):
+        fb.fp8b_grouped_mm(torch.zeros(4, 8), None, codes, scales, cum, torch.empty(4, 8), True, a_mode="cols", qb=8)
+    with pytest.raises(ValueError, match="do not fit"):
+        fb.fp8b_grouped_mm(torch.zeros(4, 7), None, codes, scales, cum, torch.empty(4, 8), True, qb=8)
+    with pytest.raises(ValueError, match="weight codes"):
+        fb.fp8b_grouped_mm(torch.zeros(4, 8), None, codes.float(), scales, cum, torch.empty(4, 8), True, qb=8)
+    with pytest.raises(ValueError, match="fp8b_grouped_wgrad"):
+        fb.fp8b_grouped_wgrad(torch.zeros(4, 8), torch.zeros(4, 6), cum, torch.empty(2, 8, 5))
