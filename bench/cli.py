@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gemm-engine", default="auto", choices=list(GEMM_ENGINES),
                     help="stage 4's engine for the plain fastmoe/<backend> providers (default auto: timed once "
                          "per device, dtype and shape, its choice named in the provider's note)")
-    ap.add_argument("--precision", nargs="+", default=["none"], choices=["none", "int8", "fp8", "bf16", "bf16-sr"],
-                    help="expert-GEMM precisions of the fastmoe providers, side by side in one run: int8 / fp8 "
-                         "add fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one); "
+    ap.add_argument("--precision", nargs="+", default=["none"], choices=["none", "int8", "fp8", "fp8-block", "bf16", "bf16-sr"],
+                    help="expert-GEMM precisions of the fastmoe providers, side by side in one run: int8 / fp8 / "
+                         "fp8-block (block-scaled, quantized in the GEMMs' loads; Triton backend) add "
+                         "fastmoe/<backend>:<precision> next to each fastmoe provider (none: the plain one); "
                          "with --table3, precision rows for the F+B and training columns against fastmoe in fp32 "
                          "(bf16: bf16 weights, fp32 master; bf16-sr: bf16 weights, stochastic rounding; "
                          "training column only)")

@@ -18,7 +18,7 @@ from .providers import Provider
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 #: Relative error allowed to a provider whose expert GEMMs are quantized (8-bit codes: about 1/127 of
 #: each operand's range per element, e5m2 gradients 1/8), whatever the activation dtype.
-PRECISION_TOLERANCE = {"int8": 5e-2, "fp8": 2.5e-1}
+PRECISION_TOLERANCE = {"int8": 5e-2, "fp8": 2.5e-1, "fp8-block": 2.5e-1}
 
 
 #: The clock of every timing: wall time (the default), or the process's CPU time, which on a

@@ -90,7 +90,7 @@ class Pass:
 
 
 #: Kernels that read an operand's rows through an index: ``name -> [(operand arg, index arg, constexpr
-#: that turns the gather on, or None: always)]``. Counted once (its distinct rows) in the table; a row
+#: that turns the gather on (``"NAME=value"``: when it has that value), or None: always)]``. Counted once (its distinct rows) in the table; a row
 #: taken by K routed rows is read K times, from L2 when it is still there, from HBM when not.
 GATHERED_OPERANDS = {
     "_gate_up_fwd_kernel": [(0, 1, None)],
@@ -100,6 +100,8 @@ GATHERED_OPERANDS = {
     "_fp8_grouped_mm_kernel": [(0, 2, "GATHER")],
     "_fp8q_rows_kernel": [(0, 1, "GATHER")],
     "_fp8q_cols_kernel": [(0, 1, "GATHER")],
+    "_fp8b_grouped_mm_kernel": [(0, 1, "A_MODE=gather")],
+    "_fp8b_grouped_wgrad_kernel": [(0, 1, "L_GATHER"), (2, 3, "R_GATHER")],
 }
 
 
@@ -108,8 +110,10 @@ def regathered_bytes(name: str, args: Any, constexprs: dict) -> int:
     every gathered row comes from HBM: ``len(index) * row bytes - the operand's bytes``."""
     extra = 0
     for src, idx, flag in GATHERED_OPERANDS.get(name, ()):
-        if flag is not None and not constexprs.get(flag):
-            continue
+        if flag is not None:
+            name, is_value, value = flag.partition("=")  # "NAME": a true constexpr; "NAME=v": that value
+            if (str(constexprs.get(name)) != value) if is_value else not constexprs.get(name):
+                continue
         a, rows = args[src], args[idx]
         extra += max(0, rows.numel() * a.stride(0) * a.element_size() - unique_bytes(a))
     return extra

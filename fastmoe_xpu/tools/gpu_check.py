@@ -14,8 +14,9 @@ transformers versions found there (no network), and writes everything into one f
    minutes on a fresh machine; set the variable to 1 to let it tune), the ratio of ours to the
    fastest peer, peak memory and each one's error against an fp32 reference; the summary's first
    table, with the backward's TFLOP/s beside the forward's for ours and the peer. ``fastmoe/triton:fp8``
-   (the Triton fp8 grouped GEMMs) runs beside the plain provider, its speed over bf16 printed under
-   each table;
+   (the Triton fp8 grouped GEMMs, per-row and per-channel scales) and ``fastmoe/triton:fp8-block``
+   (block-scaled, quantized inside the GEMMs' loads) run beside the plain provider, their speed over bf16
+   printed under each table;
 3. ``tests``: the kernel and block tests on the device with compiled kernels (``pytest --device <dev>``;
    their fp32 and bf16 cases), ``-v`` (each test named in the log as it finishes), a test stuck for
    half the step's limit (at most 60 s) dumping every thread's stack into the log, the 15 slowest
@@ -27,7 +28,8 @@ transformers versions found there (no network), and writes everything into one f
    ``hf_v5_grouped_mm`` and ``hf_v5_eager``, each grouped-GEMM engine of ours as its own provider
    (``fastmoe/<backend>@<engine>``) beside the ``auto`` one, with the benchmark's GEMM-only bound;
 6. ``launches``: ``bench traffic --shape olmoe-1b-7b qwen3-30b-a3b qwen3-235b-a22b --sets triton triton:composed
-   triton+fp8 --time <dev>``: each Triton launch of one bf16 and one fp8 forward+backward (stages 4-5) at
+   triton+fp8 triton+fp8-block --time <dev>``: each Triton launch of one bf16 and each fp8 recipe's
+   forward+backward (stages 4-5) at
    three practitioners' shapes (the goals' two first) timed with device events (min of 3 after a
    warm-up): its ms, GB/s and TFLOP/s beside the bytes and GEMM FLOPs counted on the meta device and
    the pass's roofline floor (H200's figures), so the backward's time is placed pass by pass; beside it
@@ -237,7 +239,7 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
     steps: list[Step] = [Step(
         key="compare", name="the comparison: bf16 TFLOP/s against transformers and Liger at the practitioners' shapes",
         argv=[*bench, "--shapes", "practitioners", "--device", device, "--dtype", "bf16", "--precision", "none",
-              "fp8", "--providers", *COMPARE_PROVIDERS, "--rounds", "3",
+              "fp8", "fp8-block", "--providers", *COMPARE_PROVIDERS, "--rounds", "3",
               "--budget", str(max(2, round(0.025 * lim("compare")))), "--no-progress", "--out", str(out / "compare")],
         timeout_s=lim("compare"), env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": liger_pinned},
     )]
@@ -268,7 +270,7 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
         key="launches", name="each launch of one bf16 F+B timed at the practitioners' shapes (ms, GB/s, TFLOP/s), "
                              "beside its counted bytes, FLOPs and roofline floor",
         argv=[*bench, "traffic", "--shape", *LAUNCH_SHAPES, "--sets", "triton", "triton:composed", "triton+fp8",
-              "--time", device, "--rounds", "3"],
+              "triton+fp8-block", "--time", device, "--rounds", "3"],
         timeout_s=lim("launches"), env=cache,
     ))
     for tool, size in (("memcheck", "small"), ("racecheck", "tiny")):

@@ -166,7 +166,7 @@ def test_the_comparison_leaves_out_the_loop_engine_and_liger_tuned_runs_the_leas
     providers = compare[compare.index("--providers") + 1:compare.index("--rounds")]
     assert "fastmoe/triton@loop" not in providers and "fastmoe/triton@loop" in steps["mula"].argv
     assert {"fastmoe/triton", "fastmoe/triton@triton_tma", "fastmoe/triton@grouped_mm", "hf_v5_grouped_mm",
-            "liger"} <= set(providers) and compare[compare.index("--precision") + 1:][:2] == ["none", "fp8"]
+            "liger"} <= set(providers) and compare[compare.index("--precision") + 1:][:3] == ["none", "fp8", "fp8-block"]
     assert liger[liger.index("--providers") + 1:liger.index("--rounds")] == ["fastmoe/triton", "liger"]
     assert steps["liger-tuned"].env["LIGER_FUSED_MOE_AUTOTUNE"] == "1"
 
