@@ -21,6 +21,8 @@ from .stop import STOP_SIGNALS, SignalCount, signal_name
 
 #: Which signals torch's process context handles itself (its default: SIGTERM, SIGINT, SIGHUP, SIGQUIT).
 _TORCH_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+#: The ones left to torch here: SIGINT and SIGTERM are this process's (``on_signal`` in :func:`launch`).
+_TORCH_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def _children() -> list[int]:
@@ -65,6 +67,12 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads.share(local=int(os.environ[threads.LOCAL_PROCESSES_ENV]))))
     package = (__package__ or "trainer").split(".")[0]  # the trainer package, not .ft
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", package, *argv])
+    # torchrun's launch_agent writes this option (default SIGTERM,SIGINT,SIGHUP,SIGQUIT) to
+    # TORCHELASTIC_SIGNALS_TO_HANDLE just before the workers start, over the value set below: torch's
+    # handlers would replace on_signal, and the echo of a Ctrl-C that lands during the agent's
+    # shutdown(SIGINT) would end it with a SIGTERM to every worker, some before their SIGINT.
+    if hasattr(args, "signals_to_handle"):
+        args.signals_to_handle = _TORCH_SIGNALS
     # The signals are this process's, not torch's agent's: it would take the echoes of one Ctrl-C
     # (the terminal's and ``timeout``'s) for a second signal, end its gentle shutdown half way and
     # close the workers with SIGTERM, which they would report instead of the signal sent here.
@@ -81,7 +89,7 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     saved = os.environ.get(_TORCH_SIGNALS_ENV)
-    os.environ[_TORCH_SIGNALS_ENV] = "SIGHUP,SIGQUIT"
+    os.environ[_TORCH_SIGNALS_ENV] = _TORCH_SIGNALS
     try:
         run(args)
     except SignalException as e:

@@ -124,6 +124,51 @@ def test_ctrl_c_under_nproc_per_node_names_the_signal_it_got(tmp_path):
     assert "aborted" not in text and "SIGTERM" not in text and "Traceback" not in text, text[-3000:]
 
 
+def test_an_echo_of_ctrl_c_during_the_agents_shutdown_leaves_the_workers_its_sigint(tmp_path):
+    """The echo of a Ctrl-C (``timeout``'s, or the terminal's) may reach the launcher after torch's
+    agent began passing the first on; on a loaded machine that is as the agent starts. It is one
+    stop: no worker gets a SIGTERM from an interrupted shutdown, and the run says SIGINT. Here the
+    launcher sends the echo to itself at that moment, so the order is the same on every run."""
+    out = tmp_path / "run"
+    argv = ["--nproc-per-node", "2", "--steps", "100000", "--out", str(out), "--no-logging.plot",
+            "--no-logging.tensorboard", "--no-eval.enabled"]
+    code = ("import os, signal, sys\n"
+            "import trainer.ft.stop as stop\n"
+            "stop.REPEAT_WINDOW_S = 3600.0  # the echo is never a second signal, however slow the machine\n"
+            "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
+            "shutdown = LocalElasticAgent._shutdown\n"
+            "def echoed(self, death_sig=signal.SIGTERM, timeout=30):\n"
+            "    if death_sig == signal.SIGINT:  # the agent passes the Ctrl-C on: its echo lands now\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return shutdown(self, death_sig, timeout)\n"
+            "LocalElasticAgent._shutdown = echoed\n"
+            "from trainer.cli import main\n"
+            f"sys.exit(main({argv!r}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=ENV, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _Lines(proc)
+    try:
+        lines.wait_for("run:", proc, 180)
+        # rank 0's record of step 2 follows step 1's stop agreement: every rank is in its training loop
+        metrics, end = out / "metrics.jsonl", time.monotonic() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None, f"exited with {proc.returncode}:\n{''.join(lines.lines)}"
+            assert time.monotonic() < end, f"no second step within 180s:\n{''.join(lines.lines[-30:])}"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # the Ctrl-C
+        proc.wait(timeout=60)
+        lines.thread.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait(timeout=30)
+    text = "".join(lines.lines)
+    assert proc.returncode == 130, text[-3000:]
+    stopped = [line for line in lines.lines if line.startswith("stopped ")]
+    assert len(stopped) == 1 and "(SIGINT)" in stopped[0], text[-3000:]
+    assert "aborted" not in text and "SIGTERM" not in text and "Traceback" not in text, text[-3000:]
+
+
 def test_ctrl_c_while_preprocessing_is_one_line_and_writes_nothing(tmp_path):
     (tmp_path / "c.txt").write_text("words of a corpus. " * 50)
     code = ("import os, signal, sys, time\n"
