@@ -508,6 +508,8 @@ TRITON_CASES = {
     "triton-alltoall": (case_triton, dict(dispatch="alltoall"), (2,)),
     # fp8 on the Triton base: its fp8 grouped GEMMs under EP (they need no torch._scaled_mm)
     "triton-fp8-alltoall": (case_triton, dict(dispatch="alltoall", precision="fp8"), (2,)),
+    # block-scaled fp8 (quantized in the GEMMs' loads) under EP
+    "triton-fp8-block-allgather": (case_triton, dict(dispatch="allgather", precision="fp8-block"), (2,)),
     # ... with rank 1's experts receiving no token
     "triton-allgather-empty-rank": (case_empty_rank, dict(dispatch="allgather", backend="triton"), (2,)),
 }

@@ -232,6 +232,24 @@ def test_layer_matches_reference(dev, qb, shape, block, launched, no_host_bounds
         assert torch.count_nonzero(leaves[2].grad[:-1]) == 0 and torch.count_nonzero(leaves[2].grad[-1]) > 0
 
 
+def test_local_experts_match_reference(dev, block, launched, no_host_bounds):
+    """A local slice of many experts (an expert-parallel rank's: the routing's other experts' slots
+    never reach these GEMMs), some empty, at 16-value blocks: output and every gradient against the
+    reference of that slice."""
+    block(16)
+    x, weights, idx, w_gu, w_d, dout = layer_case(29, 40, 20, 16, 4, seed=8)
+    start, nl = 3, 9
+    w_gu, w_d = w_gu[start:start + nl].contiguous(), w_d[start:start + nl].contiguous()
+    leaves = [t.clone().to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                              expert_start=start, num_local=nl, expert_precision="fp8-block")
+    out.backward(dout.to(dev))
+    want = bref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, 16, expert_start=start)
+    tol = fp8_layer_tol(dev)
+    check_layer(lambda got, ref, what: close_to_scale(got, ref, what, tol), out, leaves, want)
+    assert launched.count("_fp8b_weight_kernel") == 2 and not PASSES & set(launched), launched
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_down_launchers_both_layouts(dev, transposed, block, launched, no_host_bounds):
     """``down_fwd`` / ``down_bwd`` of ``triton+fp8-block`` in the stored and transposed layouts against
@@ -278,6 +296,34 @@ def test_bf16_layer_close_to_reference(dev):
     for name, a, b in zip(("out", "dx", "dw_gate_up", "dw_down", "dweights"), got, want):
         rel = ((a.detach().float().cpu() - b).norm() / b.norm()).item()
         assert rel < 0.05, (name, rel)  # as tests/kernels/test_fp8_triton.py's bf16 bound
+
+
+def test_compiled_block_equals_eager(dev):
+    """``torch.compile(fullgraph=True)`` (``aot_eager``: dynamo and AOTAutograd trace the custom ops and
+    their backward) of a block in ``fp8-block``: the same output and gradients as eager, bit for bit."""
+    from types import SimpleNamespace
+
+    from fastmoe_xpu import FastSparseMoeBlock
+
+    torch._dynamo.reset()
+    cfg = SimpleNamespace(hidden_size=24, intermediate_size=20, num_experts=7, num_experts_per_tok=3,
+                          norm_topk_prob=False, hidden_act="silu")
+    torch.manual_seed(0)
+    block = FastSparseMoeBlock(cfg, backend="triton", expert_precision="fp8-block").to(dev)
+    x = torch.randn(2, 19, 24, device=dev, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+
+    def run(f):  # noqa: ANN001, ANN202
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        out = f(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.pow(2).sum().backward()
+        return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+
+    want, got = run(block), run(compiled)
+    for k, v in want.items():
+        assert v is not None and torch.equal(got[k], v), k
 
 
 def test_unavailable_and_bad_input():
