@@ -32,3 +32,14 @@ def generate_compiled_and_eager(model, *, low: int, high: int, new_tokens: int, 
         ids = torch.randint(low, high, (2, 5), generator=torch.Generator().manual_seed(seed))
         outs.append((model.generate(ids, compile_config=config, **kw), model.generate(ids, disable_compile=True, **kw)))
     return graphs, outs
+
+
+def block_step(block: torch.nn.Module, x: torch.Tensor, f) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """One forward and backward of ``f`` (``block`` or a compiled form of it) on ``x`` with
+    ``out.pow(2).sum()`` as the loss, from cleared gradients: the output and every gradient, by name."""
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    out = f(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.pow(2).sum().backward()
+    return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}

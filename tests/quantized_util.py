@@ -100,6 +100,27 @@ def close_to_scale(got: torch.Tensor, want: torch.Tensor, what: str, tol: dict) 
                                atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{what}: {m}")
 
 
+def bf16_layer(dev: torch.device, fmt: str, shape: tuple[int, int, int, int, int], seed: int):  # noqa: ANN201
+    """The layer of ``shape`` in bf16 (activations, weights, router weights, output gradient) on the
+    Triton base in ``expert_precision=fmt``, forward and backward on ``dev``: ``(got, case)`` with ``got``
+    the output and the gradients as :func:`within_of` compares them, ``case`` the bf16 inputs."""
+    x, weights, idx, w_gu, w_d, dout = layer_case(*shape, seed=seed)
+    x, weights, w_gu, w_d, dout = (t.to(torch.bfloat16) for t in (x, weights, w_gu, w_d, dout))
+    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
+                              expert_precision=fmt)
+    out.backward(dout.to(dev))
+    assert out.dtype == torch.bfloat16 and leaves[2].grad.dtype == torch.bfloat16
+    return [out, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[1].grad], (x, weights, idx, w_gu, w_d, dout)
+
+
+def within_of(got: list[torch.Tensor], want: tuple[torch.Tensor, ...], bound: float) -> None:
+    """Each of the output and gradients ``got`` within ``bound`` of the reference's (relative norm)."""
+    for name, a, b in zip(("out", "dx", "dw_gate_up", "dw_down", "dweights"), got, want):
+        rel = ((a.detach().float().cpu() - b).norm() / b.norm()).item()
+        assert rel < bound, (name, rel)
+
+
 def check_layer(close: Callable[[torch.Tensor, torch.Tensor, str], None], out: torch.Tensor,
                 leaves: list[torch.Tensor], want: tuple[torch.Tensor, ...]) -> None:
     """``close`` on a layer's output and the gradients of its leaves ``(x, weights, w_gate_up, w_down)``

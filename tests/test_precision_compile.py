@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
+from compile_util import block_step
 from fastmoe_xpu import FastSparseMoeBlock
 
 
@@ -30,12 +31,7 @@ def test_int8_block_compiled_equals_eager():
                              backend=lambda gm, ex: aot_eager(gm, ex, fw_compiler=keep, bw_compiler=keep))
 
     def run(f):  # noqa: ANN001, ANN202
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        out = f(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.pow(2).sum().backward()
-        return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+        return block_step(block, x, f)
 
     for update in range(2):
         if update:  # an optimizer-like in-place step: new weight versions, new codes

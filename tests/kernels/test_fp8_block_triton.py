@@ -20,7 +20,7 @@ from fastmoe_xpu.kernels.quantized import block_reference as bref, core as qcore
 from fastmoe_xpu.kernels.triton import fp8_block_gemm as fb  # noqa: E402
 from fastmoe_xpu.routing import topk_routing  # noqa: E402
 from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
-    LAYER_SHAPES, check_layer, close_to_scale, fp8_layer_tol, layer_case, no_host_bounds, wgrad_case,
+    bf16_layer, check_layer, close_to_scale, fp8_layer_tol, layer_case, no_host_bounds, wgrad_case, within_of,
 )
 
 BLOCKS = pytest.mark.parametrize("qb", [16, 128], ids=["qb16", "qb128"])
@@ -295,18 +295,9 @@ def test_bf16_layer_close_to_reference(dev):
     """bf16 activations and weights at the recipe's block of 128 (H = 160: two blocks, one partial):
     the layer agrees with the reference on the same bf16 values up to the bf16 roundings of the stored
     rows, output and every gradient."""
-    x, weights, idx, w_gu, w_d, dout = layer_case(23, 160, 40, 5, 2, seed=2)
-    x, weights, w_gu, w_d, dout = (t.to(torch.bfloat16) for t in (x, weights, w_gu, w_d, dout))
-    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
-                              expert_precision="fp8-block")
-    out.backward(dout.to(dev))
-    assert out.dtype == torch.bfloat16 and leaves[2].grad.dtype == torch.bfloat16
+    got, (x, weights, idx, w_gu, w_d, dout) = bf16_layer(dev, "fp8-block", (23, 160, 40, 5, 2), seed=2)
     want = bref.moe_forward_backward(x, weights.float(), idx, w_gu, w_d, dout, 128)
-    got = [out, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[1].grad]
-    for name, a, b in zip(("out", "dx", "dw_gate_up", "dw_down", "dweights"), got, want):
-        rel = ((a.detach().float().cpu() - b).norm() / b.norm()).item()
-        assert rel < 0.05, (name, rel)  # as tests/kernels/test_fp8_triton.py's bf16 bound
+    within_of(got, want, 0.05)  # as tests/kernels/test_fp8_triton.py's bf16 bound
 
 
 def test_compiled_block_equals_eager(dev):
@@ -314,6 +305,7 @@ def test_compiled_block_equals_eager(dev):
     their backward) of a block in ``fp8-block``: the same output and gradients as eager, bit for bit."""
     from types import SimpleNamespace
 
+    from compile_util import block_step
     from fastmoe_xpu import FastSparseMoeBlock
 
     torch._dynamo.reset()
@@ -324,15 +316,7 @@ def test_compiled_block_equals_eager(dev):
     x = torch.randn(2, 19, 24, device=dev, requires_grad=True)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
 
-    def run(f):  # noqa: ANN001, ANN202
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        out = f(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.pow(2).sum().backward()
-        return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
-
-    want, got = run(block), run(compiled)
+    want, got = block_step(block, x, block), block_step(block, x, compiled)
     for k, v in want.items():
         assert v is not None and torch.equal(got[k], v), k
 

@@ -23,8 +23,8 @@ from fastmoe_xpu.kernels import kernels, registry  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
 from fastmoe_xpu.kernels.triton import fp8_gemm, launch  # noqa: E402
 from quantized_util import (  # noqa: E402, F401  (no_host_bounds: a fixture)
-    LAYER_SHAPES, check_layer, close_to_scale, down_case, fp8_layer_tol, layer_case, no_host_bounds, run_layer,
-    wgrad_case,
+    LAYER_SHAPES, bf16_layer, check_layer, close_to_scale, down_case, fp8_layer_tol, layer_case, no_host_bounds,
+    run_layer, wgrad_case, within_of,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -222,22 +222,12 @@ def test_triton_fp8_down_launchers_both_layouts(dev, transposed, launched, no_ho
 def test_triton_fp8_bf16_close_to_reference(dev):
     """bf16 activations and weights: the Triton base's fp8 layer agrees with the reference (on the
     same bf16 values in fp32) up to fp8 noise, output and every gradient."""
-    x, weights, idx, w_gu, w_d, dout = layer_case(23, 24, 14, 5, 2, seed=2)
-    x, weights, w_gu, w_d, dout = (t.to(torch.bfloat16) for t in (x, weights, w_gu, w_d, dout))
-    leaves = [t.to(dev).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx.to(dev), leaves[2], leaves[3], backend="triton",
-                              expert_precision="fp8")
-    out.backward(dout.to(dev))
-    assert out.dtype == torch.bfloat16 and leaves[2].grad.dtype == torch.bfloat16
+    got, (x, weights, idx, w_gu, w_d, dout) = bf16_layer(dev, "fp8", (23, 24, 14, 5, 2), seed=2)
     want = qref.moe_forward_backward(x.float(), weights.float(), idx, w_gu.float(), w_d.float(), dout.float(), "fp8")
-    got = [out, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[1].grad]
-    for name, a, b in zip(("out", "dx", "dw_gate_up", "dw_down", "dweights"), got, want):
-        a = a.detach().float().cpu()
-        rel = ((a - b).norm() / b.norm()).item()
-        # the kernels store bf16 rows (gate_up, h, the gradients), which the reference keeps in fp32,
-        # so requantized values may move to neighbouring fp8 codes: the bound is a fraction of fp8's
-        # own noise (tests/test_precision.py: 0.15 against full precision)
-        assert rel < 0.05, (name, rel)
+    # the kernels store bf16 rows (gate_up, h, the gradients), which the reference keeps in fp32,
+    # so requantized values may move to neighbouring fp8 codes: the bound is a fraction of fp8's
+    # own noise (tests/test_precision.py: 0.15 against full precision)
+    within_of(got, want, 0.05)
 
 
 # ---------------------------------------------------------------- the quantization and row passes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .core import qmax
+from .reference import expert_slots
 
 FWD, GRAD = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -111,12 +112,9 @@ def moe_forward_backward(
     dw_gu, dw_d = torch.zeros(w_gate_up_N2IH.shape), torch.zeros(w_down_NHI.shape)
     dweights = torch.zeros(weights_TK.shape)
     for e in range(NR):
-        slots = [(t, k) for t in range(T) for k in range(topk_idx_TK.shape[1])
-                 if int(topk_idx_TK[t, k]) == expert_start + e]
+        slots, tok, w = expert_slots(topk_idx_TK, wts, expert_start + e)
         if not slots:
             continue
-        tok = torch.tensor([t for t, _ in slots])
-        w = torch.tensor([float(wts[t, k]) for t, k in slots])[:, None]
         X = x[tok]
         gate_up = qlinear(X, w_gate_up_N2IH[e], qb).to(x_TH.dtype).float()
         gate, up = gate_up[:, :inter], gate_up[:, inter:]

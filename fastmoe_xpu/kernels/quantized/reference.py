@@ -76,6 +76,17 @@ def qlinear_backward(dy: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fmt: st
     return da, qgemm(qd.t(), sd, qa, sa)
 
 
+def expert_slots(topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor, expert: int,
+                 ) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+    """The slots (t, k) routed to ``expert`` in token order, their tokens and their router weights
+    ``[n, 1]`` (fp32)."""
+    T, K = topk_idx_TK.shape
+    slots = [(t, k) for t in range(T) for k in range(K) if int(topk_idx_TK[t, k]) == expert]
+    tok = torch.tensor([t for t, _ in slots], dtype=torch.long)
+    w = torch.tensor([float(weights_TK[t, k]) for t, k in slots], dtype=torch.float32)[:, None]
+    return slots, tok, w
+
+
 def moe_forward_backward(
     x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
     w_down_NHI: torch.Tensor, dout_TH: torch.Tensor, fmt: str, expert_start: int = 0,
@@ -93,12 +104,9 @@ def moe_forward_backward(
     dweights = torch.zeros(weights_TK.shape)
     f = FORMATS[fmt]
     for e in range(NR):
-        slots = [(t, k) for t in range(T) for k in range(topk_idx_TK.shape[1])
-                 if int(topk_idx_TK[t, k]) == expert_start + e]
+        slots, tok, w = expert_slots(topk_idx_TK, wts, expert_start + e)
         if not slots:
             continue
-        tok = torch.tensor([t for t, _ in slots])
-        w = torch.tensor([float(wts[t, k]) for t, k in slots])[:, None]
         X = x[tok]
         gate_up = qlinear(X, w_gate_up_N2IH[e], fmt)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
