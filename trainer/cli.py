@@ -73,6 +73,7 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
         description="Pretrain an OLMoE / OLMo model with FastSparseMoE, sharded AdamW / EPSO, DP x EP. "
                     "Under torchrun: torchrun --nproc-per-node N -m fastmoe_trainer [options].",
         allow_abbrev=False,  # --step must not quietly become --steps
+        formatter_class=_HelpFormatter,
     )
     if shown is None:
         shown = get_preset(DEFAULT_PRESET)
@@ -113,11 +114,47 @@ def build_parser(shown: TrainConfig | None = None) -> argparse.ArgumentParser:
                 flags.append(f"--{reverse[key]}")
             help_text = f"{docs.get(f.name, '')} ({shown.preset}: {_shown(getattr(getattr(shown, section), f.name))})"
             if typ is bool:
-                group.add_argument(*flags, dest=key, default=None, action=argparse.BooleanOptionalAction,
-                                   help=help_text)
+                group.add_argument(*flags, dest=key, default=None, action=BoolOption, help=help_text)
             else:
                 group.add_argument(*flags, dest=key, default=None, metavar=typ.__name__.upper(), help=help_text)
     return p
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's layout, with a yes/no option shown as ``--x [true|false], --no-x``."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, BoolOption):
+            return ", ".join(o if o.startswith("--no-") else f"{o} [{action.metavar}]" for o in action.option_strings)
+        return super()._format_action_invocation(action)
+
+
+class BoolOption(argparse.Action):
+    """A yes/no option: ``--x`` or ``--no-x``, and ``--x true`` / ``--x false`` (also yes/no, on/off,
+    1/0) as a config file or a script would spell it."""
+
+    TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None, help: str | None = None) -> None:
+        names = [*option_strings, *(f"--no-{o[2:]}" for o in option_strings if o.startswith("--"))]
+        super().__init__(names, dest, nargs="?", default=default, help=help, metavar="true|false")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        negative = bool(option_string and option_string.startswith("--no-"))
+        if values is None:
+            setattr(namespace, self.dest, not negative)
+            return
+        if negative:
+            parser.error(f"{option_string} takes no value (got {values!r}): write {option_string}, or "
+                         f"--{option_string[5:]} {values}")
+        word = str(values).strip().lower()
+        if word not in self.TRUE + self.FALSE:
+            parser.error(f"{option_string} takes true or false (or nothing), got {values!r}")
+        setattr(namespace, self.dest, word in self.TRUE)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:

@@ -104,6 +104,31 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path) -> No
     assert not (tmp_path / "out").exists()  # nothing was started
 
 
+@pytest.mark.parametrize("argv, want", [
+    ([], False), (["--data.document_mask"], True), (["--no-data.document_mask"], False),
+    (["--data.document_mask", "true"], True), (["--data.document_mask", "false"], False),
+    (["--data.document_mask", "Yes"], True), (["--data.document_mask", "0"], False),
+    (["--data.document_mask", "on", "--no-data.document_mask"], False),
+])
+def test_a_yes_no_option_takes_a_word_as_a_config_file_would(argv, want) -> None:
+    """``--x``, ``--no-x`` and ``--x true|false`` (yes/no, on/off, 1/0, any case): the last one given wins."""
+    cfg, _ = config_from_args(argv)
+    assert cfg.data.document_mask is want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data.document_mask", "maybe"], "--data.document_mask takes true or false (or nothing), got 'maybe'"),
+    (["--no-data.document_mask", "false"], "--no-data.document_mask takes no value (got 'false'): write "
+                                           "--no-data.document_mask, or --data.document_mask false"),
+])
+def test_a_yes_no_option_refuses_other_words_in_one_line(argv, message, capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_data_set_fails_before_training(capsys, tmp_path) -> None:
     code = main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), "--no-logging.progress"])
     err = capsys.readouterr().err
