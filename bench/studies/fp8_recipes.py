@@ -1,4 +1,4 @@
-"""The two fp8 recipes' numbers against full precision: ``TRITON_INTERPRET=1 python -m bench.studies.fp8_recipes``.
+"""The two fp8 recipes' numbers against full precision: ``TRITON_INTERPRET=1 fastmoe-bench fp8_recipes``.
 
 One layer (``--shape T H I E K``, default 32 256 64 4 2), fp32, on the Triton base (the interpreter on
 the CPU, ``--device cuda`` compiled), run at full precision and with ``expert_precision="fp8"`` (per-row
@@ -8,12 +8,14 @@ full-precision layer (%) of the output and each gradient, as a markdown table (d
 """
 from __future__ import annotations
 
-import argparse
+import os
 
 import torch
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.routing import topk_routing
+
+from ..harness.usage import Parser, count, fail, seconds
 
 COLUMNS = ("out", "dx", "dw_gate_up", "dw_down", "d router weights")
 
@@ -36,12 +38,19 @@ def run(case: tuple[torch.Tensor, ...], precision: str | None, device: str) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.studies.fp8_recipes", description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", nargs=5, type=int, default=[32, 256, 64, 4, 2], metavar=("T", "H", "I", "E", "K"))
-    ap.add_argument("--outliers", nargs="+", type=float, default=[1.0, 50.0, 2000.0])
-    ap.add_argument("--device", default="cpu")
+    ap = Parser(prog="fastmoe-bench fp8_recipes", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs=5, type=count, default=[32, 256, 64, 4, 2], metavar=("T", "H", "I", "E", "K"))
+    ap.add_argument("--outliers", nargs="+", type=seconds, default=[1.0, 50.0, 2000.0], metavar="FACTOR",
+                    help="what x's column 0 is multiplied by, one table row pair each (default 1 50 2000)")
+    ap.add_argument("--device", default="cpu", help="cpu (Triton's interpreter: TRITON_INTERPRET=1) or cuda (sm_89+)")
     ap.add_argument("--seed", type=int, default=5)
     args = ap.parse_args(argv)
+    T, H, I, E, K = args.shape  # noqa: E741
+    if K > E:
+        fail(f"error: --shape: K={K} experts per token of E={E} (see fastmoe-bench fp8_recipes --help)")
+    if torch.device(args.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        fail("error: on the CPU the Triton kernels run under the interpreter: TRITON_INTERPRET=1 fastmoe-bench "
+             "fp8_recipes ... (set before Python starts)")
     print("| x column 0 | recipe | " + " | ".join(COLUMNS) + " |")
     print("|---|---|" + "---:|" * len(COLUMNS))
     for factor in args.outliers:

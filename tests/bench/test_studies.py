@@ -39,3 +39,17 @@ def test_help_names_every_provider():
     text = build_parser().format_help()
     for name in (*ALL_PROVIDERS, *NAMED_PROVIDERS, *EXTERNAL_PROVIDERS):
         assert name in text, name
+
+
+def test_fp8_recipes_prints_both_recipes_errors(capsys):
+    """``fastmoe-bench fp8_recipes`` at a tiny layer: one row per recipe and outlier factor, each error a
+    few percent (fp8's noise), none zero (the layer really ran quantized) or past 30%."""
+    from bench.studies import fp8_recipes
+
+    assert fp8_recipes.main(["--shape", "8", "32", "16", "3", "2", "--outliers", "1", "100"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| x") and "recipe" not in line]
+    assert [r.split("|")[1:3] for r in rows] == [[" x1 ", " fp8 "], [" x1 ", " fp8-block "], [" x100 ", " fp8 "],
+                                                 [" x100 ", " fp8-block "]]
+    for r in rows:
+        errs = [float(v) for v in r.strip("|").split("|")[2:]]
+        assert len(errs) == 5 and all(0 < e < 30 for e in errs), r
