@@ -152,10 +152,10 @@ def test_an_echo_of_ctrl_c_during_the_agents_shutdown_leaves_the_workers_its_sig
             "stop.REPEAT_WINDOW_S = 3600.0  # the echo is never a second signal, however slow the machine\n"
             "from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent\n"
             "shutdown = LocalElasticAgent._shutdown\n"
-            "def echoed(self, death_sig=signal.SIGTERM, timeout=30):\n"
+            "def echoed(self, death_sig=signal.SIGTERM, *rest, **kw):  # torch 2.11 has no timeout argument\n"
             "    if death_sig == signal.SIGINT:  # the agent passes the Ctrl-C on: its echo lands now\n"
             "        os.kill(os.getpid(), signal.SIGINT)\n"
-            "    return shutdown(self, death_sig, timeout)\n"
+            "    return shutdown(self, death_sig, *rest, **kw)\n"
             "LocalElasticAgent._shutdown = echoed\n"
             "from trainer.cli import main\n"
             f"sys.exit(main({argv!r}))\n")
