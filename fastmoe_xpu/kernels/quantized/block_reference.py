@@ -83,14 +83,16 @@ def qlinear_input_grad(dy: torch.Tensor, w: torch.Tensor, qb: int) -> torch.Tens
     return out.float()
 
 
-def qweight_grad(g: torch.Tensor, a: torch.Tensor, qb: int) -> torch.Tensor:
+def qweight_grad(g: torch.Tensor, a: torch.Tensor, qb: int, g_dtype: torch.dtype = GRAD,
+                 a_dtype: torch.dtype = FWD) -> torch.Tensor:
     """``Q(g)^T @ Q(a)`` in fp32 over the rows of one expert: both sides per column and block of
-    ``qb`` rows, ``g`` e5m2, ``a`` e4m3."""
+    ``qb`` rows, ``g`` in ``g_dtype`` (e5m2, the gradient), ``a`` in ``a_dtype`` (e4m3); the formats
+    swapped for a weight stored transposed (``h^T dy``)."""
     out = torch.zeros(g.shape[1], a.shape[1], dtype=torch.float64)
     for r0 in range(0, g.shape[0], qb):
         gb, ab = g[r0:r0 + qb].float(), a[r0:r0 + qb].float()
-        qg, sg = _codes(gb, gb.abs().amax(0, keepdim=True), GRAD)
-        qa, sa = _codes(ab, ab.abs().amax(0, keepdim=True), FWD)
+        qg, sg = _codes(gb, gb.abs().amax(0, keepdim=True), g_dtype)
+        qa, sa = _codes(ab, ab.abs().amax(0, keepdim=True), a_dtype)
         part = (qg.t() @ qa).float().double()
         out += part * sg[0, :, None].double() * sa[0, None, :].double()
     return out.float()
