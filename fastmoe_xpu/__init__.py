@@ -4,6 +4,8 @@ from .integrations.experts import NAME as EXPERTS_IMPLEMENTATION
 from .integrations.experts import fastmoe_experts_forward
 from .integrations.registration import register_lazily as _register_experts
 from .integrations.transformers import patch_olmoe
+from .kernels.quantized.core import forget_weights as forget_quantized_weights
+from .kernels.quantized.core import frozen_weights as frozen_expert_weights
 from .kernels.torch.buffers import release_buffers
 from .routing import OLMOE_LOAD_BALANCING_COEF, OLMOE_Z_LOSS_COEF, load_balancing_loss, router_z_loss
 
@@ -13,6 +15,8 @@ __all__ = [
     "EXPERTS_IMPLEMENTATION",
     "fastmoe_experts_forward",
     "release_buffers",
+    "frozen_expert_weights",
+    "forget_quantized_weights",
     "load_balancing_loss",
     "router_z_loss",
     "OLMOE_LOAD_BALANCING_COEF",

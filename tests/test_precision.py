@@ -4,7 +4,9 @@ at awkward shapes; the quantizers, the padded int8 GEMM, the per-call weight cod
 Expert parallelism with quantized GEMMs runs in tests/test_dist_ep.py (``int8-*``, ``fp8-*``)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -217,6 +219,106 @@ def test_weight_codes_follow_updates():
     key = id(w)
     del w, first, again
     assert key not in core._WEIGHTS
+
+
+def test_frozen_weights_keep_the_codes_across_calls_until_the_weight_changes():
+    """Inside ``frozen_weights`` a forward takes back the codes of an unchanged weight; an in-place
+    update (the version) or a new ``.data`` (the address, dtype) makes new ones; thread-local."""
+    w = torch.randn(3, 8, 5)
+    first = core.quantized_weight(w, torch.int8)
+    assert core.quantized_weight(w, torch.int8) is not first  # outside: every forward quantizes anew
+    with core.frozen_weights():
+        kept = core.quantized_weight(w, torch.int8)
+        assert core.quantized_weight(w, torch.int8) is kept
+        assert core.quantized_weight(w, torch.float8_e4m3fn) is not kept  # another format
+        kept = core.quantized_weight(w, torch.int8)
+        w.add_(1.0)  # an optimizer step
+        after = core.quantized_weight(w, torch.int8)
+        assert after is not kept and torch.equal(after.codes, core.quantize_rows(w, torch.int8)[0])
+        w.data = w.data * 2  # a move or a cast: the same object, its version unchanged, a new address
+        again = core.quantized_weight(w, torch.int8)
+        assert again is not after and torch.equal(again.codes, after.codes)
+        assert torch.equal(again.scales, after.scales * 2)
+        w.data = w.data.double()
+        assert core.quantized_weight(w, torch.int8) is not again
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(core.weights_frozen()))
+        other.start()
+        other.join()
+        assert seen == [False] and core.weights_frozen()
+        with core.frozen_weights():
+            assert core.weights_frozen()
+        assert core.weights_frozen()  # still inside the outer one
+    assert not core.weights_frozen()
+    last = core.quantized_weight(w, torch.int8)
+    assert core.quantized_weight(w, torch.int8) is not last
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_frozen_expert_weights_decode_equals_quantizing_every_call(precision):
+    """Decoding a block under ``fastmoe_xpu.frozen_expert_weights``: every call's output is exactly
+    the one of quantizing the weights anew, each weight is quantized once, and after an in-place
+    update only the changed weight is quantized again."""
+    import fastmoe_xpu
+
+    if precision == "fp8" and (reason := core.unsupported_reason("fp8", "cpu", torch.float32)):
+        pytest.skip(reason)
+    cfg = SimpleNamespace(hidden_size=24, intermediate_size=20, num_experts=7, num_experts_per_tok=3,
+                          norm_topk_prob=True, hidden_act="silu")
+    torch.manual_seed(0)
+    block = FastSparseMoeBlock(cfg, backend="torch", expert_precision=precision)
+    xs = [torch.randn(1, 1, 24) for _ in range(3)] + [torch.randn(2, 5, 24)]
+
+    def run(frozen: bool) -> tuple[list[torch.Tensor], list]:
+        """The outputs, and every weight's codes the calls used (each object once)."""
+        core.forget_weights()
+        made: list = []
+        with torch.no_grad(), (fastmoe_xpu.frozen_expert_weights() if frozen else contextlib.nullcontext()):
+            outs = []
+            for x in xs:
+                outs.append(block(x))
+                made += [e.qw for e in core._WEIGHTS.values() if not any(e.qw is m for m in made)]
+        return outs, made
+    plain, plain_made = run(False)
+    frozen, frozen_made = run(True)
+    assert len(plain_made) == 2 * len(xs) and len(frozen_made) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain, frozen))
+    with torch.no_grad(), fastmoe_xpu.frozen_expert_weights():  # decoding on, after an update in place
+        core.forget_weights()
+        block(xs[0])
+        before = {id(e.ref()): e.qw for e in core._WEIGHTS.values()}
+        block.experts.gate_up_proj.mul_(1.5)
+        after_update = [block(x) for x in xs]
+        now = {id(e.ref()): e.qw for e in core._WEIGHTS.values()}
+    assert now[id(block.experts.down_proj)] is before[id(block.experts.down_proj)]
+    assert now[id(block.experts.gate_up_proj)] is not before[id(block.experts.gate_up_proj)]
+    plain2, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(plain2, after_update))
+    assert not torch.equal(plain2[0], plain[0])
+
+
+@pytest.mark.parametrize("flags", [{}, {"is_transposed": True}], ids=["fused", "plain-transposed"])
+def test_transformers_experts_function_decodes_on_frozen_codes(flags):
+    """The ``"fastmoe"`` experts function (``model.generate`` inside ``frozen_expert_weights``) keeps
+    each weight's codes across calls and gives the outputs of quantizing per call."""
+    pytest.importorskip("transformers.integrations.moe")
+    import fastmoe_xpu
+    from test_experts_interface import _config, _make_class, _routing
+
+    torch.manual_seed(0)
+    module = _make_class(**flags)(_config("fastmoe"))
+    module.fastmoe_expert_precision = "int8"
+    calls = [(torch.randn(t, 16), *_routing(t, 2)) for t in (1, 1, 6)]
+    with torch.no_grad():
+        core.forget_weights()
+        want = [module(*c) for c in calls]
+        with fastmoe_xpu.frozen_expert_weights():
+            got, codes = [], []
+            for c in calls:
+                got.append(module(*c))
+                codes.append([e.qw for e in core._WEIGHTS.values()])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(codes[0]) == 2 and all(a is b for later in codes[1:] for a, b in zip(codes[0], later))
 
 
 @pytest.mark.parametrize("flags", [{}, {"is_transposed": True}], ids=["fused", "plain-transposed"])

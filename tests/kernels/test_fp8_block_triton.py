@@ -250,6 +250,29 @@ def test_local_experts_match_reference(dev, block, launched, no_host_bounds):
     assert launched.count("_fp8b_weight_kernel") == 2 and not PASSES & set(launched), launched
 
 
+def test_decode_under_frozen_weights_quantizes_each_weight_once(dev, block, launched, no_host_bounds):
+    """Decoding (no grad) inside ``fastmoe_xpu.frozen_expert_weights``: the weights' block codes are made
+    by the first call only, and every call's output is exactly the one of quantizing anew."""
+    import fastmoe_xpu
+
+    block(16)
+    x, weights, idx, w_gu, w_d, _ = layer_case(9, 40, 20, 6, 2, seed=4)
+    x, weights, idx, w_gu, w_d = (t.to(dev) for t in (x, weights, idx, w_gu, w_d))
+    calls = [(x[i:i + n], weights[i:i + n], idx[i:i + n]) for i, n in ((0, 1), (1, 1), (2, 7))]
+
+    def run(c):
+        return moe_experts_forward(*c, w_gu, w_d, backend="triton", expert_precision="fp8-block")
+    with torch.no_grad():
+        want = [run(c) for c in calls]
+        assert launched.count("_fp8b_weight_kernel") == 2 * len(calls), launched
+        launched.clear()
+        qcore.forget_weights()
+        with fastmoe_xpu.frozen_expert_weights():
+            got = [run(c) for c in calls]
+    assert launched.count("_fp8b_weight_kernel") == 2 and launched.count("_fp8b_grouped_mm_kernel") == 2 * len(calls)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_down_launchers_both_layouts(dev, transposed, block, launched, no_host_bounds):
     """``down_fwd`` / ``down_bwd`` of ``triton+fp8-block`` in the stored and transposed layouts against

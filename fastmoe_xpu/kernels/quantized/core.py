@@ -19,15 +19,17 @@ are ``round(v * (qmax / amax))`` (int8: to nearest even; fp8: the cast's roundin
 leave ``[-qmax, qmax]`` and no clamp is needed; an all-zero row gets zero codes. Quantization happens
 in fp32 whatever the tensor's dtype.
 
-Weights are quantized per output channel once per forward (:func:`quantized_weight`) and the
-backward of the same call finds them again by object and version instead of quantizing a second
-time: the input gradient of ``y = x Wq^T`` is ``dy Wq = (dy * sW) qW``, so ``dy * sW`` is quantized
+Weights are quantized per output channel once per forward (:func:`quantized_weight`; once for as
+long as they are unchanged inside :func:`frozen_weights`) and the backward of the same call finds
+them again by object and version instead of quantizing a second time: the input gradient of ``y = x Wq^T`` is ``dy Wq = (dy * sW) qW``, so ``dy * sW`` is quantized
 per row and multiplied by the same int8 weight codes (straight-through: the rounding itself is
 treated as identity, as AQT does).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -398,27 +400,68 @@ class QWeight(NamedTuple):
     """``[NR, O]``: one per output channel."""
 
 
-_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.dtype, bool, QWeight, str]] = {}
+class _Entry(NamedTuple):
+    ref: weakref.ref
+    stamp: tuple
+    """What the weight must still be for the codes to hold: :func:`_stamp`."""
+    dtype: torch.dtype
+    transposed: bool
+    qw: QWeight
+    recipe: str
+
+
+_WEIGHTS: dict[int, _Entry] = {}
+_FROZEN = threading.local()
+
+
+def _stamp(w: torch.Tensor) -> tuple:
+    """The weight's version and where and how its values lie: an in-place update moves the version,
+    a new ``.data`` (a move, a cast, ZeRO-style gathering) moves the address, device, dtype or shape."""
+    return (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), tuple(w.stride()))
+
+
+@contextlib.contextmanager
+def frozen_weights():
+    """Inside, a forward takes back the quantized codes of a weight it has quantized before, for as
+    long as the weight is the same tensor at the same version and address, instead of quantizing it
+    again on every call (outside, only the backward of the same call does). For decoding and
+    evaluation: at one token a call, quantizing every expert's weights costs many times the
+    GEMMs. In-place updates (optimizer steps, ``load_state_dict``, ``torch.nn.init``) move the
+    version, so the codes follow them; writes through ``.data`` (``w.data.add_(...)``, as some
+    fused optimizers and EMA helpers do) do not: inside this context such a write is not seen.
+    Thread-local, nestable; the codes stay held (a quarter of fp32 weights' memory for int8) until
+    their weight is freed or :func:`forget_weights`."""
+    _FROZEN.depth = getattr(_FROZEN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _FROZEN.depth -= 1
+
+
+def weights_frozen() -> bool:
+    """Whether this thread is inside :func:`frozen_weights`."""
+    return getattr(_FROZEN, "depth", 0) > 0
 
 
 def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = False,
                      reuse: bool = False, quantize=None, recipe: str = "channel") -> QWeight:  # noqa: ANN001
     """``w [NR, O, In]`` (``transposed``: stored ``[NR, In, O]``) quantized per output channel.
 
-    The forward (``reuse=False``) quantizes and remembers the result for this tensor object and its
-    version; the backward (``reuse=True``) takes it back when the same tensor is unchanged since,
-    else quantizes again. An in-place update (an optimizer step) bumps the version, and a freed
+    The forward (``reuse=False``) quantizes and remembers the result for this tensor object, its
+    version and its address (:func:`_stamp`); the backward (``reuse=True``) takes it back when the
+    same tensor is unchanged since, else quantizes again, and so does the forward inside
+    :func:`frozen_weights`. An in-place update (an optimizer step) bumps the version, and a freed
     tensor's entry is dropped with it, so a stale copy is never used. ``quantize(w, dtype,
     transposed)``: another implementation of the same codes and scales (the Triton fp8 path's
     one-pass kernel) instead of :func:`quantize_rows` / :func:`quantize_cols`. ``recipe``: which scales
     ``quantize`` makes (``"channel"``, per output channel; ``"block"``, the ``fp8-block`` recipe's
     square blocks), part of what a remembered entry must match."""
     key = id(w)
-    if reuse:
+    if reuse or weights_frozen():
         hit = _WEIGHTS.get(key)
-        if (hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == dtype and hit[3] == transposed
-                and hit[5] == recipe):
-            return hit[4]
+        if (hit is not None and hit.ref() is w and hit.stamp == _stamp(w) and hit.dtype == dtype
+                and hit.transposed == transposed and hit.recipe == recipe):
+            return hit.qw
     # A stale entry's codes are dropped first: on the CPU they come from the buffer pool, which can
     # then hand the same buffer to the new codes instead of keeping two per weight.
     _WEIGHTS.pop(key, None)
@@ -431,7 +474,7 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
         ref = weakref.ref(w, lambda _r, k=key: _WEIGHTS.pop(k, None))
     except TypeError:  # not weak-referenceable: nothing is kept
         return qw
-    _WEIGHTS[key] = (ref, w._version, dtype, transposed, qw, recipe)
+    _WEIGHTS[key] = _Entry(ref, _stamp(w), dtype, transposed, qw, recipe)
     return qw
 
 
