@@ -516,15 +516,23 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """Loss and perplexity on the validation split (collective; see :func:`trainer.outputs.evaluate.evaluate`)."""
+        from fastmoe_xpu import forget_quantized_weights, frozen_expert_weights
+
         from .outputs.evaluate import evaluate
 
         if self.val_rows is None:
             raise ValueError(f"data set {self.manifest_path} keeps no validation split (preprocess with --valid)")
         if self.moe_health is not None:
             self.moe_health.enabled = False
+        # The weights hold still through an evaluation: quantized expert weights are quantized once for
+        # all its batches, not per batch. Forgotten after it: an FSDP2 gather writes the next step's
+        # values into the same tensors, and those writes need not move their version.
+        forget_quantized_weights()
         try:
-            res = evaluate(self, self.val_rows)
+            with frozen_expert_weights():
+                res = evaluate(self, self.val_rows)
         finally:
+            forget_quantized_weights()
             if self.moe_health is not None:
                 self.moe_health.enabled = True
         self.eval_history.append(res)

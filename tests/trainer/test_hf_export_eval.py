@@ -3,6 +3,7 @@ directory loads in a process that cannot import fastmoe_xpu and reproduces the t
 the validation loss is the same on every layout and equals plain transformers' on the export."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -225,3 +226,45 @@ def test_existing_export_directory_is_refused_before_training(data_cache, tmp_pa
     with pytest.raises(ConfigError, match="exists; pass --eval.overwrite"):
         Trainer(small_cfg(data_cache, str(tmp_path / "run"), eval__export_hf=str(tmp_path / "hf")))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_int8_evaluation_quantizes_each_expert_weight_once_and_follows_the_updates(data_cache, tmp_path,
+                                                                                  monkeypatch):
+    """With int8 experts an evaluation quantizes each expert weight once for all its batches (inside
+    fastmoe_xpu.frozen_expert_weights), gives exactly the loss of quantizing them per batch, and after
+    training steps quantizes the new weights: no codes outlive the evaluation."""
+    import fastmoe_xpu
+    from fastmoe_xpu.kernels.quantized import core, launchers
+
+    made, calls = [], [0]
+    real = launchers.quantized_weight
+
+    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        calls[0] += 1
+        qw = real(w, *args, **kwargs)
+        if not any(qw is m for m in made):
+            made.append(qw)
+        return qw
+    monkeypatch.setattr(launchers, "quantized_weight", counting)
+    t = Trainer(small_cfg(str(data_cache), str(tmp_path / "run"), model__expert_precision="int8"))
+    weights = [p for n, p in t.model.named_parameters() if ".experts." in n]
+    assert len(weights) >= 4
+
+    def evaluate():
+        made.clear()
+        calls[0] = 0
+        return t.evaluate()["val_loss"]
+    first = evaluate()
+    first_codes = list(made)
+    batches = 48 // 4
+    assert len(first_codes) == len(weights) and calls[0] == len(weights) * batches, (len(made), calls)
+    assert not core._WEIGHTS  # forgotten once the evaluation is over
+    with monkeypatch.context() as m:  # the same evaluation, every batch quantizing anew
+        m.setattr(fastmoe_xpu, "frozen_expert_weights", contextlib.nullcontext)
+        assert evaluate() == first and len(made) == len(weights) * batches
+    t.fit(steps=1)
+    after = evaluate()
+    assert after != first and len(made) == len(weights) and not any(a is b for a in made for b in first_codes)
+    with monkeypatch.context() as m:
+        m.setattr(fastmoe_xpu, "frozen_expert_weights", contextlib.nullcontext)
+        assert evaluate() == after
