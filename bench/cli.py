@@ -31,9 +31,11 @@ def _studies_help(width: int = 100) -> str:
     """The epilog of ``--help``: every study, how to run it and what it measures, one entry each."""
     lines = ["studies (bench/studies/): a flag of this command, or 'fastmoe-bench NAME [options]' "
              "('NAME --help' for its options):"]
+    name_w = max(len(s.name) for s in STUDIES) + 2  # the columns fit the longest name and command
+    run_w = max(len(s.run or f"fastmoe-bench {s.name}") for s in STUDIES) + 2
     for s in STUDIES:
         run = s.run or f"fastmoe-bench {s.name}"
-        head = f"  {s.name:<14}{run:<30}"
+        head = f"  {s.name:<{name_w}}{run:<{run_w}}"
         lines += textwrap.wrap(s.measures, width, initial_indent=head, subsequent_indent=" " * len(head))
     return "\n".join(lines)
 

@@ -4,11 +4,14 @@ Legend: T tokens, H hidden, K experts per token.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+from fastmoe_xpu import frozen_expert_weights
 
 from .cases import Case
 from .providers import Provider
@@ -89,7 +92,7 @@ def capture_forward(prov: Provider, case: Case, api=None) -> Callable[[], torch.
     api = api or torch.cuda
     dev = case.device
     x, w, idx = case.x_TH.detach(), case.weights_TK.detach(), case.topk_idx_TK
-    with torch.no_grad():
+    with torch.no_grad(), frozen_expert_weights():
         side = api.Stream(dev)
         side.wait_stream(api.current_stream(dev))
         with api.stream(side):
@@ -114,8 +117,9 @@ def timed_call(
     """One training step of the layer: fresh leaves, no gradients held, forward (autograd on) and,
     with ``backward``, backward of ``dout``. ``grad=False``: one inference call instead, the forward
     under ``torch.no_grad`` (no backward). ``graphed`` (inference only): the call is a replay of
-    the provider's captured forward (:func:`capture_forward`). Returns ``(forward_s, backward_s,
-    captured)``."""
+    the provider's captured forward (:func:`capture_forward`). An inference call runs inside
+    :func:`fastmoe_xpu.frozen_expert_weights`: quantized expert weights are quantized once, not on
+    every call. Returns ``(forward_s, backward_s, captured)``."""
     if graphed is not None:
         if grad or backward:
             raise ValueError("a captured forward is timed only as an inference call (grad=False, no backward)")
@@ -133,7 +137,9 @@ def timed_call(
     dev = case.device
     synchronize(dev)
     t0 = _clock()
-    with torch.set_grad_enabled(grad):
+    # An inference call keeps quantized expert weights across calls, as generation and evaluation
+    # should (fastmoe_xpu.frozen_expert_weights); a training step quantizes them anew, as after an update.
+    with torch.set_grad_enabled(grad), (frozen_expert_weights() if not grad else contextlib.nullcontext()):
         out = prov.forward(x, w, case.topk_idx_TK)
     synchronize(dev)
     t1 = _clock()

@@ -40,6 +40,8 @@ STUDIES = (
                            "on the meta device (no GPU)"),
     Study("fp8_recipes", None, "the two fp8 recipes (per-channel, 128-blocks) against full precision, output "
                                "and every gradient, with an outlier column in x"),
+    Study("decode_weights", None, "quantized decoding: the expert weights quantized on every call against once "
+                                  "(fastmoe_xpu.frozen_expert_weights), beside full precision"),
     Study("audit", None, "kernel launches and host synchronisations of one MoE layer, forward and backward"),
     Study("engine_choice", None, "the auto GEMM-engine choice under a wrong cached choice and under load"),
     Study("small_shapes", None, "where the small-layer path pays: transformers, the staged chain and the padded "

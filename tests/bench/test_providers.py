@@ -126,3 +126,27 @@ def test_decode_presets():
     got = [(p.name, p.hidden, p.intermediate, p.experts, p.top_k, p.tokens) for p in resolve_presets(["decode"])]
     assert got == [(f"olmoe-decode-{t}", 2048, 1024, 64, 8, t) for t in (1, 8, 64, 256)] + \
         [(f"qwen3-decode-{t}", 2048, 768, 128, 8, t) for t in (1, 8, 64, 256)]
+
+
+def test_inference_calls_keep_quantized_weights_and_training_steps_do_not():
+    """An inference call (``grad=False``) and a captured forward run inside
+    ``fastmoe_xpu.frozen_expert_weights`` (a server quantizes its weights once); a training step does
+    not (after an update the weights are new), nor does anything after them."""
+    from bench.harness.measure import capture_forward
+    from fastmoe_xpu.kernels.quantized.core import weights_frozen
+
+    case = make_case(PRESETS["tiny"], dtype="fp32", device="cpu", seed=0)
+    prov = build_provider("hf_v5_grouped_mm", case)
+    seen = []
+    real = prov.forward
+
+    def recording(*a):
+        seen.append(weights_frozen())
+        return real(*a)
+    prov.forward = recording
+    timed_call(prov, case, backward=False, grad=False)
+    timed_call(prov, case, backward=True)
+    timed_call(prov, case, backward=False)
+    capture_forward(prov, case, api=_FakeGraphs())
+    assert seen == [True, False, False] + [True] * (len(seen) - 3) and len(seen) > 3
+    assert not weights_frozen()

@@ -53,3 +53,26 @@ def test_fp8_recipes_prints_both_recipes_errors(capsys):
     for r in rows:
         errs = [float(v) for v in r.strip("|").split("|")[2:]]
         assert len(errs) == 5 and all(0 < e < 30 for e in errs), r
+
+
+def test_decode_weights_times_the_three_ways_and_checks_them_equal(tmp_path, capsys):
+    """``fastmoe-bench decode_weights`` at a tiny block: a row per token count with the three times, the
+    ratios computed from them, the table written with ``--out``; a bad shape is one line, exit 2."""
+    from bench.harness.usage import UsageError
+    from bench.studies import decode_weights
+
+    out = tmp_path / "decode.md"
+    assert decode_weights.main(["--shape", "32", "24", "6", "2", "--tokens", "1", "5", "--rounds", "2",
+                                "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [line.strip("|").split("|") for line in printed.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [int(r[0]) for r in rows] == [1, 5]
+    for r in rows:
+        full, per_call, frozen = (float(v) for v in r[1:4])
+        assert min(full, per_call, frozen) > 0
+        # the ratios of the unrounded times: within the rounding of the printed ones
+        assert float(r[4].strip()[:-1]) == pytest.approx(per_call / frozen, rel=0.05, abs=0.01), r
+        assert float(r[5].strip()[:-1]) == pytest.approx(full / frozen, rel=0.05, abs=0.01), r
+    assert out.read_text().strip() in printed
+    with pytest.raises(UsageError, match="K=7 experts per token of E=6"):
+        decode_weights.main(["--shape", "32", "24", "6", "7"])
