@@ -439,6 +439,37 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
 
 
 @pytest.mark.slow
+def test_fused_epilogue_over_expert_slices_compiles_once(monkeypatch):
+    """The expert loop hands the fused epilogue one expert's slice after another: views at every
+    storage offset of one output buffer and of the scales. Dynamo sees them as plain tensors (no
+    base, offset 0), so the slices share one compiled graph instead of recompiling per offset and
+    aliasing pattern past the recompile limit; every slice gives the eager pass's bits."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(core, "FUSED_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(core, "_FUSED", {})  # a compiled function of this test's own
+    if core._FUSED_FAILED:
+        pytest.skip(f"fused int8 passes unavailable: {core._FUSED_FAILED[0]}")
+    g = torch.Generator().manual_seed(3)
+    rows = [5, 2, 9, 3, 7, 4, 6, 2, 8, 3]
+    N = 24
+    out, want = torch.zeros(sum(rows) + 1, N), torch.zeros(sum(rows) + 1, N)
+    # the row scales of all tokens; the weight scales of 4 experts, expert i's channels at offset i * N
+    sa_all, sb_all = torch.rand(sum(rows) + 1, generator=g), torch.rand(4 * N, generator=g)
+    before = counters["stats"]["unique_graphs"]
+    start = 1  # every slice at an offset: the first at one row (the scales' offset 1), the others further on
+    for i, r in enumerate(rows):
+        acc = torch.randint(-2**20, 2**20, (r, N), generator=g, dtype=torch.int32)
+        sa, sb = sa_all[start:start + r], sb_all[(i % 4) * N:(i % 4 + 1) * N]
+        assert core._run_fused("epilogue", out[start:start + r], acc, sa, sb)[0]
+        core._epilogue_eager(want[start:start + r], acc, sa, sb, False)
+        start += r
+    assert torch.equal(out, want)
+    # one graph (as views, these slices compiled 4: the offsets 0, 1 and more, and equal offsets)
+    assert counters["stats"]["unique_graphs"] - before == 1, counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("local", [None, (2, 3)], ids=["all-experts", "experts-2-4"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
 def test_int8_fused_passes_and_pooled_buffers_match_reference(monkeypatch, shape, local):

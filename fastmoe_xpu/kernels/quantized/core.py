@@ -188,6 +188,19 @@ def _fused(key: tuple, fn):  # noqa: ANN001, ANN202
     return compiled
 
 
+def _plain(t):  # noqa: ANN001, ANN202
+    """``t`` as dynamo should see it: the same memory, sizes and strides, but no view of another tensor
+    and no storage offset. Dynamo guards a view on its base's sizes and strides, and a storage offset
+    on being 0, 1 or more and on equalling another input's; the slices the expert loop hands over
+    (one expert's rows, its slice of the scales) went through every such variant and passed the
+    recompile limit (8) within a training step, after which every further variant ran unfused.
+    Only sizes are left to guard on (``dynamic=True``: symbolic, but for 0 and 1)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach()
+    return torch.from_dlpack(t) if t.storage_offset() else t
+
+
 def _run_fused(name: str, *args):  # noqa: ANN001, ANN202
     """``(True, result)``, or ``(False, None)`` where the fused kernel cannot run. ``name`` is
     ``"quantize"`` (``v, dim, col_scales``; the result ``(codes, scales)`` in pooled buffers) or
@@ -200,7 +213,7 @@ def _run_fused(name: str, *args):  # noqa: ANN001, ANN202
     if compiled is None:
         return False, None
     try:
-        res = compiled(*call_args)
+        res = compiled(*(_plain(a) for a in call_args))
         return True, outs if name == "quantize" else res
     except Exception as exc:  # no compiler, or a compiler that fails: the eager passes, same numbers
         import warnings
