@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+import fastmoe_xpu
 from fastmoe_xpu.compiling import compile_seconds
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
@@ -353,7 +354,15 @@ class Trainer:
         t0 = time.perf_counter()
         c0 = compile_seconds()
         micro = self.loader.next_batch()
-        parts = self.forward_backward(micro)
+        # The weights hold still through a step's micro-batches: quantized expert weights (int8/fp8) are
+        # quantized by the first micro-batch's forward, not by every one. The codes are forgotten
+        # before and after: the update (and an FSDP2 gather) writes new values into the same tensors.
+        fastmoe_xpu.forget_quantized_weights()
+        try:
+            with fastmoe_xpu.frozen_expert_weights():
+                parts = self.forward_backward(micro)
+        finally:
+            fastmoe_xpu.forget_quantized_weights()
         # NaN/Inf on any rank stops every rank here, before the update (raises fault.SoftFailure)
         grads = [b.flat_grad for b in self.optimizer.buckets]
         local_loss = fault.maybe_poison(self._local_loss, self.step, self.layout.rank, grads)  # test hook
@@ -516,8 +525,6 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """Loss and perplexity on the validation split (collective; see :func:`trainer.outputs.evaluate.evaluate`)."""
-        from fastmoe_xpu import forget_quantized_weights, frozen_expert_weights
-
         from .outputs.evaluate import evaluate
 
         if self.val_rows is None:
@@ -527,12 +534,12 @@ class Trainer:
         # The weights hold still through an evaluation: quantized expert weights are quantized once for
         # all its batches, not per batch. Forgotten after it: an FSDP2 gather writes the next step's
         # values into the same tensors, and those writes need not move their version.
-        forget_quantized_weights()
+        fastmoe_xpu.forget_quantized_weights()
         try:
-            with frozen_expert_weights():
+            with fastmoe_xpu.frozen_expert_weights():
                 res = evaluate(self, self.val_rows)
         finally:
-            forget_quantized_weights()
+            fastmoe_xpu.forget_quantized_weights()
             if self.moe_health is not None:
                 self.moe_health.enabled = True
         self.eval_history.append(res)

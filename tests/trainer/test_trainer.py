@@ -125,6 +125,49 @@ def test_bf16_runs_track_fp32(data_cache, tmp_path, over) -> None:
     assert all(b.master.dtype == torch.float32 for b in t.optimizer.buckets)
 
 
+@pytest.mark.parametrize("over", [{}, {"model__param_dtype": "bf16"}], ids=["fp32", "bf16-params"])
+def test_int8_steps_quantize_each_expert_weight_once_per_step(data_cache, tmp_path, monkeypatch, over) -> None:
+    """With int8 experts, a step's first micro-batch quantizes each expert weight and the others (and
+    every backward) take its codes back: one quantization per weight and step, where each of the 4
+    micro-batches quantized again before; the losses and final weights are exactly those of
+    quantizing in every forward, and each step quantizes the updated weights (bf16 params are
+    written from fp32 masters: their new values are seen too)."""
+    import contextlib
+
+    import fastmoe_xpu
+    from fastmoe_xpu.kernels.quantized import launchers
+
+    made: list = []
+    real = launchers.quantized_weight
+
+    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        qw = real(w, *args, **kwargs)
+        if not any(qw is m for m in made):
+            made.append(qw)
+        return qw
+    monkeypatch.setattr(launchers, "quantized_weight", counting)
+
+    def run(name: str) -> tuple[list[float], list[int], dict]:
+        t = Trainer(small_cfg(data_cache, str(tmp_path / name), steps=3, model__expert_precision="int8", **over))
+        per_step, losses = [], []
+        for _ in range(3):
+            made.clear()
+            losses.append(t.train_step()["loss"])
+            per_step.append(len(made))
+        n = len([p for p_name, p in t.model.named_parameters() if ".experts." in p_name])
+        return losses, per_step, model_state(t), n
+
+    once = run("once")
+    with monkeypatch.context() as m:
+        m.setattr(fastmoe_xpu, "frozen_expert_weights", contextlib.nullcontext)
+        every = run("every")
+    n_weights, micro = once[3], 4
+    assert n_weights >= 4 and once[1] == [n_weights] * 3 and every[1] == [n_weights * micro] * 3, (once[1], every[1])
+    assert once[0] == every[0]
+    for k, v in once[2].items():
+        assert torch.equal(v, every[2][k]), k
+
+
 def test_resume_from_checkpoint_is_exact(data_cache, tmp_path) -> None:
     """3 steps, checkpoint, a fresh process-like Trainer resumes to step 6: bitwise the same as 6 steps."""
     full = Trainer(small_cfg(data_cache, str(tmp_path / "full")))
