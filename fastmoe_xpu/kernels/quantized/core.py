@@ -430,7 +430,11 @@ _FROZEN = threading.local()
 def _stamp(w: torch.Tensor) -> tuple:
     """The weight's version and where and how its values lie: an in-place update moves the version,
     a new ``.data`` (a move, a cast, ZeRO-style gathering) moves the address, device, dtype or shape."""
-    return (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), tuple(w.stride()))
+    try:
+        ptr = w.data_ptr()
+    except RuntimeError:  # a tensor without storage of its own (a wrapper subclass): its version alone
+        ptr = None
+    return (w._version, ptr, w.device, w.dtype, tuple(w.shape), tuple(w.stride()))
 
 
 @contextlib.contextmanager
