@@ -110,6 +110,9 @@ LAUNCH_SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b", "qwen3-235b-a22b")
 #: The decode step's providers: transformers' two implementations for small batches and ours (hf_v4, the
 #: correctness reference, runs too, eagerly: its masks are read on the host, so it cannot be captured).
 DECODE_PROVIDERS = ("hf_v5_grouped_mm", "hf_v5_batched_mm", "fastmoe/triton")
+#: ... and fastmoe/triton's fp8 recipes beside its bf16 (inference calls keep the quantized weights,
+#: ``frozen_expert_weights``: the codes are made before the capture, the graphs replay the GEMMs alone).
+DECODE_PRECISIONS = ("none", "fp8", "fp8-block")
 #: pytest-xdist workers of the tests step where xdist is importable (the kernel compilations run in
 #: parallel; the GPU machine has 16 cores).
 TEST_WORKERS = 4
@@ -289,9 +292,9 @@ def plan(device: str, out: Path, repo: Path, budget_s: float, python: str = sys.
         timeout_s=lim("liger-tuned"), env={**cache, "LIGER_FUSED_MOE_AUTOTUNE": "1"},
     ))
     steps.append(bench_presets("decode", "decode in CUDA graphs: OLMoE-1B-7B and Qwen3-30B-A3B layers at T=1, 8, 64, "
-                               "256, bf16, against transformers' grouped_mm and batched_mm",
-                               ["--mode", "infer", "--cuda-graph"], ["decode"], list(DECODE_PROVIDERS), 5, 0.05,
-                               "decode"))
+                               "256, bf16 and fp8 experts, against transformers' grouped_mm and batched_mm",
+                               ["--mode", "infer", "--cuda-graph", "--precision", *DECODE_PRECISIONS], ["decode"],
+                               list(DECODE_PROVIDERS), 5, 0.04, "decode"))
     steps.append(Step(
         key="configs", name="the Triton config sweep at the practitioners' shapes: this GPU's kept table "
                             "(copy it into fastmoe_xpu/kernels/tuned/ and commit it)",

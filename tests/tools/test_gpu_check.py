@@ -323,6 +323,7 @@ def test_the_decode_and_config_steps(tmp_path):
     assert dec.skip is None and cfg.skip is None
     assert {"--mode", "infer", "--cuda-graph", "--preset", "decode"} <= set(dec.argv)
     assert dec.argv[dec.argv.index("--providers") + 1:][:3] == ["hf_v5_grouped_mm", "hf_v5_batched_mm", "fastmoe/triton"]
+    assert dec.argv[dec.argv.index("--precision") + 1:][:3] == ["none", "fp8", "fp8-block"]  # bf16 and both fp8 recipes
     assert cfg.argv[cfg.argv.index("--out") + 1] == str(tmp_path / "tuned.json")
     assert float(cfg.argv[cfg.argv.index("--budget") + 1]) < cfg.timeout_s
     xpu = {s.key: s for s in plan("xpu", tmp_path, ROOT, 540.0, only=("decode",))}
