@@ -408,6 +408,45 @@ def test_int8_experts_from_pretrained(tmp_path, family):
                                              fastmoe_expert_precision="int4")
 
 
+def test_generate_inside_frozen_expert_weights_gives_the_same_tokens(tmp_path, monkeypatch):
+    """The documented decoding form: an int8 OLMoE model's greedy ``generate`` inside
+    ``frozen_expert_weights`` writes the tokens it writes without, and quantizes each expert weight
+    once for the whole generation (every layer's two, not two per layer per token)."""
+    pytest.importorskip("transformers.integrations.moe")
+    import fastmoe_xpu
+    from fastmoe_xpu.integrations.families import tiny_config
+    from fastmoe_xpu.kernels.quantized import launchers
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("olmoe")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", experts_implementation="fastmoe",
+                                                 fastmoe_expert_precision="int8").eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, 5))
+    common = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)  # all 6 tokens
+    made: list = []
+    real = launchers.quantized_weight
+
+    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        qw = real(w, *args, **kwargs)
+        if not any(qw is m for m in made):
+            made.append(qw)
+        return qw
+    monkeypatch.setattr(launchers, "quantized_weight", counting)
+    with torch.no_grad():
+        core.forget_weights()
+        want = model.generate(ids, **common)
+        per_call = len(made)
+        made.clear()
+        core.forget_weights()
+        with fastmoe_xpu.frozen_expert_weights():
+            got = model.generate(ids, **common)
+    core.forget_weights()
+    assert torch.equal(got, want) and got.shape[1] == 5 + 6
+    assert len(made) == 2 * cfg.num_hidden_layers and per_call == 6 * len(made), (len(made), per_call)
+
+
 @pytest.mark.slow
 def test_fused_int8_passes_equal_eager(monkeypatch):
     """The inductor-fused quantize and epilogue give the eager passes' bits (awkward shapes, a zero
