@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import threading
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -252,6 +253,30 @@ def test_frozen_weights_keep_the_codes_across_calls_until_the_weight_changes():
     assert not core.weights_frozen()
     last = core.quantized_weight(w, torch.int8)
     assert core.quantized_weight(w, torch.int8) is not last
+
+
+def test_inference_outside_frozen_weights_is_hinted_once(monkeypatch):
+    """Quantizing an unchanged weight again under ``no_grad`` (decoding without
+    ``frozen_expert_weights``) warns once per process, naming the context; a training forward, a
+    changed weight or a call inside the context does not."""
+    monkeypatch.setattr(core, "_HINTED", [])
+    w = torch.randn(3, 8, 5)
+    core.forget_weights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        core.quantized_weight(w, torch.int8)
+        core.quantized_weight(w, torch.int8)  # autograd on: a training step's forward, no hint
+        with torch.no_grad():
+            w.add_(1.0)
+            core.quantized_weight(w, torch.int8)  # changed since: no hint
+            with core.frozen_weights():
+                core.quantized_weight(w, torch.int8)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"inside fastmoe_xpu\.frozen_expert_weights\(\)"):
+        core.quantized_weight(w, torch.int8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        core.quantized_weight(w, torch.int8)  # once per process
+    core.forget_weights()
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])

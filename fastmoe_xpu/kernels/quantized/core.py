@@ -455,6 +455,22 @@ def frozen_weights():
         _FROZEN.depth -= 1
 
 
+_HINTED: list[bool] = []
+
+
+def _hint_frozen() -> None:
+    """Once per process: an inference forward is quantizing a weight that has not changed since its
+    last quantization (decoding or evaluation outside :func:`frozen_weights`)."""
+    if _HINTED:
+        return
+    _HINTED.append(True)
+    import warnings
+
+    warnings.warn("fastmoe_xpu: quantized expert weights that did not change since the last call were quantized "
+                  "again (at decode shapes this costs more than the GEMMs); for decoding or evaluation, run the "
+                  "calls inside fastmoe_xpu.frozen_expert_weights() (docs/precision.md)", UserWarning, stacklevel=2)
+
+
 def weights_frozen() -> bool:
     """Whether this thread is inside :func:`frozen_weights`."""
     return getattr(_FROZEN, "depth", 0) > 0
@@ -474,11 +490,13 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
     ``quantize`` makes (``"channel"``, per output channel; ``"block"``, the ``fp8-block`` recipe's
     square blocks), part of what a remembered entry must match."""
     key = id(w)
-    if reuse or weights_frozen():
-        hit = _WEIGHTS.get(key)
-        if (hit is not None and hit.ref() is w and hit.stamp == _stamp(w) and hit.dtype == dtype
-                and hit.transposed == transposed and hit.recipe == recipe):
+    hit = _WEIGHTS.get(key)
+    if (hit is not None and hit.ref() is w and hit.stamp == _stamp(w) and hit.dtype == dtype
+            and hit.transposed == transposed and hit.recipe == recipe):
+        if reuse or weights_frozen():
             return hit.qw
+        if not torch.is_grad_enabled():
+            _hint_frozen()
     # A stale entry's codes are dropped first: on the CPU they come from the buffer pool, which can
     # then hand the same buffer to the new codes instead of keeping two per weight.
     _WEIGHTS.pop(key, None)
