@@ -21,9 +21,9 @@ in fp32 whatever the tensor's dtype.
 
 Weights are quantized per output channel once per forward (:func:`quantized_weight`; once for as
 long as they are unchanged inside :func:`frozen_weights`) and the backward of the same call finds
-them again by object and version instead of quantizing a second time: the input gradient of ``y = x Wq^T`` is ``dy Wq = (dy * sW) qW``, so ``dy * sW`` is quantized
-per row and multiplied by the same int8 weight codes (straight-through: the rounding itself is
-treated as identity, as AQT does).
+them again by object and version instead of quantizing a second time: the input gradient of
+``y = x Wq^T`` is ``dy Wq = (dy * sW) qW``, so ``dy * sW`` is quantized per row and multiplied by the
+same int8 weight codes (straight-through: the rounding itself is treated as identity, as AQT does).
 """
 from __future__ import annotations
 
