@@ -130,3 +130,31 @@ def check_layer(close: Callable[[torch.Tensor, torch.Tensor, str], None], out: t
     close(leaves[2].grad, want[2], "gate_up weight gradient")
     close(leaves[3].grad, want[3], "down weight gradient")
     close(leaves[1].grad, want[4], "router-weight gradient")
+
+
+class WeightCodes(list):
+    """Every distinct set of weight codes the quantized launchers got from ``core.quantized_weight``
+    since the last :meth:`clear` (each object once: a hit of the remembered codes adds nothing), and
+    ``calls``, how many times they asked."""
+
+    calls = 0
+
+    def clear(self) -> None:
+        super().clear()
+        self.calls = 0
+
+
+def count_weight_codes(monkeypatch) -> WeightCodes:  # noqa: ANN001
+    """Counts the weight quantizations of the int8/fp8 launchers for the rest of the test
+    (:class:`WeightCodes`)."""
+    made = WeightCodes()
+    real = qlaunchers.quantized_weight
+
+    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        made.calls += 1
+        qw = real(w, *args, **kwargs)
+        if not any(qw is m for m in made):
+            made.append(qw)
+        return qw
+    monkeypatch.setattr(qlaunchers, "quantized_weight", counting)
+    return made

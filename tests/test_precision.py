@@ -440,7 +440,7 @@ def test_generate_inside_frozen_expert_weights_gives_the_same_tokens(tmp_path, m
     pytest.importorskip("transformers.integrations.moe")
     import fastmoe_xpu
     from fastmoe_xpu.integrations.families import tiny_config
-    from fastmoe_xpu.kernels.quantized import launchers
+    from quantized_util import count_weight_codes
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config("olmoe")
@@ -450,15 +450,7 @@ def test_generate_inside_frozen_expert_weights_gives_the_same_tokens(tmp_path, m
                                                  fastmoe_expert_precision="int8").eval()
     ids = torch.randint(3, cfg.vocab_size, (1, 5))
     common = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)  # all 6 tokens
-    made: list = []
-    real = launchers.quantized_weight
-
-    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        qw = real(w, *args, **kwargs)
-        if not any(qw is m for m in made):
-            made.append(qw)
-        return qw
-    monkeypatch.setattr(launchers, "quantized_weight", counting)
+    made = count_weight_codes(monkeypatch)
     with torch.no_grad():
         core.forget_weights()
         want = model.generate(ids, **common)

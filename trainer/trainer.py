@@ -77,6 +77,20 @@ def document_eos(cfg: TrainConfig, manifest: dict[str, Any], path: str) -> int |
     return eos
 
 
+@contextlib.contextmanager
+def _weights_hold_still():  # noqa: ANN202
+    """Where the weights hold still (a step's micro-batches, an evaluation), quantized expert weights
+    (int8/fp8) are quantized once (:func:`fastmoe_xpu.frozen_expert_weights`). Their codes are
+    forgotten before and after: an update, or an FSDP2 gather, writes new values into the same
+    tensors, and a gather's writes need not move their version."""
+    fastmoe_xpu.forget_quantized_weights()
+    try:
+        with fastmoe_xpu.frozen_expert_weights():
+            yield
+    finally:
+        fastmoe_xpu.forget_quantized_weights()
+
+
 class Trainer:
     """Trains ``cfg`` on this process's share of the layout, with the parallelisms it names (see the
     module doc; without any it is the plain data- and expert-parallel loop).
@@ -354,15 +368,8 @@ class Trainer:
         t0 = time.perf_counter()
         c0 = compile_seconds()
         micro = self.loader.next_batch()
-        # The weights hold still through a step's micro-batches: quantized expert weights (int8/fp8) are
-        # quantized by the first micro-batch's forward, not by every one. The codes are forgotten
-        # before and after: the update (and an FSDP2 gather) writes new values into the same tensors.
-        fastmoe_xpu.forget_quantized_weights()
-        try:
-            with fastmoe_xpu.frozen_expert_weights():
-                parts = self.forward_backward(micro)
-        finally:
-            fastmoe_xpu.forget_quantized_weights()
+        with _weights_hold_still():  # quantized by the first micro-batch's forward, not by every one
+            parts = self.forward_backward(micro)
         # NaN/Inf on any rank stops every rank here, before the update (raises fault.SoftFailure)
         grads = [b.flat_grad for b in self.optimizer.buckets]
         local_loss = fault.maybe_poison(self._local_loss, self.step, self.layout.rank, grads)  # test hook
@@ -531,15 +538,10 @@ class Trainer:
             raise ValueError(f"data set {self.manifest_path} keeps no validation split (preprocess with --valid)")
         if self.moe_health is not None:
             self.moe_health.enabled = False
-        # The weights hold still through an evaluation: quantized expert weights are quantized once for
-        # all its batches, not per batch. Forgotten after it: an FSDP2 gather writes the next step's
-        # values into the same tensors, and those writes need not move their version.
-        fastmoe_xpu.forget_quantized_weights()
         try:
-            with fastmoe_xpu.frozen_expert_weights():
+            with _weights_hold_still():  # quantized once for all its batches, not per batch
                 res = evaluate(self, self.val_rows)
         finally:
-            fastmoe_xpu.forget_quantized_weights()
             if self.moe_health is not None:
                 self.moe_health.enabled = True
         self.eval_history.append(res)

@@ -11,7 +11,6 @@ markdown table (docs/precision.md) and writes it with ``--out``.
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from types import SimpleNamespace
 
@@ -21,17 +20,8 @@ import fastmoe_xpu
 from fastmoe_xpu import FastSparseMoeBlock
 from fastmoe_xpu.kernels.quantized import core
 
+from ..harness.measure import time_fn
 from ..harness.usage import Parser, count, fail
-
-
-def _timed(fn, device: torch.device) -> float:  # noqa: ANN001
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 def measure(H: int, I: int, E: int, K: int, tokens: list[int], precision: str, rounds: int,  # noqa: E741
@@ -66,7 +56,7 @@ def _row(full: FastSparseMoeBlock, quant: FastSparseMoeBlock, T: int, H: int, ro
     for _ in range(rounds):
         for name, (block, ctx) in ways.items():
             with torch.no_grad(), ctx():
-                best[name] = min(best[name], _timed(lambda b=block: b(x), dev))
+                best[name] = min(best[name], time_fn(lambda b=block: b(x), dev))
     core.forget_weights()
     return {"tokens": T, **{k: v * 1e3 for k, v in best.items()}}
 

@@ -234,30 +234,21 @@ def test_int8_evaluation_quantizes_each_expert_weight_once_and_follows_the_updat
     fastmoe_xpu.frozen_expert_weights), gives exactly the loss of quantizing them per batch, and after
     training steps quantizes the new weights: no codes outlive the evaluation."""
     import fastmoe_xpu
-    from fastmoe_xpu.kernels.quantized import core, launchers
+    from fastmoe_xpu.kernels.quantized import core
+    from quantized_util import count_weight_codes
 
-    made, calls = [], [0]
-    real = launchers.quantized_weight
-
-    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        calls[0] += 1
-        qw = real(w, *args, **kwargs)
-        if not any(qw is m for m in made):
-            made.append(qw)
-        return qw
-    monkeypatch.setattr(launchers, "quantized_weight", counting)
+    made = count_weight_codes(monkeypatch)
     t = Trainer(small_cfg(str(data_cache), str(tmp_path / "run"), model__expert_precision="int8"))
     weights = [p for n, p in t.model.named_parameters() if ".experts." in n]
     assert len(weights) >= 4
 
     def evaluate():
         made.clear()
-        calls[0] = 0
         return t.evaluate()["val_loss"]
     first = evaluate()
     first_codes = list(made)
     batches = 48 // 4
-    assert len(first_codes) == len(weights) and calls[0] == len(weights) * batches, (len(made), calls)
+    assert len(first_codes) == len(weights) and made.calls == len(weights) * batches, (len(made), made.calls)
     assert not core._WEIGHTS  # forgotten once the evaluation is over
     with monkeypatch.context() as m:  # the same evaluation, every batch quantizing anew
         m.setattr(fastmoe_xpu, "frozen_expert_weights", contextlib.nullcontext)

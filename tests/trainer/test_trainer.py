@@ -135,17 +135,9 @@ def test_int8_steps_quantize_each_expert_weight_once_per_step(data_cache, tmp_pa
     import contextlib
 
     import fastmoe_xpu
-    from fastmoe_xpu.kernels.quantized import launchers
+    from quantized_util import count_weight_codes
 
-    made: list = []
-    real = launchers.quantized_weight
-
-    def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        qw = real(w, *args, **kwargs)
-        if not any(qw is m for m in made):
-            made.append(qw)
-        return qw
-    monkeypatch.setattr(launchers, "quantized_weight", counting)
+    made = count_weight_codes(monkeypatch)
 
     def run(name: str) -> tuple[list[float], list[int], dict]:
         t = Trainer(small_cfg(data_cache, str(tmp_path / name), steps=3, model__expert_precision="int8", **over))
