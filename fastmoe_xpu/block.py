@@ -245,5 +245,6 @@ class FastSparseMoeBlock(nn.Module):
             backend=kernel_backend(self.backend, device), expert_start=self.expert_start,
             gemm_engine=self.gemm_engine, ep_group=self.dispatcher.ep_group, lora=lora or None,
             expert_precision=self.expert_precision,
+            routed_rows=self.dispatcher.local_rows(x_NH.shape[0], idx_NK.shape[1], state) if x_NH.is_meta else None,
         )
         return self.dispatcher.combine(partial_NH, state).view(shape)

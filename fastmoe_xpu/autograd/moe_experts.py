@@ -89,6 +89,7 @@ def moe_experts_forward(
     expert_precision: str | None = None,
     lora: ExpertsLora | None = None,
     check_ids: Callable[[torch.Tensor], None] | None = None,
+    routed_rows: int | None = None,
 ) -> torch.Tensor:
     """Stages 2-5 on this rank's experts ``[expert_start, expert_start + NR)``; returns ``[T, H]``
     (partial sums when other ranks hold other experts; choices of other experts are skipped).
@@ -112,7 +113,13 @@ def moe_experts_forward(
     CPU with every id local routes and combines its rows with plain torch ops (:func:`_plain_small`).
     ``check_ids``: where every id must name a local expert (no expert parallelism), a function that
     raises on ``topk_idx`` holding another; called first, or on the small-layer path only when its
-    layout found such an id (it has counted them anyway)."""
+    layout found such an id (it has counted them anyway).
+
+    On the meta device (shapes only: the trace of a training step, trainer/scale/trace.py) no id can
+    be read: :func:`meta_experts` stands in, at ``routed_rows`` rows (default ``T*K``)."""
+    if x_TH.is_meta and expert_rows is None and lora is None:
+        rows = topk_idx_TK.numel() if routed_rows is None else routed_rows
+        return meta_experts(x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI, rows)
     check_choice(gemm_engine)
     check_precision(expert_precision)
     base = kernel_backend(backend, x_TH.device)
@@ -179,6 +186,23 @@ def moe_experts_forward(
     y_RH = expert_rows(x_TH, input_indices, cum_token_counts, base if expert_precision is None else f"{base}+{gemm}")
     return call(combine, y_RH.contiguous(), weights_TK, output_indices, selected_expert_indices, cum_expert_counts,
                 base)
+
+
+def meta_experts(x_TH: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
+                 w_down_NHI: torch.Tensor, rows: int) -> torch.Tensor:
+    """Stages 2-5 for meta tensors: ``rows`` (token, expert) pairs spread evenly over the NR local
+    experts (uniform routing's average), through the same GEMMs (gather, gate/up, SiLU*up, down,
+    weighted scatter-add), so that autograd reaches every input and weight with its shape and a FLOP
+    counter sees the GEMMs' work. Returns ``[T, H]``; no value is computed."""
+    NR, I2, H = w_gate_up_N2IH.shape
+    per = max(1, round(rows / NR)) if rows else 0
+    pick = torch.zeros(NR * per, dtype=torch.int64, device=x_TH.device)
+    x_RH = x_TH.index_select(0, pick).view(NR, per, H)
+    gate_up = torch.bmm(x_RH, w_gate_up_N2IH.transpose(1, 2))
+    g, u = gate_up.split(I2 // 2, dim=-1)
+    y = torch.bmm(torch.nn.functional.silu(g) * u, w_down_NHI.transpose(1, 2)).reshape(NR * per, H)
+    w_R = weights_TK.reshape(-1).index_select(0, pick).to(y.dtype)
+    return x_TH.new_zeros(x_TH.shape).index_add(0, pick, y * w_R[:, None])
 
 
 #: Whether a small plain-layout layer (another layout's ``expert_rows``) routes and combines its rows

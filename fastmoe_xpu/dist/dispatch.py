@@ -19,6 +19,7 @@ receives, N rows the local experts see.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -74,6 +75,11 @@ class TokenDispatcher:
 
     def combine(self, partial_NH: torch.Tensor, state: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    def local_rows(self, rows: int, top_k: int, state: Any) -> int:
+        """The (token, expert) pairs this rank's experts take, on average under uniform routing, when
+        :meth:`dispatch` gave them ``rows`` rows (for meta tensors, whose ids cannot be read)."""
+        return rows * top_k
 
     def check_experts_implementation(self, name: str) -> None:
         """Raise ValueError when another experts implementation (transformers' ExpertsInterface,
@@ -201,6 +207,9 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     def combine(self, partial_NH: torch.Tensor, state: Any) -> torch.Tensor:
         return forward_reducescatter_backward_allgather(partial_NH, self.group)  # N = T gathered rows
 
+    def local_rows(self, rows: int, top_k: int, state: Any) -> int:
+        return rows * top_k // self.size  # every gathered token's K choices, 1/W of them here
+
 
 def alltoall_plan(topk_idx_SK: torch.Tensor, num_local: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which rows go where: ``(token_of_row [RO], rows_per_rank [W])``.
@@ -214,6 +223,15 @@ def alltoall_plan(topk_idx_SK: torch.Tensor, num_local: int, world: int) -> tupl
     wanted_SW.scatter_(1, dest_SK, True)
     _, token_of_row = wanted_SW.t().nonzero(as_tuple=True)
     return token_of_row, wanted_SW.sum(0)
+
+
+def uniform_rows_per_rank(tokens: int, top_k: int, num_experts: int, ep_size: int) -> int:
+    """Rows an all-to-all dispatch sends each rank, on average, when each of ``tokens`` tokens picks
+    ``top_k`` distinct experts uniformly (:func:`~fastmoe_xpu.dist.comm_bytes.expected_remote_rows`
+    per remote rank), rounded."""
+    from .comm_bytes import expected_remote_rows
+
+    return round(expected_remote_rows(tokens, num_experts, top_k, ep_size) / (ep_size - 1))
 
 
 class _AllToAllState(NamedTuple):
@@ -248,8 +266,13 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         K = topk_idx_SK.shape[1]
         token_of_row, send_counts_W = alltoall_plan(topk_idx_SK, self.num_local, world)
         recv_counts_W = all_to_all_dim0(send_counts_W, [1] * world, [1] * world, group)
-        send_splits = send_counts_W.tolist()
-        recv_splits = recv_counts_W.tolist()
+        if send_counts_W.is_meta:  # shapes only: uniform routing's average rows per destination
+            rows = uniform_rows_per_rank(x_SH.shape[0], K, self.num_local * world, world)
+            send_splits = recv_splits = [rows] * world
+            token_of_row = torch.zeros(rows * world, dtype=torch.int64, device=x_SH.device)
+        else:
+            send_splits = send_counts_W.tolist()
+            recv_splits = recv_counts_W.tolist()
         # Weights ride with the tokens (one collective, not two); the router produced them in the
         # activation dtype already.
         payload_RO = torch.cat(
@@ -262,6 +285,9 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         x_RI, w_RI = payload_RI.split([H, K], dim=1)
         state = _AllToAllState(token_of_row, send_splits, recv_splits, x_SH)
         return x_RI.contiguous(), w_RI.to(weights_SK.dtype).contiguous(), idx_RI, state
+
+    def local_rows(self, rows: int, top_k: int, state: Any) -> int:
+        return state.x_SH.shape[0] * top_k  # W ranks' S*K choices, 1/W of them here (equal S)
 
     def combine(self, partial_NH: torch.Tensor, state: _AllToAllState) -> torch.Tensor:
         back_RO = all_to_all_autograd(partial_NH, state.send_splits, state.recv_splits, self.group)

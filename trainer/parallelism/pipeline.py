@@ -210,6 +210,18 @@ class StageModel(nn.Module):
             hidden = self.lm_head(base.norm(hidden))
         return (hidden, *rest)
 
+    def boundary(self, micro_batch: int, context: int, dtype: torch.dtype, device: torch.device | str) -> tuple:
+        """Empty tensors shaped as what a middle stage receives from the one before it (``(hidden,
+        counts_E, probs_E, zsum_1)`` for OLMoE, ``(hidden,)`` for OLMo; see the module doc): the
+        pipeline's metadata where no other stage runs (the trace of a step on a fake process group)."""
+        if self.carries_router_logits:
+            raise ValueError("the boundary of a pipeline carrying a family's router logits depends on the stage")
+        hidden = torch.empty(micro_batch, context, self.config.hidden_size, dtype=dtype, device=device)
+        if not self.is_moe:
+            return (hidden,)
+        E = self.config.num_experts
+        return (hidden, torch.empty(E, device=device), torch.empty(E, device=device), torch.empty(1, device=device))
+
 
 @torch.no_grad()
 def materialize(stage: nn.Module, device: torch.device | str, *, seed: int, std: float | None = None) -> nn.Module:
@@ -293,8 +305,8 @@ class Pipeline:
                 loss_cfg.aux_fn = getattr(sys.modules[type(full).__module__], "load_balancing_loss_func", None)
             mod = StageModel(full, sid, num_stages,
                              router_logits=family and loss_cfg.aux_fn is not None)
-            if any(p.is_meta for p in mod.parameters()):
-                materialize(mod, device, seed=meta_seed + sid)
+            if any(p.is_meta for p in mod.parameters()) and torch.device(device).type != "meta":
+                materialize(mod, device, seed=meta_seed + sid)  # (on meta, shapes are all there is)
             else:
                 mod = mod.to(device)
             if prepare is not None:

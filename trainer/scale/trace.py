@@ -1,11 +1,547 @@
 """The trainer's own set-up and one training step, run as one rank of a large world on torch's fake
-process group with the model on the meta device; every collective and the compute per op kind are
-recorded as :class:`trainer.scale.profile.StepProfile` records."""
+process group (``init_process_group("fake")``: collectives return at once, no other process exists)
+with the model on the meta device; every collective and the compute per op kind are recorded as
+:class:`trainer.scale.profile.StepProfile` records.
+
+What runs is the trainer's code: :func:`trainer.layout.build_layout` (the device mesh and its
+process groups), :meth:`Trainer.build_model` (model build, TP / EP / activation checkpointing /
+FSDP2, the pipeline stage), :meth:`Trainer.build_optimizer` (ZeRO-1, EPSO, FSDP2's shards), the
+loader's shard arithmetic, :meth:`Trainer.forward_backward` (1F1B under PP) and
+:meth:`Trainer.optimizer_step`, and the checkpoint's planning (which segments a rank writes,
+:func:`trainer.checkpoint.save.model_tensors` and :func:`trainer.checkpoint.optim_state.optimizer_writes`).
+
+Meta tensors carry shapes, not values. Where the step reads a value (a norm, a count), the
+recorder answers: a copy to the host reads zeros, a boolean ``.item()`` reads True (the checks that
+take the ordinary path), ``bincount`` gives its ``minlength`` zeros; the MoE layer's experts run at
+uniform routing's average rows (:func:`fastmoe_xpu.autograd.moe_experts.meta_experts`, and an
+all-to-all dispatch sends each rank the expected rows).
+
+``python -m trainer.parallelism.plan ... --trace`` / ``fastmoe-plan ... --trace`` prints it;
+:func:`trace_profiles` returns the records for the step-time model.
+"""
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import copy
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
-from .profile import StepProfile
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .profile import DTYPE_BYTES, Collective, Compute, StepProfile
+
+_DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+           torch.int64: "int64", torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = "fp8"
+
+
+def _numel(ts: Any) -> int:
+    if isinstance(ts, torch.Tensor):
+        return ts.numel()
+    return sum(_numel(t) for t in ts)
+
+
+def _first(ts: Any) -> torch.Tensor:
+    return ts if isinstance(ts, torch.Tensor) else _first(ts[0])
+
+
+# c10d op name -> (collective op, index of the process group argument, what ``elements`` counts:
+# the index of the tensor argument(s) whose numel is the whole buffer, see trainer.scale.profile)
+_C10D = {
+    "allreduce_": ("all_reduce", 1, 0), "allreduce_coalesced_": ("all_reduce", 1, 0),
+    "_allgather_base_": ("all_gather", 2, 0), "allgather_": ("all_gather", 2, 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 2, 0), "allgather_coalesced_": ("all_gather", 2, 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 2, 1), "reduce_scatter_": ("reduce_scatter", 2, 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 2, 1),
+    "alltoall_base_": ("all_to_all", 2, 1), "alltoall_": ("all_to_all", 2, 1),
+    "broadcast_": ("broadcast", 1, 0), "send": ("send", 1, 0), "recv_": ("recv", 1, 0),
+    "recv_any_source_": ("recv", 1, 0), "barrier": ("barrier", 1, None),
+}
+# _c10d_functional op name -> (collective op, index of the group name argument); elements: argument 0
+# (an all-gather's input is 1/W of the gathered buffer: scaled by the group size)
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 2), "all_reduce_": ("all_reduce", 2), "all_reduce_coalesced": ("all_reduce", 2),
+    "all_gather_into_tensor": ("all_gather", 2), "all_gather_into_tensor_out": ("all_gather", 2),
+    "all_gather_into_tensor_coalesced": ("all_gather", 2), "reduce_scatter_tensor": ("reduce_scatter", 3),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 3), "all_to_all_single": ("all_to_all", 3),
+    "broadcast": ("broadcast", 2), "broadcast_": ("broadcast", 2),
+}
+_GEMM = {"mm", "addmm", "matmul", "linear"}
+_ATTENTION = ("attention",)
+
+
+class CollectiveRecorder(TorchDispatchMode):
+    """Records every ``c10d`` and ``_c10d_functional`` op the code under it issues, as
+    :class:`Collective` keys with a call count, in the current :attr:`phase`; on meta tensors it also
+    answers the value reads described in the module doc, and counts element-wise ops' bytes.
+
+    The same recorder runs on a real (gloo) process group: then it only records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.calls: dict[tuple, int] = {}
+        self.memory_ops: dict[str, list[float]] = {}
+        self._ranks: dict[int, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------ groups
+    def _group_ranks(self, pg: Any) -> tuple[int, ...]:
+        if isinstance(pg, str):
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            pg = _resolve_process_group(pg)
+        elif not isinstance(pg, dist.ProcessGroup):
+            pg = dist.ProcessGroup.unbox(pg)
+        key = id(pg)
+        if key not in self._ranks:
+            self._ranks[key] = tuple(dist.get_process_group_ranks(pg))
+        return self._ranks[key]
+
+    def _record(self, op: str, group: tuple[int, ...], tensor: torch.Tensor | None, elements: int,
+                peer: int | None = None) -> None:
+        dtype = _DTYPES.get(tensor.dtype, "fp32") if tensor is not None else "fp32"
+        if peer is not None:  # a point-to-point op's group: this rank and its peer, in that order
+            group = (dist.get_rank(), group[peer])
+        key = (op, group, dtype, int(elements), self.phase)
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._opname
+        if ns == "c10d" and name in _C10D:
+            op, gi, ti = _C10D[name]
+            group = self._group_ranks(args[gi])
+            tensor = _first(args[ti]) if ti is not None and _numel(args[ti]) else None
+            elements = _numel(args[ti]) if ti is not None else 0
+            self._record(op, group, tensor, elements, peer=args[2] if op in ("send", "recv") else None)
+        elif ns == "_c10d_functional" and name in _FUNCTIONAL:
+            op, gi = _FUNCTIONAL[name]
+            group = self._group_ranks(args[gi])
+            elements = _numel(args[0]) * (len(group) if op == "all_gather" else 1)
+            self._record(op, group, _first(args[0]), elements)
+        elif ns == "c10d" and name not in ("monitored_barrier_",):
+            raise RuntimeError(f"the trace does not know collective c10d.{name}; add it to trainer.scale.trace")
+        out = self._meta_answer(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        out = func(*args, **kwargs)
+        if ns == "aten" and name not in _GEMM and "attention" not in name and "mm" not in name:
+            self._count_memory(name, args, out)
+        return out
+
+    def _meta_answer(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        aten = torch.ops.aten
+        if not (args and isinstance(args[0], torch.Tensor) and args[0].is_meta):
+            return NotImplemented
+        if func is aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 0
+        if func is aten._to_copy.default and str(kwargs.get("device", "meta")) != "meta":
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
+        if func is aten.bincount.default:
+            n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(n, dtype=torch.int64, device="meta")
+        return NotImplemented
+
+    def _count_memory(self, name: str, args: tuple, out: Any) -> None:
+        if self.phase != "step" or name in ("view", "_unsafe_view", "t", "transpose", "expand", "detach", "alias",
+                                            "empty", "zeros", "slice", "select", "split", "as_strided",
+                                            "split_with_sizes", "unsqueeze", "squeeze", "permute", "reshape"):
+            return
+        nbytes = 0
+        for a in list(args) + ([out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else []):
+            if isinstance(a, torch.Tensor):
+                nbytes += a.numel() * a.element_size()
+        rec = self.memory_ops.setdefault(name, [0, 0.0])
+        rec[0] += 1
+        rec[1] += nbytes
+
+    def collectives(self) -> list[Collective]:
+        return [Collective(op=op, group=g, dtype=dt, elements=n, count=c, phase=ph)
+                for (op, g, dt, n, ph), c in sorted(self.calls.items(), key=lambda kv: (PHASE_ORDER[kv[0][4]], kv[0]))]
+
+
+PHASE_ORDER = {"setup": 0, "step": 1, "checkpoint": 2}
+
+
+def compute_records(flops: dict[str, dict[Any, int]], memory_ops: dict[str, list[float]]) -> list[Compute]:
+    """The flop counter's totals by kind, from its per-module counts: ``grouped_gemm`` the batched
+    GEMMs inside the decoder layers' MoE blocks (``*.mlp``), ``attention`` every other batched GEMM
+    or attention op (the score and value products), ``gemm`` every matmul (projections, router, LM
+    head); and the element-wise ops' bytes (``memory``)."""
+    total = flops.get("Global", {})
+    in_mlp: dict[str, float] = {}
+    for module, ops in flops.items():
+        if module.endswith(".mlp"):
+            for op, n in ops.items():
+                in_mlp[str(op)] = in_mlp.get(str(op), 0) + n
+    kinds: dict[str, float] = {}
+    for op, n in total.items():
+        name = str(op)
+        if name.endswith(("mm", "addmm", "matmul")) and "bmm" not in name and "baddbmm" not in name:
+            kinds["gemm"] = kinds.get("gemm", 0) + n
+            continue
+        grouped = in_mlp.get(name, 0)
+        if grouped:
+            kinds["grouped_gemm"] = kinds.get("grouped_gemm", 0) + grouped
+        if n - grouped:
+            kinds["attention"] = kinds.get("attention", 0) + n - grouped
+    out = [Compute(kind=k, flops=float(v), bytes=0.0, label="flop counter") for k, v in sorted(kinds.items())]
+    if memory_ops:
+        out.append(Compute(kind="memory", flops=0.0, bytes=float(sum(v[1] for v in memory_ops.values())),
+                           count=int(sum(v[0] for v in memory_ops.values())), label="element-wise ops' bytes"))
+    return out
+
+
+# ----------------------------------------------------------------------------- one rank's trace
+@dataclass
+class RankTrace:
+    """What one traced rank did and holds, beside its :class:`StepProfile`."""
+
+    profile: StepProfile
+    coords: dict[str, int]
+    params: dict[str, int]
+    """``non_expert`` and ``expert`` elements this rank holds (FSDP2 shards: their local part)."""
+    optimizer: list[dict[str, Any]]
+    """Per bucket: name, numel, shard group ranks, shard position, shard numel, pre-reduce group size,
+    norm owner."""
+    checkpoint: dict[str, Any]
+    """``model``: segment keys and bytes this rank writes; ``optim``: the same for optimizer states."""
+    data: tuple[int, int]
+    """[first, last) global instance indices of this rank's share of the first step's batch."""
+    groups: dict[str, tuple[int, ...]]
+    seconds: float = 0.0
+    segments: list[Any] = field(default_factory=list)
+    """This rank's model checkpoint segments (every weight it holds), for the world-wide check."""
+
+
+def build_config(preset: str, *, world: int, pp: int = 1, ep: int = 1, dp: int = 0, tp: int = 1,
+                 ac: str | Sequence[str] = "", fsdp: bool = False, optimizer: str | None = None,
+                 micro_batch: int | None = None, global_batch: int | None = None, context: int | None = None,
+                 ep_comm: str | None = None, weights: str = "bf16", overrides: dict[str, Any] | None = None) -> Any:
+    """The trainer config of a preset at this layout, validated for ``world`` (raises ConfigError in
+    one line). ``weights``: the parameters' dtype (``--model.param_dtype``; bf16 as the planner
+    assumes; the meta device has no autocast, so the step runs in the weights' dtype).
+    ``overrides``: ``{"section.name": value}``."""
+    from ..config import validate
+    from ..config.presets import get_preset
+    from ..parallelism.plan import DEFAULT_VOCAB
+
+    cfg = get_preset(preset)
+    p = cfg.parallel
+    p.pp, p.ep, p.dp, p.tp = pp, ep, dp, tp
+    p.ac = ac if isinstance(ac, str) else ",".join(ac)
+    p.dp_shard = "fsdp" if fsdp else "none"
+    p.pp_meta_init = pp > 1
+    if optimizer:
+        cfg.optim.name = optimizer
+    if micro_batch:
+        cfg.schedule.micro_batch = micro_batch
+    if global_batch:
+        cfg.schedule.global_batch = global_batch
+    if context:
+        cfg.data.context = context
+    if ep_comm:
+        cfg.model.ep_dispatch = "alltoall" if ep_comm in ("all_to_all", "alltoall") else ep_comm
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = DEFAULT_VOCAB
+    cfg.model.param_dtype, cfg.model.autocast = weights, "none"
+    cfg.logging.progress = False
+    for key, value in (overrides or {}).items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return validate(cfg, world)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world: int):  # noqa: ANN201
+    """torch.distributed's fake process group as global rank ``rank`` of ``world`` (torch's
+    ``FakeStore``; collectives return at once, nothing reaches another process)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process; the trace needs its own")
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _meta_batches(cfg: Any, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    B, C = cfg.schedule.micro_batch, cfg.data.context
+    return [(torch.empty(B, C, dtype=torch.int64, device="meta"), torch.empty(B, C, dtype=torch.int64, device="meta"))
+            for _ in range(n)]
+
+
+def _fix_expert_ids(model: torch.nn.Module, ep_rank: int) -> None:
+    """Expert-id buffers built under ``torch.device("meta")`` hold no ids: this rank's range again, on
+    the host (checkpoints key expert weights by them)."""
+    from fastmoe_xpu.dist.sharding import EXPERT_IDS_NAME
+
+    for mod in model.modules():
+        buf = mod._buffers.get(EXPERT_IDS_NAME)
+        if buf is not None and buf.is_meta:
+            n = buf.numel()
+            mod._buffers[EXPERT_IDS_NAME] = torch.arange(ep_rank * n, (ep_rank + 1) * n, dtype=torch.int64)
+
+
+def step_trainer(cfg: Any, layout: Any) -> Any:
+    """A :class:`trainer.trainer.Trainer` for ``cfg`` on ``layout`` with what one training step needs
+    (model, optimizer, schedule, loss bookkeeping) and nothing of a run (data set, output
+    directory, metrics, checkpoints directory): the trace's and its gloo comparison's."""
+    from ..optim.fsdp import is_fsdp
+    from ..optim.schedule import Schedule
+    from ..trainer import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.layout, t.pipeline, t.device = cfg, layout, None, layout.device
+    t.hf = t.lora_config = t.document_eos = None
+    with torch.device("meta") if layout.device.type == "meta" else contextlib.nullcontext():
+        t.model = t.build_model()  # the full model is never allocated: only this rank's part, on meta
+    t.model.train()
+    t.fsdp = is_fsdp(t.model)
+    if layout.device.type == "meta":
+        for mod in (t.pipeline.modules if t.pipeline is not None else [t.model]):
+            _fix_expert_ids(mod, layout.ep_rank)
+    t.optimizer = t.build_optimizer()
+    t.schedule = Schedule(cfg.schedule, cfg.optim.lr)
+    t.step = 0
+    t.micro_batches_global = cfg.schedule.global_batch // cfg.schedule.micro_batch
+    t._autocast_dtype = t._resolve_autocast()
+    t._local_loss = torch.zeros((), device=layout.device)
+    return t
+
+
+def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
+    """Under PP: the stages' metadata exchange before their first micro-batch (send/recv of pickled
+    shapes) recorded as set-up; on the fake process group, where no neighbour sends anything, the
+    received metadata are made here: the previous stage's output (:meth:`StageModel.boundary`) and
+    the gradients of this stage's outputs."""
+    if t.pipeline is None:
+        return
+    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
+
+    try:
+        from torch.distributed.pipelining._utils import extract_tensor_metas
+    except ImportError:  # torch before 2.13 infers shapes otherwise
+        extract_tensor_metas = None
+    cfg = t.cfg
+    fake = t.device.type == "meta"
+    if fake and extract_tensor_metas is None:
+        raise RuntimeError(f"torch {torch.__version__}: the trace of a pipeline needs torch 2.13's stage metadata "
+                           "inference (PipelineStage._recv_meta)")
+    for stage, mod in zip(t.pipeline.stages, t.pipeline.modules):
+        def setup(fn: Any) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                old = rec.phase if rec is not None else None
+                if rec is not None:
+                    rec.phase = "setup"
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if rec is not None:
+                        rec.phase = old
+            return wrapped
+
+        if fake:
+            def recv(src: int, stage: Any = stage, mod: Any = mod) -> Any:
+                if src < stage.stage_index:
+                    metas = mod.boundary(cfg.schedule.micro_batch, cfg.data.context,
+                                         next(mod.parameters()).dtype, "meta")
+                    return _StageForwardMeta(forward_metas=extract_tensor_metas(metas))
+                outs = stage._stage_meta.outputs
+                return _StageBackwardMeta(backward_metas=tuple(m if m.requires_grad else None for m in outs))
+            stage._recv_meta = recv
+        else:
+            stage._recv_meta = setup(stage._recv_meta)
+        stage._send_meta = setup(stage._send_meta)
+
+
+def micro_batches_per_rank(cfg: Any, layout: Any) -> int:
+    return cfg.schedule.global_batch // (layout.data_world * cfg.schedule.micro_batch)
+
+
+def run_step(t: Any, batches: Sequence[Any], rec: CollectiveRecorder) -> dict[Any, int]:
+    """One training step of ``t`` on ``batches`` under ``rec`` (phase ``"step"``): forward and
+    backward, the optimizer step. Returns the flop counter's totals per module and op."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..trainer import _weights_hold_still
+
+    rec.phase = "step"
+    counter = FlopCounterMode(display=False)
+    with counter:
+        with _weights_hold_still():
+            t.forward_backward(batches)
+        t.optimizer_step()
+    return {k: dict(v) for k, v in counter.get_flop_counts().items()}
+
+
+def checkpoint_plan(t: Any, rec: CollectiveRecorder) -> dict[str, Any]:
+    """Which checkpoint tensors this rank writes (the full checkpoint's model and optimizer parts),
+    by the checkpoint's own planning code; its collectives recorded in phase ``"checkpoint"``."""
+    from fastmoe_xpu.dist.sharding import is_expert_weight
+
+    from ..checkpoint.optim_state import optimizer_writes
+    from ..checkpoint.save import _model_tensors
+    from ..checkpoint.writers import coords_of, tp_rank_of
+
+    rec.phase = "checkpoint"
+    lay = t.layout
+    model = t.model
+    tensors = _model_tensors(model, coords_of(lay), None, is_expert_weight, tp_rank_of(lay))
+    optim = optimizer_writes(model, t.optimizer, is_expert_weight, tp_rank_of(lay))
+    return {"model": {k: v.numel() * v.element_size() for k, v in tensors.items()},
+            "optim": {k: v.numel() * v.element_size() for k, v in optim.items()}}
+
+
+def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
+    """Set up and run one step of ``cfg`` as global rank ``rank`` of ``world`` on the fake process
+    group (see the module doc)."""
+    from fastmoe_xpu.dist.sharding import is_expert_weight
+
+    from ..checkpoint.writers import model_segments, tp_rank_of
+    from ..data.loader import ShardedLoader
+    from ..layout import build_layout
+
+    t0 = time.perf_counter()
+    p = cfg.parallel
+    rec = CollectiveRecorder()
+    with fake_world(rank, world), rec:
+        lay = build_layout(p.pp, p.dp, p.ep, torch.device("cpu"), tp=p.tp)
+        lay.device = torch.device("meta")
+        t = step_trainer(cfg, lay)
+        pipeline_metadata(t, rec)
+        loader = ShardedLoader(_Shape(cfg.data.context), cfg.schedule.global_batch, cfg.schedule.micro_batch,
+                               dp_rank=lay.data_rank, dp_size=lay.data_world, verify=False)
+        idx = loader.rank_indices(0)
+        flops = run_step(t, _meta_batches(cfg, loader.micro_batches_per_step), rec)
+        ckpt = checkpoint_plan(t, rec)
+        groups = _groups(lay)
+        segments = model_segments(t.model, is_expert_weight, tp_rank_of(lay))
+        prof = StepProfile(rank=rank, world=world, source="trace",
+                           tokens_per_step=cfg.schedule.global_batch * cfg.data.context,
+                           micro_batches=loader.micro_batches_per_step, pp=p.pp, stage=lay.pp_rank,
+                           collectives=rec.collectives(), compute=compute_records(flops, rec.memory_ops),
+                           memory_bytes=_memory(t))
+        dense, expert = _local_params(t.model)
+        return RankTrace(profile=prof, coords={"pp": lay.pp_rank, "dp": lay.dp_rank, "ep": lay.ep_rank,
+                                               "tp": lay.tp_rank},
+                         params={"non_expert": dense, "expert": expert}, optimizer=_buckets(t.optimizer),
+                         checkpoint=ckpt, data=(int(idx[0]), int(idx[-1]) + 1), groups=groups,
+                         seconds=time.perf_counter() - t0, segments=segments)
+
+
+class _Shape:
+    """The loader's view of a data set when only its shard arithmetic is wanted."""
+
+    def __init__(self, context: int) -> None:
+        self.context = context
+        self.num_instances = 1
+        self.fingerprint = ""
+
+
+def _local_params(model: torch.nn.Module) -> tuple[int, int]:
+    from fastmoe_xpu.dist.sharding import is_expert_weight
+
+    dense = expert = 0
+    for n, prm in model.named_parameters():
+        local = prm.to_local() if hasattr(prm, "to_local") else prm
+        if is_expert_weight(n):
+            expert += local.numel()
+        else:
+            dense += local.numel()
+    return dense, expert
+
+
+def _memory(t: Any) -> dict[str, int]:
+    w = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in t.model.parameters())
+    return {"weights": w, "gradients": w, "optimizer": int(t.optimizer.state_bytes())}
+
+
+def _buckets(optimizer: Any) -> list[dict[str, Any]]:
+    from fastmoe_xpu.dist.groups import group_rank, group_size
+
+    out = []
+    for b in optimizer.buckets:
+        spec = getattr(b, "spec", None)
+        shard = getattr(spec, "shard_group", None)
+        pre = getattr(spec, "pre_reduce_group", None)
+        out.append({"name": b.name, "numel": int(getattr(b, "numel", 0)),
+                    "shard_group": tuple(dist.get_process_group_ranks(shard)) if shard is not None else (dist.get_rank(),),
+                    "shard_rank": group_rank(shard), "shard_numel": int(getattr(b, "shard_numel", 0)),
+                    "pre_reduce": group_size(pre), "pre_reduce_rank": group_rank(pre),
+                    "norm_owner": bool(getattr(spec, "norm_owner", True)),
+                    "state_bytes": int(b.state_nbytes()), "fsdp": hasattr(b, "checkpoint_states")})
+    return out
+
+
+def _groups(lay: Any) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for name, g in (("ep", lay.ep_group), ("tp", lay.tp_group), ("dp", lay.dp_group), ("dp_ep", lay.dpep_group),
+                    ("pp", lay.pp_group)):
+        if g is not None:
+            out[name] = tuple(dist.get_process_group_ranks(g))
+    return out
+
+
+# ----------------------------------------------------------------------------- which ranks
+def auto_ranks(pp: int, dp: int, ep: int, tp: int = 1) -> list[int]:
+    """The first and last rank of every pipeline stage, one rank at each expert (or TP) position
+    (of the first stage), and the world's last rank."""
+    from ..checkpoint.writers import layout_rank
+
+    inner = ep * tp
+    stage = dp * inner
+    world = pp * stage
+    ranks = {world - 1}
+    for s in range(pp):
+        ranks |= {s * stage, s * stage + stage - 1}
+    ranks |= {layout_rank(0, 0, e, dp=dp, ep=inner) for e in range(inner)}
+    return sorted(ranks)
+
+
+def parse_ranks(spec: str | Sequence[int], world: int, pp: int, dp: int, ep: int, tp: int = 1) -> list[int]:
+    """``"auto"`` (:func:`auto_ranks`) or a comma-separated list / sequence of global ranks;
+    ValueError naming the nearest valid rank for one outside the world."""
+    if isinstance(spec, str) and spec.strip() == "auto":
+        return auto_ranks(pp, dp, ep, tp)
+    if isinstance(spec, str):
+        try:
+            ranks = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--ranks takes 'auto' or comma-separated global ranks, got {spec!r}") from None
+    else:
+        ranks = [int(r) for r in spec]
+    if not ranks:
+        raise ValueError("--ranks names no rank; give 'auto' or global ranks such as 0,5")
+    for r in ranks:
+        if not 0 <= r < world:
+            raise ValueError(f"--ranks {r} is outside the world [0, {world}); the nearest valid rank is "
+                             f"{min(max(r, 0), world - 1)}")
+    return sorted(set(ranks))
+
+
+def trace_world(cfg: Any, world: int, ranks: Sequence[int], *, progress: bool = False) -> dict[int, RankTrace]:
+    """:func:`trace_rank` for each of ``ranks``, one after another in this process (a progress line
+    per rank on stderr when ``progress``)."""
+    out: dict[int, RankTrace] = {}
+    t0 = time.perf_counter()
+    for i, r in enumerate(ranks):
+        if progress:
+            print(f"\rtracing rank {r} ({i + 1}/{len(ranks)}, {time.perf_counter() - t0:.0f}s)", end="",
+                  file=sys.stderr, flush=True)
+        out[r] = trace_rank(cfg, r, world)
+    if progress:
+        print(f"\rtraced {len(ranks)} rank(s) in {time.perf_counter() - t0:.0f}s" + " " * 20, file=sys.stderr, flush=True)
+    return out
 
 
 def trace_profiles(preset: str, *, world: int, pp: int = 1, ep: int = 1, dp: int = 0, tp: int = 1,
@@ -19,5 +555,9 @@ def trace_profiles(preset: str, *, world: int, pp: int = 1, ep: int = 1, dp: int
     position, the world's last rank) or the global ranks to trace. ``fsdp``: FSDP2 on the non-expert
     weights (``--parallel.dp_shard fsdp``); ``optimizer``: adamw, sharded (ZeRO-1) or epso (default:
     the preset's). ``ep_comm``: the EP token exchange (``all_to_all`` or ``allgather``; default the
-    preset's)."""
-    raise NotImplementedError("trace_profiles: the tracer is being written; this is its signature")
+    preset's). Raises ValueError (ConfigError) in one line for a layout the trainer refuses."""
+    cfg = build_config(preset, world=world, pp=pp, ep=ep, dp=dp, tp=tp, ac=ac, fsdp=fsdp, optimizer=optimizer,
+                       micro_batch=micro_batch, global_batch=global_batch, context=context, ep_comm=ep_comm)
+    p = cfg.parallel
+    chosen = parse_ranks(ranks, world, p.pp, p.dp, p.ep, p.tp)
+    return {r: tr.profile for r, tr in trace_world(cfg, world, chosen, progress=progress).items()}
