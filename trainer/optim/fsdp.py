@@ -28,7 +28,7 @@ def fsdp_mesh(layout: Any, shard: int = 0) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
-    device_type = layout.device.type
+    device_type = "cpu" if layout.device.type == "meta" else layout.device.type  # a trace's meta model: host groups
     size = layout.dp * layout.ep
     if shard in (0, size):
         return TorchMesh.from_group(layout.dpep_group, device_type)

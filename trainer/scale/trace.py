@@ -274,6 +274,33 @@ def fake_world(rank: int, world: int):  # noqa: ANN201
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def fsdp_on_meta():  # noqa: ANN201
+    """FSDP2 over a meta model: its parameters and buffers on the meta device (``fully_shard`` takes
+    its device from the mesh, a host mesh here, and refuses meta parameters at its first forward);
+    on a fake process group nothing else needs values."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state, _fully_shard
+
+    handles = (_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state)
+    saved = ([m._get_device_handle for m in handles], _fsdp_init._get_device_from_mesh,
+             _fully_shard._get_device_from_mesh, _fsdp_param_group.FSDPParamGroup._validate_no_meta_params)
+
+    def handle(device_type: str, get: Any = saved[0][0]) -> Any:
+        return torch.cpu if device_type == "meta" else get(device_type)  # the host's no-op streams and events
+
+    for m in handles:
+        m._get_device_handle = handle
+    _fsdp_init._get_device_from_mesh = _fully_shard._get_device_from_mesh = lambda mesh: torch.device("meta")
+    _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        for m, h in zip(handles, saved[0]):
+            m._get_device_handle = h
+        (_fsdp_init._get_device_from_mesh, _fully_shard._get_device_from_mesh,
+         _fsdp_param_group.FSDPParamGroup._validate_no_meta_params) = saved[1:]
+
+
 def _meta_batches(cfg: Any, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     B, C = cfg.schedule.micro_batch, cfg.data.context
     return [(torch.empty(B, C, dtype=torch.int64, device="meta"), torch.empty(B, C, dtype=torch.int64, device="meta"))
@@ -414,7 +441,7 @@ def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
     t0 = time.perf_counter()
     p = cfg.parallel
     rec = CollectiveRecorder()
-    with fake_world(rank, world), rec:
+    with fake_world(rank, world), rec, fsdp_on_meta():
         lay = build_layout(p.pp, p.dp, p.ep, torch.device("cpu"), tp=p.tp)
         lay.device = torch.device("meta")
         t = step_trainer(cfg, lay)
