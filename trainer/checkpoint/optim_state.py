@@ -36,6 +36,13 @@ def bucket_segments(model: nn.Module, bucket: Any, is_expert: Callable[[str], bo
     return out
 
 
+def state_writer(index: int, offset: int, shard_numel: int, replicas: int) -> tuple[int, int]:
+    """(shard rank, replica rank) that writes the states of a bucket's segment ``index`` starting at
+    element ``offset``: the shard holding its first element, and among ``replicas`` identical
+    replicas (a pre-reduce group) replica ``index % replicas``."""
+    return offset // shard_numel, index % replicas
+
+
 def optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str], bool],
                       tp_rank: int | None = None) -> dict[str, torch.Tensor]:
     """Unsharded fp32 states of the weights this rank writes, assembling weights that straddle
@@ -56,7 +63,7 @@ def optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str]
         recvs: dict[int, list[tuple[int, int, int]]] = {}
         segs = bucket_segments(model, b, is_expert, tp_rank)
         for i, os_ in enumerate(segs):
-            if i % R != j:
+            if state_writer(i, os_.offset, S, R)[1] != j:
                 continue  # an identical replica (another EP rank, or another rank of a replicated state) writes it
             start, end = os_.offset, os_.offset + os_.seg.numel
             writer, last = start // S, (end - 1) // S

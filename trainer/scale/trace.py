@@ -73,7 +73,28 @@ _FUNCTIONAL = {
     "broadcast": ("broadcast", 2), "broadcast_": ("broadcast", 2),
 }
 _GEMM = {"mm", "addmm", "matmul", "linear"}
-_ATTENTION = ("attention",)
+
+#: What a collective carries, from the code that issued it (the innermost matching frame of the call
+#: stack): path fragment -> label.
+LABELS = (("fastmoe_xpu/dist/dispatch.py", "ep tokens"), ("fastmoe_xpu/dist/collectives.py", "ep tokens"),
+          ("torch/distributed/fsdp/", "fsdp weights and gradients"), ("trainer/optim/", "optimizer"),
+          ("torch/distributed/pipelining/", "pipeline activations"), ("trainer/model/loss.py", "loss"),
+          ("trainer/checkpoint/", "checkpoint"), ("trainer/parallelism/broadcast.py", "weights broadcast"),
+          ("trainer/parallelism/tp.py", "tp activations"), ("torch/distributed/device_mesh", "mesh"))
+#: Labels whose bytes are the weights and gradients :meth:`Plan.traffic_bytes` counts.
+WEIGHT_LABELS = ("optimizer", "fsdp weights and gradients")
+
+
+def label_of_stack() -> str:
+    """The :data:`LABELS` label of the innermost frame that has one ("" when none does)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        for frag, label in LABELS:
+            if frag in name:
+                return label
+        f = f.f_back
+    return ""
 
 
 class CollectiveRecorder(TorchDispatchMode):
@@ -108,7 +129,7 @@ class CollectiveRecorder(TorchDispatchMode):
         dtype = _DTYPES.get(tensor.dtype, "fp32") if tensor is not None else "fp32"
         if peer is not None:  # a point-to-point op's group: this rank and its peer, in that order
             group = (dist.get_rank(), group[peer])
-        key = (op, group, dtype, int(elements), self.phase)
+        key = (op, group, dtype, int(elements), self.phase, label_of_stack())
         self.calls[key] = self.calls.get(key, 0) + 1
 
     # ------------------------------------------------------------------ dispatch
@@ -163,8 +184,8 @@ class CollectiveRecorder(TorchDispatchMode):
         rec[1] += nbytes
 
     def collectives(self) -> list[Collective]:
-        return [Collective(op=op, group=g, dtype=dt, elements=n, count=c, phase=ph)
-                for (op, g, dt, n, ph), c in sorted(self.calls.items(), key=lambda kv: (PHASE_ORDER[kv[0][4]], kv[0]))]
+        return [Collective(op=op, group=g, dtype=dt, elements=n, count=c, phase=ph, label=lb)
+                for (op, g, dt, n, ph, lb), c in sorted(self.calls.items(), key=lambda kv: (PHASE_ORDER[kv[0][4]], kv[0]))]
 
 
 PHASE_ORDER = {"setup": 0, "step": 1, "checkpoint": 2}
@@ -461,7 +482,7 @@ def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
         dense, expert = _local_params(t.model)
         return RankTrace(profile=prof, coords={"pp": lay.pp_rank, "dp": lay.dp_rank, "ep": lay.ep_rank,
                                                "tp": lay.tp_rank},
-                         params={"non_expert": dense, "expert": expert}, optimizer=_buckets(t.optimizer),
+                         params={"non_expert": dense, "expert": expert}, optimizer=_buckets(t.model, t.optimizer, tp_rank_of(lay)),
                          checkpoint=ckpt, data=(int(idx[0]), int(idx[-1]) + 1), groups=groups,
                          seconds=time.perf_counter() - t0, segments=segments)
 
@@ -493,20 +514,30 @@ def _memory(t: Any) -> dict[str, int]:
     return {"weights": w, "gradients": w, "optimizer": int(t.optimizer.state_bytes())}
 
 
-def _buckets(optimizer: Any) -> list[dict[str, Any]]:
+def _buckets(model: torch.nn.Module, optimizer: Any, tp_rank: int | None) -> list[dict[str, Any]]:
     from fastmoe_xpu.dist.groups import group_rank, group_size
+    from fastmoe_xpu.dist.sharding import is_expert_weight
+
+    from ..checkpoint.optim_state import bucket_segments
 
     out = []
     for b in optimizer.buckets:
+        fsdp = hasattr(b, "checkpoint_states")
         spec = getattr(b, "spec", None)
         shard = getattr(spec, "shard_group", None)
         pre = getattr(spec, "pre_reduce_group", None)
         out.append({"name": b.name, "numel": int(getattr(b, "numel", 0)),
                     "shard_group": tuple(dist.get_process_group_ranks(shard)) if shard is not None else (dist.get_rank(),),
                     "shard_rank": group_rank(shard), "shard_numel": int(getattr(b, "shard_numel", 0)),
-                    "pre_reduce": group_size(pre), "pre_reduce_rank": group_rank(pre),
+                    "pre_reduce_group": tuple(dist.get_process_group_ranks(pre)) if pre is not None else (dist.get_rank(),),
                     "norm_owner": bool(getattr(spec, "norm_owner", True)),
-                    "state_bytes": int(b.state_nbytes()), "fsdp": hasattr(b, "checkpoint_states")})
+                    "state_bytes": int(b.state_nbytes()), "fsdp": fsdp,
+                    # (key, first element, elements) of every checkpoint segment in the flat buffer; FSDP2:
+                    # (name, global shape, local shape) of every sharded weight
+                    "segments": [] if fsdp else [(o.seg.key, o.offset, o.seg.numel)
+                                                 for o in bucket_segments(model, b, is_expert_weight, tp_rank)],
+                    "sharded": [(n, tuple(p.shape), tuple(p.to_local().shape)) for n, p in zip(b.names, b.params)]
+                    if fsdp else []})
     return out
 
 
@@ -514,7 +545,7 @@ def _groups(lay: Any) -> dict[str, tuple[int, ...]]:
     out = {}
     for name, g in (("ep", lay.ep_group), ("tp", lay.tp_group), ("dp", lay.dp_group), ("dp_ep", lay.dpep_group),
                     ("pp", lay.pp_group)):
-        if g is not None:
+        if g is not None and dist.get_world_size(g) > 1:  # (the pipeline's group exists at PP=1 too)
             out[name] = tuple(dist.get_process_group_ranks(g))
     return out
 
