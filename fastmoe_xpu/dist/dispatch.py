@@ -264,12 +264,15 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         group, world = self.group, self.size
         H = x_SH.shape[1]
         K = topk_idx_SK.shape[1]
-        token_of_row, send_counts_W = alltoall_plan(topk_idx_SK, self.num_local, world)
-        recv_counts_W = all_to_all_dim0(send_counts_W, [1] * world, [1] * world, group)
-        if send_counts_W.is_meta:  # shapes only: uniform routing's average rows per destination
+        if topk_idx_SK.is_meta:  # shapes only: uniform routing's average rows per destination
             rows = uniform_rows_per_rank(x_SH.shape[0], K, self.num_local * world, world)
-            send_splits = recv_splits = [rows] * world
             token_of_row = torch.zeros(rows * world, dtype=torch.int64, device=x_SH.device)
+            send_counts_W = torch.full((world,), rows, dtype=torch.int64, device=x_SH.device)
+        else:
+            token_of_row, send_counts_W = alltoall_plan(topk_idx_SK, self.num_local, world)
+        recv_counts_W = all_to_all_dim0(send_counts_W, [1] * world, [1] * world, group)
+        if send_counts_W.is_meta:
+            send_splits = recv_splits = [rows] * world
         else:
             send_splits = send_counts_W.tolist()
             recv_splits = recv_counts_W.tolist()

@@ -109,6 +109,12 @@ class CollectiveRecorder(TorchDispatchMode):
         self.phase = "setup"
         self.calls: dict[tuple, int] = {}
         self.memory_ops: dict[str, list[float]] = {}
+        self.flops: dict[str, float] = {}
+        """FLOPs of the step by kind (:func:`compute_records`), counted by torch's flop counter's
+        formulas (``torch.utils.flop_counter``) without its decompositions, which cost a meta trace
+        of a large model several times its own time."""
+        self.modules: Any = None
+        """A ``torch.utils.module_tracker.ModuleTracker`` while the step runs (attributes GEMMs)."""
         self._ranks: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ groups
@@ -153,9 +159,23 @@ class CollectiveRecorder(TorchDispatchMode):
         if out is not NotImplemented:
             return out
         out = func(*args, **kwargs)
-        if ns == "aten" and name not in _GEMM and "attention" not in name and "mm" not in name:
-            self._count_memory(name, args, out)
+        if ns == "aten" and self.phase == "step":
+            packet = func._overloadpacket
+            if packet in FLOP_REGISTRY:
+                self._count_flops(packet, args, kwargs, out)
+            else:
+                self._count_memory(name, args, out)
         return out
+
+    def _count_flops(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        n = FLOP_REGISTRY[packet](*args, **kwargs, out_val=out)
+        name = str(packet)
+        if not ("bmm" in name or "attention" in name):
+            kind = "gemm"
+        else:  # batched products: the experts' inside a MoE block, attention's elsewhere
+            parents = self.modules.parents if self.modules is not None else ()
+            kind = "grouped_gemm" if any(p.endswith(".mlp") for p in parents) else "attention"
+        self.flops[kind] = self.flops.get(kind, 0) + n
 
     def _meta_answer(self, func: Any, args: tuple, kwargs: dict) -> Any:
         aten = torch.ops.aten
@@ -171,7 +191,7 @@ class CollectiveRecorder(TorchDispatchMode):
         return NotImplemented
 
     def _count_memory(self, name: str, args: tuple, out: Any) -> None:
-        if self.phase != "step" or name in ("view", "_unsafe_view", "t", "transpose", "expand", "detach", "alias",
+        if name in ("view", "_unsafe_view", "t", "transpose", "expand", "detach", "alias",
                                             "empty", "zeros", "slice", "select", "split", "as_strided",
                                             "split_with_sizes", "unsqueeze", "squeeze", "permute", "reshape"):
             return
@@ -191,29 +211,22 @@ class CollectiveRecorder(TorchDispatchMode):
 PHASE_ORDER = {"setup": 0, "step": 1, "checkpoint": 2}
 
 
-def compute_records(flops: dict[str, dict[Any, int]], memory_ops: dict[str, list[float]]) -> list[Compute]:
-    """The flop counter's totals by kind, from its per-module counts: ``grouped_gemm`` the batched
-    GEMMs inside the decoder layers' MoE blocks (``*.mlp``), ``attention`` every other batched GEMM
-    or attention op (the score and value products), ``gemm`` every matmul (projections, router, LM
-    head); and the element-wise ops' bytes (``memory``)."""
-    total = flops.get("Global", {})
-    in_mlp: dict[str, float] = {}
-    for module, ops in flops.items():
-        if module.endswith(".mlp"):
-            for op, n in ops.items():
-                in_mlp[str(op)] = in_mlp.get(str(op), 0) + n
-    kinds: dict[str, float] = {}
-    for op, n in total.items():
-        name = str(op)
-        if name.endswith(("mm", "addmm", "matmul")) and "bmm" not in name and "baddbmm" not in name:
-            kinds["gemm"] = kinds.get("gemm", 0) + n
-            continue
-        grouped = in_mlp.get(name, 0)
-        if grouped:
-            kinds["grouped_gemm"] = kinds.get("grouped_gemm", 0) + grouped
-        if n - grouped:
-            kinds["attention"] = kinds.get("attention", 0) + n - grouped
-    out = [Compute(kind=k, flops=float(v), bytes=0.0, label="flop counter") for k, v in sorted(kinds.items())]
+def _flop_registry() -> dict[Any, Any]:
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry
+
+
+FLOP_REGISTRY = _flop_registry()
+
+
+def compute_records(flops: dict[str, float], memory_ops: dict[str, list[float]]) -> list[Compute]:
+    """The step's FLOPs by kind (``grouped_gemm``: batched GEMMs inside the decoder layers' MoE blocks
+    (``*.mlp``); ``attention``: every other batched GEMM or attention op, the score and value
+    products; ``gemm``: every matmul, the projections, router and LM head) and the element-wise ops'
+    bytes (``memory``)."""
+    out = [Compute(kind=k, flops=float(v), bytes=0.0, label="flop counter's formulas")
+           for k, v in sorted(flops.items())]
     if memory_ops:
         out.append(Compute(kind="memory", flops=0.0, bytes=float(sum(v[1] for v in memory_ops.values())),
                            count=int(sum(v[0] for v in memory_ops.values())), label="element-wise ops' bytes"))
@@ -416,20 +429,22 @@ def micro_batches_per_rank(cfg: Any, layout: Any) -> int:
     return cfg.schedule.global_batch // (layout.data_world * cfg.schedule.micro_batch)
 
 
-def run_step(t: Any, batches: Sequence[Any], rec: CollectiveRecorder) -> dict[Any, int]:
-    """One training step of ``t`` on ``batches`` under ``rec`` (phase ``"step"``): forward and
-    backward, the optimizer step. Returns the flop counter's totals per module and op."""
-    from torch.utils.flop_counter import FlopCounterMode
+def run_step(t: Any, batches: Sequence[Any], rec: CollectiveRecorder) -> None:
+    """One training step of ``t`` on ``batches`` under ``rec`` (phase ``"step"``, its FLOPs counted
+    there): forward and backward, the optimizer step."""
+    from torch.utils.module_tracker import ModuleTracker
 
     from ..trainer import _weights_hold_still
 
     rec.phase = "step"
-    counter = FlopCounterMode(display=False)
-    with counter:
-        with _weights_hold_still():
-            t.forward_backward(batches)
-        t.optimizer_step()
-    return {k: dict(v) for k, v in counter.get_flop_counts().items()}
+    with ModuleTracker() as tracker:
+        rec.modules = tracker
+        try:
+            with _weights_hold_still():
+                t.forward_backward(batches)
+            t.optimizer_step()
+        finally:
+            rec.modules = None
 
 
 def checkpoint_plan(t: Any, rec: CollectiveRecorder) -> dict[str, Any]:
@@ -470,14 +485,14 @@ def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
         loader = ShardedLoader(_Shape(cfg.data.context), cfg.schedule.global_batch, cfg.schedule.micro_batch,
                                dp_rank=lay.data_rank, dp_size=lay.data_world, verify=False)
         idx = loader.rank_indices(0)
-        flops = run_step(t, _meta_batches(cfg, loader.micro_batches_per_step), rec)
+        run_step(t, _meta_batches(cfg, loader.micro_batches_per_step), rec)
         ckpt = checkpoint_plan(t, rec)
         groups = _groups(lay)
         segments = model_segments(t.model, is_expert_weight, tp_rank_of(lay))
         prof = StepProfile(rank=rank, world=world, source="trace",
                            tokens_per_step=cfg.schedule.global_batch * cfg.data.context,
                            micro_batches=loader.micro_batches_per_step, pp=p.pp, stage=lay.pp_rank,
-                           collectives=rec.collectives(), compute=compute_records(flops, rec.memory_ops),
+                           collectives=rec.collectives(), compute=compute_records(rec.flops, rec.memory_ops),
                            memory_bytes=_memory(t))
         dense, expert = _local_params(t.model)
         return RankTrace(profile=prof, coords={"pp": lay.pp_rank, "dp": lay.dp_rank, "ep": lay.ep_rank,

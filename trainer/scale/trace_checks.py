@@ -323,8 +323,11 @@ def check_traffic(cfg: Any, traces: dict[int, RankTrace]) -> Check:
 
 def ep_token_bytes(cfg: Any, stage_layers: int, micro_batches: int) -> float:
     """The EP token exchange one rank sends per step by :func:`fastmoe_xpu.dist.comm_bytes.ep_layer_comm_bytes`
-    (uniform routing's expected rows under all-to-all): per layer, forward (twice when the MoE block is
-    checkpointed: its recomputation exchanges again) and backward, for every micro-batch."""
+    (uniform routing's expected rows under all-to-all): per layer, forward and backward, for every
+    micro-batch. A checkpointed MoE block (``--ac moe``) exchanges again when recomputed, as far as
+    torch's checkpoint recomputes (it stops once every saved tensor is back): under allgather the
+    dispatch only (the combine's reduce-scatter saves nothing), under all-to-all the combine too (its
+    scatter-add keeps the row index)."""
     from fastmoe_xpu.dist.comm_bytes import ep_layer_comm_bytes, expected_remote_rows
 
     from ..config.ac_spec import parse_ac
@@ -336,8 +339,10 @@ def ep_token_bytes(cfg: Any, stage_layers: int, micro_batches: int) -> float:
     c = ep_layer_comm_bytes(m.ep_dispatch, hidden=m.hidden_size, num_experts=m.num_experts, top_k=m.top_k,
                             tokens_per_rank=S, ep_size=p.ep, act_bytes=a, rows_sent=rows, rows_recv=rows,
                             check_inputs=m.ep_check_inputs)
-    forwards = 2 if "moe" in parse_ac(p.ac) else 1
-    return stage_layers * micro_batches * (forwards * c.forward_sent + c.backward_sent)
+    a_row = m.hidden_size * a  # (the allgather combine reduce-scatters one [S, H] row block per peer)
+    combine = (p.ep - 1) * S * a_row if m.ep_dispatch == "allgather" else 0
+    again = c.forward_sent - combine if "moe" in parse_ac(p.ac) else 0
+    return stage_layers * micro_batches * (c.forward_sent + again + c.backward_sent)
 
 
 def check_ep_tokens(cfg: Any, traces: dict[int, RankTrace]) -> Check | None:
