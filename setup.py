@@ -68,7 +68,8 @@ class LibraryBuildPy(build_py):
 
 
 #: Data files the library reads: the kept Triton config tables (``fastmoe_xpu/kernels/kept_configs.py``),
-#: one JSON file per device written by ``python -m fastmoe_xpu.tools.config_sweep``.
-PACKAGE_DATA = {"fastmoe_xpu.kernels": ["tuned/*.json"]}
+#: one JSON file per device written by ``python -m fastmoe_xpu.tools.config_sweep``; the step-time model's
+#: cluster files (``trainer/scale/clusters/*.toml``, read through importlib.resources).
+PACKAGE_DATA = {"fastmoe_xpu.kernels": ["tuned/*.json"], "fastmoe_trainer.scale": ["clusters/*.toml"]}
 
 setup(packages=_packages(), package_dir=PACKAGE_DIRS, package_data=PACKAGE_DATA, cmdclass={"build_py": LibraryBuildPy})

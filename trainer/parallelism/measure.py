@@ -205,24 +205,36 @@ class StepProbe:
                 "sent": self.sent["params"], "tokens": self.sent["tokens"], "ops": self.ops}
 
 
-def measure_rank(preset: str, world: int, ep: int, layout: str, sizes: dict[str, int], data_cache: str | None) -> dict:
-    """One rank's measurement of ``layout`` (run in each of ``world`` processes)."""
-    from ..config import validate
+def quiet_config(preset: str, sizes: dict[str, int], *, optimizer: str, dp_shard: str = "none", ep: int = 1,
+                 pp: int = 1, ac: str = "", steps: int = 2, data_cache: str | None = None, name: str = "measure") -> Any:
+    """A fp32 trainer config of ``preset`` at ``sizes`` (context, micro_batch, global_batch) that trains
+    ``steps`` steps and writes nothing but its output folder (no evaluation, progress, plots or
+    TensorBoard): what the measurements here and trainer.scale's validation run."""
     from ..config.presets import get_preset
-    from ..trainer import Trainer
 
-    name, shard, _ = LAYOUTS[layout]
     cfg = get_preset(preset)
-    cfg.optim.name, cfg.parallel.dp_shard, cfg.parallel.ep = name, shard, ep
+    cfg.optim.name, cfg.parallel.dp_shard, cfg.parallel.ep, cfg.parallel.pp = optimizer, dp_shard, ep, pp
+    cfg.parallel.ac = ac
     cfg.data.context = sizes["context"]
     cfg.schedule.micro_batch, cfg.schedule.global_batch = sizes["micro_batch"], sizes["global_batch"]
-    cfg.schedule.steps = 2
+    cfg.schedule.steps = steps
     cfg.model.param_dtype, cfg.model.autocast, cfg.optim.grad_reduce_dtype = "fp32", "none", "fp32"
     cfg.data.cache_dir = data_cache
     cfg.eval.enabled = cfg.eval.moe_health = False
     cfg.logging.progress = cfg.logging.plot = cfg.logging.tensorboard = False
     cfg.logging.peak_tflops = 1.0
-    cfg.logging.out = os.path.join(tempfile.gettempdir(), f"fastmoe-measure-{os.getppid()}-{layout}")
+    cfg.logging.out = os.path.join(tempfile.gettempdir(), f"fastmoe-{name}-{os.getppid()}")
+    return cfg
+
+
+def measure_rank(preset: str, world: int, ep: int, layout: str, sizes: dict[str, int], data_cache: str | None) -> dict:
+    """One rank's measurement of ``layout`` (run in each of ``world`` processes)."""
+    from ..config import validate
+    from ..trainer import Trainer
+
+    name, shard, _ = LAYOUTS[layout]
+    cfg = quiet_config(preset, sizes, optimizer=name, dp_shard=shard, ep=ep, data_cache=data_cache,
+                       name=f"measure-{layout}")
     t = Trainer(validate(cfg, world))
     t.train_step()  # lazy initialisation (FSDP2, the dispatcher) happens here
     with StepProbe(t) as probe:

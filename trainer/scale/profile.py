@@ -109,3 +109,17 @@ class StepProfile:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+
+#: What the step-time model (:mod:`trainer.scale.model`) reads from a collective's ``label`` (the tracer
+#: names the code that issued it, :data:`trainer.scale.trace.LABELS`; the formulas use the same words):
+#: ``"ep tokens"`` (the EP token exchange, on the critical path of every micro-batch), ``"pipeline
+#: activations"`` (sends and receives between stages), ``"tp activations"``, ``"fsdp weights and
+#: gradients"`` (FSDP2's per-layer gathers and reduce-scatters, which may overlap the compute),
+#: ``"optimizer"`` (the optimizer's reductions and gathers after the backward); anything else (the loss's
+#: and the gradient norm's scalars, ...) is priced after the backward as ``scalars``. A compute record
+#: labelled ``"optimizer"`` is the optimizer's step; one whose label ends in ``"recompute"`` is activation
+#: checkpointing's repeated forward (not counted as model FLOPs).
+COLLECTIVE_TERMS = ("ep tokens", "pipeline activations", "tp activations", "fsdp weights and gradients",
+                    "optimizer")
