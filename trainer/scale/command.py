@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 on the non-expert weights (--parallel.dp_shard fsdp)")
     ap.add_argument("--ep-comm", default=None, choices=["allgather", "alltoall"],
                     help="the EP token exchange (default: the preset's)")
+    ap.add_argument("--jobs", type=int, default=0, help="with --trace: worker processes (0: the CPUs, at most 2)")
     ap.add_argument("--memory-gib", type=float, default=0.0, help="device memory per rank: refuse layouts above it")
     return ap
 
@@ -215,7 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if note:
         print(note)
-    traces = trace_world(cfg, args.world, ranks, progress=True)
+    from .trace import default_jobs
+
+    traces = trace_world(cfg, args.world, ranks, progress=True, jobs=args.jobs or default_jobs())
     checks = run_checks(cfg, traces)
     print(format_report(cfg, traces, checks))
     return 0 if all(c.ok for c in checks) else 1

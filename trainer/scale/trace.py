@@ -381,8 +381,8 @@ def step_trainer(cfg: Any, layout: Any) -> Any:
 
 
 def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
-    """Under PP: the stages' metadata exchange before their first micro-batch (send/recv of pickled
-    shapes) recorded as set-up; on the fake process group, where no neighbour sends anything, the
+    """Under PP: the stages' metadata inference before their first micro-batch (a forward and a
+    backward on placeholders, send/recv of pickled shapes) recorded as set-up; on the fake process group, where no neighbour sends anything, the
     received metadata are made here: the previous stage's output (:meth:`StageModel.boundary`) and
     the gradients of this stage's outputs."""
     if t.pipeline is None:
@@ -411,6 +411,9 @@ def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
                         rec.phase = old
             return wrapped
 
+        for infra in ("_prepare_forward_infra", "_prepare_backward_infra"):  # the metadata inference's step
+            if hasattr(stage, infra):
+                setattr(stage, infra, setup(getattr(stage, infra)))
         if fake:
             def recv(src: int, stage: Any = stage, mod: Any = mod) -> Any:
                 if src < stage.stage_index:
@@ -602,35 +605,71 @@ def parse_ranks(spec: str | Sequence[int], world: int, pp: int, dp: int, ep: int
     return sorted(set(ranks))
 
 
-def trace_world(cfg: Any, world: int, ranks: Sequence[int], *, progress: bool = False) -> dict[int, RankTrace]:
-    """:func:`trace_rank` for each of ``ranks``, one after another in this process (a progress line
-    per rank on stderr when ``progress``)."""
+def _trace_one(args: tuple[Any, int, int]) -> RankTrace:
+    return trace_rank(*args)
+
+
+def default_jobs() -> int:
+    """Worker processes for a trace: the CPUs this process may use, at most 2 (each rank's trace is
+    one process of ~0.5 GiB at the 220B model)."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2, cpus))
+
+
+def trace_world(cfg: Any, world: int, ranks: Sequence[int], *, progress: bool = False,
+                jobs: int = 1) -> dict[int, RankTrace]:
+    """:func:`trace_rank` for each of ``ranks``: in this process (``jobs`` 1), or in ``jobs`` fresh
+    worker processes (each with its own fake process group); a progress line on stderr when
+    ``progress``."""
     out: dict[int, RankTrace] = {}
     t0 = time.perf_counter()
-    for i, r in enumerate(ranks):
+
+    def tick(done: int, last: int) -> None:
         if progress:
-            print(f"\rtracing rank {r} ({i + 1}/{len(ranks)}, {time.perf_counter() - t0:.0f}s)", end="",
+            print(f"\rtraced {done}/{len(ranks)} rank(s), last {last}, {time.perf_counter() - t0:.0f}s", end="",
                   file=sys.stderr, flush=True)
-        out[r] = trace_rank(cfg, r, world)
+
+    if jobs <= 1 or len(ranks) <= 1:
+        for r in ranks:
+            out[r] = trace_rank(cfg, r, world)
+            tick(len(out), r)
+    else:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+        import os
+
+        # the workers' fake groups warn, per rank, that no backend serves an undefined device type
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+        with cf.ProcessPoolExecutor(max_workers=min(jobs, len(ranks)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_trace_one, (cfg, r, world)): r for r in ranks}
+            for fut in cf.as_completed(futures):
+                r = futures[fut]
+                out[r] = fut.result()
+                tick(len(out), r)
     if progress:
-        print(f"\rtraced {len(ranks)} rank(s) in {time.perf_counter() - t0:.0f}s" + " " * 20, file=sys.stderr, flush=True)
-    return out
+        print(f"\rtraced {len(ranks)} rank(s) in {time.perf_counter() - t0:.0f}s" + " " * 20, file=sys.stderr,
+              flush=True)
+    return {r: out[r] for r in sorted(out)}
 
 
 def trace_profiles(preset: str, *, world: int, pp: int = 1, ep: int = 1, dp: int = 0, tp: int = 1,
                    ac: str | Sequence[str] = "", fsdp: bool = False, optimizer: str | None = None,
                    ranks: str | Sequence[int] = "auto", micro_batch: int | None = None,
                    global_batch: int | None = None, context: int | None = None,
-                   ep_comm: str | None = None, progress: bool = False) -> dict[int, StepProfile]:
+                   ep_comm: str | None = None, progress: bool = False, jobs: int = 1) -> dict[int, StepProfile]:
     """One :class:`StepProfile` (source ``"trace"``) per traced rank of the layout.
 
     ``ranks``: ``"auto"`` (the first and last rank of every pipeline stage, one rank at each expert
     position, the world's last rank) or the global ranks to trace. ``fsdp``: FSDP2 on the non-expert
     weights (``--parallel.dp_shard fsdp``); ``optimizer``: adamw, sharded (ZeRO-1) or epso (default:
     the preset's). ``ep_comm``: the EP token exchange (``all_to_all`` or ``allgather``; default the
-    preset's). Raises ValueError (ConfigError) in one line for a layout the trainer refuses."""
+    preset's). ``jobs``: worker processes (:func:`trace_world`). Raises ValueError (ConfigError) in one
+    line for a layout the trainer refuses."""
     cfg = build_config(preset, world=world, pp=pp, ep=ep, dp=dp, tp=tp, ac=ac, fsdp=fsdp, optimizer=optimizer,
                        micro_batch=micro_batch, global_batch=global_batch, context=context, ep_comm=ep_comm)
     p = cfg.parallel
     chosen = parse_ranks(ranks, world, p.pp, p.dp, p.ep, p.tp)
-    return {r: tr.profile for r, tr in trace_world(cfg, world, chosen, progress=progress).items()}
+    return {r: tr.profile for r, tr in trace_world(cfg, world, chosen, progress=progress, jobs=jobs).items()}
