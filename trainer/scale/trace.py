@@ -468,30 +468,50 @@ def checkpoint_plan(t: Any, rec: CollectiveRecorder) -> dict[str, Any]:
             "optim": {k: v.numel() * v.element_size() for k, v in optim.items()}}
 
 
-def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
-    """Set up and run one step of ``cfg`` as global rank ``rank`` of ``world`` on the fake process
-    group (see the module doc)."""
+def _step_on(cfg: Any, device: torch.device, rec: CollectiveRecorder, batches: Any = None) -> dict[str, Any]:
+    """The trainer's set-up and one step of ``cfg`` as this process's rank of the initialised process
+    group, under ``rec``; the model on ``device`` (meta: shapes only, for the fake process group).
+    ``batches``: ``(input_ids, labels)`` pairs (default: meta tensors of the micro-batch's shape)."""
     from fastmoe_xpu.dist.sharding import is_expert_weight
 
     from ..checkpoint.writers import model_segments, tp_rank_of
     from ..data.loader import ShardedLoader
     from ..layout import build_layout
 
+    p = cfg.parallel
+    lay = build_layout(p.pp, p.dp, p.ep, torch.device("cpu"), tp=p.tp)
+    lay.device = device
+    t = step_trainer(cfg, lay)
+    pipeline_metadata(t, rec)
+    loader = ShardedLoader(_Shape(cfg.data.context), cfg.schedule.global_batch, cfg.schedule.micro_batch,
+                           dp_rank=lay.data_rank, dp_size=lay.data_world, verify=False)
+    run_step(t, batches if batches is not None else _meta_batches(cfg, loader.micro_batches_per_step), rec)
+    return {"trainer": t, "layout": lay, "loader": loader, "checkpoint": checkpoint_plan(t, rec),
+            "segments": model_segments(t.model, is_expert_weight, tp_rank_of(lay))}
+
+
+def record_rank(cfg: Any, batches: Sequence[Any]) -> list[Collective]:
+    """The collectives of the trainer's set-up and one step of ``cfg`` on ``batches`` (this rank's
+    micro-batches) in the initialised, real process group (gloo on the host): what :func:`trace_rank`
+    records on the fake one, by the same recorder."""
+    rec = CollectiveRecorder()
+    with rec:
+        _step_on(cfg, torch.device("cpu"), rec, batches)
+    return rec.collectives()
+
+
+def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
+    """Set up and run one step of ``cfg`` as global rank ``rank`` of ``world`` on the fake process
+    group (see the module doc)."""
+    from ..checkpoint.writers import tp_rank_of
+
     t0 = time.perf_counter()
     p = cfg.parallel
     rec = CollectiveRecorder()
     with fake_world(rank, world), rec, fsdp_on_meta():
-        lay = build_layout(p.pp, p.dp, p.ep, torch.device("cpu"), tp=p.tp)
-        lay.device = torch.device("meta")
-        t = step_trainer(cfg, lay)
-        pipeline_metadata(t, rec)
-        loader = ShardedLoader(_Shape(cfg.data.context), cfg.schedule.global_batch, cfg.schedule.micro_batch,
-                               dp_rank=lay.data_rank, dp_size=lay.data_world, verify=False)
+        done = _step_on(cfg, torch.device("meta"), rec)
+        t, lay, loader = done["trainer"], done["layout"], done["loader"]
         idx = loader.rank_indices(0)
-        run_step(t, _meta_batches(cfg, loader.micro_batches_per_step), rec)
-        ckpt = checkpoint_plan(t, rec)
-        groups = _groups(lay)
-        segments = model_segments(t.model, is_expert_weight, tp_rank_of(lay))
         prof = StepProfile(rank=rank, world=world, source="trace",
                            tokens_per_step=cfg.schedule.global_batch * cfg.data.context,
                            micro_batches=loader.micro_batches_per_step, pp=p.pp, stage=lay.pp_rank,
@@ -500,9 +520,10 @@ def trace_rank(cfg: Any, rank: int, world: int) -> RankTrace:
         dense, expert = _local_params(t.model)
         return RankTrace(profile=prof, coords={"pp": lay.pp_rank, "dp": lay.dp_rank, "ep": lay.ep_rank,
                                                "tp": lay.tp_rank},
-                         params={"non_expert": dense, "expert": expert}, optimizer=_buckets(t.model, t.optimizer, tp_rank_of(lay)),
-                         checkpoint=ckpt, data=(int(idx[0]), int(idx[-1]) + 1), groups=groups,
-                         seconds=time.perf_counter() - t0, segments=segments)
+                         params={"non_expert": dense, "expert": expert},
+                         optimizer=_buckets(t.model, t.optimizer, tp_rank_of(lay)), checkpoint=done["checkpoint"],
+                         data=(int(idx[0]), int(idx[-1]) + 1), groups=_groups(lay),
+                         seconds=time.perf_counter() - t0, segments=done["segments"])
 
 
 class _Shape:
