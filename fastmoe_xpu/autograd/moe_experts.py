@@ -188,12 +188,14 @@ def moe_experts_forward(
                 base)
 
 
-def meta_experts(x_TH: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
-                 w_down_NHI: torch.Tensor, rows: int) -> torch.Tensor:
-    """Stages 2-5 for meta tensors: ``rows`` (token, expert) pairs spread evenly over the NR local
-    experts (uniform routing's average), through the same GEMMs (gather, gate/up, SiLU*up, down,
-    weighted scatter-add), so that autograd reaches every input and weight with its shape and a FLOP
-    counter sees the GEMMs' work. Returns ``[T, H]``; no value is computed."""
+#: What :func:`meta_experts` is running: ``"experts"`` (its GEMMs, forward or backward), ``"replay"``
+#: (its backward's re-run of the forward, which only rebuilds the graph), or None. A FLOP counter of
+#: a meta trace reads it to tell the experts' batched GEMMs from attention's.
+META_EXPERTS_SCOPE: list[str | None] = [None]
+
+
+def _meta_chain(x_TH: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
+                w_down_NHI: torch.Tensor, rows: int) -> torch.Tensor:
     NR, I2, H = w_gate_up_N2IH.shape
     per = max(1, round(rows / NR)) if rows else 0
     pick = torch.zeros(NR * per, dtype=torch.int64, device=x_TH.device)
@@ -203,6 +205,42 @@ def meta_experts(x_TH: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_N2IH: t
     y = torch.bmm(torch.nn.functional.silu(g) * u, w_down_NHI.transpose(1, 2)).reshape(NR * per, H)
     w_R = weights_TK.reshape(-1).index_select(0, pick).to(y.dtype)
     return x_TH.new_zeros(x_TH.shape).index_add(0, pick, y * w_R[:, None])
+
+
+class _MetaExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI, rows):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI)
+        ctx.rows = rows
+        META_EXPERTS_SCOPE[0] = "experts"
+        try:
+            return _meta_chain(x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI, rows)
+        finally:
+            META_EXPERTS_SCOPE[0] = None
+
+    @staticmethod
+    def backward(ctx, grad_TH):  # noqa: ANN001, ANN205
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        try:
+            with torch.enable_grad():
+                META_EXPERTS_SCOPE[0] = "replay"
+                out = _meta_chain(*inputs, ctx.rows)
+                META_EXPERTS_SCOPE[0] = "experts"
+                wanted = [t for t in inputs if t.requires_grad]
+                grads = iter(torch.autograd.grad(out, wanted, grad_TH, allow_unused=True))
+        finally:
+            META_EXPERTS_SCOPE[0] = None
+        return (*[next(grads) if t.requires_grad else None for t in inputs], None)
+
+
+def meta_experts(x_TH: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
+                 w_down_NHI: torch.Tensor, rows: int) -> torch.Tensor:
+    """Stages 2-5 for meta tensors: ``rows`` (token, expert) pairs spread evenly over the NR local
+    experts (uniform routing's average), through the same GEMMs (gather, gate/up, SiLU*up, down,
+    weighted scatter-add), so that autograd reaches every input and weight with its shape and a FLOP
+    counter sees the GEMMs' work (inside :data:`META_EXPERTS_SCOPE`). Returns ``[T, H]``; no value is
+    computed."""
+    return _MetaExperts.apply(x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI, rows)
 
 
 #: Whether a small plain-layout layer (another layout's ``expert_rows``) routes and combines its rows

@@ -212,15 +212,19 @@ class StageModel(nn.Module):
 
     def boundary(self, micro_batch: int, context: int, dtype: torch.dtype, device: torch.device | str) -> tuple:
         """Empty tensors shaped as what a middle stage receives from the one before it (``(hidden,
-        counts_E, probs_E, zsum_1)`` for OLMoE, ``(hidden,)`` for OLMo; see the module doc): the
-        pipeline's metadata where no other stage runs (the trace of a step on a fake process group)."""
+        counts_E, probs_E, zsum_1)`` for OLMoE, ``(hidden,)`` for OLMo; see the module doc), those with a
+        gradient requiring one: the pipeline's metadata where no other stage runs (the trace of a step
+        on a fake process group)."""
         if self.carries_router_logits:
             raise ValueError("the boundary of a pipeline carrying a family's router logits depends on the stage")
-        hidden = torch.empty(micro_batch, context, self.config.hidden_size, dtype=dtype, device=device)
+        hidden = torch.empty(micro_batch, context, self.config.hidden_size, dtype=dtype, device=device,
+                             requires_grad=True)
         if not self.is_moe:
             return (hidden,)
         E = self.config.num_experts
-        return (hidden, torch.empty(E, device=device), torch.empty(E, device=device), torch.empty(1, device=device))
+        # the expert counts carry no gradient (top-k counts); the probabilities and the z-sum do
+        return (hidden, torch.empty(E, device=device), torch.empty(E, device=device, requires_grad=True),
+                torch.empty(1, device=device, requires_grad=True))
 
 
 @torch.no_grad()

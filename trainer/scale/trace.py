@@ -112,9 +112,8 @@ class CollectiveRecorder(TorchDispatchMode):
         self.flops: dict[str, float] = {}
         """FLOPs of the step by kind (:func:`compute_records`), counted by torch's flop counter's
         formulas (``torch.utils.flop_counter``) without its decompositions, which cost a meta trace
-        of a large model several times its own time."""
-        self.modules: Any = None
-        """A ``torch.utils.module_tracker.ModuleTracker`` while the step runs (attributes GEMMs)."""
+        of a large model several times its own time; the experts' GEMMs told apart by
+        :data:`fastmoe_xpu.autograd.moe_experts.META_EXPERTS_SCOPE`."""
         self._ranks: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ groups
@@ -168,13 +167,17 @@ class CollectiveRecorder(TorchDispatchMode):
         return out
 
     def _count_flops(self, packet: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        from fastmoe_xpu.autograd.moe_experts import META_EXPERTS_SCOPE
+
+        scope = META_EXPERTS_SCOPE[0]
+        if scope == "replay":  # the meta experts' backward rebuilding its graph: not work of the step
+            return
         n = FLOP_REGISTRY[packet](*args, **kwargs, out_val=out)
         name = str(packet)
-        if not ("bmm" in name or "attention" in name):
-            kind = "gemm"
-        else:  # batched products: the experts' inside a MoE block, attention's elsewhere
-            parents = self.modules.parents if self.modules is not None else ()
-            kind = "grouped_gemm" if any(p.endswith(".mlp") for p in parents) else "attention"
+        if scope == "experts":
+            kind = "grouped_gemm"
+        else:
+            kind = "attention" if "bmm" in name or "attention" in name else "gemm"
         self.flops[kind] = self.flops.get(kind, 0) + n
 
     def _meta_answer(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -401,14 +404,13 @@ def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
     for stage, mod in zip(t.pipeline.stages, t.pipeline.modules):
         def setup(fn: Any) -> Any:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
-                old = rec.phase if rec is not None else None
-                if rec is not None:
-                    rec.phase = "setup"
+                if rec is None:
+                    return fn(*args, **kwargs)
+                old, rec.phase = rec.phase, "setup"
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    if rec is not None:
-                        rec.phase = old
+                    rec.phase = old
             return wrapped
 
         for infra in ("_prepare_forward_infra", "_prepare_backward_infra"):  # the metadata inference's step
@@ -435,19 +437,12 @@ def micro_batches_per_rank(cfg: Any, layout: Any) -> int:
 def run_step(t: Any, batches: Sequence[Any], rec: CollectiveRecorder) -> None:
     """One training step of ``t`` on ``batches`` under ``rec`` (phase ``"step"``, its FLOPs counted
     there): forward and backward, the optimizer step."""
-    from torch.utils.module_tracker import ModuleTracker
-
     from ..trainer import _weights_hold_still
 
     rec.phase = "step"
-    with ModuleTracker() as tracker:
-        rec.modules = tracker
-        try:
-            with _weights_hold_still():
-                t.forward_backward(batches)
-            t.optimizer_step()
-        finally:
-            rec.modules = None
+    with _weights_hold_still():
+        t.forward_backward(batches)
+    t.optimizer_step()
 
 
 def checkpoint_plan(t: Any, rec: CollectiveRecorder) -> dict[str, Any]:

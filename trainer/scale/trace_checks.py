@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence
 
 from ..checkpoint.writers import Segment, coords_of, model_writes
 from ..layout import DeviceMesh
+from ..parallelism.plan import _b as _n  # counts as the planner prints them
 from .profile import wire_bytes
 from .trace import WEIGHT_LABELS, RankTrace
 
@@ -394,13 +395,6 @@ def run_checks(cfg: Any, traces: dict[int, RankTrace]) -> list[Check]:
 
 
 # ----------------------------------------------------------------------------- the report
-def _n(x: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.2f}{unit}"
-    return f"{x:.0f}"
-
-
 def _gib(x: float) -> str:
     """Bytes in the largest binary unit that keeps them >= 1."""
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
