@@ -37,8 +37,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # its command line
     ("cli", "__main__"),
     # command lines that drive the whole trainer: the node launcher, the fault benchmark and soak,
-    # the per-rank memory and traffic measurement, the document mask's cost (two trainers in turn)
-    ("ft.launch", "ft.bench", "ft.async_bench", "ft.soak", "parallelism.measure", "data.mask_bench"),
+    # the per-rank memory and traffic measurement, the document mask's cost (two trainers in turn),
+    # a layout at scale (the trace of the trainer's step, the step-time model, its validation runs)
+    ("ft.launch", "ft.bench", "ft.async_bench", "ft.soak", "parallelism.measure", "data.mask_bench", "scale"),
 )
 
 

@@ -2,7 +2,6 @@
 search and the calibration: arithmetic checked on hand-computed cases."""
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from pathlib import Path

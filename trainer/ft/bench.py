@@ -26,19 +26,11 @@ from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.save import SaveStats
 from ..checkpoint.slots import latest_valid, verify
 from ..checkpoint.writers import checkpoint_bytes
+from ..records.metrics import median_seconds as _median_time
 from . import fault
 
 SMALL = ["--preset", "tiny-moe", "--peak-tflops", "1", "--no-logging.progress", "--no-logging.plot",
          "--no-logging.tensorboard"]
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_tiny(out: Path, repeats: int) -> dict[str, Any]:

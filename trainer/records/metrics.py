@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from collections import deque
 from typing import Any, Iterable
@@ -38,6 +39,16 @@ PVC_FLOP_PER_CLOCK_PER_CORE = 4096
 #: Lowest fp32 TFLOP/s one CPU thread is taken to have (an SSE core at 2.5 GHz does 0.02): a
 #: measurement below it was disturbed, not the machine's peak.
 CPU_FLOOR_TFLOPS_PER_THREAD = 0.01
+
+
+def median_seconds(fn: Any, repeats: int) -> float:
+    """The median wall-clock seconds of ``repeats`` calls of ``fn``."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _best_call_seconds(fn: Any, sync: Any, rounds: int, seconds: float) -> float:

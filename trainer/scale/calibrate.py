@@ -5,11 +5,13 @@ Calibration (at most ``--budget`` seconds, default 90): ``world`` gloo processes
 as the validation starts, so each measures what a rank gets while the others run), one thread each:
 
 * the GEMM rate (fp32 and bf16 ``torch.mm`` at 128..512, the median of the sizes; what a rank's
-  projections and experts see) and the memory bandwidth (a 16 MiB ``add``), all ranks at once;
+  projections and experts see) and the memory bandwidth (``add`` of 64 KiB, 1 MiB and 16 MiB tensors,
+  the median: from in-cache activations to the optimizer's buffers), all ranks at once, each
+  the mean over a second of calls (what a rank gets while the others run);
 * the cost of one small op with autograd (forward and backward of an element-wise product on 64
   elements, per op): the ``launch_us`` of a CPU, where every torch op costs its dispatch;
 * gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at 4 KiB .. 4 MiB: for each,
-  ``time = latency + wire bytes / bandwidth`` fitted by least squares (the latency per algorithm step
+  ``time = latency + wire bytes / bandwidth`` fitted robustly (Theil-Sen; the latency per algorithm step
   of :func:`trainer.scale.model.steps`).
 
 Validation: each layout runs in ``world`` gloo processes (the trainer itself, fp32, one warm-up step and
@@ -26,19 +28,30 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
+SIZES_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 CALIBRATED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def _timed(fn: Any, reps: int) -> float:
     """Median seconds of ``reps`` calls after one warm-up."""
+    from ..records.metrics import median_seconds
+
     fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    return median_seconds(fn, reps)
+
+
+def _mean_over(fn: Any, seconds: float) -> float:
+    """Mean seconds per call of ``fn`` over about ``seconds`` of wall time, after one warm-up: on a machine
+    whose cores the ranks share, what a rank gets (a median of single calls would pick the calls that ran
+    alone)."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
         fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        n += 1
+        t = time.perf_counter() - t0
+        if t >= seconds:
+            return t / n
 
 
 def _collective(op: str, nbytes: int) -> Any:
@@ -84,14 +97,16 @@ def calibrate_rank(budget_s: float) -> dict:
         rates = []
         for n in (128, 256, 512):
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-            reps = max(5, int(1e9 / (2 * n ** 3)))
             dist.barrier()  # every rank computes at once, as in a training step
-            t = _timed(lambda: torch.mm(a, b), reps)
+            t = _mean_over(lambda: torch.mm(a, b), 1.0)
             rates.append(2 * n ** 3 / t)
         out["gemm"][str(dtype).split(".")[-1]] = statistics.median(rates)
-    x, y = torch.ones(4 << 20), torch.ones(4 << 20)
-    dist.barrier()
-    out["memory_Bps"] = 3 * x.numel() * 4 / _timed(lambda: torch.add(x, y), 40)
+    rates = []
+    for n in (16 << 10, 256 << 10, 4 << 20):  # 64 KiB (in cache, like a small model's activations) .. 16 MiB
+        x, y = torch.ones(n), torch.ones(n)
+        dist.barrier()
+        rates.append(3 * n * 4 / _mean_over(lambda: torch.add(x, y), 0.7))
+    out["memory_Bps"] = statistics.median(rates)
     u = torch.ones(64, requires_grad=True)
     v = torch.ones(64)
 
@@ -101,7 +116,7 @@ def calibrate_rank(budget_s: float) -> dict:
             z = z * v
         z.sum().backward()
     dist.barrier()
-    out["launch_s"] = _timed(tiny, 200) / 42  # 20 products and a sum, forward and backward
+    out["launch_s"] = _mean_over(tiny, 1.0) / 42  # 20 products and a sum, forward and backward
     dist.barrier()
     w = dist.get_world_size()
     for op in CALIBRATED_OPS:
@@ -111,7 +126,7 @@ def calibrate_rank(budget_s: float) -> dict:
                 break
             fn = _collective(op, nbytes)
             dist.barrier()
-            pts.append((nbytes, _timed(fn, 5 if nbytes < (1 << 20) else 3)))
+            pts.append((nbytes, _timed(fn, 9 if nbytes < (1 << 20) else 5)))
         out["ops"][op] = pts
     out["world"] = w
     return out
@@ -126,12 +141,13 @@ def fit(op: str, pts: list[tuple[int, float]], w: int) -> tuple[float, float]:
     if op == "send":  # a call is a send and a receive each way: twice the bytes and two steps
         xs = [2 * x for x in xs]
     ys = [t for _, t in pts]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    # Theil-Sen: the median of the pairwise slopes, robust to a point a busy machine inflated
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    slope = statistics.median(slopes) if slopes else 0.0
     if slope <= 0:  # noise: the largest buffer's time is all bandwidth
         slope = ys[-1] / xs[-1]
-    a = max(my - slope * mx, min(ys) * 0.5)
+    a = max(statistics.median(y - slope * x for x, y in zip(xs, ys)), min(ys) * 0.5)
     n_steps = 2 if op == "send" else steps(op, w)
     return a / max(n_steps, 1), 1.0 / slope
 
@@ -173,7 +189,7 @@ def calibrate_main(out_path: str, world: int = 4, budget_s: float = 90.0) -> int
             "peak_tflops_fp32": (round(gemm32 / 1e12, 6), M, f"torch.mm fp32 128..512, median of sizes, per rank ({how})"),
             "peak_tflops_bf16": (round(gemm16 / 1e12, 6), M, f"torch.mm bf16 128..512, median of sizes, per rank ({how})"),
             "memory_gib": (round(total_gib / world, 2), M, f"physical memory over {world} ranks ({how})"),
-            "memory_gbps": (round(mem / 1e9, 3), M, f"torch.add of 16 MiB fp32 tensors, per rank ({how})"),
+            "memory_gbps": (round(mem / 1e9, 3), M, f"torch.add of 64 KiB / 1 MiB / 16 MiB fp32 tensors, median, per rank ({how})"),
             "gemm_efficiency": (1.0, M, "the GEMM rate above is the measured rate itself"),
             "memory_efficiency": (1.0, M, "the bandwidth above is the measured rate itself"),
             "launch_us": (round(launch * 1e6, 3), M, f"one element-wise op with autograd, forward and backward ({how})"),
@@ -261,7 +277,21 @@ def predict(preset: str, world: int, layout: str, sizes: dict[str, int], cluster
     if profs is None:
         return estimate(formula, cluster).step_s, "formula"
     fill_memory(profs, formula)
-    return estimate(profs, cluster).step_s, "trace"
+    return estimate({r: as_fp32(p) for r, p in profs.items()}, cluster).step_s, "trace"
+
+
+def as_fp32(p: Any) -> Any:
+    """``p`` with its bf16 records made fp32: the tracer runs the preset's precision, the validation runs
+    the trainer in fp32 (``quiet_config``), whose activations, weights and tokens are twice the bytes."""
+    from dataclasses import replace
+
+    def up(rec: Any) -> Any:
+        if rec.dtype != "bf16":
+            return rec
+        if hasattr(rec, "elements"):
+            return replace(rec, dtype="fp32")
+        return replace(rec, dtype="fp32", bytes=2 * rec.bytes)
+    return replace(p, collectives=[up(c) for c in p.collectives], compute=[up(c) for c in p.compute])
 
 
 def validate_main(args: Any, cluster: Any) -> int:

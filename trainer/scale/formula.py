@@ -26,6 +26,8 @@ Labels name the step-time model's terms (:data:`trainer.scale.profile.COLLECTIVE
 """
 from __future__ import annotations
 
+import functools
+
 from ..parallelism.plan import Plan, layer_params
 from .profile import Collective, Compute, StepProfile
 
@@ -53,7 +55,12 @@ def groups(plan: Plan, rank: int) -> dict[str, tuple[int, ...]]:
     return {"ep": tuple((s * DP + d) * EP + j for j in range(EP)),
             "dp": tuple((s * DP + j) * EP + e for j in range(DP)),
             "stage": tuple((s * DP + j) * EP + k for j in range(DP) for k in range(EP)),
-            "world": tuple(range(plan.world))}
+            "world": _world(plan.world)}
+
+
+@functools.lru_cache(maxsize=64)
+def _world(n: int) -> tuple[int, ...]:
+    return tuple(range(n))
 
 
 def moe_expert_compute(H: int, I: int, K: int, tokens: int, act_bytes: int, *, recompute: bool = False,
@@ -172,15 +179,20 @@ def ep_exchange(ep_group: tuple[int, ...], T: int, H: int, K: int, E: int, calls
                 Collective("reduce_scatter", ep_group, dt, Tg * H, count=calls, label="ep tokens"),
                 Collective("reduce_scatter", ep_group, dt, Tg * K, count=calls, label="ep tokens"),
                 Collective("all_gather", ep_group, dt, Tg * H, count=calls, label="ep tokens")]
-    from fastmoe_xpu.dist.comm_bytes import expected_remote_rows
-
-    remote = expected_remote_rows(T, E, K, W)
+    remote = _remote_rows(T, E, K, W)
     rows = round(remote * W / (W - 1))  # the input's rows, all destinations, so that (W-1)/W of it leaves
     return [Collective("all_to_all", ep_group, "int64", W, count=fwd_calls, label="ep tokens"),
             Collective("all_to_all", ep_group, dt, rows * (H + K), count=fwd_calls, label="ep tokens"),
             Collective("all_to_all", ep_group, "int32", rows * K, count=fwd_calls, label="ep tokens"),
             Collective("all_to_all", ep_group, dt, rows * H, count=fwd_calls, label="ep tokens"),
             Collective("all_to_all", ep_group, dt, rows * H, count=2 * calls, label="ep tokens")]
+
+
+@functools.lru_cache(maxsize=None)
+def _remote_rows(T: int, E: int, K: int, W: int) -> float:
+    from fastmoe_xpu.dist.comm_bytes import expected_remote_rows
+
+    return expected_remote_rows(T, E, K, W)
 
 
 def weight_collectives(plan: Plan, st, kind: str, g: dict, ne: int, ex: int, dt: str, gdt: str) -> list[Collective]:

@@ -27,6 +27,7 @@ failures and restarts (docs/scale.md).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -49,15 +50,20 @@ def steps(op: str, w: int) -> int:
     return {"all_reduce": 2 * lg, "all_to_all": w - 1}.get(op, lg)
 
 
+@functools.lru_cache(maxsize=4096)
+def nodes_spanned(group: tuple[int, ...], devices_per_node: int) -> int:
+    return len({r // devices_per_node for r in group})
+
+
 def link(c: Collective, cluster: Cluster) -> tuple[float, float, bool]:
     """(latency s per step, bandwidth B/s, spans nodes) of ``c``'s group on ``cluster``."""
     dpn = cluster.devices_per_node
-    nodes = {r // dpn for r in c.group}
+    nodes = nodes_spanned(c.group, dpn)
     intra = float(cluster.get(f"ops.{c.op}.bandwidth_gbps", cluster["intra.bandwidth_gbps"])) * 1e9
-    if len(nodes) <= 1:
+    if nodes <= 1:
         lat = float(cluster.get(f"ops.{c.op}.latency_us", cluster["intra.latency_us"]))
         return lat * 1e-6, intra, False
-    k = 1 if c.op in ("send", "recv") else math.ceil(len(c.group) / len(nodes))
+    k = 1 if c.op in ("send", "recv") else math.ceil(len(c.group) / nodes)
     nic = float(cluster["inter.nics_per_node"]) * float(cluster["inter.nic_gbps"]) * 1e9 * k / dpn
     return float(cluster["inter.latency_us"]) * 1e-6, min(intra, nic), True
 

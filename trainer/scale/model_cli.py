@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from ..parallelism.plan import GiB, Plan, make_plan
 from .cluster import ClusterError, load_cluster
-from .model import TERMS, Estimate, estimate, largest_terms
+from .model import TERMS, estimate, largest_terms
 
 #: The paper's Figure 4 (weak scaling of Mula-220B-A10B on Aurora from 384 tiles): efficiency bands.
 FIGURE4 = {"preset": "mula-220b-a10b", "pp": 8, "ep": 12, "base": 384,
@@ -64,13 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- layouts
-def plan_for(args: Any, world: int, global_batch: int | None) -> Plan:
+def plan_for(args: Any, world: int, global_batch: int | None, devices_per_node: int) -> Plan:
     if args.tp != 1:
         raise UsageError(f"--tp {args.tp}: the step-time model prices TP=1 layouts (tensor parallelism covers the "
                          "dense model only); use --tp 1")
+    if args.dp and len(args.world) > 1:
+        raise UsageError("--dp fixes one world's layout; leave it out with several --world sizes")
     return make_plan(args.preset, world=world, pp=args.pp, ep=args.ep or preset_ep(args.preset), dp=args.dp,
-                     ranks_per_node=max(args.ep or 1, 1) if args.ep else max(preset_ep(args.preset), 1),
-                     micro_batch=args.micro_batch or None, context=args.context or None,
+                     ranks_per_node=devices_per_node, micro_batch=args.micro_batch or None, context=args.context or None,
                      global_batch=global_batch, ac=args.ac, weights=args.weights, optimizer=args.optimizer)
 
 
@@ -80,9 +81,9 @@ def preset_ep(preset: str) -> int:
     return get_preset(preset).parallel.ep or 1
 
 
-def weak_scaling_batches(args: Any, worlds: Sequence[int]) -> list[int | None]:
+def weak_scaling_batches(args: Any, worlds: Sequence[int], devices_per_node: int) -> list[int | None]:
     """The global batch of each world: the first's (--global-batch or the preset's), grown with DP."""
-    first = plan_for(args, worlds[0], args.global_batch or None)
+    first = plan_for(args, worlds[0], args.global_batch or None, devices_per_node)
     out: list[int | None] = []
     for w in worlds:
         dp = w // (first.pp * first.ep) if not args.dp else args.dp
@@ -140,9 +141,10 @@ def layout_name(plan: Plan, fsdp: bool) -> str:
 
 def scaling_rows(args: Any, cluster: Any) -> list[dict]:
     rows = []
-    batches = weak_scaling_batches(args, args.world)
+    dpn = cluster.devices_per_node
+    batches = weak_scaling_batches(args, args.world, dpn)
     for w, gb in zip(args.world, batches):
-        plan = plan_for(args, w, gb)
+        plan = plan_for(args, w, gb, dpn)
         profs, src = profiles_for(plan, args, args.source)
         e = estimate(profs, cluster)
         rows.append({"plan": plan, "estimate": e, "source": src})

@@ -1,5 +1,5 @@
-"""The layout search: every PP x DP x EP layout of a world with ZeRO-1, EPSO or FSDP2, each activation
-checkpointing policy and micro-batch that fits the device's memory, priced by the step-time model on the
+"""The layout search: every PP x DP x EP layout of a world with either EP token exchange, ZeRO-1, EPSO
+or FSDP2, each activation checkpointing policy and micro-batch that fits the device's memory, priced by the step-time model on the
 planner's formulas (:mod:`.formula`), fastest first.
 
 Tensor parallelism is held at 1: the model prices TP=1 layouts, and the trainer's TP covers the dense
@@ -21,6 +21,9 @@ from .model import Estimate, behind, estimate
 
 KINDS = ("epso", "sharded", "fsdp")
 MICRO_BATCHES = (1, 2, 4, 8)
+#: The EP token exchange (``--model.ep_dispatch``): tokens gathered on every EP rank, or sent only where
+#: their experts are.
+DISPATCHES = ("allgather", "alltoall")
 AC_POLICIES = tuple(c for r in range(len(AC_CHOICES) + 1) for c in itertools.combinations(AC_CHOICES, r))
 
 
@@ -29,13 +32,15 @@ class Candidate:
     plan: Plan
     kind: str
     memory: int
+    dispatch: str = "allgather"
     estimate: Estimate | None = None
 
     @property
     def name(self) -> str:
         p = self.plan
         kind = {"epso": "EPSO", "sharded": "ZeRO-1", "fsdp": "FSDP2"}[self.kind]
-        return (f"PP {p.pp:>2} x DP {p.dp:>4} x EP {p.ep:>2}  {kind:6s} --ac {'+'.join(p.ac) or 'none':<14} "
+        ex = {"allgather": "ag", "alltoall": "a2a"}[self.dispatch] if p.ep > 1 else "-"
+        return (f"PP {p.pp:>2} x DP {p.dp:>4} x EP {p.ep:>2} {ex:>3}  {kind:6s} --ac {'+'.join(p.ac) or 'none':<14} "
                 f"mb {p.micro_batch}")
 
 
@@ -91,7 +96,8 @@ def price_candidate(c: Candidate, cluster: Any) -> Estimate:
         if key not in reps:
             reps[key] = st.stage
         counts[reps[key]] = counts.get(reps[key], 0) + 1
-    profs = {s * per_stage: formula_profile(plan, s * per_stage, fsdp=c.kind == "fsdp") for s in counts}
+    profs = {s * per_stage: formula_profile(plan, s * per_stage, fsdp=c.kind == "fsdp", ep_dispatch=c.dispatch)
+             for s in counts}
     return estimate(profs, cluster, stage_counts=counts)
 
 
@@ -100,10 +106,11 @@ def search(preset: str, world: int, cluster: Any, *, memory_bytes: float, global
     """(candidates that fit, fastest per token first; how many layouts were enumerated)."""
     fits, seen = [], 0
     for plan, kind in layouts(preset, world, cluster.devices_per_node, global_batch, context, weights):
-        seen += 1
+        dispatches = DISPATCHES if plan.ep > 1 else DISPATCHES[:1]
+        seen += len(dispatches)
         mem = rank_memory(plan, kind)
         if mem <= memory_bytes:
-            fits.append(Candidate(plan, kind, mem))
+            fits += [Candidate(plan, kind, mem, d) for d in dispatches]
     for c in fits:
         c.estimate = price_candidate(c, cluster)
     fits.sort(key=lambda c: c.estimate.step_s / c.estimate.tokens_per_step)
@@ -111,9 +118,11 @@ def search(preset: str, world: int, cluster: Any, *, memory_bytes: float, global
 
 
 def paper_layout(c: Candidate) -> bool:
-    """Mula-220B-A10B's published layout: PP=8, EP=12, EPSO, AC on norms, attention and experts."""
+    """Mula-220B-A10B's published layout: PP=8, EP=12, EPSO, AC on norms, attention and experts (the
+    trainer's default allgather exchange)."""
     p = c.plan
-    return (p.preset, p.pp, p.ep, c.kind, tuple(p.ac)) == ("mula-220b-a10b", 8, 12, "epso", ("norm", "attn", "moe"))
+    return ((p.preset, p.pp, p.ep, c.kind, tuple(p.ac), c.dispatch)
+            == ("mula-220b-a10b", 8, 12, "epso", ("norm", "attn", "moe"), "allgather"))
 
 
 def search_main(args: Any, cluster: Any) -> int:
@@ -127,17 +136,18 @@ def search_main(args: Any, cluster: Any) -> int:
     found, seen = search(args.preset, world, cluster, memory_bytes=mem, global_batch=args.global_batch or None,
                          context=args.context or None, weights=args.weights)
     took = time.perf_counter() - t0
-    print(f"{args.preset} at world {world} on {cluster.name}: {seen} layouts enumerated (PP x DP x EP, EPSO / "
-          f"ZeRO-1 / FSDP2, {len(AC_POLICIES)} --ac policies, micro-batch {'/'.join(map(str, MICRO_BATCHES))}; "
-          f"TP held at 1), {len(found)} fit in {mem / GiB:.0f} GiB, priced in {took:.1f} s")
+    print(f"{args.preset} at world {world} on {cluster.name}: {seen} layouts enumerated (PP x DP x EP with the EP "
+          f"exchange allgather (ag) or all-to-all (a2a), EPSO / ZeRO-1 / FSDP2, {len(AC_POLICIES)} --ac policies, "
+          f"micro-batch {'/'.join(map(str, MICRO_BATCHES))}; TP held at 1), {len(found)} fit in {mem / GiB:.0f} GiB, "
+          f"priced in {took:.1f} s")
     if not found:
         print("no layout fits; raise --memory-gib or use more devices")
         return 1
     best = found[0]
-    print(f"  {'#':>2}  {'layout':<52} {'step s':>8} {'tokens/s':>11} {'GiB/rank':>8}  behind the first by")
+    print(f"  {'#':>2}  {'layout':<56} {'step s':>8} {'tokens/s':>11} {'GiB/rank':>8}  behind the first by")
     for i, c in enumerate(found[:args.top], 1):
         e = c.estimate
-        print(f"  {i:>2}  {c.name:<52} {e.step_s:>8.2f} {e.tokens_per_s:>11,.0f} {c.memory / GiB:>8.1f}  "
+        print(f"  {i:>2}  {c.name:<56} {e.step_s:>8.2f} {e.tokens_per_s:>11,.0f} {c.memory / GiB:>8.1f}  "
               f"{behind(e, best.estimate)}")
     paper = [i for i, c in enumerate(found, 1) if paper_layout(c)]
     if args.preset == "mula-220b-a10b":
