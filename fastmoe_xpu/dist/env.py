@@ -212,8 +212,6 @@ def check_group_device(group: dist.ProcessGroup | None, device: torch.device, wh
     Deterministic and local: every rank of a consistently built job raises the same error, so no
     rank is left waiting in a collective.
     """
-    if device.type == "meta":  # shapes only, nothing to move (a trace of the step on a fake process group)
-        return
     types = group_device_types(group)
     if types is not None and device.type not in types:
         raise ValueError(
