@@ -16,7 +16,8 @@ compute      attention projections (GEMM, ``8 T H Q`` FLOPs forward), attention 
              estimates (:data:`LAUNCHES`).
 collectives  the EP token exchange per layer and micro-batch (the default allgather dispatch: tokens,
              routing weights and indices gathered, partial outputs reduce-scattered; backward the
-             transposes; repeated by a checkpointed MoE block), the pipeline's activation and gradient
+             transposes; a checkpointed MoE block gathers again, its recomputation stopping before
+             the return), the pipeline's activation and gradient
              sends, the weights' and gradients' collectives of ZeRO-1 / EPSO / AdamW / FSDP2 exactly as
              :meth:`Plan.traffic_bytes` counts them, and two scalar all-reduces over the world (loss and
              gradient norm).
@@ -169,13 +170,15 @@ def ep_exchange(ep_group: tuple[int, ...], T: int, H: int, K: int, E: int, calls
                 recompute: bool = False, dispatch: str = "allgather") -> list[Collective]:
     """The EP token exchange of ``calls`` MoE layer passes (layers x micro-batches) of ``T`` tokens."""
     W = len(ep_group)
+    # a checkpointed block's recomputation stops once it has what the backward needs (torch's
+    # non-reentrant checkpoint): the exchange out is repeated, the partial outputs' return is not
     fwd_calls = calls * (2 if recompute else 1)
     if dispatch == "allgather":
         Tg = W * T  # gathered tokens
         return [Collective("all_gather", ep_group, dt, Tg * H, count=fwd_calls, label="ep tokens"),
                 Collective("all_gather", ep_group, dt, Tg * K, count=fwd_calls, label="ep tokens"),
                 Collective("all_gather", ep_group, "int32", Tg * K, count=fwd_calls, label="ep tokens"),
-                Collective("reduce_scatter", ep_group, dt, Tg * H, count=fwd_calls, label="ep tokens"),
+                Collective("reduce_scatter", ep_group, dt, Tg * H, count=calls, label="ep tokens"),
                 Collective("reduce_scatter", ep_group, dt, Tg * H, count=calls, label="ep tokens"),
                 Collective("reduce_scatter", ep_group, dt, Tg * K, count=calls, label="ep tokens"),
                 Collective("all_gather", ep_group, dt, Tg * H, count=calls, label="ep tokens")]
@@ -184,7 +187,7 @@ def ep_exchange(ep_group: tuple[int, ...], T: int, H: int, K: int, E: int, calls
     return [Collective("all_to_all", ep_group, "int64", W, count=fwd_calls, label="ep tokens"),
             Collective("all_to_all", ep_group, dt, rows * (H + K), count=fwd_calls, label="ep tokens"),
             Collective("all_to_all", ep_group, "int32", rows * K, count=fwd_calls, label="ep tokens"),
-            Collective("all_to_all", ep_group, dt, rows * H, count=fwd_calls, label="ep tokens"),
+            Collective("all_to_all", ep_group, dt, rows * H, count=calls, label="ep tokens"),
             Collective("all_to_all", ep_group, dt, rows * H, count=2 * calls, label="ep tokens")]
 
 

@@ -166,8 +166,8 @@ def format_scaling(args: Any, cluster: Any, rows: list[dict]) -> str:
     for r in rows:
         e, p = r["estimate"], r["plan"]
         fits = "" if e.memory_total <= mem else " (over the device's memory)"
-        lines.append(f"  {e.world:>6} {p.dp:>5} {p.global_batch:>7} {p.micro_batches:>4} {e.step_s:>8.2f} "
-                     f"{e.tokens_per_s:>11,.0f} {e.tflops_per_device():>11.1f} {e.mfu(cluster):>6.1%} "
+        lines.append(f"  {e.world:>6} {p.dp:>5} {p.global_batch:>7} {p.micro_batches:>4} {e.step_s:>8.4g} "
+                     f"{e.tokens_per_s:>11,.0f} {e.tflops_per_device():>11.1f} {e.mfu(cluster, args.weights):>6.1%} "
                      f"{e.memory_total / GiB:>8.1f} {r['efficiency']:>12.3f}  {largest_terms(e)}{fits}")
     lines += ["", "  share of the step by term (%):", "  " + f"{'world':>6} " + " ".join(f"{t[:10]:>10}" for t in TERMS)]
     for r in rows:
@@ -195,7 +195,7 @@ def figure4_check(args: Any, cluster: Any, rows: list[dict]) -> list[str]:
 def rows_json(cluster: Any, rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        d = r["estimate"].to_dict(cluster)
+        d = r["estimate"].to_dict(cluster, r["plan"].weight_bytes == 4 and "fp32" or "bf16")
         p = r["plan"]
         d.update(pp=p.pp, dp=p.dp, ep=p.ep, global_batch=p.global_batch, micro_batch=p.micro_batch,
                  micro_batches=p.micro_batches, ac=list(p.ac), optimizer=p.optimizer,
