@@ -16,23 +16,22 @@ take the ordinary path), ``bincount`` gives its ``minlength`` zeros; the MoE lay
 uniform routing's average rows (:func:`fastmoe_xpu.autograd.moe_experts.meta_experts`, and an
 all-to-all dispatch sends each rank the expected rows).
 
-``python -m trainer.parallelism.plan ... --trace`` / ``fastmoe-plan ... --trace`` prints it;
+``fastmoe-plan ... --trace`` (:mod:`trainer.scale.command`) prints it;
 :func:`trace_profiles` returns the records for the step-time model.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .profile import DTYPE_BYTES, Collective, Compute, StepProfile
+from .profile import Collective, Compute, StepProfile
 
 _DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
            torch.int64: "int64", torch.int32: "int32", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
@@ -72,7 +71,6 @@ _FUNCTIONAL = {
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", 3), "all_to_all_single": ("all_to_all", 3),
     "broadcast": ("broadcast", 2), "broadcast_": ("broadcast", 2),
 }
-_GEMM = {"mm", "addmm", "matmul", "linear"}
 
 #: What a collective carries, from the code that issued it (the innermost matching frame of the call
 #: stack): path fragment -> label.
