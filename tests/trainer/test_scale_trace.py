@@ -201,3 +201,18 @@ def test_uniform_rows_per_rank_is_the_expected_remote_rows():
     for S, E, K, W in ((4096, 240, 8, 12), (128, 8, 2, 2), (1000, 64, 6, 8)):
         assert uniform_rows_per_rank(S, K, E, W) == round(expected_remote_rows(S, E, K, W) / (W - 1))
     assert uniform_rows_per_rank(128, 2, 8, 2) == round(128 * (1 - 6 / 28))  # misses: C(4, 2) of C(8, 2) pairs
+
+
+@pytest.mark.parametrize("preset,world,kw", [("tiny-moe", 4, dict(pp=2, ep=2, ac="moe")), ("tiny-dense", 2, dict(tp=2)),
+                                             ("tiny-moe", 2, dict(fsdp=True))])
+def test_meta_layout_cache_changes_nothing(preset, world, kw, monkeypatch):
+    """The recorder's memo of pure ops' meta outputs gives the same records as running every kernel."""
+    from trainer.scale import trace
+
+    cfg = _cfg(preset, world, kw)
+    cached = trace_world(cfg, world, [world - 1])[world - 1]
+    monkeypatch.setattr(trace.CollectiveRecorder, "_meta_cached", lambda self, func, args, kwargs: None)
+    plain = trace_world(cfg, world, [world - 1])[world - 1]
+    assert cached.profile.collectives == plain.profile.collectives
+    assert cached.profile.compute == plain.profile.compute and cached.profile.compute
+    assert cached.profile.memory_bytes == plain.profile.memory_bytes and cached.checkpoint == plain.checkpoint
