@@ -10,7 +10,7 @@ as the validation starts, so each measures what a rank gets while the others run
   the mean over a second of calls (what a rank gets while the others run);
 * the cost of one small op with autograd (forward and backward of an element-wise product on 64
   elements, per op): the ``launch_us`` of a CPU, where every torch op costs its dispatch;
-* gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at 4 KiB .. 4 MiB: for each,
+* gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at 4 KiB .. 16 MiB (the optimizer's buffers reach tens of MiB): for each,
   ``time = latency + wire bytes / bandwidth`` fitted robustly (Theil-Sen; the latency per algorithm step
   of :func:`trainer.scale.model.steps`).
 
@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-SIZES_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+SIZES_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 CALIBRATED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
@@ -126,7 +126,7 @@ def calibrate_rank(budget_s: float) -> dict:
                 break
             fn = _collective(op, nbytes)
             dist.barrier()
-            pts.append((nbytes, _timed(fn, 9 if nbytes < (1 << 20) else 5)))
+            pts.append((nbytes, _timed(fn, 9 if nbytes < (1 << 20) else 5 if nbytes < (16 << 20) else 3)))
         out["ops"][op] = pts
     out["world"] = w
     return out
@@ -203,8 +203,8 @@ def calibrate_main(out_path: str, world: int = 4, budget_s: float = 90.0) -> int
         "overlap": {"fsdp": (False, A, "the ranks share the CPU cores: gloo's transfers and the compute take turns")},
     }
     for op, (lat, bw) in ops.items():
-        sections[f"ops.{op}"] = {"latency_us": (round(lat * 1e6, 3), M, f"gloo {op} 4 KiB..4 MiB, fitted ({how})"),
-                                 "bandwidth_gbps": (round(bw / 1e9, 4), M, f"gloo {op} 4 KiB..4 MiB, fitted ({how})")}
+        sections[f"ops.{op}"] = {"latency_us": (round(lat * 1e6, 3), M, f"gloo {op} 4 KiB..16 MiB, fitted ({how})"),
+                                 "bandwidth_gbps": (round(bw / 1e9, 4), M, f"gloo {op} 4 KiB..16 MiB, fitted ({how})")}
     write_cluster(out_path, "here", f"this machine: {cpu}, {world} gloo ranks, calibrated {when}", sections)
     print(f"  GEMM fp32 {gemm32 / 1e9:.1f} GFLOP/s, bf16 {gemm16 / 1e9:.1f} GFLOP/s per rank; memory {mem / 1e9:.1f} GB/s; "
           f"one op {launch * 1e6:.1f} us")
