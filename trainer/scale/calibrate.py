@@ -10,9 +10,9 @@ as the validation starts, so each measures what a rank gets while the others run
   the mean over a second of calls (what a rank gets while the others run);
 * the cost of one small op with autograd (forward and backward of an element-wise product on 64
   elements, per op): the ``launch_us`` of a CPU, where every torch op costs its dispatch;
-* gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at 4 KiB .. 16 MiB (the optimizer's buffers reach tens of MiB): for each,
-  ``time = latency + wire bytes / bandwidth`` fitted robustly (Theil-Sen; the latency per algorithm step
-  of :func:`trainer.scale.model.steps`).
+* gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at 4 KiB .. 16 MiB (the
+  optimizer's buffers reach tens of MiB): for each, ``time = latency + wire bytes / bandwidth``
+  fitted robustly (Theil-Sen; the latency per algorithm step of :func:`trainer.scale.model.steps`).
 
 Validation: each layout runs in ``world`` gloo processes (the trainer itself, fp32, one warm-up step and
 ``--steps`` timed steps; the step time is the slowest rank's, the median over the timed steps), beside
@@ -92,20 +92,21 @@ def calibrate_rank(budget_s: float) -> dict:
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames; 2.11 has only these names
     deadline = time.perf_counter() + budget_s
+    each = min(1.0, budget_s / 40)  # seconds per compute measurement: about a quarter of the budget in all
     out: dict[str, Any] = {"gemm": {}, "ops": {}}
     for dtype in (torch.float32, torch.bfloat16):
         rates = []
         for n in (128, 256, 512):
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             dist.barrier()  # every rank computes at once, as in a training step
-            t = _mean_over(lambda: torch.mm(a, b), 1.0)
+            t = _mean_over(lambda: torch.mm(a, b), each)
             rates.append(2 * n ** 3 / t)
         out["gemm"][str(dtype).split(".")[-1]] = statistics.median(rates)
     rates = []
     for n in (16 << 10, 256 << 10, 4 << 20):  # 64 KiB (in cache, like a small model's activations) .. 16 MiB
         x, y = torch.ones(n), torch.ones(n)
         dist.barrier()
-        rates.append(3 * n * 4 / _mean_over(lambda: torch.add(x, y), 0.7))
+        rates.append(3 * n * 4 / _mean_over(lambda: torch.add(x, y), 0.7 * each))
     out["memory_Bps"] = statistics.median(rates)
     u = torch.ones(64, requires_grad=True)
     v = torch.ones(64)
@@ -116,7 +117,7 @@ def calibrate_rank(budget_s: float) -> dict:
             z = z * v
         z.sum().backward()
     dist.barrier()
-    out["launch_s"] = _mean_over(tiny, 1.0) / 42  # 20 products and a sum, forward and backward
+    out["launch_s"] = _mean_over(tiny, each) / 42  # 20 products and a sum, forward and backward
     dist.barrier()
     w = dist.get_world_size()
     for op in CALIBRATED_OPS:
@@ -189,7 +190,8 @@ def calibrate_main(out_path: str, world: int = 4, budget_s: float = 90.0) -> int
             "peak_tflops_fp32": (round(gemm32 / 1e12, 6), M, f"torch.mm fp32 128..512, median of sizes, per rank ({how})"),
             "peak_tflops_bf16": (round(gemm16 / 1e12, 6), M, f"torch.mm bf16 128..512, median of sizes, per rank ({how})"),
             "memory_gib": (round(total_gib / world, 2), M, f"physical memory over {world} ranks ({how})"),
-            "memory_gbps": (round(mem / 1e9, 3), M, f"torch.add of 64 KiB / 1 MiB / 16 MiB fp32 tensors, median, per rank ({how})"),
+            "memory_gbps": (round(mem / 1e9, 3), M,
+                            f"torch.add of 64 KiB / 1 MiB / 16 MiB fp32 tensors, median, per rank ({how})"),
             "gemm_efficiency": (1.0, M, "the GEMM rate above is the measured rate itself"),
             "memory_efficiency": (1.0, M, "the bandwidth above is the measured rate itself"),
             "launch_us": (round(launch * 1e6, 3), M, f"one element-wise op with autograd, forward and backward ({how})"),

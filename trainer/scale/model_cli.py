@@ -136,7 +136,8 @@ def device_memory(args: Any, cluster: Any) -> float:
 # ----------------------------------------------------------------------------- the table
 def layout_name(plan: Plan, fsdp: bool) -> str:
     opt = "FSDP2" if fsdp else {"sharded": "ZeRO-1", "epso": "EPSO", "adamw": "AdamW"}[plan.optimizer]
-    return f"PP {plan.pp} x DP {plan.dp} x EP {plan.ep}, {opt}, --ac {'+'.join(plan.ac) or 'none'}, micro-batch {plan.micro_batch}"
+    return (f"PP {plan.pp} x DP {plan.dp} x EP {plan.ep}, {opt}, --ac {'+'.join(plan.ac) or 'none'}, "
+            f"micro-batch {plan.micro_batch}")
 
 
 def scaling_rows(args: Any, cluster: Any) -> list[dict]:

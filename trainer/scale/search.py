@@ -1,6 +1,6 @@
 """The layout search: every PP x DP x EP layout of a world with either EP token exchange, ZeRO-1, EPSO
-or FSDP2, each activation checkpointing policy and micro-batch that fits the device's memory, priced by the step-time model on the
-planner's formulas (:mod:`.formula`), fastest first.
+or FSDP2, each activation checkpointing policy and micro-batch that fits the device's memory, priced by
+the step-time model on the planner's formulas (:mod:`.formula`), fastest first.
 
 Tensor parallelism is held at 1: the model prices TP=1 layouts, and the trainer's TP covers the dense
 model only. The global batch is the one asked for (or the preset's) in every layout, so the step times
@@ -154,7 +154,8 @@ def search_main(args: Any, cluster: Any) -> int:
         if paper:
             c = found[paper[0] - 1]
             print(f"  the paper's layout (PP 8 x EP 12, EPSO, --ac norm+attn+moe) ranks {paper[0]} of "
-                  f"{len(found)} at its best micro-batch ({c.plan.micro_batch}): {c.estimate.step_s:.2f} s, {c.memory / GiB:.1f} GiB; behind the first by "
+                  f"{len(found)} at its best micro-batch ({c.plan.micro_batch}): {c.estimate.step_s:.2f} s, "
+                  f"{c.memory / GiB:.1f} GiB; behind the first by "
                   f"{behind(c.estimate, best.estimate)}")
         else:
             print("  the paper's layout (PP 8 x EP 12, EPSO, --ac norm+attn+moe) does not fit here "
