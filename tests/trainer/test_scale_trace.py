@@ -88,6 +88,7 @@ def test_traced_collectives_equal_a_gloo_run(world, layouts):
     ("tiny-moe", 4, dict(pp=2, ep=2, ep_comm="alltoall", ac="moe")),
     ("tiny-moe", 4, dict(ep=2, fsdp=True)),
     ("tiny-moe", 4, dict(optimizer="sharded", ep=2)),
+    ("tiny-dense", 4, dict(tp=2)),  # TP's replicated weights: their states written by TP rank 0 only
 ])
 def test_world_checks_pass_on_sound_layouts(preset, world, kw):
     cfg = _cfg(preset, world, kw)

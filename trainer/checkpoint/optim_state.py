@@ -57,6 +57,8 @@ def optimizer_writes(model: nn.Module, optimizer: Any, is_expert: Callable[[str]
         group = b.spec.shard_group
         G, g, S = group_size(group), group_rank(group), b.shard_numel
         R, j = group_size(b.spec.pre_reduce_group), group_rank(b.spec.pre_reduce_group)
+        if R == 1 and not b.spec.norm_owner:
+            continue  # an identical replica of another rank's states (TP's replicated weights): that rank writes them
         lo_me = g * S
         full: dict[int, torch.Tensor] = {}
         sends: dict[int, list[tuple[int, int]]] = {}

@@ -187,8 +187,7 @@ def check_optimizer_owners(w: World) -> Check:
                 continue
             dim = _dim_of(b["shard_group"], rep_m)
             ident = _inner(m) if b["name"] in INNER_BUCKETS else None
-            replica_axes = {"dp", "ep", "tp"} - _axes(dim) - ({"ep", "tp"} if ident is not None else set())
-            owner = all(_position(m, a) == 0 for a in replica_axes)
+            owner = _owner(m, b, dim)
             if m.rank == tr.profile.rank and owner != b["norm_owner"]:
                 mismatch.append(m.rank)
             key = (b["name"], m.pp_rank, ident)
@@ -204,6 +203,14 @@ def check_optimizer_owners(w: World) -> Check:
               + (f"; {'; '.join(bad)}" if bad else "")
               + (f"; ranks {mismatch} count their shard in the norm though the arithmetic says a replica does" if mismatch else ""))
     return Check("every parameter element has exactly one optimizer owner", ok, detail + _stages_note(w))
+
+
+def _owner(m: DeviceMesh, b: dict[str, Any], dim: str) -> bool:
+    """Whether rank ``m`` counts its shard of bucket ``b`` (sharded over mesh group ``dim``) as the
+    owner: its position is 0 on every axis of the stage where ranks hold identical copies (outside
+    the shard group, and outside the inner axis for buckets whose elements differ along it)."""
+    replica_axes = {"dp", "ep", "tp"} - _axes(dim) - ({"ep", "tp"} if b["name"] in INNER_BUCKETS else set())
+    return all(_position(m, a) == 0 for a in replica_axes)
 
 
 def _stages_note(w: World) -> str:
@@ -248,6 +255,8 @@ def check_checkpoint_writers(w: World) -> Check:
             dim = _dim_of(b["shard_group"], rep_m)
             pre_dim = _dim_of(b["pre_reduce_group"], rep_m)
             g, j, R = _position(m, dim), _position(m, pre_dim), len(b["pre_reduce_group"])
+            if R == 1 and not _owner(m, b, dim):
+                continue  # an identical replica's states: their owner writes them (optimizer_writes)
             per_param: dict[str, int] = {}
             for key, _, _ in b["segments"]:
                 per_param[key.partition("/")[0]] = per_param.get(key.partition("/")[0], 0) + 1
