@@ -395,3 +395,17 @@ def test_cluster_loads_without_tomllib(monkeypatch):
     monkeypatch.setitem(sys.modules, "tomllib", None)  # import raises ImportError
     monkeypatch.setitem(sys.modules, "tomli", None)
     assert cl.load_cluster("aurora").figures == want
+
+
+def test_a_layout_the_trainer_refuses_to_trace_is_priced_from_the_formulas_with_its_reason(capsys):
+    """One micro-batch per data rank under PP=2: the trainer refuses 1F1B, so the automatic source says
+    why in one line and falls back to the formulas; an explicit --source trace is refused with the reason."""
+    from trainer.scale.model_cli import UsageError, trace_or_none
+
+    p = make_plan("small-moe", world=4, pp=2, ep=1, global_batch=32)
+    assert p.micro_batches == 1
+    assert trace_or_none(p, "small-moe", False) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "priced from the formulas, not traced" in err[0] and "1F1B needs" in err[0]
+    with pytest.raises(UsageError, match="--source trace: 1F1B needs"):
+        trace_or_none(p, "small-moe", False, strict=True)

@@ -94,15 +94,24 @@ def weak_scaling_batches(args: Any, worlds: Sequence[int], devices_per_node: int
     return out
 
 
-def trace_or_none(plan: Plan, preset: str, fsdp: bool) -> dict | None:
-    """Traced profiles of the first rank of every pipeline stage (None where the tracer is not available)."""
+def trace_or_none(plan: Plan, preset: str, fsdp: bool, strict: bool = False) -> dict | None:
+    """Traced profiles of the first rank of every pipeline stage (None where the tracer is not available,
+    or, unless ``strict``, where the trainer refuses this layout for a trace: the reason is said in one line
+    and the formulas price it instead)."""
     try:
         from .trace import trace_profiles
 
         return trace_profiles(preset, world=plan.world, pp=plan.pp, ep=plan.ep, dp=plan.dp, ac=plan.ac, fsdp=fsdp,
                               optimizer=plan.optimizer, ranks=[s * plan.dp * plan.ep for s in range(plan.pp)],
-                              micro_batch=plan.micro_batch, global_batch=plan.global_batch, context=plan.context)
+                              micro_batch=plan.micro_batch, global_batch=plan.global_batch, context=plan.context,
+                              jobs=2)
     except (NotImplementedError, ImportError):
+        return None
+    except ValueError as e:
+        if strict:
+            raise UsageError(f"--source trace: {e}") from None
+        print(f"fastmoe-plan: world {plan.world} priced from the formulas, not traced: {e}", file=sys.stderr,
+              flush=True)
         return None
 
 
@@ -120,7 +129,7 @@ def profiles_for(plan: Plan, args: Any, source: str) -> tuple[dict, str]:
 
     formula = stage_profiles(plan, fsdp=args.fsdp)
     if source in ("auto", "trace"):
-        traced = trace_or_none(plan, args.preset, args.fsdp)
+        traced = trace_or_none(plan, args.preset, args.fsdp, strict=source == "trace")
         if traced is not None:
             fill_memory(traced, formula)
             return traced, "trace"
