@@ -25,6 +25,7 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
+from unittest import mock
 from typing import Any, Sequence
 
 import torch
@@ -437,17 +438,13 @@ def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
     the gradients of this stage's outputs."""
     if t.pipeline is None:
         return
-    from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
-
     try:
         from torch.distributed.pipelining._utils import extract_tensor_metas
-    except ImportError:  # torch before 2.13 infers shapes otherwise
+        from torch.distributed.pipelining.stage import _StageBackwardMeta, _StageForwardMeta
+    except ImportError:  # torch before 2.13: shapes inferred in _shape_inference (recv_object_list)
         extract_tensor_metas = None
     cfg = t.cfg
     fake = t.device.type == "meta"
-    if fake and extract_tensor_metas is None:
-        raise RuntimeError(f"torch {torch.__version__}: the trace of a pipeline needs torch 2.13's stage metadata "
-                           "inference (PipelineStage._recv_meta)")
     for stage, mod in zip(t.pipeline.stages, t.pipeline.modules):
         def setup(fn: Any) -> Any:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -463,6 +460,10 @@ def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
         for infra in ("_prepare_forward_infra", "_prepare_backward_infra"):  # the metadata inference's step
             if hasattr(stage, infra):
                 setattr(stage, infra, setup(getattr(stage, infra)))
+        if extract_tensor_metas is None:
+            if fake:
+                stage._shape_inference = _shapes_received_as_sent(stage, mod, cfg)
+            continue
         if fake:
             def recv(src: int, stage: Any = stage, mod: Any = mod) -> Any:
                 if src < stage.stage_index:
@@ -475,6 +476,27 @@ def pipeline_metadata(t: Any, rec: CollectiveRecorder | None) -> None:
         else:
             stage._recv_meta = setup(stage._recv_meta)
         stage._send_meta = setup(stage._send_meta)
+
+
+def _shapes_received_as_sent(stage: Any, mod: Any, cfg: Any) -> Any:
+    """torch before 2.13 infers a stage's input shapes by receiving the previous stage's output metas as a
+    pickled object; on the fake process group nothing arrives, so the receive is answered here with what
+    the previous stage sends (:meth:`StageModel.boundary`). The send and the rest run as in a real run."""
+    infer = stage._shape_inference
+
+    def shape_inference(args: tuple, kwargs: dict | None = None) -> Any:
+        if stage.is_first:
+            return infer(args, kwargs)
+        metas = tuple(mod.boundary(cfg.schedule.micro_batch, cfg.data.context, next(mod.parameters()).dtype,
+                                   "meta"))
+
+        def recv_object_list(objects: list, *_: Any, **__: Any) -> None:
+            objects[0] = metas
+
+        with mock.patch.object(torch.distributed, "recv_object_list", recv_object_list):
+            return infer(args, kwargs)
+
+    return shape_inference
 
 
 def micro_batches_per_rank(cfg: Any, layout: Any) -> int:
