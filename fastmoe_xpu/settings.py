@@ -84,16 +84,16 @@ class Settings:
     ``"fastmoe"`` experts function when neither the module nor its config names a precision; unset:
     full precision (docs/precision.md)."""
 
+    kept_configs: bool = True
+    """``FASTMOE_KEPT_CONFIGS`` (``0`` | ``1``, default 1): take the grouped GEMMs' Triton configs from
+    the package's kept table for this device (``kernels/tuned/``, written by ``python -m
+    fastmoe_xpu.tools.config_sweep``) before timing them; 0 times every new key in the process."""
+
     int8_weight_grads: str | None = None
     """``FASTMOE_INT8_WEIGHT_GRADS`` (``int8`` | ``bf16``): how the int8 precision's weight-gradient GEMMs
     multiply on the torch base on the CPU: quantized to int8 (``torch._int_mm``) or in bf16 (``torch.mm``
     on oneDNN); unset: bf16 where the CPU has AMX-BF16 (there bf16 ran these short-contraction GEMMs
     2-3x faster than int8, quantization and dequantization included), int8 elsewhere (docs/precision.md)."""
-
-    kept_configs: bool = True
-    """``FASTMOE_KEPT_CONFIGS`` (``0`` | ``1``, default 1): take the grouped GEMMs' Triton configs from
-    the package's kept table for this device (``kernels/tuned/``, written by ``python -m
-    fastmoe_xpu.tools.config_sweep``) before timing them; 0 times every new key in the process."""
 
 
 #: Field name -> environment variable.

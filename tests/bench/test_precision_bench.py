@@ -27,6 +27,15 @@ def test_precision_providers_by_name():
 def test_layer_timing_and_report(tmp_path):
     rows = layer(["tiny"], ["int8"], rounds=1)
     assert len(rows) == 1 and rows[0]["precision"] == "int8" and rows[0]["min_s"] > 0
+    row = rows[0]  # beside it: fp32, bf16, the faster of them, G and the goal it sets
+    assert row["faster_float"] in ("fp32", "bf16") and row["fp32_min_s"] > 0 and row["bf16_min_s"] > 0
+    assert row["bf16_weights"]["min_s"] > 0
+    assert set(row["gemms"]) == {"gate_up_fwd", "down_fwd", "down_input_grad", "down_weight_grad",
+                                 "gate_up_input_grad", "gate_up_weight_grad", "all"}
+    g = row["gemms"]["all"]
+    assert row["G"] == min(g["fp32_s"], g["bf16_s"]) / g["int8_s"] > 0 and row["goal"] == max(1.5, row["G"] / 2)
+    assert row["over_float_best_paired_median"] == (row["over_bf16_paired_median"] if row["faster_float"] == "bf16"
+                                                    else row["speedup_paired_median"])
     losses = [3.0, 2.5, 2.0]
     results = {name: {"losses": losses, "train_loss_last10": 2.5, "val_loss": v, "steps_per_s": 1.0,
                       "optimizer_bytes_per_param": 12.0, **extra}
