@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..harness.report import machine_line, run_header
+from .families import FamilyShape as Size
 from ..harness.usage import Parser, count, fail, output_file
 
 #: The experts implementations compared; the first is ours.
@@ -47,19 +48,12 @@ FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 PRECISIONS = ("fp32", "bf16", "int8")
 
 
-@dataclass(frozen=True)
-class Size:
-    hidden: int
-    intermediate: int
-    experts: int
-    top_k: int
-
-
+#: The experts layer of each size (``model``: the size's name).
 SIZES: dict[str, Size] = {
-    "tiny": Size(256, 128, 16, 4),
-    "small": Size(512, 256, 32, 8),
-    "olmoe": Size(2048, 1024, 64, 8),
-    "micro": Size(64, 32, 8, 2),  # for tests: seconds, not minutes
+    "tiny": Size("tiny", 256, 128, 16, 4),
+    "small": Size("small", 512, 256, 32, 8),
+    "olmoe": Size("OLMoE-1B-7B", 2048, 1024, 64, 8),
+    "micro": Size("micro", 64, 32, 8, 2),  # for tests: seconds, not minutes
 }
 
 #: Vocabulary of the models (small: the LM head is not what is measured).

@@ -13,11 +13,10 @@ import torch
 
 from fastmoe_xpu import settings
 from fastmoe_xpu.autograd import ops
-from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.kernels import registry
 from fastmoe_xpu.kernels.torch import decode
 from fastmoe_xpu.reference import reference_experts_forward
-from test_padded_experts import CASES as PADDED_CASES, _grads, _inputs, _ops_run
+from test_padded_experts import CASES as PADDED_CASES, _grads, _inputs, check_auto_layer_runs
 from tolerances import assert_close
 
 # (T, H, I, E, K, expert_start, num_local, duplicate)
@@ -90,10 +89,4 @@ def test_whole_layer_takes_decode_at_one_row_per_expert_or_fewer():
 
 
 def test_layer_takes_the_decode_op_at_one_token():
-    x, w_gu, w_d, weights, idx = _inputs(*CASES["T1-wide"])
-    run = lambda **kw: moe_experts_forward(x, weights, idx, w_gu, w_d, **kw)  # noqa: E731
-    with settings.override(gemm_engine="auto"):
-        assert _ops_run(lambda: run(gemm_engine="auto").sum().backward()) == {
-            "fastmoe::experts", "fastmoe::experts_backward"}
-        got = run(gemm_engine="auto")
-    assert_close(got, run(gemm_engine="loop"), msg="decode vs staged")
+    check_auto_layer_runs("decode", CASES["T1-wide"])

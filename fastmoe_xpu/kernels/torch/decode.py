@@ -97,6 +97,19 @@ def _offsets(counts: list[int], like: torch.Tensor) -> torch.Tensor | None:
     return torch.tensor(counts, dtype=torch.int32).cumsum_(0)
 
 
+def _per_expert(a_RN: torch.Tensor, w: torch.Tensor, transposed: bool, groups: list[tuple[int, int, int]],
+                offs: torch.Tensor | None) -> torch.Tensor:
+    """Each chosen expert's rows of ``a`` times its weight, ``w[e]^T`` (``transposed``) or ``w[e]``: one
+    grouped GEMM where ``offs`` is given (:func:`_offsets`), else an ``mm`` per expert with rows."""
+    if offs is not None:
+        return _gmm(a_RN, w.mT if transposed else w, offs)
+    views = _experts_of(w)
+    out = a_RN.new_empty(a_RN.shape[0], w.shape[1] if transposed else w.shape[2])
+    for e, a, b in groups:
+        torch.mm(a_RN[a:b], views[e].t() if transposed else views[e], out=out[a:b])
+    return out
+
+
 def _weight_grad(w: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
     """A gradient buffer for ``w [NR, ., .]`` from the torch backend's pool (kept mapped between calls)
     whose experts without rows are zero, one run of consecutive experts at a time; the experts with
@@ -140,22 +153,9 @@ def experts_forward(
     tokens = slots if K == 1 else slots.div(K, rounding_mode="floor")
     x_RH = x_TH if T == 1 and K == 1 else x_TH.index_select(0, tokens)
     offs = _offsets(counts, x_TH)
-    if offs is not None:
-        gate_up = _gmm(x_RH, w_gate_up_N2IH.mT, offs)
-    else:
-        gate_up = x_TH.new_empty(RL, I2)
-        w_gu = _experts_of(w_gate_up_N2IH)
-        for e, a, b in groups:
-            torch.mm(x_RH[a:b], w_gu[e].t(), out=gate_up[a:b])
+    gate_up = _per_expert(x_RH, w_gate_up_N2IH, True, groups, offs)
     h = _silu_mul(gate_up)
-    h = h if h.dtype == x_TH.dtype else h.to(x_TH.dtype)
-    if offs is not None:
-        y_RH = _gmm(h, w_down_NHI.mT, offs)
-    else:
-        y_RH = x_TH.new_empty(RL, H)
-        w_d = _experts_of(w_down_NHI)
-        for e, a, b in groups:
-            torch.mm(h[a:b], w_d[e].t(), out=y_RH[a:b])
+    y_RH = _per_expert(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI, True, groups, offs)
     w_R = weights_TK.reshape(S).index_select(0, slots)
     y_RH.mul_(w_R.unsqueeze(1) if w_R.dtype == y_RH.dtype else w_R.to(y_RH.dtype).unsqueeze(1))
     if RL == S and K > 1:  # every slot local: back to slot order, a sum over each token's K rows
@@ -222,13 +222,7 @@ def experts_backward(
     silu = torch._C._nn.silu(gate)
     h = silu * up  # [RL, I] fp32
     offs = _offsets(counts, x_TH)
-    w_gu, w_d = _experts_of(w_gate_up_N2IH), _experts_of(w_down_NHI)
-    if offs is not None:
-        g = _gmm(dout_RH, w_down_NHI, offs)  # unweighted dout @ W_down[e]
-    else:
-        g = dout_RH.new_empty(RL, w_down_NHI.shape[2])
-        for e, a, b in groups:
-            torch.mm(dout_RH[a:b], w_d[e], out=g[a:b])
+    g = _per_expert(dout_RH, w_down_NHI, False, groups, offs)  # unweighted dout @ W_down[e]
     g = g if g.dtype == f32 else g.float()
     w_R1 = weights_TK.reshape(S).index_select(0, slots).unsqueeze(1)
     w_R1 = w_R1 if w_R1.dtype == f32 else w_R1.float()
@@ -244,12 +238,7 @@ def experts_backward(
     torch.mul(g, silu, out=d_up)
     if dtype != f32:
         d_gu = d_gu.to(dtype)
-    if offs is not None:
-        dx_RH = _gmm(d_gu, w_gate_up_N2IH, offs)
-    else:
-        dx_RH = x_TH.new_empty(RL, H)
-        for e, a, b in groups:
-            torch.mm(d_gu[a:b], w_gu[e], out=dx_RH[a:b])
+    dx_RH = _per_expert(d_gu, w_gate_up_N2IH, False, groups, offs)
     for e, a, b in groups:
         torch.mm(d_gu[a:b].t(), x_RH[a:b], out=dw_gate_up[e])
     dx_TH = torch.zeros_like(x_TH).index_add_(0, tokens, dx_RH)
