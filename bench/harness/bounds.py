@@ -107,18 +107,18 @@ class GemmBound:
     GEMMS = ("gate_up_fwd", "down_fwd", "down_input_grad", "down_weight_grad", "gate_up_input_grad",
              "gate_up_weight_grad")
 
+    def _run(self, *gemms: str) -> None:
+        for name in gemms:
+            getattr(self, name)()
+
     def down_bwd(self) -> None:
-        self.down_input_grad()
-        self.down_weight_grad()
+        self._run("down_input_grad", "down_weight_grad")
 
     def gate_up_bwd(self) -> None:
-        self.gate_up_input_grad()
-        self.gate_up_weight_grad()
+        self._run("gate_up_input_grad", "gate_up_weight_grad")
 
     def forward(self) -> None:
-        self.gate_up_fwd()
-        self.down_fwd()
+        self._run(*self.GEMMS[:2])
 
     def backward(self) -> None:
-        self.down_bwd()
-        self.gate_up_bwd()
+        self._run(*self.GEMMS[2:])
