@@ -14,8 +14,9 @@ quantized once for the run), against transformers in fp32 and in bf16, whichever
 tokens are compared with the fp32 run's: quantization may change a greedy choice, so the row gives
 the share of tokens that agree instead of a yes/no).
 
-The first ``generate`` of each implementation (wall time, a fresh engine choice for fastmoe) is
-timed apart, after one untimed ``generate`` of the family's ``eager`` experts has warmed torch.
+The first ``generate`` of each implementation (wall time) is timed apart, after one untimed
+``generate`` of the family's ``eager`` experts has warmed torch; fastmoe's makes its engine choices
+afresh (each model runs with an empty engine cache of its own, as on a new machine).
 
 Sizes (:data:`SIZES`): ``tiny`` H=256 I=128 E=16 K=4, ``small`` H=512 I=256 E=32 K=8, ``olmoe``
 OLMoE-1B-7B's layer H=2048 I=1024 E=64 K=8 (two layers: 3.2 GB of fp32 expert weights); ``micro``
@@ -29,12 +30,15 @@ import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fastmoe_xpu import settings
 
 from ..harness.report import machine_line, run_header
 from .families import FamilyShape as Size
@@ -160,12 +164,19 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_config(family: str, size_name: str, precision: str, batches: list[int], threads: list[int],
                prompt: int, new_tokens: int, rounds: int, seed: int, bar: Any = None) -> list[dict[str, Any]]:
-    """Every (batch, threads) row of one family, size and precision."""
+    """Every (batch, threads) row of one family, size and precision, with an engine cache of its own."""
+    size = SIZES[size_name]
+    with tempfile.TemporaryDirectory() as tmp, settings.override(gemm_cache=str(Path(tmp) / "engines.json")):
+        # a fresh engine cache: fastmoe's first generate makes its engine choices as on a new machine
+        return _run_config(family, size_name, size, precision, batches, threads, prompt, new_tokens, rounds, seed, bar)
+
+
+def _run_config(family: str, size_name: str, size: Size, precision: str, batches: list[int], threads: list[int],
+                prompt: int, new_tokens: int, rounds: int, seed: int, bar: Any) -> list[dict[str, Any]]:
     from fastmoe_xpu import frozen_expert_weights
     from fastmoe_xpu.kernels import registry
     from fastmoe_xpu.kernels.quantized import core
 
-    size = SIZES[size_name]
     models = {"fp32": build(family, size, "fp32" if precision != "bf16" else "bf16", prompt + new_tokens, seed)}
     if precision == "int8":
         models["bf16"] = build(family, size, "bf16", prompt + new_tokens, seed)
@@ -219,7 +230,8 @@ def format_row(r: dict[str, Any]) -> str:
     if r["precision"] == "int8":
         equal = f"{100 * r['tokens_agree']:.0f}% of fp32's"
     else:
-        equal = "yes" if r["tokens_agree"] == 1.0 and r["peers_agree"] else f"NO ({100 * r['tokens_agree']:.0f}%)"
+        equal = "yes" if r["tokens_agree"] == 1.0 and r["peers_agree"] else (
+            f"NO ({100 * r['tokens_agree']:.0f}%; grouped_mm and batched_mm {'agree' if r['peers_agree'] else 'differ'})")
     return (f"| {r['family']} | {r['size']} | {r['precision']} | {r['batch']} | {r['threads']} | "
             f"{r['fastmoe_ms']:.1f} | {gm:.1f} | {bm:.1f} | {r['median']:.2f}x ({r['lo']:.2f}-{r['hi']:.2f}) | "
             f"{r['of_minimums']:.2f}x | {r['first_ratio']:.2f}x | {equal} |")
@@ -288,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines[-len(rows):]))
     if args.out:
         print(f"# wrote {args.out}")
-    wrong = [r for r in rows if r["precision"] != "int8" and not (r["tokens_agree"] == 1.0 and r["peers_agree"])]
-    for r in wrong:
+    differ = [r for r in rows if r["precision"] != "int8" and not (r["tokens_agree"] == 1.0 and r["peers_agree"])]
+    for r in differ:
         print(f"# {r['family']} {r['size']} {r['precision']} B={r['batch']}: the tokens differ", file=sys.stderr)
-    return 1 if wrong else 0
+    # fp32 must give transformers' tokens; bf16 rounds differently per kernel (the row says whether
+    # transformers' own two implementations agree), int8 changes the numbers by design
+    return 1 if any(r["precision"] == "fp32" for r in differ) else 0
 
 
 if __name__ == "__main__":
