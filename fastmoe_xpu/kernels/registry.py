@@ -150,8 +150,8 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
                 shape: tuple[int, int, int, int, int], lora: bool = False) -> str | None:
     """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
     the staged chain: the first one for ``backend`` (resolved: ``"torch"`` or ``"triton"``) available
-    on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer (or whose
-    ``max_rows_per_expert`` does: ``T * K`` routed rows over ``NR`` experts), and only while
+    on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer (or whose ``max_tokens``
+    does, with at most one routed row per local expert), and only while
     ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``;
     ``lora``: the layer has adapters (only an implementation that runs them qualifies).
     Asked on every layer call: answered from :data:`_LAYER_ANSWERS` after the first."""
@@ -165,7 +165,7 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
         macs = layer_macs(*shape)
         for name in LAYERS:
             impl = IMPLEMENTATIONS[name]
-            fits = macs <= impl.max_layer_macs or shape[0] * shape[1] <= impl.max_rows_per_expert * shape[4]
+            fits = macs <= impl.max_layer_macs or (shape[0] <= impl.max_tokens and shape[0] * shape[1] <= shape[4])
             if (backend in impl.bases and fits and (impl.adapters or not lora)
                     and impl.reason_unavailable(device, dtype) is None):
                 answer = name

@@ -1,5 +1,5 @@
-"""The ``decode`` experts implementation (stages 2-5 in one piece for layers with at most one routed row
-per local expert, ``fastmoe_xpu/kernels/torch/decode.py``) against the mask-based reference, and the
+"""The ``decode`` experts implementation (stages 2-5 in one piece on the chosen experts alone,
+``fastmoe_xpu/kernels/torch/decode.py``; ``auto`` takes it for one token) against the mask-based reference, and the
 registry's choice of it.
 
 Awkward shapes: one token (its matrix-vector path), one token naming an expert twice, K=1, K=E, many
@@ -77,12 +77,14 @@ def test_weight_views_follow_a_new_storage():
 
 
 # ---------------------------------------------------------------- the registry's choice
-def test_whole_layer_takes_decode_at_one_row_per_expert_or_fewer():
+def test_whole_layer_takes_decode_at_one_token():
     with settings.override(gemm_engine="auto"):  # the tests' conftest pins "native"
         choose = lambda shape: registry.whole_layer("torch", "auto", "cpu", torch.float32, shape)  # noqa: E731
-        assert choose((1, 8, 2048, 1024, 64)) == "decode"  # OLMoE decoding: 8 rows of 64 experts
-        assert choose((8, 8, 2048, 1024, 64)) == "decode"  # 64 rows, one per expert
-        assert choose((9, 8, 2048, 1024, 64)) is None  # past one row per expert, past the padded budget
+        assert choose((1, 8, 2048, 1024, 64)) == "decode"  # OLMoE decoding one sequence: 8 rows of 64 experts
+        assert choose((1, 4, 256, 128, 16)) == "decode"  # within the padded budget too: decode first
+        assert choose((2, 8, 2048, 1024, 64)) is None  # two tokens, past the padded budget: staged
+        assert choose((4, 4, 256, 128, 16)) == "padded"  # four tokens of a small layer
+        assert choose((1, 8, 64, 32, 4)) == "padded"  # more choices than local experts
         assert choose((48, 2, 64, 32, 8)) == "padded"  # 12 rows per expert, a small layer
         assert registry.whole_layer("torch", "loop", "cpu", torch.float32, (1, 8, 2048, 1024, 64)) is None
         assert registry.whole_layer("triton", "auto", "cpu", torch.float32, (1, 8, 64, 32, 64)) is None

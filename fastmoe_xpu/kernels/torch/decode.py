@@ -7,7 +7,10 @@ CPU runs a GEMM per expert, empty ones included; the staged chain pays for its s
 the slots are sorted by expert (one stable ``argsort``, the experts' row counts read to the host,
 free on the CPU), each chosen expert's rows go through ``x @ W_gate_up[e]^T`` and ``h @ W_down[e]^T``
 (plain ``mm`` into slices of one output, on views of the weights that are cached per weight tensor),
-SiLU*up runs once over all rows, and each token's K rows are weighted and summed.
+SiLU*up runs once over all rows, and each token's K rows are weighted and summed. One token (a
+decode step of one sequence) takes a matrix-vector product per choice, in slot order, no sort and no
+gather; that is where ``auto`` runs this op (the registry's ``max_tokens``): from a few tokens on, the
+padded op or torch's grouped GEMM in one piece measured as fast or faster (docs/small_shapes.md).
 
 The backward has the same shape: per chosen expert, the down GEMM's input gradient (unweighted: its
 dot with ``h`` is the router-weight gradient), both weight gradients and the input gradient's rows;
