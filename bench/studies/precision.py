@@ -37,7 +37,7 @@ import functools
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from ..harness.usage import Parser, count, output_dir
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -215,14 +215,16 @@ def _paired_median(a: list[float], b: list[float]) -> float:
 FLOAT_VARIANTS = (("fp32", "fp32", None), ("bf16", "bf16", None))
 
 
-def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[dict[str, Any]]:
+def layer(preset_names: list[str], precisions: list[str], rounds: int,
+          done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Each preset's layer forward + backward (stages 2-5, the torch backend) in fp32 and in bf16 (the
     stage-4 engine ``auto``, each dtype's fastest), and in each quantized precision on the fp32 model
     and on the bf16 model (``<precision>/bf16``), interleaved in the same rounds (the order rotating),
     with the GEMM-only bounds of the three GEMMs (fp32 and bf16 ``torch.mm``, int8 ``torch._int_mm``)
     in the same rounds. One row per precision: its speed over fp32, over bf16 and over the faster of
     the two (``float_best``), and G, ``torch._int_mm``'s speed over the faster float GEMM at the
-    layer's six GEMM shapes (their sums; per GEMM in ``gemms``)."""
+    layer's six GEMM shapes (their sums; per GEMM in ``gemms``). ``done(rows)``: called with the rows so
+    far after each preset (the caller writes them: a run killed at a later preset keeps the earlier)."""
     import torch
 
     from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
@@ -300,6 +302,8 @@ def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[d
                   f"on bf16 weights {row['bf16_weights']['min_s'] * 1e3:.0f} ms, over the faster float "
                   f"{row['bf16_weights']['over_float_best_paired_median']:.2f}x (paired medians)", flush=True)
         del cases, leaves, gemms, variants
+        if done is not None:
+            done(rows)
     return rows
 
 
@@ -339,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
                    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         print(f"{machine['cpu_model']} ({', '.join(machine['matrix_extensions']) or 'no AVX-512 / AMX'}), "
               f"{machine['torch_threads']} torch threads, torch {machine['torch']}", flush=True)
-        rows = layer(args.layer, args.precision, args.rounds)
         cmd = (f"python -m bench precision --layer {' '.join(args.layer)} --precision {' '.join(args.precision)} "
                f"--rounds {args.rounds}" + (f" --threads {args.threads}" if args.threads else ""))
-        (out / "layer.json").write_text(json.dumps({"command": cmd, "machine": machine, "rows": rows}, indent=1) + "\n")
+
+        def write(rows: list[dict[str, Any]]) -> None:
+            (out / "layer.json").write_text(json.dumps({"command": cmd, "machine": machine, "rows": rows}, indent=1)
+                                            + "\n")
+
+        layer(args.layer, args.precision, args.rounds, done=write)
         return 0
     sets = {}
     for item in args.set:

@@ -25,8 +25,10 @@ def test_precision_providers_by_name():
 
 
 def test_layer_timing_and_report(tmp_path):
-    rows = layer(["tiny"], ["int8"], rounds=1)
+    written = []  # what the caller is handed after each preset, to write it before the next
+    rows = layer(["tiny"], ["int8"], rounds=1, done=lambda r: written.append(list(r)))
     assert len(rows) == 1 and rows[0]["precision"] == "int8" and rows[0]["min_s"] > 0
+    assert written == [rows]
     row = rows[0]  # beside it: fp32, bf16, the faster of them, G and the goal it sets
     assert row["faster_float"] in ("fp32", "bf16") and row["fp32_min_s"] > 0 and row["bf16_min_s"] > 0
     assert row["bf16_weights"]["min_s"] > 0
