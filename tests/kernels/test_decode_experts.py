@@ -13,6 +13,7 @@ import torch
 
 from fastmoe_xpu import settings
 from fastmoe_xpu.autograd import ops
+from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.kernels import registry
 from fastmoe_xpu.kernels.torch import decode
 from fastmoe_xpu.reference import reference_experts_forward
@@ -92,3 +93,25 @@ def test_whole_layer_takes_decode_at_one_token():
 
 def test_layer_takes_the_decode_op_at_one_token():
     check_auto_layer_runs("decode", CASES["T1-wide"])
+
+
+@pytest.mark.parametrize("case", ["T1-wide", "odd", "ep-slice"])
+def test_layer_without_grad_runs_the_body_directly_with_the_same_output(case, monkeypatch):
+    """Under ``no_grad`` (generation) a whole-layer op's body runs directly, not through the op; the
+    output is the op's and the reference's, the id check still fires on the plan's dump bit."""
+    T, H, I, E, K, start, nl, dup = CASES[case]
+    x, w_gu, w_d, weights, idx = _inputs(T, H, I, E, K, start, nl, dup)
+    want = reference_experts_forward(x, weights, idx, w_gu, w_d, expert_start=start)
+    applied, below = [], ops._below_autograd
+    monkeypatch.setattr(ops, "_below_autograd", lambda *a: applied.append(a[0]) or below(*a))
+    with settings.override(gemm_engine="auto"):  # the op path, with grad, does go through it
+        moe_experts_forward(x, weights, idx, w_gu, w_d, expert_start=start, num_local=nl, gemm_engine="auto")
+    assert applied == [ops.experts]
+    applied.clear()
+    checked = []
+    with settings.override(gemm_engine="auto"), torch.no_grad():
+        got = moe_experts_forward(x, weights, idx, w_gu, w_d, expert_start=start, num_local=nl, gemm_engine="auto",
+                                  check_ids=checked.append)
+    assert not applied and got.grad_fn is None
+    assert_close(got, want, msg=case)
+    assert len(checked) == (1 if case == "ep-slice" else 0)  # some ids there are other ranks' experts
