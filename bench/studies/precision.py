@@ -307,6 +307,31 @@ def layer(preset_names: list[str], precisions: list[str], rounds: int,
     return rows
 
 
+def layer_markdown(rows: list[dict[str, Any]], machine: dict[str, Any], cmd: str) -> str:
+    """The rows of :func:`layer` as a markdown table under the command, date and CPU."""
+    lines = [f"Measured {machine['date_utc']} with `{cmd}`  ",
+             f"{machine['cpu_model']} ({', '.join(machine['matrix_extensions']) or 'no AVX-512 / AMX'}), "
+             f"{machine['torch_threads']} torch threads, torch {machine['torch']}; F+B min over rounds, ratios the "
+             "median of same-round ratios.", "",
+             "| preset | precision | fp32 ms | bf16 ms | faster float | precision ms | over fp32 | over bf16 | over the "
+             "faster float | G | goal max(1.5, G/2) | on bf16 weights ms | on bf16 weights over the faster float "
+             "| bf16 layer over its GEMM-only bound |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['precision']} | {r['fp32_min_s'] * 1e3:.0f} | {r['bf16_min_s'] * 1e3:.0f} | "
+                     f"{r['faster_float']} | {r['min_s'] * 1e3:.0f} | {r['speedup_paired_median']:.2f}x | "
+                     f"{r['over_bf16_paired_median']:.2f}x | {r['over_float_best_paired_median']:.2f}x | {r['G']:.2f} | "
+                     f"{r['goal']:.2f}x | {r['bf16_weights']['min_s'] * 1e3:.0f} | "
+                     f"{r['bf16_weights']['over_float_best_paired_median']:.2f}x | {r['bf16_over_bound']:.2f}x |")
+    lines += ["", "G per GEMM (`torch._int_mm` over the faster of fp32 and bf16 `torch.mm`, the layer's per-expert shapes):",
+              "", "| preset | " + " | ".join(rows[0]["gemms"]) + " |", "|---|" + "---:|" * len(rows[0]["gemms"])]
+    seen = set()
+    for r in rows:
+        if r["preset"] not in seen:
+            seen.add(r["preset"])
+            lines.append(f"| {r['preset']} | " + " | ".join(f"{v['G']:.2f}" for v in r["gemms"].values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="fastmoe-bench precision", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny-moe")
@@ -349,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         def write(rows: list[dict[str, Any]]) -> None:
             (out / "layer.json").write_text(json.dumps({"command": cmd, "machine": machine, "rows": rows}, indent=1)
                                             + "\n")
+            (out / "layer.md").write_text(layer_markdown(rows, machine, cmd))
 
         layer(args.layer, args.precision, args.rounds, done=write)
         return 0
