@@ -182,7 +182,7 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
 #: multiply-accumulates measured (docs/small_shapes.md, "Whole tiny models of each family").
 SMALL_LAYER_ENGINE = "grouped_mm"
 #: The largest layer (:func:`layer_macs`) that takes :data:`SMALL_LAYER_ENGINE` untimed.
-SMALL_LAYER_MACS = 16 * 2**20
+SMALL_LAYER_MACS = 24 * 2**20
 
 
 #: Answers of :func:`untimed_engine` by its arguments and the settings in force.
