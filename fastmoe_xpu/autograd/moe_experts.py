@@ -151,7 +151,9 @@ def moe_experts_forward(
         # A small layer without expert parallelism takes auto's engine for its size untimed (registry:
         # ``untimed_engine``): no timing at the first call, nothing to watch. (Under expert parallelism
         # the ranks' row counts differ; they agree on one timed choice instead.)
-        fixed = untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape) if not _group_name(ep_group) else None
+        fixed = None if _group_name(ep_group) else untimed_engine(
+            base, gemm_engine, x_TH.device, x_TH.dtype, shape,
+            inference=not _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK))
         if fixed is not None:
             gemm_engine = gemm = fixed
             # On grouped_mm, a plain fp32 layer whose ids are all local runs in one piece (stages 2-5
