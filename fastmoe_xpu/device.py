@@ -36,3 +36,22 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+#: The CPU flags (as ``/proc/cpuinfo`` names them) of the vector and matrix extensions the CPU GEMMs
+#: use: AVX-512, its bf16 dot products and VNNI int8 ones, AMX tiles for bf16, int8 and fp16.
+MATRIX_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_matrix_extensions() -> tuple[str, ...]:
+    """Which of :data:`MATRIX_FLAGS` this CPU has (``/proc/cpuinfo``'s flags; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return tuple(flag for flag in MATRIX_FLAGS if flag in have)
+    except OSError:
+        pass
+    return ()

@@ -22,6 +22,9 @@ KERNEL_BACKENDS = ("torch", "triton")
 #: Triton config tables ``FASTMOE_TRITON_CONFIGS`` may force (see ``kernels/configs.py``).
 CONFIG_TABLES = ("cuda", "sm100", "hip", "xpu", "interpreter")
 
+#: How ``FASTMOE_INT8_WEIGHT_GRADS`` may have the int8 weight-gradient GEMMs multiply.
+INT8_WEIGHT_GRADS = ("int8", "bf16")
+
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 
@@ -86,6 +89,12 @@ class Settings:
     the package's kept table for this device (``kernels/tuned/``, written by ``python -m
     fastmoe_xpu.tools.config_sweep``) before timing them; 0 times every new key in the process."""
 
+    int8_weight_grads: str | None = None
+    """``FASTMOE_INT8_WEIGHT_GRADS`` (``int8`` | ``bf16``): how the int8 precision's weight-gradient GEMMs
+    multiply on the torch base on the CPU: quantized to int8 (``torch._int_mm``) or in bf16 (``torch.mm``
+    on oneDNN); unset: bf16 where the CPU has AMX-BF16 (there bf16 ran these short-contraction GEMMs
+    2-3x faster than int8, quantization and dequantization included), int8 elsewhere (docs/precision.md)."""
+
 
 #: Field name -> environment variable.
 ENV_NAMES: Mapping[str, str] = {
@@ -102,6 +111,7 @@ ENV_NAMES: Mapping[str, str] = {
     "gemm_cache": "FASTMOE_GEMM_CACHE",
     "expert_precision": "FASTMOE_EXPERT_PRECISION",
     "kept_configs": "FASTMOE_KEPT_CONFIGS",
+    "int8_weight_grads": "FASTMOE_INT8_WEIGHT_GRADS",
 }
 
 
@@ -204,6 +214,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         gemm_cache=_raw(env, "gemm_cache") or None,
         expert_precision=_choice(env, "expert_precision", _precision_choices),
         kept_configs=defaults.kept_configs if kept_configs is None else kept_configs,
+        int8_weight_grads=_choice(env, "int8_weight_grads", INT8_WEIGHT_GRADS),
     )
 
 

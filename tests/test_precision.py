@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastmoe_xpu import FastSparseMoeBlock
+from fastmoe_xpu import FastSparseMoeBlock, settings
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.kernels import kernels, registry
 from fastmoe_xpu.kernels.quantized import core
@@ -23,6 +23,11 @@ from fastmoe_xpu.routing import topk_routing
 # int8: the integer GEMMs are exact and the epilogue rounds as the reference does, so only the
 # combine's summation order differs; fp8: _scaled_mm accumulates in fp32 in its own order.
 TOL = {"int8": dict(rtol=1e-5, atol=1e-6), "fp8": dict(rtol=2e-5, atol=1e-6)}
+#: A bf16 weight-gradient GEMM (fp32 sums rounded to bf16) against the exact product rounded to bf16:
+#: the sums' order can move an element to the neighbouring bf16 value, 2^-7 of it at most. (The
+#: bf16 row of tests/tolerances.py, relative to the largest element, would not tell an int8 product
+#: from a bf16 one.)
+BF16_STEP = 2.0 ** -7
 
 # (T, H, I, E, K): odd widths, K not dividing E, T not a multiple of the token block, a router
 # that leaves experts empty, a single token.
@@ -56,8 +61,12 @@ def _base_that_runs(fmt: str) -> str:
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, fmt: str, what: str) -> None:
-    tol = TOL[fmt]
     scale = want.abs().max().item() if want.numel() else 1.0
+    if fmt == "bf16":  # a bf16 weight-gradient GEMM: within one bf16 step of each element
+        torch.testing.assert_close(got.detach().float(), want.float(), rtol=BF16_STEP, atol=1e-6 * scale,
+                                   msg=lambda m: f"bf16 {what}: {m}")
+        return
+    tol = TOL[fmt]
     torch.testing.assert_close(got.detach().float(), want.float(), rtol=tol["rtol"],
                                atol=tol["atol"] + tol["rtol"] * scale, msg=lambda m: f"{fmt} {what}: {m}")
 
@@ -75,21 +84,37 @@ def _case(T, H, I, E, K, seed=0, empty=False):
     return x, weights, idx, w_gu, w_d, dout
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+#: The precisions the torch base's tests run, the int8 one with each way of multiplying its weight
+#: gradients (``core.weight_grad_gemm``: int8, or bf16 as CPUs with AMX-BF16 do unless told otherwise).
+FORMATS = ["int8", "int8/bf16-wgrad", "fp8"]
+
+
+@contextlib.contextmanager
+def _recipe(param: str):
+    """``(fmt, how its weight gradients multiply)`` of a :data:`FORMATS` entry, that way in force within."""
+    fmt, _, wgrad = param.partition("/")
+    wgrad = wgrad.removesuffix("-wgrad") or fmt
+    with settings.override(int8_weight_grads=wgrad if fmt == "int8" else None):
+        assert core.weight_grad_gemm(fmt, "cpu") == wgrad
+        yield fmt, wgrad
+
+
+@pytest.mark.parametrize("param", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
-def test_experts_op_matches_reference(fmt, shape):
-    _torch_runs(fmt, "the Triton base's fp8 layer is held to the same reference at these shapes in "
-                     "tests/kernels/test_fp8_triton.py")
-    x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
-    leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-    out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
-                              expert_precision=fmt)
-    out.backward(dout)
-    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, fmt)
+def test_experts_op_matches_reference(param, shape):
+    with _recipe(param) as (fmt, wgrad):
+        _torch_runs(fmt, "the Triton base's fp8 layer is held to the same reference at these shapes in "
+                         "tests/kernels/test_fp8_triton.py")
+        x, weights, idx, w_gu, w_d, dout = _case(*shape, empty=shape[0] == 5)
+        leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
+        out = moe_experts_forward(leaves[0], leaves[1], idx, leaves[2], leaves[3], backend="torch",
+                                  expert_precision=fmt)
+        out.backward(dout)
+    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, fmt, weight_grads=wgrad)
     _close(out, want[0], fmt, "output")
     _close(leaves[0].grad, want[1], fmt, "input gradient")
-    _close(leaves[2].grad, want[2], fmt, "gate_up weight gradient")
-    _close(leaves[3].grad, want[3], fmt, "down weight gradient")
+    _close(leaves[2].grad, want[2], wgrad, "gate_up weight gradient")
+    _close(leaves[3].grad, want[3], wgrad, "down weight gradient")
     _close(leaves[1].grad, want[4], fmt, "router-weight gradient")
     if shape[0] == 5:
         assert int(idx.max()) <= shape[4], "the routing did not leave experts empty"
@@ -116,11 +141,10 @@ def test_quantized_close_to_full_precision(fmt):
         assert rel > 0, (name, "quantization changed nothing: the precision was not applied")
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("param", FORMATS)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_grouped_linear_launchers(fmt, transposed):
+def test_grouped_linear_launchers(param, transposed):
     """``down_fwd`` / ``down_bwd`` (the other layouts' stage 4) against :func:`qref.qlinear` per expert."""
-    _torch_runs(fmt, "tests/kernels/test_fp8_triton.py holds the Triton base's launchers to the same reference")
     g = torch.Generator().manual_seed(3)
     counts = [5, 0, 19, 1]
     cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
@@ -128,18 +152,44 @@ def test_grouped_linear_launchers(fmt, transposed):
     w = torch.randn(4, 13, 11, generator=g)  # [NR, O, In]
     stored = w.transpose(1, 2).contiguous() if transposed else w
     dy = torch.randn(sum(counts), 13, generator=g)
-    ks = kernels(f"torch+{fmt}")
-    y = ks.down_fwd(a, cum, stored, transposed=transposed)
-    da, dw = ks.down_bwd(dy, a, cum, stored, transposed=transposed)
+    with _recipe(param) as (fmt, wgrad):
+        _torch_runs(fmt, "tests/kernels/test_fp8_triton.py holds the Triton base's launchers to the same reference")
+        ks = kernels(f"torch+{fmt}")
+        y = ks.down_fwd(a, cum, stored, transposed=transposed)
+        da, dw = ks.down_bwd(dy, a, cum, stored, transposed=transposed)
     for e in range(4):
         s, t = int(cum[e]), int(cum[e + 1])
         if s == t:
             assert torch.count_nonzero(dw[e]) == 0
             continue
         _close(y[s:t], qref.qlinear(a[s:t], w[e], fmt), fmt, f"expert {e} forward")
-        want_da, want_dw = qref.qlinear_backward(dy[s:t], a[s:t], w[e], fmt)
+        want_da, want_dw = qref.qlinear_backward(dy[s:t], a[s:t], w[e], fmt, weight_grads=wgrad)
         _close(da[s:t], want_da, fmt, f"expert {e} input gradient")
-        _close(dw[e].t() if transposed else dw[e], want_dw, fmt, f"expert {e} weight gradient")
+        _close(dw[e].t() if transposed else dw[e], want_dw, wgrad, f"expert {e} weight gradient")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16_weight_grads_of_bf16_weights(transposed):
+    """The int8 layer's bf16 weight gradients where the weights are bf16 (the GEMM writes the gradient
+    itself, no fp32 copy): each expert's within one bf16 step of the exact product of the bf16 operands;
+    an empty expert's zero."""
+    g = torch.Generator().manual_seed(4)
+    counts = [7, 0, 21, 2]
+    cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    a = torch.randn(sum(counts) + 2, 11, generator=g).bfloat16()  # two rows past RT
+    w = torch.randn(4, 13, 11, generator=g).bfloat16()
+    dy = torch.randn(sum(counts) + 2, 13, generator=g).bfloat16()
+    with _recipe("int8/bf16-wgrad"):
+        _, dw = kernels("torch+int8").down_bwd(dy, a, cum, w.transpose(1, 2).contiguous() if transposed else w,
+                                               transposed=transposed)
+    assert dw.dtype == torch.bfloat16
+    for e in range(4):
+        s, t = int(cum[e]), int(cum[e + 1])
+        got = dw[e].t() if transposed else dw[e]
+        if s == t:
+            assert torch.count_nonzero(got) == 0
+            continue
+        _close(got, qref.weight_grad(dy[s:t], a[s:t], "int8", "bf16"), "bf16", f"expert {e} weight gradient")
 
 
 def test_block_surface_and_bf16():
@@ -478,12 +528,18 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
     v[3] = 0
     w = torch.randn(3, 29, 17, generator=g)
     cs = torch.rand(53, generator=g) + 0.5
-    cases = [(v, -1, None), (w, -2, None), (v, -1, cs)]
-    for t, dim, c in cases:
-        ok, fused = core._run_fused("quantize", t, dim, c)
+    # rows of 3 experts (one without rows), each row times its expert's column scales
+    rows_expert = core.rows_of_experts([(0, 0, 20), (1, 20, 20), (2, 20, 37)], v.device)
+    cs_experts = torch.rand(3, 53, generator=g) + 0.5
+    cases = [(v, -1, None, None), (w, -2, None, None), (v, -1, cs, None), (v, -1, cs_experts, rows_expert)]
+    for t, dim, c, rows in cases:
+        ok, fused = core._run_fused("quantize", t, dim, c, rows)
         assert ok, core._FUSED_FAILED
-        eager = core._quantize_eager(t, torch.int8, dim, c)
+        eager = core._quantize_eager(t, torch.int8, dim, c, rows)
         assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1]), (tuple(t.shape), dim)
+    want_rows = torch.cat([core._quantize_eager(v[:20], torch.int8, -1, cs_experts[0])[0],
+                           core._quantize_eager(v[20:], torch.int8, -1, cs_experts[2])[0]])
+    assert torch.equal(eager[0], want_rows), "rows_expert: not each expert's rows with its own scales"
     acc = torch.randint(-2**20, 2**20, (37, 29), generator=g, dtype=torch.int32)
     sa, sb = torch.rand(37, generator=g), torch.rand(29, generator=g)
     for cols_first in (False, True):  # True: the transposed weight gradient's order
@@ -492,6 +548,14 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
         want = torch.zeros(40, 29)
         core._epilogue_eager(want[2:39], acc, sa, sb, cols_first)
         assert torch.equal(buf, want), cols_first
+    sb_experts = torch.rand(3, 29, generator=g)  # the grouped epilogue: each row its expert's column scales
+    buf, want = torch.zeros(37, 29), torch.zeros(37, 29)
+    assert core._run_fused("epilogue", buf, acc, sa, sb_experts, False, rows_expert)[0]
+    core._epilogue_eager(want, acc, sa, sb_experts, False, rows_expert)
+    assert torch.equal(buf, want)
+    for e, s, t in ((0, 0, 20), (2, 20, 37)):  # and what the expert-by-expert epilogue gives
+        core._epilogue_eager(want[s:t], acc[s:t], sa[s:t], sb_experts[e])
+    assert torch.equal(buf, want)
 
 
 @pytest.mark.slow
@@ -548,7 +612,9 @@ def test_int8_fused_passes_and_pooled_buffers_match_reference(monkeypatch, shape
     if local is not None:
         start, n = local
         w_gu, w_d = w_gu[start:start + n].contiguous(), w_d[start:start + n].contiguous()
-    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8", expert_start=start)
+    wgrad = core.weight_grad_gemm("int8", "cpu")  # this CPU's own way (bf16 with AMX-BF16)
+    want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, dout, "int8", expert_start=start,
+                                     weight_grads=wgrad)
     runs = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_(True) for t in (x, weights, w_gu, w_d)]
@@ -558,7 +624,7 @@ def test_int8_fused_passes_and_pooled_buffers_match_reference(monkeypatch, shape
         got = (out, leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[1].grad)
         for g, w, what in zip(got, want, ("output", "input gradient", "gate_up weight gradient",
                                           "down weight gradient", "router-weight gradient")):
-            _close(g, w, "int8", what)
+            _close(g, w, wgrad if "weight gradient" in what and "router" not in what else "int8", what)
         runs.append([t.detach().clone() for t in got])
     assert not core._FUSED_FAILED, core._FUSED_FAILED
     assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -19,12 +19,12 @@ def test_every_variable_is_read():
         "FASTMOE_CPU_CACHE": "off", "FASTMOE_CPU_CACHE_IDLE_MB": "512", "FASTMOE_CPU_CSR": "0",
         "FASTMOE_CPU_PIECE_MB": "8", "FASTMOE_DIST_BACKEND": "GLOO", "FASTMOE_DATA_CACHE": "/tmp/d",
         "FASTMOE_GEMM_ENGINE": "Grouped_MM", "FASTMOE_GEMM_CACHE": "/tmp/g.json",
-        "FASTMOE_EXPERT_PRECISION": "INT8", "FASTMOE_KEPT_CONFIGS": "off",
+        "FASTMOE_EXPERT_PRECISION": "INT8", "FASTMOE_KEPT_CONFIGS": "off", "FASTMOE_INT8_WEIGHT_GRADS": "BF16",
     }
     assert set(env) == set(settings.ENV_NAMES.values())
     s = settings.read(env)
     assert s == settings.Settings("triton", "xpu", False, False, 512.0, False, 8, "gloo", "/tmp/d",
-                                 "grouped_mm", "/tmp/g.json", "int8", False)
+                                 "grouped_mm", "/tmp/g.json", "int8", False, "bf16")
 
 
 @pytest.mark.parametrize("name,value", [
@@ -35,6 +35,7 @@ def test_every_variable_is_read():
     ("FASTMOE_CPU_PIECE_MB", "-1"),
     ("FASTMOE_GEMM_ENGINE", "cutlass"),
     ("FASTMOE_EXPERT_PRECISION", "int4"),
+    ("FASTMOE_INT8_WEIGHT_GRADS", "fp16"),
 ])
 def test_bad_values_name_the_variable(name, value):
     with pytest.raises(ValueError, match=name):

@@ -76,28 +76,49 @@ class GemmBound:
             bounds.append(bounds[-1] + c)
         self.groups = [(e, bounds[e], bounds[e + 1]) for e in range(len(case.counts_N)) if bounds[e + 1] > bounds[e]]
 
+    #: The GEMM ``mm(a, b, out=c)`` (a subclass may run another: ``torch._int_mm`` on int8 codes).
+    mm = staticmethod(torch.mm)
+
     def gate_up_fwd(self) -> None:
         for e, s, t in self.groups:
-            torch.mm(self.a[s:t], self.w_gu[e].t(), out=self.gu[s:t])
+            self.mm(self.a[s:t], self.w_gu[e].t(), out=self.gu[s:t])
 
     def down_fwd(self) -> None:
         for e, s, t in self.groups:
-            torch.mm(self.h[s:t], self.w_d[e].t(), out=self.y[s:t])
+            self.mm(self.h[s:t], self.w_d[e].t(), out=self.y[s:t])
+
+    def down_input_grad(self) -> None:
+        for e, s, t in self.groups:
+            self.mm(self.dy[s:t], self.w_d[e], out=self.dh[s:t])
+
+    def down_weight_grad(self) -> None:
+        for e, s, t in self.groups:
+            self.mm(self.dy[s:t].t(), self.h[s:t], out=self.dw_d[e])
+
+    def gate_up_input_grad(self) -> None:
+        for e, s, t in self.groups:
+            self.mm(self.dgu[s:t], self.w_gu[e], out=self.da[s:t])
+
+    def gate_up_weight_grad(self) -> None:
+        for e, s, t in self.groups:
+            self.mm(self.dgu[s:t].t(), self.a[s:t], out=self.dw_gu[e])
+
+    #: The six GEMMs by name, in the order of a forward and backward.
+    GEMMS = ("gate_up_fwd", "down_fwd", "down_input_grad", "down_weight_grad", "gate_up_input_grad",
+             "gate_up_weight_grad")
+
+    def _run(self, *gemms: str) -> None:
+        for name in gemms:
+            getattr(self, name)()
 
     def down_bwd(self) -> None:
-        for e, s, t in self.groups:
-            torch.mm(self.dy[s:t], self.w_d[e], out=self.dh[s:t])
-            torch.mm(self.dy[s:t].t(), self.h[s:t], out=self.dw_d[e])
+        self._run("down_input_grad", "down_weight_grad")
 
     def gate_up_bwd(self) -> None:
-        for e, s, t in self.groups:
-            torch.mm(self.dgu[s:t], self.w_gu[e], out=self.da[s:t])
-            torch.mm(self.dgu[s:t].t(), self.a[s:t], out=self.dw_gu[e])
+        self._run("gate_up_input_grad", "gate_up_weight_grad")
 
     def forward(self) -> None:
-        self.gate_up_fwd()
-        self.down_fwd()
+        self._run(*self.GEMMS[:2])
 
     def backward(self) -> None:
-        self.down_bwd()
-        self.gate_up_bwd()
+        self._run(*self.GEMMS[2:])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastmoe_xpu.device import cpu_model
+from fastmoe_xpu.device import cpu_matrix_extensions, cpu_model
 
 from .words import load_text, plural
 
@@ -36,6 +36,14 @@ def _version(pkg: str) -> str | None:
 
 
 
+def _cpu_capability() -> str | None:
+    """The vector ISA torch's CPU kernels were dispatched to (``AVX512``, ``AVX2``, ...), if it says."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - an older torch or an unknown platform: not known
+        return None
+
+
 def machine_description(device: torch.device) -> dict:
     try:
         usable = len(os.sched_getaffinity(0))
@@ -43,6 +51,8 @@ def machine_description(device: torch.device) -> dict:
         usable = os.cpu_count()
     d = {
         "cpu_model": cpu_model(),
+        "matrix_extensions": list(cpu_matrix_extensions()),
+        "torch_cpu_capability": _cpu_capability(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable,
         "torch_threads": torch.get_num_threads(),
@@ -473,6 +483,17 @@ def format_markdown(header: dict, results: list[dict], mode: str, fast: str) -> 
 
 def machine_line(mach: dict) -> str:
     """The machine in one line: CPU, cores, torch threads, versions (the header of every run)."""
-    return (f"{mach['cpu_model']}, {plural(mach['usable_cpus'], 'cpu')}, "
+    line = (f"{mach['cpu_model']}, {plural(mach['usable_cpus'], 'cpu')}, "
             f"{plural(mach['torch_threads'], 'torch thread')}, "
             f"torch {mach['torch']}, transformers {mach['transformers']}")
+    return line + matrix_text(mach)
+
+
+def matrix_text(mach: dict) -> str:
+    """``"; matrix extensions: avx512f avx512_vnni amx_bf16 ... (torch kernels: AVX512)"`` for a
+    description that lists them (empty for one from before they were recorded)."""
+    if "matrix_extensions" not in mach:
+        return ""
+    names = " ".join(mach["matrix_extensions"]) or "none of AVX-512, VNNI, AMX"
+    cap = mach.get("torch_cpu_capability")
+    return f"; matrix extensions: {names}" + (f" (torch kernels: {cap})" if cap else "")

@@ -46,6 +46,8 @@ STUDIES = (
     Study("engine_choice", None, "the auto GEMM-engine choice under a wrong cached choice and under load"),
     Study("small_shapes", None, "where the small-layer path pays: transformers, the staged chain and the padded "
                                 "experts op, side by side"),
+    Study("generate", None, "model.generate (greedy) of two-layer Qwen3-MoE, Mixtral and OLMoE models: fastmoe "
+                            "against transformers' grouped_mm and batched_mm, fp32, bf16 and int8, tokens checked"),
     Study("op_overhead", None, "what one differentiable custom op costs per forward+backward, by registration "
                                "style"),
 )

@@ -20,18 +20,24 @@ to the int8-trained model's validation loss. Runs go one after another: on a sha
 steps/s column is as noisy as the load; the layer benchmark (``python -m bench --precision``)
 interleaves its variants instead.
 
-``python -m bench precision --layer mula-7b-a1b --rounds 3`` times one expert layer's forward +
-backward (stages 2-5, the torch backend on the ``loop`` engine) in fp32 against each quantized
-precision, interleaved in the same rounds (the order rotating each round), and prints the minimum
-over rounds and the median of same-round ratios: the comparison a shared machine allows. The first
-call of each precision (which compiles the fused int8 passes) is not timed.
+``python -m bench precision --layer int8-layer mula-7b-a1b --rounds 5 --threads 1`` times one expert
+layer's forward + backward (stages 2-5, the torch backend) in fp32 and in bf16 (each on its ``auto``
+engine) and in each quantized precision on the fp32 model and on the bf16 model, with the layer's
+six GEMMs alone on fp32 and bf16 ``torch.mm`` and on ``torch._int_mm``, all interleaved in the same
+rounds (the order rotating each round), and prints the minimum over rounds and the medians of
+same-round ratios: each precision over fp32, over bf16 and over the faster of the two, beside G
+(``torch._int_mm``'s speed over the faster float GEMM at the layer's GEMM shapes), the goal
+``max(1.5, G/2)``, and the bf16 layer over its GEMM-only bound; the CPU's model and matrix
+extensions head the output. The first call of each variant (which compiles the fused int8 passes
+and times the engine choice) is not timed.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from ..harness.usage import Parser, count, output_dir
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -169,49 +175,161 @@ def chart(results: dict[str, Any], path: Path, window: int = 25, preset: str = "
     plt.close(fig)
 
 
-def layer(preset_names: list[str], precisions: list[str], rounds: int) -> list[dict[str, Any]]:
+class _IntGemms:
+    """The layer's six GEMMs per expert (:class:`..harness.bounds.GemmBound`'s, the same layouts) on
+    ``torch._int_mm`` with int8 operands and int32 results: what the int8 GEMMs alone take, no
+    quantization or dequantization."""
+
+    def __new__(cls, case):  # noqa: ANN001, ANN204
+        import torch
+
+        from ..harness.bounds import GemmBound
+
+        class IntGemmBound(GemmBound):
+            mm = staticmethod(torch._int_mm)
+
+        bound = IntGemmBound(case)
+        g = torch.Generator().manual_seed(3)
+        for name in ("w_gu", "w_d", "a", "h", "dy", "dgu"):
+            t = getattr(bound, name)
+            setattr(bound, name, torch.randint(-127, 128, tuple(t.shape), generator=g, dtype=torch.int8))
+        for name in ("gu", "y", "dh", "da", "dw_gu", "dw_d"):
+            setattr(bound, name, torch.empty(tuple(getattr(bound, name).shape), dtype=torch.int32))
+        return bound
+
+
+def _gemm_fns(bound) -> dict:  # noqa: ANN001
+    """``{GEMM name: callable}`` of a bound, and ``"all"``: its forward and backward."""
+    fns = {name: getattr(bound, name) for name in bound.GEMMS}
+    fns["all"] = lambda: (bound.forward(), bound.backward())
+    return fns
+
+
+def _paired_median(a: list[float], b: list[float]) -> float:
+    """The median of same-round ratios ``a[r] / b[r]``."""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    return ratios[len(ratios) // 2]
+
+
+#: The variants :func:`layer` times in the same rounds: (label, model dtype, expert precision).
+FLOAT_VARIANTS = (("fp32", "fp32", None), ("bf16", "bf16", None))
+
+
+def layer(preset_names: list[str], precisions: list[str], rounds: int,
+          done: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Each preset's layer forward + backward (stages 2-5, the torch backend) in fp32 and in bf16 (the
+    stage-4 engine ``auto``, each dtype's fastest), and in each quantized precision on the fp32 model
+    and on the bf16 model (``<precision>/bf16``), interleaved in the same rounds (the order rotating),
+    with the GEMM-only bounds of the three GEMMs (fp32 and bf16 ``torch.mm``, int8 ``torch._int_mm``)
+    in the same rounds. One row per precision: its speed over fp32, over bf16 and over the faster of
+    the two (``float_best``), and G, ``torch._int_mm``'s speed over the faster float GEMM at the
+    layer's six GEMM shapes (their sums; per GEMM in ``gemms``). ``done(rows)``: called with the rows so
+    far after each preset (the caller writes them: a run killed at a later preset keeps the earlier)."""
     import torch
 
     from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 
+    from ..harness.bounds import GemmBound
     from ..harness.cases import make_case
     from ..harness.presets import resolve_presets
 
     rows = []
     for preset in resolve_presets(preset_names):
-        case = make_case(preset, dtype="fp32", device="cpu")
-        w_gu = case.w_gate_up_N2IH.detach().requires_grad_(True)
-        w_d = case.w_down_NHI.detach().requires_grad_(True)
-        x = case.x_TH.detach().requires_grad_(True)
+        cases = {dt: make_case(preset, dtype=dt, device="cpu") for dt in ("fp32", "bf16")}
+        leaves = {dt: [t.detach().requires_grad_(True) for t in (c.x_TH, c.w_gate_up_N2IH, c.w_down_NHI)]
+                  for dt, c in cases.items()}
 
-        def run(precision):  # noqa: ANN001, ANN202
-            out = moe_experts_forward(x, case.weights_TK, case.topk_idx_TK, w_gu, w_d, backend="torch",
-                                      gemm_engine="loop", expert_precision=precision)
+        def run(dt: str, precision: str | None) -> None:
+            x, w_gu, w_d = leaves[dt]
+            c = cases[dt]
+            out = moe_experts_forward(x, c.weights_TK, c.topk_idx_TK, w_gu, w_d, backend="torch",
+                                      gemm_engine="auto", expert_precision=precision)
             out.backward(torch.ones_like(out))
             x.grad = w_gu.grad = w_d.grad = None
 
-        names = [None, *precisions]
-        for p in names:
-            run(p)  # cold: buffers, the int8 kernels' compilation
-        times: dict[Any, list[float]] = {p: [] for p in names}
-        for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for p in order:
-                t0 = time.perf_counter()
-                run(p)
-                times[p].append(time.perf_counter() - t0)
-        base = times[None]
+        variants = {label: functools.partial(run, dt, p) for label, dt, p in FLOAT_VARIANTS}
         for p in precisions:
-            ratios = sorted(b / q for b, q in zip(base, times[p]))
-            row = {"preset": preset.name, "precision": p, "fp32_min_s": min(base), "min_s": min(times[p]),
-                   "speedup_min": min(base) / min(times[p]), "speedup_paired_median": ratios[len(ratios) // 2],
-                   "rounds": rounds, "fp32_s": base, "s": times[p]}
+            variants[p] = functools.partial(run, "fp32", p)
+            variants[f"{p}/bf16"] = functools.partial(run, "bf16", p)
+        gemms = {"fp32": _gemm_fns(GemmBound(cases["fp32"])), "bf16": _gemm_fns(GemmBound(cases["bf16"])),
+                 "int8": _gemm_fns(_IntGemms(cases["fp32"]))}
+        for kind, fns in gemms.items():
+            for name, fn in fns.items():
+                variants[f"gemm {kind} {name}"] = fn
+        names = list(variants)
+        for name in names:
+            variants[name]()  # cold: buffers, engine choices, the int8 kernels' compilation
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                t0 = time.perf_counter()
+                variants[n]()
+                times[n].append(time.perf_counter() - t0)
+        best = {n: min(v) for n, v in times.items()}
+        faster = "bf16" if _paired_median(times["fp32"], times["bf16"]) > 1 else "fp32"
+        per_gemm = {}
+        for name in (*GemmBound.GEMMS, "all"):
+            f32, b16, i8 = (best[f"gemm {k} {name}"] for k in ("fp32", "bf16", "int8"))
+            per_gemm[name] = {"fp32_s": f32, "bf16_s": b16, "int8_s": i8, "G": min(f32, b16) / i8}
+        G = per_gemm["all"]["G"]
+        bf16_bound = best["gemm bf16 all"]
+        print(f"{preset.name}: F+B min ms fp32 {best['fp32'] * 1e3:.0f}, bf16 {best['bf16'] * 1e3:.0f} "
+              f"(faster float: {faster}; bf16 over fp32 {_paired_median(times['fp32'], times['bf16']):.2f}x); "
+              f"GEMM-only bound fp32 {best['gemm fp32 all'] * 1e3:.0f}, bf16 {bf16_bound * 1e3:.0f}, "
+              f"int8 {best['gemm int8 all'] * 1e3:.0f}; bf16 layer {best['bf16'] / bf16_bound:.2f}x its bound",
+              flush=True)
+        print("  G per GEMM (int_mm over the faster float mm): "
+              + ", ".join(f"{n} {v['G']:.2f}" for n, v in per_gemm.items() if n != "all")
+              + f"; G = {G:.2f} over the six", flush=True)
+        goal = max(1.5, G / 2)
+        for p in precisions:
+            row = {"preset": preset.name, "precision": p, "rounds": rounds, "faster_float": faster, "G": G,
+                   "goal": goal, "fp32_min_s": best["fp32"], "bf16_min_s": best["bf16"], "min_s": best[p],
+                   "speedup_min": best["fp32"] / best[p],
+                   "speedup_paired_median": _paired_median(times["fp32"], times[p]),
+                   "over_bf16_paired_median": _paired_median(times["bf16"], times[p]),
+                   "over_float_best_paired_median": _paired_median(times[faster], times[p]),
+                   "bf16_weights": {"min_s": best[f"{p}/bf16"],
+                                    "over_bf16_paired_median": _paired_median(times["bf16"], times[f"{p}/bf16"]),
+                                    "over_float_best_paired_median": _paired_median(times[faster],
+                                                                                    times[f"{p}/bf16"])},
+                   "bf16_over_bound": best["bf16"] / bf16_bound, "gemms": per_gemm,
+                   "fp32_s": times["fp32"], "bf16_s": times["bf16"], "s": times[p], "bf16_weights_s": times[f"{p}/bf16"]}
             rows.append(row)
-            print(f"{preset.name:20s} F+B fp32 {row['fp32_min_s'] * 1e3:.0f} ms  {p} {row['min_s'] * 1e3:.0f} ms  "
-                  f"speedup {row['speedup_min']:.2f}x (min) | {row['speedup_paired_median']:.2f}x (paired median)",
-                  flush=True)
-        del case
+            print(f"  {p}: {row['min_s'] * 1e3:.0f} ms, over fp32 {row['speedup_paired_median']:.2f}x, over bf16 "
+                  f"{row['over_bf16_paired_median']:.2f}x, over the faster float ({faster}) "
+                  f"{row['over_float_best_paired_median']:.2f}x [goal {goal:.2f}x: max(1.5, G/2), G = {G:.2f}]; "
+                  f"on bf16 weights {row['bf16_weights']['min_s'] * 1e3:.0f} ms, over the faster float "
+                  f"{row['bf16_weights']['over_float_best_paired_median']:.2f}x (paired medians)", flush=True)
+        del cases, leaves, gemms, variants
+        if done is not None:
+            done(rows)
     return rows
+
+
+def layer_markdown(rows: list[dict[str, Any]], machine: dict[str, Any], cmd: str) -> str:
+    """The rows of :func:`layer` as a markdown table under the command, date and CPU."""
+    lines = [f"Measured {machine['date_utc']} with `{cmd}`  ",
+             f"{machine['cpu_model']} ({', '.join(machine['matrix_extensions']) or 'no AVX-512 / AMX'}), "
+             f"{machine['torch_threads']} torch threads, torch {machine['torch']}; F+B min over rounds, ratios the "
+             "median of same-round ratios.", "",
+             "| preset | precision | fp32 ms | bf16 ms | faster float | precision ms | over fp32 | over bf16 | over the "
+             "faster float | G | goal max(1.5, G/2) | on bf16 weights ms | on bf16 weights over the faster float "
+             "| bf16 layer over its GEMM-only bound |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['preset']} | {r['precision']} | {r['fp32_min_s'] * 1e3:.0f} | {r['bf16_min_s'] * 1e3:.0f} | "
+                     f"{r['faster_float']} | {r['min_s'] * 1e3:.0f} | {r['speedup_paired_median']:.2f}x | "
+                     f"{r['over_bf16_paired_median']:.2f}x | {r['over_float_best_paired_median']:.2f}x | {r['G']:.2f} | "
+                     f"{r['goal']:.2f}x | {r['bf16_weights']['min_s'] * 1e3:.0f} | "
+                     f"{r['bf16_weights']['over_float_best_paired_median']:.2f}x | {r['bf16_over_bound']:.2f}x |")
+    lines += ["", "G per GEMM (`torch._int_mm` over the faster of fp32 and bf16 `torch.mm`, the layer's per-expert shapes):",
+              "", "| preset | " + " | ".join(rows[0]["gemms"]) + " |", "|---|" + "---:|" * len(rows[0]["gemms"])]
+    seen = set()
+    for r in rows:
+        if r["preset"] not in seen:
+            seen.add(r["preset"])
+            lines.append(f"| {r['preset']} | " + " | ".join(f"{v['G']:.2f}" for v in r["gemms"].values()) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="overrides of the preset for every variant, e.g. model.hidden_size=1024")
     ap.add_argument("--out", default="precision_out")
     ap.add_argument("--layer", nargs="+", metavar="PRESET", default=None,
-                    help="time one layer's F+B at these bench presets instead (fp32 against --precision)")
+                    help="time one layer's F+B at these bench presets instead: fp32, bf16 and --precision side by "
+                         "side, with G (int_mm over the faster float GEMM at the layer's shapes)")
     ap.add_argument("--precision", nargs="+", default=["int8"], choices=["int8", "fp8"])
     ap.add_argument("--rounds", type=count, default=3)
     args = ap.parse_args(argv)
@@ -240,10 +359,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.layer:
-        rows = layer(args.layer, args.precision, args.rounds)
+        import datetime
+
+        from fastmoe_xpu.device import cpu_matrix_extensions, cpu_model
+
+        machine = {"cpu_model": cpu_model(), "matrix_extensions": list(cpu_matrix_extensions()),
+                   "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        print(f"{machine['cpu_model']} ({', '.join(machine['matrix_extensions']) or 'no AVX-512 / AMX'}), "
+              f"{machine['torch_threads']} torch threads, torch {machine['torch']}", flush=True)
         cmd = (f"python -m bench precision --layer {' '.join(args.layer)} --precision {' '.join(args.precision)} "
                f"--rounds {args.rounds}" + (f" --threads {args.threads}" if args.threads else ""))
-        (out / "layer.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+
+        def write(rows: list[dict[str, Any]]) -> None:
+            (out / "layer.json").write_text(json.dumps({"command": cmd, "machine": machine, "rows": rows}, indent=1)
+                                            + "\n")
+            (out / "layer.md").write_text(layer_markdown(rows, machine, cmd))
+
+        layer(args.layer, args.precision, args.rounds, done=write)
         return 0
     sets = {}
     for item in args.set:

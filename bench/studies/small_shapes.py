@@ -3,18 +3,23 @@
 ``python -m bench small_shapes`` times, for each layer shape, transformers' ``grouped_mm`` experts
 (OLMoE's), the staged chain (``fastmoe::route`` + ``fastmoe::mlp_combine``; the best of the CPU's
 full-precision engines, ``loop``, ``grouped_mm`` and ``onednn`` where it runs) and ``fastmoe::experts`` on the registry's ``padded`` entry, forward
-(no autograd) and forward+backward, fp32 on the CPU, interleaved, minimum over rounds of CPU thread
-time, and prints one Markdown row per shape with the layer's work ``max(T*K, NR) * 3 * H * I`` (what
+(no autograd) and forward+backward, and the layer as ``gemm_engine="auto"`` runs it (what a user
+gets: the ``decode`` or ``padded`` op, or the staged chain on the engine ``auto`` takes), fp32 on the
+CPU, interleaved, minimum over rounds of CPU thread time (``--threads N`` > 1: wall time), and prints one Markdown row per shape with the layer's work ``max(T*K, NR) * 3 * H * I`` (what
 the ``padded`` entry's ``max_layer_macs`` budget is compared with, :func:`fastmoe_xpu.kernels.registry.layer_macs`).
 docs/small_shapes.md keeps the table the budget was set from.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
+
+from fastmoe_xpu import settings
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
 from fastmoe_xpu.autograd.ops import call, experts
@@ -54,31 +59,38 @@ def _layer(T: int, H: int, I: int, E: int, K: int) -> dict:
         hf = OlmoeExperts(cfg)
     hf.gate_up_proj, hf.down_proj = w_gu, w_d
     fns = {"transformers": lambda: hf(x, idx, weights),
-           "padded": lambda: call(experts, x, w_gu, w_d, weights, idx, 0, E, "padded")[0]}
+           "padded": lambda: call(experts, x, w_gu, w_d, weights, idx, 0, E, "padded")[0],
+           "auto": lambda: moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="auto")}
     for engine in candidates("torch", torch.device("cpu"), torch.float32):
         fns[engine] = lambda engine=engine: moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine=engine)
     return fns, torch.randn(T, H, generator=g)
 
 
-def measure(shape: tuple[int, int, int, int, int], rounds: int, reps: int) -> dict[str, dict[str, float]]:
+def measure(shape: tuple[int, int, int, int, int], rounds: int, reps: int,
+            clock: Callable[[], float] = time.thread_time) -> dict[str, dict[str, float]]:
     """``{mode: {variant: seconds}}`` for one shape; modes ``fwd`` and ``fb``, variants
-    ``transformers``, ``staged``, ``padded``."""
+    ``transformers``, ``staged``, ``padded`` and ``auto`` (minimum over rounds), and ``auto_ratio``:
+    transformers over ``auto``, the median of the same-round ratios."""
     fns, dout = _layer(*shape)
     out: dict[str, dict[str, float]] = {}
+    fixed = ("transformers", "padded", "auto")
     for mode in ("fwd", "fb"):
-        best = {n: float("inf") for n in fns}
+        samples: dict[str, list[float]] = {n: [] for n in fns}
         for _ in range(rounds):
             for name, f in fns.items():
-                t0 = time.thread_time()
+                t0 = clock()
                 for _ in range(reps):
                     if mode == "fwd":
                         with torch.no_grad():
                             f()
                     else:
                         f().backward(dout)
-                best[name] = min(best[name], (time.thread_time() - t0) / reps)
-        staged = min(v for n, v in best.items() if n not in ("transformers", "padded"))
-        out[mode] = {"transformers": best["transformers"], "staged": staged, "padded": best["padded"]}
+                samples[name].append((clock() - t0) / reps)
+        best = {n: min(v) for n, v in samples.items()}
+        staged = min(v for n, v in best.items() if n not in fixed)
+        out[mode] = {"transformers": best["transformers"], "staged": staged, "padded": best["padded"],
+                     "auto": best["auto"], "auto_ratio": statistics.median(
+                         a / b for a, b in zip(samples["transformers"], samples["auto"]))}
     return out
 
 
@@ -87,21 +99,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", type=_parse_shape, default=SHAPES, metavar="T,H,I,E,K")
     ap.add_argument("--rounds", type=count, default=7, help="interleaved rounds; the minimum counts (default 7)")
     ap.add_argument("--reps", type=count, default=5, help="calls per timed round (default 5)")
+    ap.add_argument("--threads", type=count, default=1,
+                    help="torch threads (default 1: CPU thread time; more: wall time)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    print(f"fp32, one thread, CPU thread time, min over {plural(args.rounds, 'interleaved round')}; us, forward / "
-          "forward+backward")
-    print("| T | H | I | E | K | work (Mi MAC) | transformers | staged | padded | padded / staged (F+B) "
-          "| transformers / padded (F+B) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for i, shape in enumerate(args.shapes, 1):
-        T, H, I, E, K = shape
-        r = measure(shape, args.rounds, args.reps)
-        us = {v: f"{r['fwd'][v] * 1e6:.0f} / {r['fb'][v] * 1e6:.0f}" for v in r["fwd"]}
-        print(f"| {T} | {H} | {I} | {E} | {K} | {layer_macs(T, K, H, I, E) / 2**20:.1f} | {us['transformers']} "
-              f"| {us['staged']} | {us['padded']} | {r['fb']['padded'] / r['fb']['staged']:.2f} "
-              f"| {r['fb']['transformers'] / r['fb']['padded']:.2f} |", flush=True)
-        print(f"[{i}/{len(args.shapes)}]", file=sys.stderr, flush=True)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    print(f"fp32, {plural(args.threads, 'thread')}, {'CPU thread' if args.threads == 1 else 'wall'} time, min over "
+          f"{plural(args.rounds, 'interleaved round')}; us, forward / forward+backward; auto: the layer as "
+          "gemm_engine='auto' runs it (transformers / auto: the median of same-round ratios)")
+    print("| T | H | I | E | K | work (Mi MAC) | transformers | staged | padded | auto | padded / staged (F+B) "
+          "| transformers / padded (F+B) | transformers / auto (F / F+B) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    try:
+        for i, shape in enumerate(args.shapes, 1):
+            T, H, I, E, K = shape
+            with settings.override(gemm_engine="auto"):
+                r = measure(shape, args.rounds, args.reps, clock)
+            us = {v: f"{r['fwd'][v] * 1e6:.0f} / {r['fb'][v] * 1e6:.0f}" for v in r["fwd"] if v != "auto_ratio"}
+            print(f"| {T} | {H} | {I} | {E} | {K} | {layer_macs(T, K, H, I, E) / 2**20:.1f} | {us['transformers']} "
+                  f"| {us['staged']} | {us['padded']} | {us['auto']} | {r['fb']['padded'] / r['fb']['staged']:.2f} "
+                  f"| {r['fb']['transformers'] / r['fb']['padded']:.2f} "
+                  f"| {r['fwd']['auto_ratio']:.2f} / {r['fb']['auto_ratio']:.2f} |", flush=True)
+            print(f"[{i}/{len(args.shapes)}]", file=sys.stderr, flush=True)
+    finally:
+        torch.set_num_threads(threads_before)
     return 0
 
 

@@ -19,12 +19,13 @@ import torch.distributed as dist
 
 from ..kernels import grouped_mm
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE
+from ..kernels.implementations import module_of
 from ..kernels.registry import (
     check_choice, check_precision, precision_engine, resolve_backend, untimed_engine, whole_layer,
 )
 from ..kernels.torch.counting import all_local
 from .lora_ops import ExpertsLora, lora_experts, lora_mlp_combine
-from .ops import INFERENCE, ExpertRows, call, combine, experts, mlp_combine, route
+from .ops import INFERENCE, ExpertRows, _traced, call, combine, experts, mlp_combine, route
 
 __all__ = ["TOKEN_BLOCK_SIZE", "kernel_backend", "moe_experts_forward"]
 
@@ -143,6 +144,11 @@ def moe_experts_forward(
             if lora:
                 out_TH, plan = lora_experts(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, lora,
                                             expert_start, num_local, layer, with_plan=True)
+            elif not _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) and not _traced((x_TH, w_gate_up_N2IH)):
+                # No backward follows and nothing traces (generation): the op's body itself, without the
+                # autograd Function around it (about a tenth of a one-token step of a tiny layer).
+                out_TH, _, plan = module_of(layer).experts_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
+                                                                   topk_idx_TK, expert_start, num_local)
             else:
                 out_TH, _, plan = call(experts, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK,
                                        expert_start, num_local, layer)
@@ -152,7 +158,9 @@ def moe_experts_forward(
         # A small layer without expert parallelism takes auto's engine for its size untimed (registry:
         # ``untimed_engine``): no timing at the first call, nothing to watch. (Under expert parallelism
         # the ranks' row counts differ; they agree on one timed choice instead.)
-        fixed = untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape) if not _group_name(ep_group) else None
+        fixed = None if _group_name(ep_group) else untimed_engine(
+            base, gemm_engine, x_TH.device, x_TH.dtype, shape,
+            inference=not _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK))
         if fixed is not None:
             gemm_engine = gemm = fixed
             # On grouped_mm, a plain fp32 layer whose ids are all local runs in one piece (stages 2-5

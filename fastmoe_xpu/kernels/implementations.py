@@ -20,6 +20,10 @@ int8      gemm (precision)        quantized int8 GEMMs, ``torch._int_mm`` (``ker
 fp8       gemm (precision)        quantized fp8 GEMMs (e4m3 forward, e5m2 gradients), ``torch._scaled_mm``
 triton_tma  gemm                  persistent TMA grouped GEMMs for sm_90+ (``kernels/triton/tma_gemm.py``);
                                   CPU tensors only under TRITON_INTERPRET=1, never timed there
+decode    experts                 a matrix-vector product per chosen expert and projection, next to
+                                  the torch base on the CPU for one token whose K choices are at most
+                                  the local experts (``kernels/torch/decode.py``): decoding one
+                                  sequence
 padded    experts                 each expert's rows in a zero-padded block, one batched GEMM per
                                   projection, next to the torch base on the CPU for layers under its
                                   budget (``kernels/torch/padded.py``): small layers, where launches
@@ -162,6 +166,10 @@ class Implementation:
     max_layer_macs: int = 0
     """For an ``experts`` implementation: the largest layer it runs, in multiply-accumulates of the
     forward (:func:`.registry.layer_macs`), up to which it was measured to beat the staged chain."""
+    max_tokens: int = 0
+    """For an ``experts`` implementation whose work is the routed rows' alone (no padding): it also
+    runs any layer of at most this many tokens whose ``T * K`` routed rows are at most one per local
+    expert, whatever the layer's size (decoding, where most experts have no row)."""
     adapters: bool = False
     """For an ``experts`` implementation: whether it also runs LoRA adapters on the frozen weights
     (``lora_experts_forward`` / ``lora_experts_backward``)."""
@@ -204,6 +212,9 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                        unavailable=_quantized_reason("fp8"), timed=lambda device: False, precision="fp8"),
         Implementation("fp8-block", ("gemm",), ("cpu", "cuda"), _FLOATS, ".quantized.fp8_block",
                        unavailable=_block_reason, timed=lambda device: False, precision="fp8-block"),
+        # Measured on the CPU against the padded op, the staged chain and transformers (docs/small_shapes.md).
+        Implementation("decode", ("experts",), ("cpu",), _FLOATS, ".torch.decode", bases=("torch",),
+                       max_tokens=1),
         # Measured on the CPU against the staged chain and transformers (docs/small_shapes.md).
         Implementation("padded", ("experts",), ("cpu",), _FLOATS, ".torch.padded", bases=("torch",),
                        max_layer_macs=4 * 2**20, adapters=True),

@@ -150,7 +150,8 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
                 shape: tuple[int, int, int, int, int], lora: bool = False) -> str | None:
     """The ``experts`` implementation that runs stages 2-5 of a fused layer in one piece, or None for
     the staged chain: the first one for ``backend`` (resolved: ``"torch"`` or ``"triton"``) available
-    on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer, and only while
+    on ``device`` for ``dtype`` whose ``max_layer_macs`` holds the layer (or whose ``max_tokens``
+    does, with at most one routed row per local expert), and only while
     ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto``. ``shape``: ``(T, K, H, I, NR)``;
     ``lora``: the layer has adapters (only an implementation that runs them qualifies).
     Asked on every layer call: answered from :data:`_LAYER_ANSWERS` after the first."""
@@ -164,7 +165,8 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
         macs = layer_macs(*shape)
         for name in LAYERS:
             impl = IMPLEMENTATIONS[name]
-            if (backend in impl.bases and macs <= impl.max_layer_macs and (impl.adapters or not lora)
+            fits = macs <= impl.max_layer_macs or (shape[0] <= impl.max_tokens and shape[0] * shape[1] <= shape[4])
+            if (backend in impl.bases and fits and (impl.adapters or not lora)
                     and impl.reason_unavailable(device, dtype) is None):
                 answer = name
                 break
@@ -180,22 +182,29 @@ def whole_layer(backend: str, gemm_engine: str, device: torch.device | str, dtyp
 #: multiply-accumulates measured (docs/small_shapes.md, "Whole tiny models of each family").
 SMALL_LAYER_ENGINE = "grouped_mm"
 #: The largest layer (:func:`layer_macs`) that takes :data:`SMALL_LAYER_ENGINE` untimed.
-SMALL_LAYER_MACS = 16 * 2**20
+SMALL_LAYER_MACS = 24 * 2**20
 
+#: The largest layer a call without a backward (generation, evaluation) takes
+#: :data:`SMALL_LAYER_ENGINE` for untimed: its forward tied ``loop``'s (0.97-1.01x) and ran 1.15-1.5x
+#: ``onednn``'s at 48-384 Mi (docs/small_shapes.md, "Generation"), while timing a model's prefill on
+#: its first ``generate`` cost up to 6x transformers' first.
+SMALL_INFERENCE_MACS = 384 * 2**20
 
 #: Answers of :func:`untimed_engine` by its arguments and the settings in force.
 _UNTIMED_ANSWERS: dict[tuple, str | None] = {}
 
 
 def untimed_engine(backend: str, gemm_engine: str, device: torch.device | str, dtype: torch.dtype,
-                   shape: tuple[int, int, int, int, int]) -> str | None:
+                   shape: tuple[int, int, int, int, int], inference: bool = False) -> str | None:
     """The engine a layer's ``auto`` takes without timing, or None where it times its candidates:
     :data:`SMALL_LAYER_ENGINE` for the torch base on the CPU, a layer of at most
     :data:`SMALL_LAYER_MACS` (``shape``: ``(T, K, H, I, NR)``, as for :func:`whole_layer`), when
     ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto`` and that engine is one of the
-    candidates here. The same answer for the same shape on every machine and under any load (nothing
-    is timed, stored or watched). Asked on every layer call: answered from a dict after the first."""
-    key = (backend, gemm_engine, device, dtype, shape, settings.get())
+    candidates here; ``inference`` (no backward follows the call): a layer of at most
+    :data:`SMALL_INFERENCE_MACS`. The same answer for the same shape on every machine and under any
+    load (nothing is timed, stored or watched). Asked on every layer call: answered from a dict after
+    the first."""
+    key = (backend, gemm_engine, device, dtype, shape, inference, settings.get())
     try:
         return _UNTIMED_ANSWERS[key]
     except KeyError:
@@ -204,7 +213,8 @@ def untimed_engine(backend: str, gemm_engine: str, device: torch.device | str, d
     dev = torch.device(device)
     # Whether the engine is one of ``candidates`` here, asked of it alone: the others' availability
     # checks run probe GEMMs, a few milliseconds of a first call that times nothing.
-    if (backend == "torch" and dev.type == "cpu" and layer_macs(*shape) <= SMALL_LAYER_MACS
+    if (backend == "torch" and dev.type == "cpu"
+            and layer_macs(*shape) <= (SMALL_INFERENCE_MACS if inference else SMALL_LAYER_MACS)
             and resolve_request(gemm_engine, backend) == "auto"
             and IMPLEMENTATIONS[backend].timed(dev) and IMPLEMENTATIONS[SMALL_LAYER_ENGINE].timed(dev)
             and unavailable_reason(SMALL_LAYER_ENGINE, backend, dev, dtype) is None):

@@ -11,11 +11,12 @@ def test_one_row_per_shape_with_every_variant(capsys):
     assert [r.split("|")[1:6] for r in rows] == [[" 5 ", " 8 ", " 4 ", " 4 ", " 2 "], [" 3 ", " 12 ", " 8 ", " 6 ", " 3 "]]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        # transformers, staged and padded: forward / forward+backward, positive microseconds each
-        for cell in cells[6:9]:
+        # transformers, staged, padded and auto: forward / forward+backward, positive microseconds each
+        for cell in cells[6:10]:
             fwd, fb = (float(v) for v in cell.split(" / "))
             assert fwd > 0 and fb > 0, row
-        assert float(cells[9]) > 0 and float(cells[10]) > 0, row
+        assert float(cells[10]) > 0 and float(cells[11]) > 0, row
+        assert all(float(v) > 0 for v in cells[12].split(" / ")), row  # transformers over auto, F and F+B
 
 
 @pytest.mark.parametrize("bad", ["5,8,4,4", "5,8,4,2,4", "5,8,x,4,2", "0,8,4,4,2"])

@@ -73,6 +73,10 @@ def test_decode_weights_times_the_three_ways_and_checks_them_equal(tmp_path, cap
         # the ratios of the unrounded times: within the rounding of the printed ones
         assert float(r[4].strip()[:-1]) == pytest.approx(per_call / frozen, rel=0.05, abs=0.01), r
         assert float(r[5].strip()[:-1]) == pytest.approx(full / frozen, rel=0.05, abs=0.01), r
+        bf16 = float(r[6])  # the bf16 block, and the frozen way over the faster float block
+        ratio, faster = r[7].split()
+        assert bf16 > 0 and faster == ("(bf16)" if bf16 < full else "(fp32)"), r
+        assert float(ratio[:-1]) == pytest.approx(min(full, bf16) / frozen, rel=0.05, abs=0.01), r
     assert out.read_text().strip() in printed
     with pytest.raises(UsageError, match="K=7 experts per token of E=6"):
         decode_weights.main(["--shape", "32", "24", "6", "7"])

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from fastmoe_xpu import settings  # noqa: E402
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward  # noqa: E402
 from fastmoe_xpu.kernels import kernels  # noqa: E402
 from fastmoe_xpu.kernels.quantized import core as qcore, reference as qref  # noqa: E402
@@ -145,8 +146,9 @@ def test_triton_int8_down_launchers_both_layouts(transposed, launched, no_host_b
     assert launched.count("_int8_grouped_mm_kernel") == 2, launched
     assert launched.count("_int8_grouped_wgrad_kernel") == 1, launched
     no_host_bounds()
-    assert torch.equal(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt])
-    want_da, want_dw = ref.down_bwd(dy, a, cum, stored, transposed=transposed)
+    with settings.override(int8_weight_grads="int8"):  # the torch base with the kernels' int8 weight gradients
+        assert torch.equal(y[:rt], ref.down_fwd(a, cum, stored, transposed=transposed)[:rt])
+        want_da, want_dw = ref.down_bwd(dy, a, cum, stored, transposed=transposed)
     assert torch.equal(da[:rt], want_da[:rt]) and torch.equal(dw, want_dw)
     for e in range(4):  # and both against the reference per expert
         s, t = int(cum[e]), int(cum[e + 1])
@@ -166,9 +168,10 @@ def test_triton_int8_bf16_equals_torch_base(dev):
     res = {}
     for backend, where in (("torch", torch.device("cpu")), ("triton", dev)):
         leaves = [t.to(where, torch.bfloat16).requires_grad_(True) for t in (x, weights, w_gu, w_d)]
-        out = moe_experts_forward(leaves[0], leaves[1], idx.to(where), leaves[2], leaves[3], backend=backend,
-                                  expert_precision="int8")
-        out.backward(dout.to(where, torch.bfloat16))
+        with settings.override(int8_weight_grads="int8"):  # the kernels' int8 weight gradients on the torch base
+            out = moe_experts_forward(leaves[0], leaves[1], idx.to(where), leaves[2], leaves[3], backend=backend,
+                                      expert_precision="int8")
+            out.backward(dout.to(where, torch.bfloat16))
         res[backend] = [out.detach().cpu(), *(t.grad.cpu() for t in leaves)]
     for name, a, b in zip(("out", "dx", "dweights", "dw_gate_up", "dw_down"), res["triton"], res["torch"]):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()

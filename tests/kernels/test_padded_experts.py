@@ -124,8 +124,9 @@ def test_whole_layer_only_for_small_auto_layers_on_the_torch_base():
         assert registry.whole_layer("torch", "auto", "cpu", torch.float32, large) is None
         assert registry.whole_layer("torch", "loop", "cpu", torch.float32, small) is None  # a named engine: staged
         assert registry.whole_layer("triton", "auto", "cpu", torch.float32, small) is None
-        # Decoding over many wide experts: one row per expert block reads every expert's weights.
-        assert registry.whole_layer("torch", "auto", "cpu", torch.float32, (1, 8, 2048, 1024, 64)) is None
+        # Decoding over many wide experts: one row per expert block would read every expert's weights;
+        # the decode op takes it (tests/kernels/test_decode_experts.py).
+        assert registry.whole_layer("torch", "auto", "cpu", torch.float32, (1, 8, 2048, 1024, 64)) == "decode"
     with settings.override(gemm_engine="native"):
         assert registry.whole_layer("torch", "auto", "cpu", torch.float32, small) is None
 
@@ -136,15 +137,23 @@ def _ops_run(fn):
     return {e.key for e in prof.key_averages() if e.key.startswith("fastmoe::")}
 
 
-def test_layer_takes_the_padded_op_when_small_and_the_staged_chain_otherwise():
-    x, w_gu, w_d, weights, idx = _inputs(*CASES["odd"])
+def check_auto_layer_runs(implementation, case):
+    """With ``auto``, the layer at ``case`` runs the experts op on ``implementation`` forward and backward,
+    a named engine runs the staged chain, and the two give the same output."""
+    T, H, I, E, K, *_ = case
+    x, w_gu, w_d, weights, idx = _inputs(*case)
     run = lambda **kw: moe_experts_forward(x, weights, idx, w_gu, w_d, **kw)  # noqa: E731
     with settings.override(gemm_engine="auto"):
+        assert registry.whole_layer("torch", "auto", x.device, x.dtype, (T, K, H, I, E)) == implementation
         assert _ops_run(lambda: run(gemm_engine="auto").sum().backward()) == {
             "fastmoe::experts", "fastmoe::experts_backward"}
         got = run(gemm_engine="auto")
     assert {"fastmoe::route", "fastmoe::mlp_combine"} <= _ops_run(lambda: run(gemm_engine="loop"))
-    assert_close(got, run(gemm_engine="loop"), msg="padded vs staged")
+    assert_close(got, run(gemm_engine="loop"), msg=f"{implementation} vs staged")
+
+
+def test_layer_takes_the_padded_op_when_small_and_the_staged_chain_otherwise():
+    check_auto_layer_runs("padded", CASES["odd"])
 
 
 def test_compiled_layer_runs_the_staged_chain():

@@ -177,3 +177,19 @@ def test_small_layer_with_lora_runs_the_untimed_engine_with_the_reference_number
     inputs = [x, weights, *lg[:2], *ld[:2]]
     for name, a, b in zip(("dx", "dweights", "A1", "B1", "A2", "B2"), _grads(out, inputs), _grads(ref, inputs)):
         assert_close(a, b, msg=name)
+
+
+def test_a_call_without_backward_takes_grouped_mm_untimed_up_to_the_inference_bound():
+    """A prefill in generation (no backward) up to ``SMALL_INFERENCE_MACS`` takes the engine untimed;
+    the same layer with a backward is timed; past the bound both are."""
+    mid = (64, 8, 512, 256, 32)  # 192 Mi: a small model's batch-4 prefill
+    over = (512, 8, 512, 256, 32)  # 1.5 Gi
+    assert registry.SMALL_LAYER_MACS < registry.layer_macs(*mid) <= registry.SMALL_INFERENCE_MACS
+    assert registry.layer_macs(*over) > registry.SMALL_INFERENCE_MACS
+    with settings.override(gemm_engine="auto"):
+        untimed = lambda shape, inference: registry.untimed_engine(  # noqa: E731
+            "torch", "auto", "cpu", torch.float32, shape, inference=inference)
+        assert untimed(mid, True) == "grouped_mm"
+        assert untimed(mid, False) is None
+        assert untimed(over, True) is None
+        assert registry.untimed_engine("torch", "loop", "cpu", torch.float32, mid, inference=True) is None

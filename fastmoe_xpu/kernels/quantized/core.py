@@ -62,15 +62,16 @@ def qmax(dtype: torch.dtype) -> float:
     return _QMAX[dtype]
 
 
-def _quantize_eager(v: torch.Tensor, dtype: torch.dtype, dim: int,
-                    col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and fp32 scales of ``v`` (times ``col_scales`` along its last dimension, when given)
-    with one scale per slice along ``dim`` (reduced). Four passes over ``v``: the amax, the product
-    with ``qmax / amax``, the rounding (int8) and the narrowing cast. ``|v * (qmax / amax)| <=
-    qmax (1 + 2^-23)`` (two fp32 roundings), which rounds to ``qmax``."""
+def _quantize_eager(v: torch.Tensor, dtype: torch.dtype, dim: int, col_scales: torch.Tensor | None = None,
+                    rows_expert: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and fp32 scales of ``v`` (times ``col_scales`` along its last dimension, when given;
+    ``rows_expert``: ``col_scales`` holds one set per expert, row r of ``v`` takes set
+    ``rows_expert[r]``) with one scale per slice along ``dim`` (reduced). Four passes over ``v``: the
+    amax, the product with ``qmax / amax``, the rounding (int8) and the narrowing cast. ``|v * (qmax /
+    amax)| <= qmax (1 + 2^-23)`` (two fp32 roundings), which rounds to ``qmax``."""
     v = v.float()
     if col_scales is not None:
-        v = v * col_scales
+        v = v * (col_scales if rows_expert is None else col_scales[rows_expert])
     amax = torch.linalg.vector_norm(v, float("inf"), dim=dim, keepdim=True)
     qm = _QMAX[dtype]
     inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
@@ -81,7 +82,11 @@ def _quantize_eager(v: torch.Tensor, dtype: torch.dtype, dim: int,
 
 
 def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor | None,
-                    cols_first: bool = False) -> None:
+                    cols_first: bool = False, rows_expert: torch.Tensor | None = None) -> None:
+    if rows_expert is not None:  # sb [NR, N]: row r's column scales are sb[rows_expert[r]]
+        torch.mul(acc, sa[:, None], out=out)
+        out.mul_(sb[rows_expert])
+        return
     if cols_first:
         torch.mul(acc, sb[None, :], out=out)
         out.mul_(sa[:, None])
@@ -105,6 +110,12 @@ _FUSED_FAILED: list[str] = []
 # time than the pass itself).
 def _quantize_rows(v, col_scales, q, s):  # noqa: ANN001, ANN202
     codes, scales = _quantize_eager(v, torch.int8, -1, col_scales)
+    q.copy_(codes)
+    s.copy_(scales)
+
+
+def _quantize_rows_experts(v, col_scales, rows_expert, q, s):  # noqa: ANN001, ANN202
+    codes, scales = _quantize_eager(v, torch.int8, -1, col_scales, rows_expert)
     q.copy_(codes)
     s.copy_(scales)
 
@@ -143,16 +154,23 @@ def _epilogue_cols_rows(out, acc, sa, sb):  # noqa: ANN001, ANN202
     out.copy_(acc.float() * sb[None, :] * sa[:, None])
 
 
+def _epilogue_rows_experts(out, acc, sa, sb, rows_expert):  # noqa: ANN001, ANN202
+    out.copy_(acc.float() * sa[:, None] * sb[rows_expert])
+
+
 def _variant(name: str, args: tuple) -> tuple[tuple, object, tuple]:
     """``(key, function, its arguments)`` of one call of the fused pass ``name``: every choice that
     is not a tensor size (the reduced dimension, which scales are given, their order, the rank) picks
     a function of its own, compiled on its own, so that dynamo guards on nothing but sizes (which
     ``dynamic=True`` keeps symbolic) and no variant's recompiles count against another's limit.
     Parameters are passed detached: their type and static sizes would guard too."""
-    if name == "quantize":  # (v, dim, col_scales, codes, scales): the outputs' buffers last
-        v, dim, col_scales, q, s = args
+    if name == "quantize":  # (v, dim, col_scales, rows_expert, codes, scales): the outputs' buffers last
+        v, dim, col_scales, rows_expert, q, s = args
         v = v.detach()
         dim = dim - v.dim() if dim >= 0 else dim
+        if dim == -1 and rows_expert is not None:
+            return ("quantize", "rows-experts", v.dim()), _quantize_rows_experts, (v, col_scales.detach(), rows_expert,
+                                                                                  q, s)
         if dim == -1:
             if col_scales is None:
                 return ("quantize", "rows", v.dim()), _quantize_rows_unscaled, (v, q, s)
@@ -162,6 +180,8 @@ def _variant(name: str, args: tuple) -> tuple[tuple, object, tuple]:
         raise ValueError(f"no fused quantize over dim {dim} with column scales {col_scales is not None}")
     out, acc, sa, sb, *rest = args
     cols_first = bool(rest[0]) if rest else False
+    if len(rest) > 1 and rest[1] is not None:
+        return ("epilogue", "rows-experts"), _epilogue_rows_experts, (out, acc, sa, sb, rest[1])
     if sb is None:
         return ("epilogue", "rows"), _epilogue_rows, (out, acc, sa)
     if cols_first:
@@ -203,11 +223,11 @@ def _plain(t):  # noqa: ANN001, ANN202
 
 def _run_fused(name: str, *args):  # noqa: ANN001, ANN202
     """``(True, result)``, or ``(False, None)`` where the fused kernel cannot run. ``name`` is
-    ``"quantize"`` (``v, dim, col_scales``; the result ``(codes, scales)`` in pooled buffers) or
-    ``"epilogue"`` (``out, acc, sa, sb[, cols_first]``)."""
+    ``"quantize"`` (``v, dim, col_scales[, rows_expert]``; the result ``(codes, scales)`` in pooled
+    buffers) or ``"epilogue"`` (``out, acc, sa, sb[, cols_first[, rows_expert]]``)."""
     if name == "quantize":
         outs = _codes_and_scales(args[0], args[1])
-        args = (*args, *outs)
+        args = (*args[:3], args[3] if len(args) > 3 else None, *outs)
     key, fn, call_args = _variant(name, args)
     compiled = _fused(key, fn)
     if compiled is None:
@@ -228,20 +248,21 @@ def _use_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return dtype == torch.int8 and t.numel() >= FUSED_MIN_ELEMENTS and t.device.type == "cpu"
 
 
-def _quantize(v: torch.Tensor, dtype: torch.dtype, dim: int,
-              col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(v: torch.Tensor, dtype: torch.dtype, dim: int, col_scales: torch.Tensor | None = None,
+              rows_expert: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_fused(v, dtype):
-        ok, res = _run_fused("quantize", v, dim, col_scales)
+        ok, res = _run_fused("quantize", v, dim, col_scales, rows_expert)
         if ok:
             return res
-    return _quantize_eager(v, dtype, dim, col_scales)
+    return _quantize_eager(v, dtype, dim, col_scales, rows_expert)
 
 
-def quantize_rows(v: torch.Tensor, dtype: torch.dtype,
-                  col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes [..., M, K], scales [..., M])`` of ``v`` (times ``col_scales [K]`` when given): one
+def quantize_rows(v: torch.Tensor, dtype: torch.dtype, col_scales: torch.Tensor | None = None,
+                  rows_expert: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [..., M, K], scales [..., M])`` of ``v`` (times ``col_scales [K]`` when given; with
+    ``rows_expert [M]``, ``col_scales [NR, K]`` and row r times ``col_scales[rows_expert[r]]``): one
     scale per row (the last dimension reduced)."""
-    return _quantize(v, dtype, -1, col_scales)
+    return _quantize(v, dtype, -1, col_scales, rows_expert)
 
 
 def quantize_cols(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,6 +356,37 @@ def _scaled_per_expert(v: torch.Tensor, eid: torch.Tensor, NR: int,
     return q, amax[:NR] / qm
 
 
+# ---------------------------------------------------------------- the weight-gradient GEMMs' format
+@functools.lru_cache(maxsize=1)
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles and AVX512-BF16 (oneDNN's bf16 GEMMs then run on AMX) and this
+    PyTorch has oneDNN; False where torch cannot tell (``torch.cpu._is_amx_tile_supported`` missing)."""
+    try:
+        return (bool(torch.cpu._is_amx_tile_supported()) and bool(torch.cpu._is_avx512_bf16_supported())
+                and torch.backends.mkldnn.is_available())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def weight_grad_gemm(fmt: str, device: torch.device | str) -> str:
+    """How format ``fmt``'s weight-gradient GEMMs multiply on ``device`` on the torch base: ``fmt``
+    itself (both operands quantized per column over each expert's rows), or ``"bf16"`` (both operands
+    rounded to bf16, ``torch.mm`` with fp32 accumulation, the result rounded to bf16). bf16 for int8 on
+    CPUs with AMX-BF16 (``FASTMOE_INT8_WEIGHT_GRADS`` forces either): the contraction of these GEMMs
+    is an expert's rows (tens to hundreds), where ``torch._int_mm`` ran at a third to half of bf16
+    ``torch.mm``'s rate on a Xeon with AMX, its int32 sums then dequantized in another pass
+    (``python -m bench precision --layer`` prints G per GEMM); the forward and input-gradient GEMMs
+    (contraction H or I) stay int8, where ``torch._int_mm`` is the faster."""
+    if fmt != "int8" or torch.device(device).type != "cpu":
+        return fmt
+    from ... import settings
+
+    forced = settings.get().int8_weight_grads
+    if forced is not None:
+        return forced
+    return "bf16" if cpu_has_amx_bf16() else "int8"
+
+
 # ---------------------------------------------------------------- the GEMM
 def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if t.shape == (rows, cols):
@@ -403,6 +455,38 @@ def qmm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor |
         return res
     out.copy_(res)
     return out
+
+
+def grouped_int8_mm(qa: torch.Tensor, sa: torch.Tensor, b_of, sb: torch.Tensor | None,  # noqa: ANN001
+                    groups: list[tuple[int, int, int]], out: torch.Tensor) -> None:
+    """For each expert ``(e, s, t)`` of ``groups`` (rows ``[s, t)``, back to back from 0): ``out[s:t] =
+    sa[s:t, None] * sb[e][None, :] * (qa[s:t] @ b_of(e))`` (int8 codes; ``sb`` None: no column scales),
+    the same numbers as :func:`qmm` expert by expert. Every expert's int32 sums go into one buffer and
+    one dequantizing pass covers all rows (each row's column scales found by its expert): one pass per
+    projection instead of one per expert, whose calls cost more than their work at a few hundred
+    rows per expert."""
+    rt = groups[-1][2] if groups else 0
+    if rt == 0:
+        return
+    from ..torch.buffers import cached_empty
+
+    acc = cached_empty((rt, out.shape[1]), qa, torch.int32)
+    for e, s, t in groups:
+        if t > s:
+            torch._int_mm(qa[s:t], b_of(e), out=acc[s:t])
+    rows = rows_of_experts(groups, qa.device) if sb is not None else None
+    direct = out.dtype == torch.float32  # else fp32 first, then rounded into out's dtype as qmm does
+    res = out[:rt] if direct else torch.empty(rt, out.shape[1], device=out.device)
+    if not (_use_fused(acc, torch.int8) and _run_fused("epilogue", res, acc, sa, sb, False, rows)[0]):
+        _epilogue_eager(res, acc, sa, sb, False, rows)
+    if not direct:
+        out[:rt].copy_(res)
+
+
+def rows_of_experts(groups: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """``[rt]`` int64: the expert of each row of ``groups`` (``(e, s, t)``, back to back from 0)."""
+    counts = torch.tensor([t - s for _, s, t in groups], dtype=torch.int64)
+    return torch.repeat_interleave(torch.tensor([e for e, _, _ in groups], dtype=torch.int64), counts).to(device)
 
 
 # ---------------------------------------------------------------- weights, quantized once per call

@@ -65,15 +65,27 @@ def qlinear(a: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
     return qgemm(qa, sa, qw.t(), sw)
 
 
-def qlinear_backward(dy: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(da, dw)`` of :func:`qlinear` (``w [O, In]``): ``da = [dy * s(w)]_row qw``, ``dw = [dy]_col^T [a]_col``."""
+def weight_grad(dy: torch.Tensor, a: torch.Tensor, fmt: str, gemm: str | None = None) -> torch.Tensor:
+    """``dy^T a`` as format ``fmt``'s weight-gradient GEMM: ``[dy]_col^T [a]_col``; ``gemm="bf16"``
+    (:func:`.core.weight_grad_gemm`): both operands rounded to bf16, multiplied exactly, the product
+    rounded to bf16."""
+    if gemm == "bf16":
+        return (dy.to(torch.bfloat16).double().t() @ a.to(torch.bfloat16).double()).float().to(torch.bfloat16).float()
+    f = FORMATS[fmt]
+    qd, sd = cols_q(dy, f.grad)
+    qa, sa = cols_q(a, f.forward)
+    return qgemm(qd.t(), sd, qa, sa)
+
+
+def qlinear_backward(dy: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fmt: str,
+                     weight_grads: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(da, dw)`` of :func:`qlinear` (``w [O, In]``): ``da = [dy * s(w)]_row qw``, ``dw = [dy]_col^T [a]_col``
+    (``weight_grads``: :func:`weight_grad`'s ``gemm``)."""
     f = FORMATS[fmt]
     qw, sw = rows_q(w, f.forward)
     qg, sg = rows_q(dy.float() * sw, f.grad)
     da = qgemm(qg, sg, qw, None)
-    qd, sd = cols_q(dy, f.grad)
-    qa, sa = cols_q(a, f.forward)
-    return da, qgemm(qd.t(), sd, qa, sa)
+    return da, weight_grad(dy, a, fmt, weight_grads)
 
 
 def expert_slots(topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor, expert: int,
@@ -89,10 +101,11 @@ def expert_slots(topk_idx_TK: torch.Tensor, weights_TK: torch.Tensor, expert: in
 
 def moe_forward_backward(
     x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
-    w_down_NHI: torch.Tensor, dout_TH: torch.Tensor, fmt: str, expert_start: int = 0,
+    w_down_NHI: torch.Tensor, dout_TH: torch.Tensor, fmt: str, expert_start: int = 0, weight_grads: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``(out [T, H], dx, dw_gate_up, dw_down, dweights)`` of the fused expert path on the local
-    experts ``[expert_start, expert_start + NR)`` in precision ``fmt``, all fp32."""
+    experts ``[expert_start, expert_start + NR)`` in precision ``fmt``, all fp32; ``weight_grads``: how
+    the weight-gradient GEMMs multiply (:func:`weight_grad`)."""
     T, H = x_TH.shape
     NR, two_i, _ = w_gate_up_N2IH.shape
     inter = two_i // 2
@@ -117,13 +130,11 @@ def moe_forward_backward(
         qw_d, sw_d = rows_q(w_down_NHI[e], f.forward)
         qg, sg = rows_q(dy * sw_d, f.grad)
         g = qgemm(qg, sg, qw_d, None)
-        qd, sd = cols_q(dy, f.grad)
-        qh, sh = cols_q(h * w, f.forward)
-        dw_d[e] = qgemm(qd.t(), sd, qh, sh)
+        dw_d[e] = weight_grad(dy, h * w, fmt, weight_grads)
         d_row_w = (g * h).sum(1)
         dh = g * w
         d_gate_up = torch.cat([torch.ops.aten.silu_backward(dh * up, gate), dh * torch._C._nn.silu(gate)], 1)
-        dX, dw_gu[e] = qlinear_backward(d_gate_up, X, w_gate_up_N2IH[e], fmt)
+        dX, dw_gu[e] = qlinear_backward(d_gate_up, X, w_gate_up_N2IH[e], fmt, weight_grads)
         for i, (t, k) in enumerate(slots):
             out[t] += w[i, 0] * y[i]
             dx[t] += dX[i]
