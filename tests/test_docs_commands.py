@@ -22,6 +22,7 @@ COMMANDS = {
     "fastmoe-export": "export", "trainer.outputs.export": "export", "fastmoe_trainer.outputs.export": "export",
     "fastmoe-bench": "bench", "bench": "bench", "fastmoe_bench": "bench",
     "fastmoe_xpu.tools.config_sweep": "config_sweep",
+    "fastmoe-plan": "plan", "trainer.parallelism.plan": "dry_run", "fastmoe_trainer.parallelism.plan": "dry_run",
 }
 
 
@@ -63,6 +64,12 @@ def _parser(command: str, study: str = "") -> argparse.ArgumentParser:
         elif command == "bench":
             from bench import cli
             _PARSERS[key] = _capture(cli.main, [study]) if study else cli.build_parser()
+        elif command == "plan":  # fastmoe-plan: the planner and tracer, or the step-time model's own parser
+            from trainer.scale import command as plan_command, model_cli
+            _PARSERS[key] = model_cli.build_parser() if study == "model" else plan_command.build_parser()
+        elif command == "dry_run":
+            from trainer.parallelism.plan import build_parser
+            _PARSERS[key] = build_parser()
         else:
             module = {"launch": "trainer.ft.launch", "preprocess": "trainer.data.preprocess",
                       "export": "trainer.outputs.export", "config_sweep": "fastmoe_xpu.tools.config_sweep"}[command]
@@ -134,23 +141,25 @@ def _checked_lines():
 def test_docs_show_commands():
     """The check below reads something: the docs show every command."""
     seen = {command for _, _, command, _ in _checked_lines()}
-    assert {"train", "launch", "preprocess", "export", "bench", "config_sweep"} <= seen, seen
+    assert {"train", "launch", "preprocess", "export", "bench", "config_sweep", "plan"} <= seen, seen
 
 
 def test_every_documented_option_and_preset_exists():
     from bench.harness.presets import resolve_presets
+    from trainer.scale.command import MODEL_OPTIONS
     from bench.studies import SUBCOMMANDS
     from trainer.config.presets import PRESETS as TRAIN_PRESETS
 
     wrong = []
     for page, line, command, args in _checked_lines():
         study = args[0] if command == "bench" and args and args[0] in SUBCOMMANDS else ""
-        known = _known(_parser(command, study))
+        model = command == "plan" and any(a.strip("[]").split("=")[0] in MODEL_OPTIONS for a in args)
+        known = _known(_parser(command, "model" if model else study))
         for option, value in _options(args[1:] if study else args):
             if option not in known:
                 wrong.append(f"{page.relative_to(REPO)}: {command}{' ' + study if study else ''} has no {option}: {line.strip()}")
             elif option == "--preset" and value and re.fullmatch(r"[a-z0-9-]+", value):
-                if command == "train" and value not in TRAIN_PRESETS:
+                if command in ("train", "plan", "dry_run") and value not in TRAIN_PRESETS:
                     wrong.append(f"{page.relative_to(REPO)}: no trainer preset {value!r}: {line.strip()}")
                 elif command == "bench":
                     try:
