@@ -22,6 +22,68 @@ IDENTITY = ((None, "preset"), (None, "seed"),
             ("schedule", "global_batch"), ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
 
 
+def take_run_lease(out: str, rank: int) -> Any:
+    """The lease on the run directory ``out`` (trainer/ft/lease.py): taken by the job's first rank,
+    checked by the others; another live job's is refused in one line (:class:`~trainer.ft.lease.LeaseHeld`)."""
+    from ..ft.lease import lease_path, take_lease
+
+    return take_lease(lease_path(out), what=f"--out {out}", command="fastmoe-train", take=rank == 0)
+
+
+class RunDirClaim:
+    """``fastmoe-train``'s hold on ``--out`` before any other check: the directory made (or found
+    writable) and its lease taken, by the launcher for its workers (``launcher``), else by rank 0
+    (the other ranks check it). :meth:`undo` after a refusal leaves ``--out`` as it was found."""
+
+    def __init__(self, out: str, *, launcher: bool = False) -> None:
+        from ..ft.records import check_out_dir
+
+        self.out = os.path.abspath(out)
+        self.before = set(os.listdir(out)) if os.path.isdir(out) else None
+        self.made = []  # the directories check_out_dir makes, --out first, its missing parents after
+        d = self.out
+        while not os.path.exists(d) and os.path.dirname(d) != d:
+            self.made.append(d)
+            d = os.path.dirname(d)
+        check_out_dir(out)
+        try:
+            if launcher:
+                from ..ft.lease import launcher_lease
+
+                self.lease = launcher_lease(out, command="fastmoe-train --nproc-per-node", prefix="local",
+                                            shared=False)
+            else:
+                self.lease = take_run_lease(out, int(os.environ.get("RANK", "0")))
+        except ConfigError:
+            self.undo()
+            raise
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def undo(self) -> None:
+        """The directories this run made in ``--out`` that stayed empty go, and ``--out`` itself when
+        this run made it (with the parents it made) and it stayed empty: a refused run leaves no empty
+        ``--out``, no empty ``heartbeat/``."""
+        if not os.path.isdir(self.out):
+            return
+        for name in set(os.listdir(self.out)) - (self.before or set()):
+            path = os.path.join(self.out, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                for d, _, _ in sorted(os.walk(path, topdown=False), key=lambda w: -len(w[0])):
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
+        for d in self.made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                return
+
+
 def check_run_dir(cfg: TrainConfig) -> None:
     """Raise ConfigError (one line: what was found and the ``--out`` choices) when ``--out`` holds
     another run, or ``--eval.export_hf`` would replace the run or what it may not."""
