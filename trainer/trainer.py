@@ -435,6 +435,11 @@ class Trainer:
         stop, stopped = self.stop, None
         from fastmoe_xpu.threads import Adapter
 
+        from .records.events import RunEvents
+
+        events = RunEvents(self)
+        self.fit_started = time.perf_counter()  # summary.json's wall_s runs from here
+
         threads = Adapter()  # a default thread figure follows other work on the machine (fastmoe_xpu/threads.py)
         if stop is not None:
             stop.deferred = True  # a signal from here on lets the step finish
@@ -453,6 +458,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     spikes=rec["grad_spikes"], refresh=False)
                     bar.update(1)
+                if self.writer is not None:  # rank 0: validation, checkpoints, schedule phases, said now
+                    for line in events.lines(rec):
+                        events.say(bar, line)
                 moved = threads.step()
                 if moved is not None and lay.is_main:
                     (bar.write if hasattr(bar, "write") else print)(moved)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -186,3 +187,45 @@ def test_a_full_disk_under_the_metrics_stops_the_run_in_one_line(data_cache, tmp
     msg = str(e.value)
     assert "out of disk space writing" in msg and "metrics.jsonl" in msg and "are free" in msg and "\n" not in msg
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MB tmpfs (one full checkpoint of tiny-moe fits, two do not); skipped where this user
+    cannot mount one."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=60)
+
+
+def test_a_checkpoint_into_a_full_file_system_is_one_line_and_the_previous_slot_loads(small_disk, data_cache, tmp_path,
+                                                                                      capsys):  # noqa: F811
+    from trainer.checkpoint.slots import latest_valid
+    from trainer.cli import main
+
+    run = small_disk / "run"
+    argv = ["--preset", "tiny-moe", "--steps", "6", "--context", "16", "--global-batch", "4", "--micro-batch", "2",
+            "--data.cache_dir", data_cache, "--no-logging.tensorboard", "--no-logging.plot", "--no-logging.progress",
+            "--logging.peak_tflops", "1", "--no-eval.enabled", "--checkpoint.interval", "2"]
+    code = main([*argv, "--out", str(run)])
+    cap = capsys.readouterr()
+    assert code == 76, cap.err
+    # said at the start, once: two slots do not fit
+    assert len([ln for ln in cap.out.splitlines() if "the two full checkpoint slots of this run take" in ln]) == 1
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in cap.err, cap.err
+    assert "could not write the full checkpoint of step 4" in err[0] and "out of disk space writing" in err[0]
+    assert re.search(r"it needs [\d,]+ bytes .*, [\d,]+ bytes .* are free there", err[0]), err[0]
+    assert "slot-A (step 2) is untouched" in err[0], err[0]
+    assert latest_valid(run / "checkpoints").step == 2  # checksums verified
+    # and it loads: another run resumes from it
+    other = main([*argv, "--steps", "3", "--reschedule", "--out", str(tmp_path / "other"), "--checkpoint.interval", "0",
+                  "--checkpoint.resume_from", str(run)])
+    assert other == 0 and f"resumed from {run / 'checkpoints' / 'slot-A'} at step 2" in capsys.readouterr().out

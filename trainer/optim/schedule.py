@@ -82,6 +82,24 @@ class Schedule:
         return f"wsd, {warm}{stable}{self.decay_shape} decay to {self.minimum:.2e} {_steps(a + 1, b)}{after}"
 
 
+    def phase_begins(self, step: int) -> str | None:
+        """The phase that begins at record step ``step`` (from 1), in words, or None: the end of the
+        warmup, and under WSD the stable phase, the decay (a decay branch's included) and its end."""
+        w, n = self.warmup, self.total
+        if self.kind != "wsd":
+            if w and step == w + 1 <= n:
+                return f"warmup over; {self.kind} {self.peak:.2e} -> {self.minimum:.2e} {_steps(w + 1, n)}"
+            return None
+        a, b = self.decay_start, self.decay_start + self.decay_steps
+        if step == a + 1 <= n:
+            return f"{'warmup over; ' if w and a == w else ''}{self.decay_shape} decay to {self.minimum:.2e} {_steps(a + 1, b)}"
+        if w and step == w + 1 <= a:
+            return f"warmup over; stable at {self.peak:.2e} {_steps(w + 1, a)}"
+        if step == b + 1 <= n:
+            return f"decay over; at {self.minimum:.2e} {_steps(b + 1, n)}"
+        return None
+
+
 def _steps(first: int, last: int) -> str:
     return f"step {first}" if first == last else f"steps {first}-{last}"
 
