@@ -92,3 +92,20 @@ def test_with_stdout_in_a_file_each_validation_line_precedes_the_next_step(tmp_p
     for step in (2, 4):
         val = next(i for i, ln in enumerate(lines) if ln.startswith(f"step {step}: validation loss"))
         assert where[step] < val < where[step + 1], lines
+
+
+def test_help_and_docs_agree_on_asynchronous_checkpoints():
+    """--help and docs/fault.md say the same: every layout (FSDP2 and PP included, which the tests
+    run), and which last checkpoint is written synchronously."""
+    from trainer.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    start = text.index("--no-checkpoint.async ")  # the option's help follows its names
+    option = text[start:text.index("--checkpoint.", start + 25)]
+    docs = " ".join((REPO / "docs" / "fault.md").read_text().split())
+    section = docs[docs.index("**Asynchronous checkpoints.**"):]
+    section = section[:section.index("Measured with")]
+    assert "not yet" not in option and "FSDP2" in option and "PP" in option, option
+    assert "FSDP2" in section and "PP=2" in section, section
+    for said in (option, section):
+        assert "a last checkpoint no periodic one covers is written synchronously" in said, said
