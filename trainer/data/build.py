@@ -144,9 +144,10 @@ def _tokenize(sources: list[Source], tok: Tokenizer, dtype: np.dtype, stream_pat
                     bar.update(now - reported)
                     reported = now
             flush()
-            bar.update(src.size - reported)
             stats.append({"path": src.name, "format": src.format, "documents": n_docs, "tokens": n_tok})
-            bar.set_postfix(tokens=sum(s["tokens"] for s in stats))
+            # the count first: the update below draws (or prints) the line that shows it
+            bar.set_postfix(tokens=sum(s["tokens"] for s in stats), refresh=False)
+            bar.update(src.size - reported)
     return stats
 
 

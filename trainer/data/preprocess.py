@@ -26,7 +26,7 @@ from ..ft.space import describe_space
 from ..ft.stop import stoppable
 from ..owned import DATA_SET, MARKER, NotOwned, check_replace
 from .build import MANIFEST_NAME, VALID_NAME, check_positive, check_valid, preprocess_files
-from .sources import DIR_SUFFIXES, describe_files, scan_inputs
+from .sources import DIR_SUFFIXES, check_out_apart, check_text_inputs, describe_files, scan_inputs
 from .tokenizer import load_tokenizer, token_dtype
 
 
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--seed must be >= 0, got {a.seed}")
         check_valid(a.valid, "--valid")
         files, skipped = scan_inputs(a.input)
+        check_out_apart(a.out, a.input)
+        check_text_inputs(files)
         tokenizer = load_tokenizer(a.tokenizer, eos_token=a.eos_token)
     except ValueError as e:
         return fail(" ".join(str(e).split()))
