@@ -372,9 +372,6 @@ def _fit(cfg: TrainConfig, args: argparse.Namespace, stop: Any) -> int:
     if trainer.layout.is_main and sm:
         print(json.dumps({"steps": sm["steps"], "loss_first": round(sm["loss_first"], 4),
                           "loss_last": round(sm["loss_last"], 4), "out": cfg.logging.out}))
-    failed_export = trainer.artefacts.get("export_error")
-    if failed_export:  # said when it happened; again last, where a script's log ends
-        if trainer.layout.is_main:
-            print(f"error: {failed_export}", file=sys.stderr)
+    if trainer.artefacts.get("export_error"):  # said once, when it happened (trainer/outputs/run_end.py)
         return EXIT_CONFIG_ERROR  # the output folder: a restart would meet it again
     return 0  # main() destroys the process groups

@@ -38,6 +38,7 @@ CASES = {
         "negative size": ["--micro-batch", "-1"],
         "zero processes": ["--nproc-per-node", "0"],
         "unknown option": ["--bogus", "1"],
+        "read-only export folder": ["--export-hf", "/sys/hf"],  # before training, not after it
     },
     "fastmoe-launch": {
         "missing path": ["--out", "run", "--", "--data", "missing"],

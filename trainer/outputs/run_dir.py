@@ -142,6 +142,26 @@ def _check_export_dir(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     if exists and not cfg.eval.overwrite:
         raise ConfigError(f"--eval.export_hf {export} exists; pass --eval.overwrite to replace it")
+    _check_writable(target, "--eval.export_hf")
+
+
+def _check_writable(target: str, option: str) -> None:
+    """Raise ConfigError when no file can be made beside ``target`` (where its output is staged and
+    moved in) or, with no such folder yet, in its nearest existing parent: a read-only export folder
+    is found before training, not after. The folder probed keeps its times."""
+    d = os.path.dirname(target.rstrip(os.sep)) or os.sep
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    probe = os.path.join(d, f".write-test-{os.getpid()}")
+    try:
+        before = os.stat(d)
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+        os.utime(d, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError as e:
+        raise ConfigError(f"{option} {target}: cannot write in {d} ({e.strerror or e}), where the export is made; "
+                          f"give a directory you can write to, or leave {option} out") from None
 
 
 def check_data_set(meta: dict[str, Any], step: int, path: str, now: str, manifest_path: str) -> None:
