@@ -229,3 +229,27 @@ def test_a_checkpoint_into_a_full_file_system_is_one_line_and_the_previous_slot_
     other = main([*argv, "--steps", "3", "--reschedule", "--out", str(tmp_path / "other"), "--checkpoint.interval", "0",
                   "--checkpoint.resume_from", str(run)])
     assert other == 0 and f"resumed from {run / 'checkpoints' / 'slot-A'} at step 2" in capsys.readouterr().out
+
+
+def test_an_export_of_a_slot_the_run_rewrites_meanwhile_is_refused(run_dir, tmp_path, monkeypatch, capsys):
+    """A run rewriting the slot being exported (it removes the slot's manifest first) is noticed
+    before anything is moved to --out."""
+    import shutil
+
+    import trainer.outputs.export as export
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    slot = run / "checkpoints" / "slot-A"
+    real = export._Reader.read
+
+    def read(self, key):
+        (slot / "MANIFEST.json").unlink(missing_ok=True)  # the run starts to rewrite this slot
+        return real(self, key)
+
+    monkeypatch.setattr(export._Reader, "read", read)
+    code = export_main(["--checkpoint", str(slot), "--out", str(tmp_path / "hf"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"error: {slot} was rewritten while the export read it (the run that writes it went "
+                                 f"on to its next checkpoint): export again, or export a slot the run is done with")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

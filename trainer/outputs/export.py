@@ -366,7 +366,11 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
 
 def _finish(tmp: Path, out: Path, ckpt: Path, info: CheckpointInfo, extra: dict[str, Any]) -> list[str]:
     """Record where the export came from (``fastmoe_export.json``) and move ``tmp`` to ``out``;
-    returns the files written."""
+    returns the files written. A checkpoint a running run rewrote while it was read (its slot's
+    manifest gone or of another step: the run rewrites its older slot) is refused, nothing moved."""
+    if not (ckpt / MANIFEST).is_file() or _step_of(ckpt) != (info.step, info.index):
+        raise ExportError(f"{ckpt} was rewritten while the export read it (the run that writes it went on to "
+                          f"its next checkpoint): export again, or export a slot the run is done with")
     (tmp / "fastmoe_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"), **extra},
         indent=2))
@@ -456,6 +460,14 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
     arch = (hf.architectures or [type(model).__name__])[0]
     return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=files,
                         total_bytes=total, peak_bytes=total, seconds=time.perf_counter() - t0)
+
+
+def _step_of(ckpt: Path) -> tuple[int, int] | None:
+    try:
+        info = read_info(ckpt)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info.step, info.index
 
 
 def _size(text: str) -> int:
