@@ -207,8 +207,9 @@ def take_output_lease(out: str | os.PathLike, *, command: str) -> Lease | None:
     path = lease_path(out, beside=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create --out {out}: {e.strerror or e}") from None
+    except OSError as e:  # a parent that is a file (/dev/null/x) exists, but not as a directory
+        reason = os.strerror(errno.ENOTDIR) if isinstance(e, FileExistsError) else e.strerror or e
+        raise ConfigError(f"cannot create --out {out}: {reason}") from None
     return take_lease(path, what=f"--out {out}", command=command)
 
 
