@@ -217,24 +217,19 @@ def take_output_lease(out: str | os.PathLike, *, command: str) -> Lease | None:
 _HELD: dict[str, Lease] = {}
 
 
-def take_lease(path: str | os.PathLike, *, what: str, command: str, take: bool = True) -> Lease | None:
+def take_lease(path: str | os.PathLike, *, what: str, command: str) -> Lease | None:
     """Take the lease ``path`` for this process's job, or join it when the job already holds it.
 
     ``what`` names the directory in the messages (``--out OUT``); ``command`` is recorded for the
-    next taker's line. ``take=False`` (a rank other than the job's first): only check that no other
-    live job holds it. Returns the lease taken (None when joined or only checked); raises
-    :class:`LeaseHeld` when another live job holds it. The directory holding ``path`` must exist."""
+    next taker's line. Returns the lease taken (None when joined); raises :class:`LeaseHeld` when
+    another live job holds it. The directory holding ``path`` must exist."""
     path = Path(os.path.abspath(path))
     if str(path) in _HELD:
         return None
     job = job_id()
     rec = _read(path)
     if rec is not None and rec.get("job") == job:
-        return None  # this job's lease (a restarted worker group, another rank, an earlier Trainer here)
-    if not take:
-        if rec is not None and _live(rec, path, locked=None):
-            raise _held(rec, path, what)
-        return None
+        return None  # this job's lease (a restarted worker group, an earlier Trainer in this process)
     try:
         found = path.parent.stat() if not path.exists() else None
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

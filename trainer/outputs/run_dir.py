@@ -23,17 +23,22 @@ IDENTITY = ((None, "preset"), (None, "seed"),
 
 
 def take_run_lease(out: str, rank: int) -> Any:
-    """The lease on the run directory ``out`` (trainer/ft/lease.py): taken by the job's first rank,
-    checked by the others; another live job's is refused in one line (:class:`~trainer.ft.lease.LeaseHeld`)."""
+    """The lease on the run directory ``out`` (trainer/ft/lease.py), taken by the job's first rank;
+    another live job's is refused there in one line (:class:`~trainer.ft.lease.LeaseHeld`), which
+    ends the job. The other ranks leave it to rank 0: they need not share its job id (processes
+    started by hand or by ``multiprocessing`` know only their rank), and one refusing alone would
+    leave its peers waiting in a collective."""
     from ..ft.lease import lease_path, take_lease
 
-    return take_lease(lease_path(out), what=f"--out {out}", command="fastmoe-train", take=rank == 0)
+    if rank != 0:
+        return None
+    return take_lease(lease_path(out), what=f"--out {out}", command="fastmoe-train")
 
 
 class RunDirClaim:
     """``fastmoe-train``'s hold on ``--out`` before any other check: the directory made (or found
     writable) and its lease taken, by the launcher for its workers (``launcher``), else by rank 0
-    (the other ranks check it). :meth:`undo` after a refusal leaves ``--out`` as it was found."""
+    :meth:`undo` after a refusal leaves ``--out`` as it was found."""
 
     def __init__(self, out: str, *, launcher: bool = False) -> None:
         from ..ft.records import check_out_dir
