@@ -109,8 +109,8 @@ class Trainer:
         self.cfg = cfg
         check_run_dir(cfg)  # another run in --out, or an export over the run: refused before any work
         # one job writes --out at a time: another live job's lease is refused here, a gone one's taken over
-        self._rank0 = (layout.rank if layout is not None else int(os.environ.get("RANK", "0"))) == 0
-        self.lease = take_run_lease(cfg.logging.out, 0 if self._rank0 else 1)  # None: the CLI's, or joined
+        self._rank = layout.rank if layout is not None else int(os.environ.get("RANK", "0"))
+        self.lease = take_run_lease(cfg.logging.out, self._rank)  # None: the CLI's, joined, or not rank 0
         if layout is None:
             layout = init_layout(cfg.parallel)
         self.layout = layout
@@ -412,8 +412,8 @@ class Trainer:
         """Train until step ``steps`` (default: the config's), writing metrics on rank 0."""
         cfg, lay = self.cfg, self.layout
         total = cfg.schedule.steps if steps is None else steps
-        if self.lease is None and self._rank0:  # fit() again after the lease of the last went
-            self.lease = take_run_lease(self.out_dir, 0)
+        if self.lease is None:  # fit() again after the lease of the last went
+            self.lease = take_run_lease(self.out_dir, self._rank)
         if cfg.checkpoint.resume and self.step == 0 and self.resume() and self.step >= total and lay.is_main:
             print(f"{self.out_dir}: already complete at step {self.step}; nothing to train (a larger --steps with "
                   f"--reschedule trains on, another --out starts a new run)", flush=True)
