@@ -190,3 +190,34 @@ def test_a_killed_holders_lease_is_taken_over_and_the_run_resumes(tmp_path):
     assert len(took) == 1 and f"pid {proc.pid}" in took[0] and "process is gone" in took[0], again.stdout
     assert "resumed from" in again.stdout
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 30
+
+
+@pytest.mark.slow
+def test_a_launcher_job_holds_the_lease_for_its_workers(tmp_path):
+    """fastmoe-launch takes the lease and its worker joins it; another launcher job and a plain run
+    into the same --out are refused, naming the launcher."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    trainer_args = _train(out, cache, 100000)[3:]  # past "-m trainer"
+    launch = [sys.executable, "-m", "trainer.ft.launch", "--nnodes", "1", "--nproc-per-node", "1", "--out", str(out),
+              "--", *[a for i, a in enumerate(trainer_args) if a != "--out" and trainer_args[i - 1] != "--out"]]
+    first = subprocess.Popen(launch, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
+            assert first.poll() is None
+            time.sleep(0.2)
+        holder = json.loads((out / "lease.json").read_text())
+        assert holder["pid"] == first.pid and holder["command"] == "fastmoe-launch"
+        other = subprocess.run([*launch[:3], "--rdzv-id", "other", "--rdzv-endpoint", "127.0.0.1:29555",
+                                *launch[3:]], env=ENV, cwd=REPO, timeout=120, capture_output=True, text=True)
+        plain = subprocess.run(_train(out, cache, 5), env=ENV, cwd=REPO, timeout=120, capture_output=True, text=True)
+        for r in (other, plain):
+            assert r.returncode == 2 and f"pid {first.pid}, job launch:trainer@None, fastmoe-launch" in r.stderr, \
+                r.stderr[-2000:]
+    finally:
+        first.send_signal(signal.SIGINT)
+        try:
+            first.wait(timeout=120)
+        finally:
+            if first.poll() is None:
+                first.kill()
