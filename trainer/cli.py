@@ -278,6 +278,8 @@ def release_process_groups() -> None:
     after an unexpected exception, where a peer may still wait in a collective."""
     import gc
 
+    if "torch.distributed" not in sys.modules:
+        return  # never imported: no group to free (a run refused before any work ends without importing torch)
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch without distributed
@@ -287,12 +289,24 @@ def release_process_groups() -> None:
     gc.collect()  # the groups' last references are in cycles: their threads are joined here
 
 
-def _main(argv: Sequence[str] | None, stop: Any) -> int:
-    from .layout import env_world_size
+def env_world_size() -> int:
+    """torchrun's ``WORLD_SIZE`` (1 without): no process group is up yet where the CLI asks, and
+    torch is not imported for it (a run refused by the lease on ``--out`` says so in a second)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
+
+def _main(argv: Sequence[str] | None, stop: Any) -> int:
+    from .outputs.run_dir import RunDirClaim
+
+    claim = None
     try:
         cfg, args = config_from_args(argv)
-        if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
+        launcher = args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ
+        if not (args.list_presets or args.dry_run or args.print_config):
+            # --out first: a run directory another job writes is refused in a second, before the checks
+            # below import torch; a refused run leaves --out as it found it (RunDirClaim.undo)
+            claim = RunDirClaim(cfg.logging.out, launcher=launcher)
+        if launcher:
             from fastmoe_xpu.threads import check_threads
 
             from .ft.local_launch import launch
@@ -300,36 +314,48 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
             check_threads(args.threads)
             validate(dataclasses.replace(cfg), args.nproc_per_node)  # fail here, not in N processes at once
             stop.uninstall()  # the launcher's handlers pass signals on to the workers
-            return launch(args.nproc_per_node, _without_nproc(sys.argv[1:] if argv is None else list(argv)))
-        if args.list_presets:
+            code = launch(args.nproc_per_node, _without_nproc(sys.argv[1:] if argv is None else list(argv)))
+        elif args.list_presets:
             print(list_presets())
             return 0
-        if args.dry_run:
+        elif args.dry_run:
             from .parallelism.plan import plan_from_config
 
             print(plan_from_config(cfg, args.world or env_world_size()))
             return 0
-        as_given = copy.deepcopy(cfg) if args.print_config else None  # before validate fills in the layout
-        # the only check: the Trainer takes the validated config as it is
-        validate(cfg, (args.world if args.print_config else None) or env_world_size())
-        if args.print_config:
-            from .config.file import dump_config
+        else:
+            as_given = copy.deepcopy(cfg) if args.print_config else None  # before validate fills in the layout
+            # the only check: the Trainer takes the validated config as it is
+            validate(cfg, (args.world if args.print_config else None) or env_world_size())
+            if args.print_config:
+                from .config.file import dump_config
 
-            print(dump_config(as_given, args.print_config, get_preset(args.preset)), end="")
-            return 0
-        from fastmoe_xpu.threads import configure
-
-        configure(args.threads)  # this process's share of the cores (fastmoe_xpu/threads.py)
-        from .trainer import Trainer
-
-        trainer = Trainer(cfg)
+                print(dump_config(as_given, args.print_config, get_preset(args.preset)), end="")
+                return 0
+            code = _fit(cfg, args, stop)
     except (ConfigError, ValueError) as e:
         # config and data errors (bad preset, layout, missing or corrupt shards): one line, no work lost
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        code = EXIT_CONFIG_ERROR
+    finally:
+        if claim is not None:
+            claim.release()
+    if claim is not None and code == EXIT_CONFIG_ERROR:
+        claim.undo()
+    return code
+
+
+def _fit(cfg: TrainConfig, args: argparse.Namespace, stop: Any) -> int:
+    """Build the Trainer and train it; the exit status, with one line for each way it can fail."""
+    from fastmoe_xpu.threads import configure
+
     from .checkpoint.slots import CheckpointError
     from .ft.fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
 
+    configure(args.threads)  # this process's share of the cores (fastmoe_xpu/threads.py)
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg)
     trainer.stop = stop
     try:
         trainer.fit()
@@ -346,9 +372,6 @@ def _main(argv: Sequence[str] | None, stop: Any) -> int:
     if trainer.layout.is_main and sm:
         print(json.dumps({"steps": sm["steps"], "loss_first": round(sm["loss_first"], 4),
                           "loss_last": round(sm["loss_last"], 4), "out": cfg.logging.out}))
-    failed_export = trainer.artefacts.get("export_error")
-    if failed_export:  # said when it happened; again last, where a script's log ends
-        if trainer.layout.is_main:
-            print(f"error: {failed_export}", file=sys.stderr)
+    if trainer.artefacts.get("export_error"):  # said once, when it happened (trainer/outputs/run_end.py)
         return EXIT_CONFIG_ERROR  # the output folder: a restart would meet it again
     return 0  # main() destroys the process groups

@@ -104,7 +104,22 @@ def check_replace(path: str | os.PathLike, kind: str, *, option: str = "--out", 
 def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     """Move the complete output ``tmp`` (its marker written) to ``out``, replacing what
     :func:`check_replace` allowed there (checked again, as the directory may have changed since)."""
+    from .ft.stop import signals_held
+
     kind = (read_marker(tmp) or {}).get("kind", "")
-    if check_replace(out, kind):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    out = Path(out)
+    aside = out.parent / f".{out.name}.replaced"
+    try:
+        with signals_held():  # a stop here waits for the two renames: --out is the old output or the new one
+            if check_replace(out, kind):
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(out, aside)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                if aside.exists():
+                    os.replace(aside, out)
+                raise
+    finally:
+        if out.exists():
+            shutil.rmtree(aside, ignore_errors=True)

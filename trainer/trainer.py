@@ -59,7 +59,7 @@ from .parallelism.broadcast import broadcast_replicas, load_and_broadcast, load_
 from .parallelism.pipeline import Pipeline, parallelize_pipeline
 from .parallelism.tp import tp_localize
 from .optim.schedule import Schedule, check_resume, clipping_active
-from .outputs.run_dir import check_data_set, check_run_dir
+from .outputs.run_dir import check_data_set, check_run_dir, take_run_lease
 
 from .data import ShardedLoader, ensure_default_dataset, manifest_eos_id, open_dataset
 
@@ -108,6 +108,9 @@ class Trainer:
             cfg = validate(copy.deepcopy(cfg), world)
         self.cfg = cfg
         check_run_dir(cfg)  # another run in --out, or an export over the run: refused before any work
+        # one job writes --out at a time: another live job's lease is refused here, a gone one's taken over
+        self._rank = layout.rank if layout is not None else int(os.environ.get("RANK", "0"))
+        self.lease = take_run_lease(cfg.logging.out, self._rank)  # None: the CLI's, joined, or not rank 0
         if layout is None:
             layout = init_layout(cfg.parallel)
         self.layout = layout
@@ -409,6 +412,8 @@ class Trainer:
         """Train until step ``steps`` (default: the config's), writing metrics on rank 0."""
         cfg, lay = self.cfg, self.layout
         total = cfg.schedule.steps if steps is None else steps
+        if self.lease is None:  # fit() again after the lease of the last went
+            self.lease = take_run_lease(self.out_dir, self._rank)
         if cfg.checkpoint.resume and self.step == 0 and self.resume() and self.step >= total and lay.is_main:
             print(f"{self.out_dir}: already complete at step {self.step}; nothing to train (a larger --steps with "
                   f"--reschedule trains on, another --out starts a new run)", flush=True)
@@ -430,6 +435,11 @@ class Trainer:
         stop, stopped = self.stop, None
         from fastmoe_xpu.threads import Adapter
 
+        from .records.events import RunEvents
+
+        events = RunEvents(self)
+        self.fit_started = time.perf_counter()  # summary.json's wall_s runs from here
+
         threads = Adapter()  # a default thread figure follows other work on the machine (fastmoe_xpu/threads.py)
         if stop is not None:
             stop.deferred = True  # a signal from here on lets the step finish
@@ -448,6 +458,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                     spikes=rec["grad_spikes"], refresh=False)
                     bar.update(1)
+                if self.writer is not None:  # rank 0: validation, checkpoints, schedule phases, said now
+                    for line in events.lines(rec):
+                        events.say(bar, line)
                 moved = threads.step()
                 if moved is not None and lay.is_main:
                     (bar.write if hasattr(bar, "write") else print)(moved)
@@ -475,6 +488,9 @@ class Trainer:
         if lay.is_main:
             self._write_summary()
         self.finish_run()
+        if self.lease is not None:  # the run directory is free for another job until fit() is called again
+            self.lease.release()
+            self.lease = None
         return self.history
 
     def stop_checkpoint(self) -> str:

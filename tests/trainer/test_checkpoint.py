@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -291,13 +292,15 @@ class _NoSpaceWriter:
 @pytest.mark.parametrize("where", [
     "data",      # DCP's tensor files
     "manifest",  # the last file of the write
+    "short",     # torch's zip writer's short write: no errno, only "unexpected pos" (a full tmpfs under it)
+    "async",     # DCP's tensor files, written in the background
 ])
 def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch,
                                                                          where: str) -> None:
     root = tmp_path / "ck"
     lay, model, opt, w2, w4 = _two_slots(root)
     before = _tree_hashes(root / "slot-B")
-    if where == "data":
+    if where in ("data", "async"):
         real = ck_dcp_io.storage_writer
         monkeypatch.setattr(ck_dcp_io, "storage_writer", lambda path: _NoSpaceWriter(real(path)))
     else:
@@ -309,10 +312,21 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(tmp_pat
             real_write(path, data)
 
         monkeypatch.setattr(ck_save, "write_file", write_file)
+        if where == "short":
+            monkeypatch.setattr(ck_save, "write_file", lambda path, data: (_ for _ in ()).throw(RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")))
+            import trainer.ft.space as space
+
+            monkeypatch.setattr(space, "free_bytes", lambda path: 100)  # the disk as full as the write met it
     with pytest.raises(CheckpointError) as err:
-        CheckpointManager(root, interval=2).save(6, model, opt)
+        mgr = CheckpointManager(root, interval=2, async_save=where == "async")
+        mgr.save(6, model, opt)
+        mgr.wait()
     msg = str(err.value)
-    assert "step 6" in msg and "no space left on device" in msg and "slot-B (step 4) is untouched" in msg
+    # one line: "space", the path, the bytes needed and free, and what stays valid
+    assert "step 6" in msg and "out of disk space writing" in msg and "slot-A.tmp" in msg, msg
+    assert re.search(r"it needs [\d,]+ bytes .*, [\d,]+ bytes .* are free there", msg), msg
+    assert "slot-B (step 4) is untouched" in msg and "\n" not in msg
     monkeypatch.undo()
     assert _tree_hashes(root / "slot-B") == before
     assert latest_valid(root).step == 4

@@ -5,6 +5,7 @@ directory changes. In-process calls of each command's ``main(argv)``; one subpro
 shows the installed console behaviour."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -37,6 +38,7 @@ CASES = {
         "negative size": ["--micro-batch", "-1"],
         "zero processes": ["--nproc-per-node", "0"],
         "unknown option": ["--bogus", "1"],
+        "read-only export folder": ["--export-hf", "/sys/hf"],  # before training, not after it
     },
     "fastmoe-launch": {
         "missing path": ["--out", "run", "--", "--data", "missing"],
@@ -58,6 +60,9 @@ CASES = {
         "negative size": [*PRE, "--shards", "-1", "--out", "data"],
         "bad fraction": [*PRE, "--valid", "1.5", "--out", "data"],
         "unknown option": [*PRE, "--out", "data", "--bogus"],
+        "binary input": ["--input", "/bin/ls", "--context", "8", "--out", "data"],
+        "--out inside an input": ["--input", ".", "--context", "8", "--out", "data"],
+        "--out is an input": ["--input", "adir.toml", "corpus.txt", "--context", "8", "--out", "adir.toml"],
     },
     "fastmoe-export": {
         "missing path": ["--checkpoint", "missing", "--out", "hf"],
@@ -168,3 +173,23 @@ def test_the_console_command_says_one_line(workdir, command, argv):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert snapshot(workdir, dirs=True) == before
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--input", "/bin/ls", "--context", "8", "--out", "data"], "input '/bin/ls' is not text (NUL bytes"),
+    (["--input", ".", "--context", "8", "--out", "data"], "--out data is inside the input directory ."),
+])
+def test_preprocess_refuses_what_it_would_garble(workdir, capsys, argv, says):
+    if not os.path.isfile("/bin/ls"):
+        pytest.skip("no /bin/ls here")
+    code, err = _run("fastmoe-preprocess", argv, capsys)
+    assert code == 2 and says in err, err
+
+
+def test_preprocess_progress_shows_the_final_token_count(workdir, capsys):
+    (workdir / "b.txt").write_text("more words, in a second file. " * 300)
+    assert preprocess_main(["--input", "corpus.txt", "b.txt", "--context", "8", "--out", "data"]) == 0
+    err = capsys.readouterr().err
+    manifest = json.loads((workdir / "data" / "manifest.json").read_text())
+    line = next(ln for ln in err.splitlines() if ln.startswith("1/3 tokenize"))
+    assert line.endswith(f"tokens={sum(i['tokens'] for i in manifest['inputs'])}"), (line, manifest["inputs"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -141,6 +142,24 @@ def test_bad_mixtures_are_refused(two_sets, spec, match):
     web, code = two_sets
     with pytest.raises(ConfigError, match=match):
         parse_mixture(spec.format(web=web, code=code))
+
+
+def test_the_messages_name_the_real_cause(two_sets, tmp_path):
+    """A path with a comma (commas split the entries), and a source whose older manifest records no
+    end-of-document id (the same tokenizer otherwise), each said as what it is."""
+    web, code = two_sets
+    with pytest.raises(ConfigError, match="'p=data/a' is not NAME=PATH:WEIGHT .commas separate the entries, so a "
+                                          "path cannot hold one"):
+        parse_mixture("p=data/a,b:1")
+    old = tmp_path / "old"
+    shutil.copytree(code, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["tokenizer"]["eos_id"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=f"source 'old' .{old}. records no end-of-document id .*make it again "
+                                          "with fastmoe-preprocess") as e:
+        MixtureDataset(f"web={web}:1,old={old}:1", verify=False)
+    assert "different tokenizer" not in str(e.value)
 
 
 def test_missing_set_and_other_context_are_refused_before_the_model(two_sets, tmp_path):

@@ -225,4 +225,5 @@ def test_an_export_folder_taken_during_training_loses_nothing(data_cache, tmp_pa
         trainer_mod.Trainer.fit = real_fit
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith(f"error: export to {hf3} failed: "), err
+    assert sum("error: export to" in line for line in err) == 1, err  # said once
     assert (hf3 / "notes.txt").read_text() == "mine"

@@ -221,3 +221,17 @@ def test_the_loss_chart_carries_the_learning_rate():
     assert lr_ax.get_ylabel() == "learning rate"
     assert "linear decay to 1.00e-01 steps 7-10" in loss_ax.get_title()
     assert "learning rate (right)" in [t.get_text() for t in loss_ax.get_legend().get_texts()]
+
+
+def test_a_branch_from_a_step_its_source_kept_no_checkpoint_of_says_so(tmp_path):
+    """The source run's newest checkpoint is past the branch's step (it kept no checkpoint of it): the
+    line says that, not that the schedule changed at the step after the checkpoint."""
+    src = tmp_path / "main"
+    (src / "checkpoints" / "slot-A").mkdir(parents=True)
+    cfg = _cfg(steps=0, decay_from=30, decay_steps=10, resume_from=str(src))
+    with pytest.raises(ConfigError) as e:
+        check_resume(cfg, _cfg(steps=100).to_dict(), 40, str(src / "checkpoints" / "slot-A"))
+    msg = str(e.value)
+    assert msg.startswith(f"--schedule.decay_from 30 branches at step 30, and the newest checkpoint {src} holds is "
+                          f"{src / 'checkpoints' / 'slot-A'} of step 40") and "--schedule.decay_from 40" in msg, msg
+    assert "step 41" not in msg and "reschedule" not in msg, msg

@@ -49,7 +49,14 @@ except ImportError:  # pragma: no cover - older torch
         pass
 
 
-def describe_os_error(e: BaseException) -> str:
+def describe_os_error(e: BaseException, path: Path | None = None, needed: int | None = None) -> str:
+    """The reason of a failed read or write in a few words; a full disk as such, naming ``path``
+    with the ``needed`` bytes and those free (trainer/ft/space.py)."""
+    from ..ft.space import describe_space
+
+    space = describe_space(e, path, needed) if path is not None else None
+    if space is not None:
+        return space
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return f"no space left on device ({e})"
     if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):

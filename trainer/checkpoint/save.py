@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
+from ..ft.space import tensor_bytes
 from .dcp_io import CheckpointException, agree, dcp_save, describe_os_error, dtensor_params, raise_if_failed
 from .optim_state import optimizer_steps, optimizer_writes
 from .slots import (FORMAT_VERSION, MANIFEST, META, SLOTS, fsync_dir, json_bytes, manifest_digest, rank_file,
@@ -59,6 +60,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
     final, tmp = root / name, root / f"{name}.tmp"
     rank = coords.rank
     what = f"could not write the {kind} checkpoint of step {step} to {final}"
+    needed = tensor_bytes(tensors)  # this rank's share; a full disk is said with it and the bytes free
 
     # 1. rank 0 prepares an empty staging directory, then frees this slot's old contents (the slot
     #    being rewritten is never the newest valid one, so at most two full checkpoints use the disk);
@@ -76,7 +78,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
                 shutil.rmtree(final)
                 fsync_dir(root)
         except Exception as e:  # every rank must reach the agreement below
-            ok, msg = False, describe_os_error(e)
+            ok, msg = False, describe_os_error(e, tmp, needed)
             shutil.rmtree(tmp, ignore_errors=True)
     raise_if_failed(agree(ok, msg, group=group), what)
 
@@ -85,7 +87,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
     try:
         dcp_save(tensors, tmp, group)
     except (Exception, CheckpointException) as e:  # DCP raises the same aggregated error on every rank
-        ok, msg = False, describe_os_error(e)
+        ok, msg = False, describe_os_error(e, tmp, needed)
     if ok:
         try:
             if rank_state is not None:
@@ -97,7 +99,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
             for f in _own_files(tmp, rank):
                 hashes[f.name] = {"sha256": sha256_file(f), "size": f.stat().st_size}
         except Exception as e:  # every rank must reach the agreement below
-            ok, msg = False, describe_os_error(e)
+            ok, msg = False, describe_os_error(e, tmp, needed)
     results = agree(ok, msg, hashes, group)
     if not all(r[0] for r in results) and rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,7 +131,7 @@ def _write_dir(root: Path, name: str, *, step: int, index: int, kind: str, coord
             fsync_dir(root)
             total = sum(f["size"] for f in files.values()) + manifest_size
         except Exception as e:  # every rank must reach the agreement below
-            ok, msg = False, describe_os_error(e)
+            ok, msg = False, describe_os_error(e, tmp, needed)
             shutil.rmtree(tmp, ignore_errors=True)
     results = agree(ok, msg, total, group)
     raise_if_failed(results, what)

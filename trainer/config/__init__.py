@@ -243,8 +243,8 @@ class CheckpointConfig:
     when this run's own has none, writing only in this run's --out (a decay branch: ``--schedule.decay_from``)."""
     async_save: bool = False
     """``--checkpoint.async``: stage each periodic full checkpoint in host memory and write it in a background
-    thread while training goes on (one write at a time; the run's last checkpoint waits for it and is written
-    synchronously). ZeRO-1, EPSO and replicated AdamW layouts; not yet with FSDP2 or PP."""
+    thread while training goes on (one write at a time; the run's end waits for it, and a last checkpoint no
+    periodic one covers is written synchronously). Every layout: ZeRO-1, EPSO, replicated AdamW, FSDP2 and PP."""
     reschedule: bool = False
     """Resume although --steps, --warmup, --lr, --min-lr or --schedule.* differ from the checkpoint's (default: refuse,
     naming the change, unless only a WSD run's future rates change): the learning rate follows the new schedule from

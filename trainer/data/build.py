@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from ..ft.stop import signals_held
+from ..owned import DATA_SET, write_marker
 from ..records.progress import stage_bar
 from .sources import expand_inputs, input_format, iter_documents
 from .tokenizer import Tokenizer, load_tokenizer, token_dtype
@@ -142,9 +144,10 @@ def _tokenize(sources: list[Source], tok: Tokenizer, dtype: np.dtype, stream_pat
                     bar.update(now - reported)
                     reported = now
             flush()
-            bar.update(src.size - reported)
             stats.append({"path": src.name, "format": src.format, "documents": n_docs, "tokens": n_tok})
-            bar.set_postfix(tokens=sum(s["tokens"] for s in stats))
+            # the count first: the update below draws (or prints) the line that shows it
+            bar.set_postfix(tokens=sum(s["tokens"] for s in stats), refresh=False)
+            bar.update(src.size - reported)
     return stats
 
 
@@ -158,8 +161,10 @@ def build_dataset(
     progress: bool = True,
     extra: dict[str, Any] | None = None,
     valid: float = 0,
+    marked: bool = False,
 ) -> str:
     """Tokenize, shuffle and shard `sources` into `out_dir`; returns the manifest path.
+    `marked`: the data set's marker (trainer/owned.py) is written with it, as ``fastmoe-preprocess`` does.
     `valid`: held-out validation instances, a fraction in (0, 1) or a count >= 1 (0: none), kept in
     `valid.npy` and never trained on (see :func:`split_validation`).
     Raises ValueError with a one-line message for every bad input."""
@@ -228,43 +233,47 @@ def build_dataset(
                 start += n
         del windows, stream
         os.remove(stream_path)
-        _clear_previous(out_dir)
-        for s in shard_meta:
-            os.replace(os.path.join(staging, s["file"]), os.path.join(out_dir, s["file"]))
+        fingerprint = hashlib.sha256("".join(s["sha256"] for s in shard_meta).encode()).hexdigest()
+        manifest = {
+            "format": FORMAT_VERSION,
+            "context": context,
+            "instance_length": context + 1,
+            "stride": context,
+            "dtype": dtype.name,
+            "seed": int(seed),
+            "num_instances": num,
+            "num_documents": n_docs,
+            "stream_tokens": length,
+            "dropped_tokens": length - (total_instances * context + 1),
+            "tokenizer": tok.describe(),
+            "inputs": stats,
+            "num_shards": shards,
+            "shards": shard_meta,
+            "fingerprint": fingerprint,
+        }
         if valid_meta is not None:
-            os.replace(os.path.join(staging, VALID_NAME), os.path.join(out_dir, VALID_NAME))
-        elif os.path.exists(os.path.join(out_dir, VALID_NAME)):
-            os.remove(os.path.join(out_dir, VALID_NAME))
+            manifest["valid"] = valid_meta
+        if extra:
+            manifest.update(extra)
+        mpath = os.path.join(out_dir, MANIFEST_NAME)
+        with open(os.path.join(staging, MANIFEST_NAME), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.write("\n")
+        # the move-in: a stop waits for it, so out_dir holds the earlier data set or this one, whole
+        with signals_held():
+            _clear_previous(out_dir)
+            for s in shard_meta:
+                os.replace(os.path.join(staging, s["file"]), os.path.join(out_dir, s["file"]))
+            if valid_meta is not None:
+                os.replace(os.path.join(staging, VALID_NAME), os.path.join(out_dir, VALID_NAME))
+            elif os.path.exists(os.path.join(out_dir, VALID_NAME)):
+                os.remove(os.path.join(out_dir, VALID_NAME))
+            os.replace(os.path.join(staging, MANIFEST_NAME), mpath)
+            if marked:
+                data_files = [MANIFEST_NAME] + [s["file"] for s in shard_meta] + ([VALID_NAME] if valid_meta else [])
+                write_marker(out_dir, DATA_SET, data_files, fingerprint=fingerprint)  # last: the data set is complete
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-    fingerprint = hashlib.sha256("".join(s["sha256"] for s in shard_meta).encode()).hexdigest()
-    manifest = {
-        "format": FORMAT_VERSION,
-        "context": context,
-        "instance_length": context + 1,
-        "stride": context,
-        "dtype": dtype.name,
-        "seed": int(seed),
-        "num_instances": num,
-        "num_documents": n_docs,
-        "stream_tokens": length,
-        "dropped_tokens": length - (total_instances * context + 1),
-        "tokenizer": tok.describe(),
-        "inputs": stats,
-        "num_shards": shards,
-        "shards": shard_meta,
-        "fingerprint": fingerprint,
-    }
-    if valid_meta is not None:
-        manifest["valid"] = valid_meta
-    if extra:
-        manifest.update(extra)
-    mpath = os.path.join(out_dir, MANIFEST_NAME)
-    with open(mpath + ".tmp", "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-    os.replace(mpath + ".tmp", mpath)
     return mpath
 
 
@@ -326,6 +335,7 @@ def preprocess_files(
     eos_token: str | None = None,
     progress: bool = True,
     valid: float = 0,
+    marked: bool = False,
 ) -> str:
     """Preprocess input files (text, JSONL, Parquet, Arrow, directories of them) into `out_dir`;
     returns the manifest path. Every bad input raises ValueError with a one-line message."""
@@ -335,4 +345,4 @@ def preprocess_files(
     check_positive("context", context)
     check_positive("shards", shards)
     return build_dataset(file_sources(list(inputs), text_field), out_dir, context, tokenizer, shards, seed, progress,
-                         valid=valid)
+                         valid=valid, marked=marked)

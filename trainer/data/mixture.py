@@ -43,11 +43,14 @@ def parse_mixture(spec: str) -> list[Source]:
     a weight is negative or not a number, the total is 0 or a name repeats."""
     form = "--data NAME=PATH:WEIGHT,NAME=PATH:WEIGHT (e.g. --data web=data/web:0.7,code=data/code:0.3)"
     out: list[Source] = []
-    for entry in spec.split(","):
+    entries = spec.split(",")
+    for entry in entries:
         name, eq, rest = entry.strip().partition("=")
         path, colon, w = rest.rpartition(":")
         if not eq or not colon or not name.strip() or not path.strip():
-            raise ConfigError(f"--data mixture entry {entry.strip()!r} is not NAME=PATH:WEIGHT; write {form}")
+            commas = (" (commas separate the entries, so a path cannot hold one: link the data set under a name "
+                      "without a comma)" if len(entries) > 1 else "")
+            raise ConfigError(f"--data mixture entry {entry.strip()!r} is not NAME=PATH:WEIGHT{commas}; write {form}")
         try:
             weight = float(w)
         except ValueError:
@@ -74,6 +77,13 @@ def open_sources(spec: str) -> tuple[list[Source], list[dict[str, Any]]]:
             raise ConfigError(f"--data source {s.name!r}: {e}") from None
     first = manifests[0]
     for s, m in zip(sources[1:], manifests[1:]):
+        t0, t1 = dict(first["tokenizer"] or {}), dict(m["tokenizer"] or {})
+        if t0 != t1 and {**t0, "eos_id": None} == {**t1, "eos_id": None} and None in (t0.get("eos_id"), t1.get("eos_id")):
+            # the same tokenizer, one manifest made before data sets recorded their end-of-document id
+            lacking = s if t1.get("eos_id") is None else sources[0]
+            raise ConfigError(f"--data source {lacking.name!r} ({lacking.path}) records no end-of-document id (its "
+                              f"manifest is older), the others do, with the same tokenizer: make it again with "
+                              f"fastmoe-preprocess, which records it")
         for key, what in (("context", "context"), ("tokenizer", "tokenizer")):
             if m[key] != first[key]:
                 raise ConfigError(

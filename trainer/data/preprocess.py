@@ -12,17 +12,22 @@ unless ``--overwrite`` (runs resuming on it would otherwise meet other data). A 
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
 import sys
+import time
+from typing import Any, Callable
 
 from ..config.errors import EXIT_USAGE, OneLineParser
-from ..ft.stop import StopRequest, Stopped, signal_name
-from ..owned import DATA_SET, NotOwned, check_replace, write_marker
+from ..ft.lease import take_output_lease
+from ..ft.space import describe_space
+from ..ft.stop import stoppable
+from ..owned import DATA_SET, MARKER, NotOwned, check_replace
 from .build import MANIFEST_NAME, VALID_NAME, check_positive, check_valid, preprocess_files
-from .sources import DIR_SUFFIXES, describe_files, scan_inputs
-from .tokenizer import load_tokenizer
+from .sources import DIR_SUFFIXES, check_out_apart, check_text_inputs, describe_files, scan_inputs
+from .tokenizer import load_tokenizer, token_dtype
 
 
 def existing_data_set(out: str) -> str | None:
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--seed must be >= 0, got {a.seed}")
         check_valid(a.valid, "--valid")
         files, skipped = scan_inputs(a.input)
+        check_out_apart(a.out, a.input)
+        check_text_inputs(files)
         tokenizer = load_tokenizer(a.tokenizer, eos_token=a.eos_token)
     except ValueError as e:
         return fail(" ".join(str(e).split()))
@@ -92,31 +99,48 @@ def main(argv: list[str] | None = None) -> int:
             check_replace(a.out, DATA_SET)
         except NotOwned as e:
             return fail(str(e))
+    try:  # one command writes --out at a time (trainer/ft/lease.py)
+        lease = take_output_lease(a.out, command="fastmoe-preprocess")
+    except ValueError as e:
+        return fail(" ".join(str(e).split()))
     try:
-        os.makedirs(a.out, exist_ok=True)
-    except OSError as e:
-        return fail(f"cannot create --out {a.out}: {e.strerror or e}")
-    if not os.access(a.out, os.W_OK | os.X_OK):
-        return fail(f"cannot write in --out {a.out}: permission denied; choose a directory you can write to")
-    for directory, other in skipped:
-        print(f"{p.prog}: {directory}: reading its {' '.join(DIR_SUFFIXES)} files; skipped "
-              f"{describe_files(directory, other)} (name a file itself to read it as plain text)", file=sys.stderr)
-    stop = StopRequest().install()  # Ctrl-C / SIGTERM: the staging folder goes, one line (a second: at once)
+        try:
+            os.makedirs(a.out, exist_ok=True)
+        except OSError as e:
+            return fail(f"cannot create --out {a.out}: {e.strerror or e}")
+        if not os.access(a.out, os.W_OK | os.X_OK):
+            return fail(f"cannot write in --out {a.out}: permission denied; choose a directory you can write to")
+        for directory, other in skipped:
+            print(f"{p.prog}: {directory}: reading its {' '.join(DIR_SUFFIXES)} files; skipped "
+                  f"{describe_files(directory, other)} (name a file itself to read it as plain text)", file=sys.stderr)
+        started = time.time()
+
+        def left() -> str:
+            marker = os.path.join(a.out, MARKER)
+            if os.path.isfile(marker) and os.path.getmtime(marker) >= started:  # the stop came after the move-in
+                return f"the data set had finished: --out {a.out} holds it"
+            return f"nothing was written to --out {a.out} (a data set already there stays as it was)"
+
+        # Ctrl-C / SIGTERM: the staging folder goes, one line (a second: at once)
+        return stoppable(p.prog, left, lambda: _build(a, files, tokenizer, fail))
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _build(a: argparse.Namespace, files: list[str], tokenizer: Any, fail: Callable[[str], int]) -> int:
+    """The data set ``a`` asks for, written whole into ``a.out`` with its marker; the exit status."""
     try:
         path = preprocess_files(files, a.out, a.context, tokenizer, a.shards, a.seed, a.text_field, None,
-                                not a.quiet, valid=a.valid)
-    except (ValueError, OSError) as e:
-        return fail(_os_error(e) if isinstance(e, OSError) else " ".join(str(e).split()))
-    except Stopped as e:
-        print(f"\n{p.prog}: stopped ({signal_name(e.signum)}); nothing was written to --out {a.out} (a data set "
-              "already there stays as it was)", file=sys.stderr)
-        return e.exit_code
-    finally:
-        stop.uninstall()
+                                not a.quiet, valid=a.valid, marked=True)
+    except ValueError as e:
+        return fail(" ".join(str(e).split()))
+    except OSError as e:
+        # a full disk: the bytes the token stream and the shards take at most (a token per input byte)
+        needed = 2 * token_dtype(tokenizer.vocab_size).itemsize * sum(os.path.getsize(f) for f in files)
+        return fail(describe_space(e, a.out, needed, most=True) or _os_error(e))
     with open(path) as f:
         m = json.load(f)
-    data_files = [MANIFEST_NAME] + [s["file"] for s in m["shards"]] + ([m["valid"]["file"]] if m.get("valid") else [])
-    write_marker(a.out, DATA_SET, data_files, fingerprint=m["fingerprint"])  # last: the data set is complete
     print(summary_line(m, path))
     return 0
 

@@ -78,6 +78,48 @@ def scan_inputs(paths: list[str]) -> tuple[list[str], list[tuple[str, list[str]]
     return out, skipped
 
 
+#: Bytes of a text or JSONL input looked at to tell it from a binary file.
+SNIFF_BYTES = 64 << 10
+
+
+def check_text_inputs(files: list[str]) -> None:
+    """Raise ValueError (one line naming the file and what it holds) for a text or JSONL input that
+    is binary: a NUL byte, or more than a tenth of its first :data:`SNIFF_BYTES` not UTF-8 (an
+    executable read as text would become mostly U+FFFD tokens)."""
+    for f in files:
+        if input_format(f) not in ("text", "jsonl"):
+            continue
+        try:
+            with _open_binary(f) as fh:
+                head = fh.read(SNIFF_BYTES)
+        except (OSError, EOFError) as e:
+            raise ValueError(f"input {f!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+        if not head:
+            continue
+        if b"\0" in head:
+            bad = f"NUL bytes in its first {len(head):,} bytes"
+        else:
+            text = head.decode("utf-8", "replace")
+            lost = text.count("\ufffd") - head.decode("utf-8", "ignore").count("\ufffd")
+            if lost * 10 <= len(text) - 3:  # a character cut at the end of the sample is not a sign
+                continue
+            bad = f"{lost:,} of its first {len(text):,} characters are not UTF-8"
+        raise ValueError(f"input {f!r} is not text ({bad}): a binary file would become tokens of nothing; leave it "
+                         f"out, or name text, JSONL, Parquet or Arrow files")
+
+
+def check_out_apart(out: str, inputs: list[str]) -> None:
+    """Raise ValueError when ``out`` is an input directory or lies inside one (the data set's files
+    would be written among the inputs)."""
+    target = os.path.realpath(out)
+    for p in inputs:
+        if os.path.isdir(p):
+            d = os.path.realpath(p)
+            if target == d or target.startswith(d.rstrip(os.sep) + os.sep):
+                raise ValueError(f"--out {out} is {'the' if target == d else 'inside the'} input directory {p}: the "
+                                 f"data set would be written among its inputs; give --out a directory of its own")
+
+
 def describe_files(directory: str, files: list[str], most: int = 5) -> str:
     """``N file(s): a, b, ...`` with the paths relative to ``directory``."""
     names = [os.path.relpath(f, directory) for f in files]

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 # the shared records live in a leaf module (the watchdog writes them too); re-exported here
 from .records import (  # noqa: F401
-    FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, read_failures, read_heartbeats, record_hang,
+    FAILURES_FILE, HEARTBEAT_DIR, append_jsonl, check_out_dir, read_failures, read_heartbeats, record_hang,
 )
 from .watchdog import Watchdog
 
@@ -226,27 +226,6 @@ def maybe_hang(step: int, rank: int) -> None:
             time.sleep(3600)
 
 
-def check_out_dir(path: str | os.PathLike) -> None:
-    """Raise ValueError (one line naming the path and the reason) unless ``path`` is, or can be
-    made, a writable directory. Called before any model is built, so a bad ``--out`` costs nothing
-    and is not retried by the launcher (exit 2). A directory that was there keeps its times: the probe
-    file made and removed in it does not show as a change (a refused command changes nothing)."""
-    p = Path(path)
-    try:
-        before = p.stat() if p.is_dir() else None
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-test-{socket.gethostname()}-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        if before is not None:
-            os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns))
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        if isinstance(e, (NotADirectoryError, FileExistsError)):
-            reason = "a path component is a regular file, not a directory"
-        raise ValueError(f"output directory {str(p)!r} cannot be written: {reason}") from None
-
-
 # ============================================================================ heartbeat
 def first_new_step(out_dir: str | os.PathLike, since: float) -> float | None:
     """When the first training step was completed by a process started after ``since`` (a
@@ -280,6 +259,6 @@ class Heartbeat:
             self.watchdog.progress(step, phase)
         record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "phase": phase,
                   "time": time.time(), "new_steps": self.new_steps, "started": self.started, **extra}
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # its own: never another process's half-written one
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)

@@ -61,7 +61,8 @@ from .elastic.job import (DEFAULT_KILL_GRACE, DEFAULT_PORT, DEFAULT_QUORUM_TIMEO
                           parse_endpoint, say)
 from .elastic.local_nodes import run_local_nodes
 from .elastic.node import run_node, serve_store
-from .fault import check_out_dir
+from .records import check_out_dir
+from .lease import launcher_lease
 
 #: Rendezvous settings that make a dead node count as dead within seconds (torch: 5 s x 3) and
 #: bound every wait; any of them can be overridden with --rdzv-conf.
@@ -217,9 +218,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
     try:
         check_out_dir(out)  # before any rendezvous (a bad --out is not retried), after every cheaper check
+        # the job's lease on --out: the first node's launcher takes it, the others and every worker
+        # (restarts included) join it; another live job's is refused here (trainer/ft/lease.py)
+        lease = launcher_lease(out, command="fastmoe-launch", prefix=f"launch:{args.rdzv_id}@{args.rdzv_endpoint}",
+                               shared=not args.local_nodes)
     except ValueError as e:
-        say(f"error: {e}", err=True)
+        say(f"error: {' '.join(str(e).split())}", err=True)
         return EXIT_CONFIG
+    try:
+        return _run(args, argv, rest, out, n_min, n_max, conf)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _run(args: argparse.Namespace, argv: list[str], rest: list[str], out: str, n_min: int, n_max: int,
+         conf: dict[str, str]) -> int:
+    """Run this node's launcher (or ``--local-nodes`` of them) once the checks passed."""
     if args.local_nodes:
         if args.node_label or args.rdzv_endpoint:
             say("error: --local-nodes picks the node labels and the endpoint itself", err=True)

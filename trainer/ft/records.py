@@ -1,4 +1,5 @@
-"""The run's shared records on disk: ``OUT/failures.jsonl`` and the per-rank heartbeat files.
+"""The run's shared records on disk: ``OUT/failures.jsonl`` and the per-rank heartbeat files, and the
+check that ``--out`` can hold them.
 
 A leaf module (standard library only): the trainer's fault checks (``trainer.ft.fault``), the in-worker
 watchdog (``trainer.ft.watchdog``) and the node launcher (``trainer.ft.launch``) all write or read these
@@ -9,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +71,24 @@ def read_heartbeats(out_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
         except (OSError, ValueError, KeyError):
             continue  # being replaced right now; read again next poll
     return out
+
+
+def check_out_dir(path: str | os.PathLike) -> None:
+    """Raise ValueError (one line naming the path and the reason) unless ``path`` is, or can be
+    made, a writable directory. Called before any model is built, so a bad ``--out`` costs nothing
+    and is not retried by the launcher (exit 2). A directory that was there keeps its times: the probe
+    file made and removed in it does not show as a change (a refused command changes nothing)."""
+    p = Path(path)
+    try:
+        before = p.stat() if p.is_dir() else None
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        if before is not None:
+            os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, (NotADirectoryError, FileExistsError)):
+            reason = "a path component is a regular file, not a directory"
+        raise ValueError(f"output directory {str(p)!r} cannot be written: {reason}") from None

@@ -28,12 +28,13 @@ ending the survivors before a restart, and it keeps ending them at once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 #: The signals that stop a run.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -152,7 +153,13 @@ class StopRequest:
                 return  # the launcher's request came first; this is the same stop
         self.signum = signum
         if not self.deferred:
-            raise Stopped(signum, f"stopped by {signal_name(signum)} {self.phase}")
+            if _holding[0]:
+                _held_back.append(self)  # raised at the end of the signals_held() block
+                return
+            raise Stopped(signum, self.message())
+
+    def message(self) -> str:
+        return f"stopped by {signal_name(self.signum or signal.SIGINT)} {self.phase}"
 
     def agreed(self, group: Any = None, distributed: bool = False, device: Any = "cpu") -> int | None:
         """The signal every rank stops for after this step (None: go on); collective when
@@ -166,3 +173,42 @@ class StopRequest:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         got = int(flag.item())
         return got or None
+
+
+#: How deep this process is in :func:`signals_held` blocks, and the stop requests that came meanwhile.
+_holding = [0]
+_held_back: list["StopRequest"] = []
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """A stop that would end the command at once waits for the end of the block (a few renames that
+    must happen together), and ends it there. (Held in Python, not by the signal mask: any thread
+    of the process may receive the signal.)"""
+    _holding[0] += 1
+    try:
+        yield
+    finally:
+        _holding[0] -= 1
+    if not _holding[0] and _held_back:
+        req = _held_back[0]
+        _held_back.clear()
+        raise Stopped(req.signum or signal.SIGINT, req.message())
+
+
+def stoppable(prog: str, left: str | Callable[[], str], work: Callable[[], int]) -> int:
+    """Run a command's ``work`` with SIGINT / SIGTERM stopping it at once in one line, ``PROG:
+    stopped (SIGINT); LEFT`` (``left`` may be a function, asked then), and exit status 128 + the signal's number, whatever the stop surfaced
+    as where it landed (a library may wrap it in an exception of its own); no traceback. The work
+    cleans up its own temporary files on the way out (a second signal exits at once)."""
+    stop = StopRequest().install()
+    try:
+        return work()
+    except BaseException:
+        if stop.signum is None:
+            raise
+        said = left() if callable(left) else left
+        print(f"\n{prog}: stopped ({signal_name(stop.signum)}); {said}", file=sys.stderr, flush=True)
+        return 128 + stop.signum
+    finally:
+        stop.uninstall()

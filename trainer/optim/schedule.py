@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 from ..config import ConfigError, ScheduleConfig
@@ -82,6 +83,29 @@ class Schedule:
         return f"wsd, {warm}{stable}{self.decay_shape} decay to {self.minimum:.2e} {_steps(a + 1, b)}{after}"
 
 
+    def phase_begins(self, step: int) -> str | None:
+        """The phase that begins at record step ``step`` (from 1), in words, or None: the end of the
+        warmup, and under WSD the stable phase, the decay (a decay branch's included) and its end."""
+        w, n = self.warmup, self.total
+        if self.kind != "wsd":
+            if w and step == w + 1 <= n:
+                return f"warmup over; {self.kind} {self.peak:.2e} -> {self.minimum:.2e} {_steps(w + 1, n)}"
+            return None
+        a, b = self.decay_start, self.decay_start + self.decay_steps
+        if step == a + 1 <= n:
+            return f"{'warmup over; ' if w and a == w else ''}{self.decay_shape} decay to {self.minimum:.2e} {_steps(a + 1, b)}"
+        if w and step == w + 1 <= a:
+            return f"warmup over; stable at {self.peak:.2e} {_steps(w + 1, a)}"
+        if step == b + 1 <= n:
+            return f"decay over; at {self.minimum:.2e} {_steps(b + 1, n)}"
+        return None
+
+
+def _under(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([path, root]) == root
+
+
 def _steps(first: int, last: int) -> str:
     return f"step {first}" if first == last else f"steps {first}-{last}"
 
@@ -107,6 +131,13 @@ def check_resume(cfg: Any, saved: dict[str, Any] | None, step: int, path: str) -
     without it :class:`ConfigError` naming the change and the way on."""
     if not saved:
         return None
+    branch, source = cfg.schedule.decay_from, cfg.checkpoint.resume_from
+    if branch is not None and source and step > branch and _under(path, source):
+        # a decay branch starts from the source run's checkpoint of its step, which that run no longer keeps
+        raise ConfigError(f"--schedule.decay_from {branch} branches at step {branch}, and the newest checkpoint "
+                          f"{source} holds is {path} of step {step}: a branch starts from a checkpoint of its own "
+                          f"step; give --checkpoint.resume_from a slot of step {branch} (a run keeps its two newest "
+                          f"full checkpoints; --checkpoint.model_interval keeps more), or --schedule.decay_from {step}")
     changed, defaults = [], dataclasses.asdict(ScheduleConfig())
     for section, name, option in SCHEDULE_FIELDS:
         kept = saved.get(section, {})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -96,8 +97,9 @@ def evaluate(trainer: Any, rows: np.ndarray | dict[str, tuple[np.ndarray, float]
     """Validation loss of ``trainer``'s current weights on ``rows`` (collective over the world). For a
     mixture's ``{name: (rows, weight)}``: ``val_loss/<name>`` per source, and ``val_loss`` their
     weighted mean (equal weights when every source with a split has weight 0)."""
+    t0 = time.perf_counter()
     if not isinstance(rows, dict):
-        return _evaluate_rows(trainer, rows)
+        return {**_evaluate_rows(trainer, rows), "val_s": time.perf_counter() - t0}
     res = {name: _evaluate_rows(trainer, r) for name, (r, _) in rows.items()}
     weights = {name: w for name, (_, w) in rows.items()}
     if sum(weights.values()) <= 0:
@@ -107,6 +109,7 @@ def evaluate(trainer: Any, rows: np.ndarray | dict[str, tuple[np.ndarray, float]
            "val_tokens": sum(r["val_tokens"] for r in res.values()),
            "val_instances": sum(r["val_instances"] for r in res.values())}
     out.update({f"val_loss/{n}": r["val_loss"] for n, r in res.items()})
+    out["val_s"] = time.perf_counter() - t0  # the evaluation's wall time (summary.json's eval_s)
     return out
 
 

@@ -21,6 +21,7 @@ which both transformers 4 and 5 load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ import torch
 from fastmoe_xpu.dist.sharding import is_expert_weight
 
 from ..checkpoint.dcp_io import storage_reader
-from ..owned import HF_EXPORT, NotOwned, check_replace, replace_dir, write_marker
+from ..owned import HF_EXPORT, MARKER, NotOwned, check_replace, replace_dir, write_marker
 from ..checkpoint.slots import (CheckpointError, CheckpointInfo, latest_valid, MANIFEST, META, model_checkpoints,
                                 read_info, verify)
 
@@ -216,20 +217,32 @@ def hf_tensors(reader: _Reader, names: Sequence[str], num_experts: int) -> Itera
 
 
 # ------------------------------------------------------------------------------ writing
-def _prepare_out(out: Path, overwrite: bool) -> Path:
+@contextlib.contextmanager
+def _writing(out: Path, overwrite: bool) -> Iterator[Path]:
+    """The staging directory the export is written in, beside ``out`` (which :func:`_finish` moves
+    to ``out``), under a lease on ``out`` (trainer/ft/lease.py: another export into it is refused);
+    on any way out (an error, a stop) the staging directory goes and the lease is released."""
+    from ..ft.lease import take_output_lease
+
     try:
         exists = check_replace(out, HF_EXPORT)
     except NotOwned as e:
         raise ExportError(str(e)) from None
     if exists and not overwrite:
         raise ExportError(f"output directory {out} exists; pass --overwrite to replace it")
+    lease = take_output_lease(out, command="fastmoe-export")
     tmp = out.parent / f".{out.name}.exporting"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-    except OSError as e:  # a parent that is a file (/dev/null/x), no permission, a read-only disk
-        raise ExportError(f"cannot create --out {out}: {e.strerror or e}") from None
-    return tmp
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:  # a parent that is a file (/dev/null/x), no permission, a read-only disk
+            raise ExportError(f"cannot create --out {out}: {e.strerror or e}") from None
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if lease is not None:
+            lease.release()
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
@@ -272,8 +285,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
         names = list(dict(AutoModelForCausalLM.from_config(hf).named_parameters()))
 
     out = Path(out)
-    tmp = _prepare_out(out, overwrite)
-    try:
+    with _writing(out, overwrite) as tmp:
         reader = _Reader(ckpt)
         shards: list[dict[str, torch.Tensor]] = [{}]
         pending = peak = total = 0
@@ -348,16 +360,17 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, overwrit
         files.append("generation_config.json")
         _finish(tmp, out, ckpt, info, {"preset": cfg.preset})
         files.append("fastmoe_export.json")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=sorted(files),
                         total_bytes=total, peak_bytes=peak, seconds=time.perf_counter() - t0)
 
 
 def _finish(tmp: Path, out: Path, ckpt: Path, info: CheckpointInfo, extra: dict[str, Any]) -> list[str]:
     """Record where the export came from (``fastmoe_export.json``) and move ``tmp`` to ``out``;
-    returns the files written."""
+    returns the files written. A checkpoint a running run rewrote while it was read (its slot's
+    manifest gone or of another step: the run rewrites its older slot) is refused, nothing moved."""
+    if not (ckpt / MANIFEST).is_file() or _step_of(ckpt) != (info.step, info.index):
+        raise ExportError(f"{ckpt} was rewritten while the export read it (the run that writes it went on to "
+                          f"its next checkpoint): export again, or export a slot the run is done with")
     (tmp / "fastmoe_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt), "step": info.step, "kind": info.kind, "layout": info.meta.get("layout"), **extra},
         indent=2))
@@ -428,8 +441,7 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
     if missing or unexpected:
         raise ExportError(f"{ckpt}: the checkpoint does not fill {hf.model_type}: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}")
-    tmp = _prepare_out(out, overwrite)
-    try:
+    with _writing(out, overwrite) as tmp:
         special = {"eos_token_id": None, "pad_token_id": None}
         files: list[str] = []
         if tok_desc is not None:
@@ -445,12 +457,17 @@ def _export_family(ckpt: Path, info: CheckpointInfo, cfg: Any, tok_desc: dict[st
         hf.to_json_file(str(tmp / "config.json"), use_diff=False)
         total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         files = _finish(tmp, out, ckpt, info, {"preset": cfg.preset, "family": hf.model_type})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     arch = (hf.architectures or [type(model).__name__])[0]
     return ExportResult(out=out, checkpoint=ckpt, step=info.step, architecture=arch, files=files,
                         total_bytes=total, peak_bytes=total, seconds=time.perf_counter() - t0)
+
+
+def _step_of(ckpt: Path) -> tuple[int, int] | None:
+    try:
+        info = read_info(ckpt)
+    except (OSError, ValueError, KeyError):
+        return None
+    return info.step, info.index
 
 
 def _size(text: str) -> int:
@@ -477,6 +494,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="run.json (or a config JSON) when the checkpoint records none")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    from ..ft.stop import stoppable
+
+    started = time.time()
+
+    def left() -> str:
+        marker = Path(args.out) / MARKER
+        if marker.is_file() and marker.stat().st_mtime >= started:  # the stop came after the last rename
+            return f"the export had finished: --out {args.out} holds it"
+        return f"nothing was written to --out {args.out} (an export already there stays as it was)"
+
+    # Ctrl-C / SIGTERM: the staging directory goes, one line (trainer/ft/stop.py)
+    return stoppable("fastmoe-export", left, lambda: _export_command(args))
+
+
+def _export_command(args: argparse.Namespace) -> int:
+    """The export ``args`` ask for; its exit status, and one line for an error."""
     config = tok = None
     try:
         if args.config:
@@ -496,8 +529,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except OSError as e:  # writing the output failed (disk full, permissions): the path and the reason
+        from ..ft.space import describe_space
+
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or ' '.join(str(e).split())}", file=sys.stderr)
+        # a full disk: the export's weights take at most what the checkpoint's files do
+        ckpt = Path(args.checkpoint)
+        needed = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt.is_dir() else None
+        space = describe_space(e, e.filename or args.out, needed, most=True)
+        print(f"error: {space or where + (e.strerror or ' '.join(str(e).split()))}", file=sys.stderr)
         return 2
     print(json.dumps({"out": str(res.out), "checkpoint": str(res.checkpoint), "step": res.step,
                       "architecture": res.architecture, "weights_bytes": res.total_bytes,

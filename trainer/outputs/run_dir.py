@@ -22,6 +22,73 @@ IDENTITY = ((None, "preset"), (None, "seed"),
             ("schedule", "global_batch"), ("checkpoint", "init_from"), ("lora", "rank"), ("lora", "targets"))
 
 
+def take_run_lease(out: str, rank: int) -> Any:
+    """The lease on the run directory ``out`` (trainer/ft/lease.py), taken by the job's first rank;
+    another live job's is refused there in one line (:class:`~trainer.ft.lease.LeaseHeld`), which
+    ends the job. The other ranks leave it to rank 0: they need not share its job id (processes
+    started by hand or by ``multiprocessing`` know only their rank), and one refusing alone would
+    leave its peers waiting in a collective."""
+    from ..ft.lease import lease_path, take_lease
+
+    if rank != 0:
+        return None
+    return take_lease(lease_path(out), what=f"--out {out}", command="fastmoe-train")
+
+
+class RunDirClaim:
+    """``fastmoe-train``'s hold on ``--out`` before any other check: the directory made (or found
+    writable) and its lease taken, by the launcher for its workers (``launcher``), else by rank 0
+    :meth:`undo` after a refusal leaves ``--out`` as it was found."""
+
+    def __init__(self, out: str, *, launcher: bool = False) -> None:
+        from ..ft.records import check_out_dir
+
+        self.out = os.path.abspath(out)
+        self.before = set(os.listdir(out)) if os.path.isdir(out) else None
+        self.made = []  # the directories check_out_dir makes, --out first, its missing parents after
+        d = self.out
+        while not os.path.exists(d) and os.path.dirname(d) != d:
+            self.made.append(d)
+            d = os.path.dirname(d)
+        check_out_dir(out)
+        try:
+            if launcher:
+                from ..ft.lease import launcher_lease
+
+                self.lease = launcher_lease(out, command="fastmoe-train --nproc-per-node", prefix="local",
+                                            shared=False)
+            else:
+                self.lease = take_run_lease(out, int(os.environ.get("RANK", "0")))
+        except ConfigError:
+            self.undo()
+            raise
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def undo(self) -> None:
+        """The directories this run made in ``--out`` that stayed empty go, and ``--out`` itself when
+        this run made it (with the parents it made) and it stayed empty: a refused run leaves no empty
+        ``--out``, no empty ``heartbeat/``."""
+        if not os.path.isdir(self.out):
+            return
+        for name in set(os.listdir(self.out)) - (self.before or set()):
+            path = os.path.join(self.out, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                for d, _, _ in sorted(os.walk(path, topdown=False), key=lambda w: -len(w[0])):
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
+        for d in self.made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                return
+
+
 def check_run_dir(cfg: TrainConfig) -> None:
     """Raise ConfigError (one line: what was found and the ``--out`` choices) when ``--out`` holds
     another run, or ``--eval.export_hf`` would replace the run or what it may not."""
@@ -80,6 +147,26 @@ def _check_export_dir(cfg: TrainConfig) -> None:
         raise ConfigError(str(e)) from None
     if exists and not cfg.eval.overwrite:
         raise ConfigError(f"--eval.export_hf {export} exists; pass --eval.overwrite to replace it")
+    _check_writable(target, "--eval.export_hf")
+
+
+def _check_writable(target: str, option: str) -> None:
+    """Raise ConfigError when no file can be made beside ``target`` (where its output is staged and
+    moved in) or, with no such folder yet, in its nearest existing parent: a read-only export folder
+    is found before training, not after. The folder probed keeps its times."""
+    d = os.path.dirname(target.rstrip(os.sep)) or os.sep
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    probe = os.path.join(d, f".write-test-{os.getpid()}")
+    try:
+        before = os.stat(d)
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+        os.utime(d, ns=(before.st_atime_ns, before.st_mtime_ns))
+    except OSError as e:
+        raise ConfigError(f"{option} {target}: cannot write in {d} ({e.strerror or e}), where the export is made; "
+                          f"give a directory you can write to, or leave {option} out") from None
 
 
 def check_data_set(meta: dict[str, Any], step: int, path: str, now: str, manifest_path: str) -> None:

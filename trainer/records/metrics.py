@@ -224,8 +224,19 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         # strict JSON: a non-finite number is written as null (JSON has no NaN)
-        self._f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        self._f.flush()
+        line = json.dumps(json_safe(record), allow_nan=False) + "\n"
+        try:
+            self._f.write(line)
+            self._f.flush()
+        except OSError as e:  # a full disk stops the run in one line (exit 76), its newest checkpoint valid
+            from ..checkpoint.slots import CheckpointError
+            from ..ft.space import describe_space
+
+            space = describe_space(e, self.path, len(line.encode()))
+            if space is None:
+                raise
+            raise CheckpointError(f"could not write the record of step {record.get('step')}: {space}; the newest "
+                                  f"checkpoint stays valid") from None
         if self._tb is not None:
             self._tb.write(record)
         if self._wandb is not None:

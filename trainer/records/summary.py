@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from .metrics import plot_loss
+
+#: What each time in summary.json measures (written into it as ``times``).
+TIMES = {
+    "wall_s": "wall time of this process's part of the run, from its first step to this summary (checkpoint "
+              "stalls, evaluations and the last checkpoint included)",
+    "step_time_s": "the training steps' own time over the whole run (earlier runs on this --out included), "
+                   "compilation left out",
+    "compile_s": "compilation (--compile) over the whole run",
+    "eval_s": "validation over the whole run",
+    "checkpoint_stall_s": "the step loop's wait for this process's full checkpoints",
+    "checkpoint_write_s": "the writes of those checkpoints (in the background with --checkpoint.async)",
+}
 
 
 def write_summary(trainer: Any) -> dict[str, Any]:
@@ -21,14 +34,19 @@ def write_summary(trainer: Any) -> dict[str, Any]:
         "loss_last": h[-1]["loss"],
         "loss_min": min(r["loss"] for r in h), "grad_spikes": trainer.spikes.count,
         "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
-        "wall_s": sum(r["step_time_s"] for r in h),
+        "step_time_s": sum(r["step_time_s"] for r in h),
         "compile_s": sum(r.get("compile_s", 0.0) for r in h),
+        "eval_s": sum(r.get("val_s", 0.0) for r in h),
     }
+    started = getattr(trainer, "fit_started", None)
+    if started is not None:
+        summary["wall_s"] = time.perf_counter() - started
     timings = trainer.checkpoints.timings  # this run's full checkpoints: the step loop's stall, the write
     if timings:
         summary["checkpoints"] = timings
         summary["checkpoint_stall_s"] = sum(t["stall_s"] for t in timings)
         summary["checkpoint_write_s"] = sum(t.get("write_s", 0.0) for t in timings)
+    summary["times"] = {k: v for k, v in TIMES.items() if k in summary}
     if "mfu" in h[-1]:
         summary["mfu_mean"] = sum(r.get("mfu") or 0.0 for r in timed) / len(timed)
     with open(os.path.join(trainer.out_dir, "summary.json"), "w", encoding="utf-8") as f:
