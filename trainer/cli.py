@@ -351,6 +351,7 @@ def _fit(cfg: TrainConfig, args: argparse.Namespace, stop: Any) -> int:
 
     from .checkpoint.slots import CheckpointError
     from .ft.fault import EXIT_CHECKPOINT_FAILURE, EXIT_SOFT_FAILURE, SoftFailure
+    from .ft.space import OutOfSpace
 
     configure(args.threads)  # this process's share of the cores (fastmoe_xpu/threads.py)
     from .trainer import Trainer
@@ -365,7 +366,7 @@ def _fit(cfg: TrainConfig, args: argparse.Namespace, stop: Any) -> int:
     except SoftFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SOFT_FAILURE
-    except CheckpointError as e:
+    except (CheckpointError, OutOfSpace) as e:  # a checkpoint, or the metrics on a full disk
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_CHECKPOINT_FAILURE
     sm = trainer.summary  # the whole run's, earlier runs on this --out included

@@ -424,9 +424,10 @@ class Trainer:
             self.writer = MetricsWriter(self.out_dir, tensorboard=cfg.logging.tensorboard, append=self.step > 0,
                                         start_step=self.step, wandb=wandb)
             self._write_run_info()
+            from .checkpoint.writers import checkpoint_space_warning
             from .records.startup import startup_summary
 
-            print(startup_summary(self), flush=True)
+            print(startup_summary(self, [checkpoint_space_warning(self)]), flush=True)
         bar = None
         if lay.is_main and cfg.logging.progress:
             from .records.progress import progress_bar
@@ -488,10 +489,21 @@ class Trainer:
         if lay.is_main:
             self._write_summary()
         self.finish_run()
-        if self.lease is not None:  # the run directory is free for another job until fit() is called again
-            self.lease.release()
-            self.lease = None
+        self.release_lease()  # the run directory is free for another job until fit() is called again
         return self.history
+
+    def release_lease(self) -> None:
+        """Give up this Trainer's lease on its run directory (taken when it was built; fit() takes it
+        again). A Trainer dropped without fit() gives it up when collected, not at the process's end."""
+        lease, self.lease = getattr(self, "lease", None), None
+        if lease is not None:
+            lease.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release_lease()
+        except Exception:  # interpreter shutdown: the lease's own atexit hook gives it up
+            pass
 
     def stop_checkpoint(self) -> str:
         """The full checkpoint of the step the run ends on, by a stop signal or at its last step

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import math
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import INDEX_WIRE_DTYPE
-from .sharding import expert_range
+from .sharding import expected_remote_rows, expert_range  # expected_remote_rows: re-exported
 
 INDEX_BYTES = torch.empty((), dtype=INDEX_WIRE_DTYPE).element_size()
 #: agree_on_inputs: one int64 pair per rank.
@@ -108,14 +107,6 @@ def alltoall_remote_rows(topk_idx_per_rank: Sequence[torch.Tensor], num_experts:
     sent = [sum(wanted[r][d] for d in range(W) if d != r) for r in range(W)]
     recv = [sum(wanted[s][r] for s in range(W) if s != r) for r in range(W)]
     return list(zip(sent, recv))
-
-
-def expected_remote_rows(tokens_per_rank: int, num_experts: int, top_k: int, ep_size: int) -> float:
-    """Expected RO (= expected RI by symmetry) when each token picks K distinct experts uniformly
-    at random: a given remote rank is hit unless all K picks avoid its NR experts."""
-    NR = len(expert_range(num_experts, ep_size, 0))
-    miss = math.comb(num_experts - NR, top_k) / math.comb(num_experts, top_k)
-    return tokens_per_rank * (ep_size - 1) * (1.0 - miss)
 
 
 def worst_case_remote_rows(tokens_per_rank: int, top_k: int, ep_size: int) -> int:

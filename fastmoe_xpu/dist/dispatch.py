@@ -227,9 +227,9 @@ def alltoall_plan(topk_idx_SK: torch.Tensor, num_local: int, world: int) -> tupl
 
 def uniform_rows_per_rank(tokens: int, top_k: int, num_experts: int, ep_size: int) -> int:
     """Rows an all-to-all dispatch sends each rank, on average, when each of ``tokens`` tokens picks
-    ``top_k`` distinct experts uniformly (:func:`~fastmoe_xpu.dist.comm_bytes.expected_remote_rows`
+    ``top_k`` distinct experts uniformly (:func:`~fastmoe_xpu.dist.sharding.expected_remote_rows`
     per remote rank), rounded."""
-    from .comm_bytes import expected_remote_rows
+    from .sharding import expected_remote_rows
 
     return round(expected_remote_rows(tokens, num_experts, top_k, ep_size) / (ep_size - 1))
 

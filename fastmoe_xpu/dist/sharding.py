@@ -7,6 +7,7 @@ accepted as input); a shard holds ``[NR, ...]`` slices plus ``experts.expert_ids
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -49,6 +50,14 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
         raise ValueError(f"ep_rank must be in [0, {ep_size}), got {ep_rank}")
     per_rank = num_experts // ep_size
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def expected_remote_rows(tokens_per_rank: int, num_experts: int, top_k: int, ep_size: int) -> float:
+    """Expected RO (= expected RI by symmetry) when each token picks K distinct experts uniformly
+    at random: a given remote rank is hit unless all K picks avoid its NR experts."""
+    NR = len(expert_range(num_experts, ep_size, 0))
+    miss = math.comb(num_experts - NR, top_k) / math.comb(num_experts, top_k)
+    return tokens_per_rank * (ep_size - 1) * (1.0 - miss)
 
 
 def slice_full_experts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[2] / "trainer"
 
 #: Lowest first. Each layer may import from itself and from the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # fault tolerance inside a worker: signals, failure records, heartbeats, the watchdog, NaN checks;
-    # which output directories may be replaced
-    ("ft", "owned"),
+    # fault tolerance inside a worker: signals, failure records, heartbeats, the watchdog, NaN checks,
+    # the lease on an output directory; which output directories may be replaced; the configuration's
+    # error (a leaf module of standard-library imports that every part raises)
+    ("ft", "owned", "config.errors"),
     # the configuration: sections, files, presets, the transformers family's config, errors
     ("config",),
     # the device mesh and its small collectives

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -184,3 +185,17 @@ def model_writes(segments: Sequence[Segment], coords: Coords) -> list[Segment]:
 def segment_tensor(model_params: Mapping[str, torch.Tensor], s: Segment) -> torch.Tensor:
     p = model_params[s.param]
     return p if s.local_index is None else p[s.local_index]
+
+
+def checkpoint_space_warning(trainer: Any) -> str | None:
+    """A warning (the run goes on) when the two full checkpoint slots the run keeps would take more
+    than the free space of their file system, less what the slots there hold already."""
+    from ..ft.space import space_warning
+    from ..model.build import torch_dtype
+
+    root = Path(trainer.checkpoints.root)
+    c = trainer.counts
+    weight = torch_dtype(trainer.cfg.model.param_dtype).itemsize
+    planned = 2 * int(checkpoint_bytes(c.total - c.expert, c.expert, weight_bytes=weight)["full"])
+    held = sum(f.stat().st_size for f in root.glob("slot-*/*") if f.is_file()) if root.is_dir() else 0
+    return space_warning(root, planned - held, "the two full checkpoint slots of this run")

@@ -11,6 +11,13 @@ from pathlib import Path
 from typing import Any
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class OutOfSpace(RuntimeError):
+    """A run's own record could not be written for want of space (the metrics); the trainer's command
+    line says it in one line and exits as for a failed checkpoint (76), the newest checkpoint valid."""
+
+
 #: What torch's writers say when a write came back short (a full disk under them).
 _SHORT_WRITE = ("unexpected pos", "No space left", "file write failed")
 

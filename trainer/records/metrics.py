@@ -229,13 +229,12 @@ class MetricsWriter:
             self._f.write(line)
             self._f.flush()
         except OSError as e:  # a full disk stops the run in one line (exit 76), its newest checkpoint valid
-            from ..checkpoint.slots import CheckpointError
-            from ..ft.space import describe_space
+            from ..ft.space import OutOfSpace, describe_space
 
             space = describe_space(e, self.path, len(line.encode()))
             if space is None:
                 raise
-            raise CheckpointError(f"could not write the record of step {record.get('step')}: {space}; the newest "
+            raise OutOfSpace(f"could not write the record of step {record.get('step')}: {space}; the newest "
                                   f"checkpoint stays valid") from None
         if self._tb is not None:
             self._tb.write(record)

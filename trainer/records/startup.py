@@ -8,8 +8,7 @@ command line asked for.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..config import warmup_warning
 
@@ -79,27 +78,12 @@ def summary_lines(trainer: Any) -> list[str]:
     return lines
 
 
-def startup_summary(trainer: Any) -> str:
+def startup_summary(trainer: Any, warnings: Sequence[str | None] = ()) -> str:
+    """The run's summary lines, then its warnings (the run goes on as asked): the warm-up's, and
+    ``warnings`` from the layers above (the checkpoints' space: :func:`trainer.checkpoint.writers.checkpoint_space_warning`)."""
     lines = ["run:"] + [f"  {line}" for line in summary_lines(trainer)]
-    warning = warmup_warning(trainer.cfg)  # the run goes on as asked
+    warning = warmup_warning(trainer.cfg)
     if warning and trainer.step < trainer.cfg.schedule.warmup_steps:
         lines.append(warning)
-    warning = checkpoint_space_warning(trainer)
-    if warning:
-        lines.append(warning)
+    lines.extend(w for w in warnings if w)
     return "\n".join(lines)
-
-
-def checkpoint_space_warning(trainer: Any) -> str | None:
-    """A warning (the run goes on) when the two full checkpoint slots the run keeps would take more
-    than the free space of their file system, less what the slots there hold already."""
-    from ..checkpoint.writers import checkpoint_bytes
-    from ..ft.space import space_warning
-    from ..model.build import torch_dtype
-
-    root = Path(trainer.checkpoints.root)
-    c = trainer.counts
-    weight = torch_dtype(trainer.cfg.model.param_dtype).itemsize
-    planned = 2 * int(checkpoint_bytes(c.total - c.expert, c.expert, weight_bytes=weight)["full"])
-    held = sum(f.stat().st_size for f in root.glob("slot-*/*") if f.is_file()) if root.is_dir() else 0
-    return space_warning(root, planned - held, "the two full checkpoint slots of this run")

@@ -267,7 +267,7 @@ def validate_rank(preset: str, world: int, layout: str, sizes: dict[str, int], s
 def predict(preset: str, world: int, layout: str, sizes: dict[str, int], cluster: Any, source: str) -> tuple[float, str]:
     from ..parallelism.plan import make_plan
     from .model import estimate
-    from .model_cli import fill_memory, trace_or_none
+    from .sources import fill_memory, trace_or_none
     from .formula import stage_profiles
 
     opt, shard, ep, pp, ac = VALIDATION_LAYOUTS[layout]
@@ -334,7 +334,7 @@ def validate_main(args: Any, cluster: Any) -> int:
     print(f"  ({load_average()} after: the machine is shared, timings are noisy)")
     print("\n" + h200_check())
     if args.json:
-        from .model_cli import write_json
+        from .sources import write_json
 
         write_json(args.json, {"preset": args.preset, "world": world, "sizes": sizes, "cpu": cpu_name(), "date": when,
                                "rows": [dict(layout=n, predicted_s=p, measured_s=m, source=s) for n, p, m, s in rows]})

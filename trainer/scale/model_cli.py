@@ -12,21 +12,17 @@ model held to measurements (``--calibrate here``, ``--validate``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Sequence
 
 from ..parallelism.plan import GiB, Plan, make_plan
 from .cluster import ClusterError, load_cluster
 from .model import TERMS, estimate, largest_terms
+from .sources import UsageError, device_memory, fill_memory, trace_or_none, write_json  # noqa: F401 (re-exported)
 
 #: The paper's Figure 4 (weak scaling of Mula-220B-A10B on Aurora from 384 tiles): efficiency bands.
 FIGURE4 = {"preset": "mula-220b-a10b", "pp": 8, "ep": 12, "base": 384,
            "bands": ((768, 768, 0.94, 1.00), (1536, 12288, 0.85, 0.95))}
-
-
-class UsageError(ValueError):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,35 +90,6 @@ def weak_scaling_batches(args: Any, worlds: Sequence[int], devices_per_node: int
     return out
 
 
-def trace_or_none(plan: Plan, preset: str, fsdp: bool, strict: bool = False) -> dict | None:
-    """Traced profiles of the first rank of every pipeline stage (None where the tracer is not available,
-    or, unless ``strict``, where the trainer refuses this layout for a trace: the reason is said in one line
-    and the formulas price it instead)."""
-    try:
-        from .trace import trace_profiles
-
-        return trace_profiles(preset, world=plan.world, pp=plan.pp, ep=plan.ep, dp=plan.dp, ac=plan.ac, fsdp=fsdp,
-                              optimizer=plan.optimizer, ranks=[s * plan.dp * plan.ep for s in range(plan.pp)],
-                              micro_batch=plan.micro_batch, global_batch=plan.global_batch, context=plan.context,
-                              jobs=2)
-    except (NotImplementedError, ImportError):
-        return None
-    except ValueError as e:
-        if strict:
-            raise UsageError(f"--source trace: {e}") from None
-        print(f"fastmoe-plan: world {plan.world} priced from the formulas, not traced: {e}", file=sys.stderr,
-              flush=True)
-        return None
-
-
-def fill_memory(traced: dict, formula: dict) -> None:
-    """The formula's memory terms a trace does not hold (activations, gathered weights), by stage."""
-    by_stage = {p.stage: p for p in formula.values()}
-    for p in traced.values():
-        for k, v in by_stage[p.stage].memory_bytes.items():
-            p.memory_bytes.setdefault(k, v)
-
-
 def profiles_for(plan: Plan, args: Any, source: str) -> tuple[dict, str]:
     """(profiles, their source) of ``plan``: traced where asked for and available, else the formulas."""
     from .formula import stage_profiles
@@ -136,10 +103,6 @@ def profiles_for(plan: Plan, args: Any, source: str) -> tuple[dict, str]:
         if source == "trace":
             raise UsageError("--source trace: the tracer is not available in this build; use --source formula")
     return formula, "formula"
-
-
-def device_memory(args: Any, cluster: Any) -> float:
-    return (args.memory_gib or float(cluster["device.memory_gib"])) * GiB
 
 
 # ----------------------------------------------------------------------------- the table
@@ -212,15 +175,6 @@ def rows_json(cluster: Any, rows: list[dict]) -> list[dict]:
                  weak_scaling_efficiency=r["efficiency"], source=r["source"])
         out.append(d)
     return out
-
-
-def write_json(path: str, payload: Any) -> None:
-    import os
-
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- main

@@ -126,7 +126,7 @@ def paper_layout(c: Candidate) -> bool:
 
 
 def search_main(args: Any, cluster: Any) -> int:
-    from .model_cli import UsageError, device_memory, write_json
+    from .sources import UsageError, device_memory, write_json
 
     if len(args.world) != 1:
         raise UsageError("--search takes one --world")

@@ -17,6 +17,7 @@ import pytest
 from trainer.ft import lease as lease_mod
 from trainer.ft.lease import JOB_ENV, LeaseHeld, job_id, lease_path, take_lease
 from trainer.records.metrics import read_metrics
+from trainer_util import data_cache  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -221,3 +222,26 @@ def test_a_launcher_job_holds_the_lease_for_its_workers(tmp_path):
         finally:
             if first.poll() is None:
                 first.kill()
+
+
+def test_a_trainer_dropped_without_fit_gives_its_lease_up(data_cache, tmp_path):  # noqa: F811
+    """A Trainer built and used step by step (a benchmark, a notebook) holds --out while it lives; once
+    collected, another job may take the directory (it kept it until the process ended)."""
+    import gc
+
+    from trainer.trainer import Trainer
+    from trainer_util import small_cfg
+
+    out = tmp_path / "run"
+    t = Trainer(small_cfg(data_cache, str(out), steps=2, eval__enabled=False))
+    path = lease_path(out)
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    proc = subprocess.run([sys.executable, "-c", _HOLD.replace("time.sleep(120)", "pass"), str(path)], env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "in use by another job" in proc.stderr
+    del t
+    gc.collect()
+    assert not path.exists() and str(path) not in lease_mod._HELD
+    proc = subprocess.run([sys.executable, "-c", _HOLD.replace("time.sleep(120)", "pass"), str(path)], env=ENV,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "held", proc.stderr[-2000:]
