@@ -379,11 +379,15 @@ def _fastmoe(case: Case, backend: str, gemm_engine: str = "native", name: str | 
         note = (f"FastSparseMoE stages 2-5, {backend} backend, expert GEMMs quantized to {precision} "
                 f"({engine} implementation)")
     elif gemm_engine == "auto":
-        # Take the timed choice now (one call primes it; the cache makes it a lookup next time), so
-        # that the report says which engine 'auto' is.
+        # Take the timed choices now (one call each primes them; the cache makes them a lookup next time),
+        # so that the report says which engine 'auto' is: a call with a backward to come (training) and
+        # one without (inference), which may take another engine untimed.
         with torch.no_grad():
             moe_experts_forward(case.x_TH, case.weights_TK, case.topk_idx_TK, w_gu, w_d, backend=backend,
                                 expert_start=0, gemm_engine="auto")
+        with torch.enable_grad():
+            moe_experts_forward(case.x_TH.detach().requires_grad_(), case.weights_TK, case.topk_idx_TK, w_gu, w_d,
+                                backend=backend, expert_start=0, gemm_engine="auto")
         T, K = case.topk_idx_TK.shape
         layer = registry.whole_layer(backend, "auto", case.device, case.x_TH.dtype,
                                      (T, K, w_gu.shape[2], w_d.shape[2], w_gu.shape[0]))

@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         H, I, E, K, T = (int(v) for v in args.shape.split(","))
     except ValueError:
         fail(f"error: --shape is H,I,E,K,T (five integers), got {args.shape!r}")
+    from fastmoe_xpu.kernels.registry import SMALL_LAYER_MACS, layer_macs
+
+    if layer_macs(T, K, H, I, E) <= SMALL_LAYER_MACS:  # auto times nothing there: no choice to study
+        fail(f"error: --shape {args.shape}: {layer_macs(T, K, H, I, E) / 2**20:.1f} Mi multiply-accumulates, at "
+             f"or below the {SMALL_LAYER_MACS // 2**20} Mi up to which auto takes its small-layer engine untimed; "
+             "give a larger layer")
     from fastmoe_xpu.threads import configure, usable_cores
 
     print(f"# {configure(args.threads).summary}")

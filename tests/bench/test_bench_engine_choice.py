@@ -13,7 +13,7 @@ from bench.studies.engine_choice import main
 def test_engine_choice_scenarios_run(tmp_path, capsys) -> None:
     old = torch.get_num_threads()
     try:
-        rc = main(["--shape", "96,64,6,2,512", "--calls", "6", "--rounds", "1", "--busy", "0", "--threads", "1",
+        rc = main(["--shape", "96,96,6,2,512", "--calls", "6", "--rounds", "1", "--busy", "0", "--threads", "1",
                    "--json", str(tmp_path / "r.json")])
     finally:
         torch.set_num_threads(old)
@@ -27,3 +27,14 @@ def test_engine_choice_scenarios_run(tmp_path, capsys) -> None:
     assert {t["engine"] for t in off["trace"]} == {off["slowest"]} and off["stored_engine"] == off["slowest"]
     assert not off["history"]
     assert "## wrong stored choice, in-use check on (as shipped)" in out and "after 6 calls: layer" in out
+
+
+def test_a_layer_auto_does_not_time_is_refused_in_one_line(tmp_path, capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["--shape", "96,64,6,2,512", "--calls", "2", "--rounds", "1", "--json", str(tmp_path / "r.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "18.0 Mi" in err and "untimed" in err and "larger layer" in err
+    assert not (tmp_path / "r.json").exists()

@@ -31,7 +31,7 @@ def test_each_engine_computes_the_same_layer_and_auto_is_named(tmp_path):
     registry.forget_choices()
     # Above the small-layer budget auto times the engines and the note names the one it took; the
     # tiny preset is under it, and the note says that the whole layer ran as one op instead.
-    wider = make_case(Preset("wider", 256, 128, 8, 2, 96, 1, "above the padded budget"), dtype="fp32", device="cpu",
+    wider = make_case(Preset("wider", 256, 128, 8, 2, 160, 1, "above the padded budget"), dtype="fp32", device="cpu",
                       seed=0)
     with settings.override(gemm_engine=None, gemm_cache=str(tmp_path / "c.json")):
         auto = build_provider("fastmoe/torch", wider)
@@ -77,7 +77,7 @@ def test_auto_provider_reports_its_choice_and_a_retiming_while_it_was_measured(t
     from bench.harness.report import derive, format_case
     from bench.harness.runner import run_case
 
-    wider = make_case(Preset("wider", 256, 128, 8, 2, 96, 1, "above the padded budget"), dtype="fp32", device="cpu",
+    wider = make_case(Preset("wider", 256, 128, 8, 2, 160, 1, "above the padded budget"), dtype="fp32", device="cpu",
                       seed=0)
     registry.forget_choices()
     try:
