@@ -458,16 +458,23 @@ def qmm(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor |
 
 
 def grouped_int8_mm(qa: torch.Tensor, sa: torch.Tensor, b_of, sb: torch.Tensor | None,  # noqa: ANN001
-                    groups: list[tuple[int, int, int]], out: torch.Tensor) -> None:
+                    groups: list[tuple[int, int, int]], out: torch.Tensor,
+                    packs: "ExpertPacks | None" = None) -> None:
     """For each expert ``(e, s, t)`` of ``groups`` (rows ``[s, t)``, back to back from 0): ``out[s:t] =
     sa[s:t, None] * sb[e][None, :] * (qa[s:t] @ b_of(e))`` (int8 codes; ``sb`` None: no column scales),
     the same numbers as :func:`qmm` expert by expert. Every expert's int32 sums go into one buffer and
     one dequantizing pass covers all rows (each row's column scales found by its expert): one pass per
     projection instead of one per expert, whose calls cost more than their work at a few hundred
-    rows per expert."""
+    rows per expert. ``packs``: the weight's :class:`ExpertPacks`; inside :func:`frozen_weights` an
+    expert used often enough multiplies on its oneDNN-packed codes instead (AMX int8), the same sums."""
     rt = groups[-1][2] if groups else 0
     if rt == 0:
         return
+    if packs is not None and weights_frozen() and not torch.compiler.is_compiling():
+        chosen = [(e, s, t, packs.get(e, b_of)) for e, s, t in groups if t > s]
+        if any(c[3] is not None for c in chosen):
+            _packed_epilogues(qa, sa, b_of, sb, chosen, out)
+            return
     from ..torch.buffers import cached_empty
 
     acc = cached_empty((rt, out.shape[1]), qa, torch.int32)
@@ -483,10 +490,85 @@ def grouped_int8_mm(qa: torch.Tensor, sa: torch.Tensor, b_of, sb: torch.Tensor |
         out[:rt].copy_(res)
 
 
+def _packed_epilogues(qa: torch.Tensor, sa: torch.Tensor, b_of, sb: torch.Tensor | None,  # noqa: ANN001
+                      groups: list[tuple[int, int, int, object]], out: torch.Tensor) -> None:
+    """:func:`grouped_int8_mm` with some experts' codes packed for oneDNN (``groups``: ``(e, s, t, packed
+    or None)``): the packed ones multiply in :func:`packed_int8_mm`, the others in ``torch._int_mm``, and
+    each expert's rows are dequantized as the one pass does it (row scales, then the expert's column
+    scales: the same products in the same order)."""
+    rt = groups[-1][2]
+    direct = out.dtype == torch.float32
+    res = out[:rt] if direct else torch.empty(rt, out.shape[1], device=out.device)
+    for e, s, t, packed in groups:
+        acc = torch._int_mm(qa[s:t], b_of(e)) if packed is None else packed_int8_mm(qa[s:t], packed, out.shape[1])
+        _epilogue_eager(res[s:t], acc, sa[s:t], None if sb is None else sb[e])
+    if not direct:
+        out[:rt].copy_(res)
+
+
 def rows_of_experts(groups: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
     """``[rt]`` int64: the expert of each row of ``groups`` (``(e, s, t)``, back to back from 0)."""
     counts = torch.tensor([t - s for _, s, t in groups], dtype=torch.int64)
     return torch.repeat_interleave(torch.tensor([e for e, _, _ in groups], dtype=torch.int64), counts).to(device)
+
+
+# ---------------------------------------------------------------- AMX int8: oneDNN's packed weights
+#: Forward uses of one expert's codes inside :func:`frozen_weights` before they are packed for oneDNN.
+#: On a Xeon with AMX (2026-11-29, one thread) packing a 2048 x 2048 code matrix took 15-27 ms and
+#: saved 75 us (one routed row) to 200 us (eight) per use against ``torch._int_mm``: 90-250 uses
+#: to pay back, so an expert is packed once it has paid about that much in the slower GEMM (a
+#: short ``generate`` packs nothing; a long-lived decoder packs its experts as they are used).
+PACK_AFTER_USES = 128
+_UNIT_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def packed_int8_mm(a: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``a [M, K] int8 @ W^T`` as fp32 (the exact int32 sums converted), ``packed``: ``W [n, K]`` int8
+    packed by ``torch.ops.onednn.qlinear_prepack``. Unit scales, zero points 0 and an fp32 output:
+    oneDNN's quantized linear with nothing to dequantize, so the sums are ``torch._int_mm``'s."""
+    if n not in _UNIT_SCALES:
+        _UNIT_SCALES[n] = (torch.ones(n), torch.zeros(n, dtype=torch.int64))
+    ones, zeros = _UNIT_SCALES[n]
+    return torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+
+
+@functools.lru_cache(maxsize=1)
+def amx_int8_linear() -> bool:
+    """Whether int8 GEMMs on packed weights run here: a CPU with AMX tiles (oneDNN's quantized linear
+    then multiplies on them, ``torch._int_mm`` on VNNI), oneDNN, the two ops, and their sums equal
+    ``torch._int_mm``'s at an awkward shape. False where any of it is missing or fails."""
+    try:
+        if not (torch.cpu._is_amx_tile_supported() and torch.backends.mkldnn.is_available()):
+            return False
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(-127, 128, (3, 37), dtype=torch.int8, generator=g)
+        w = torch.randint(-127, 128, (21, 37), dtype=torch.int8, generator=g)
+        got = packed_int8_mm(a, torch.ops.onednn.qlinear_prepack(w, None), 21)
+        return torch.equal(got, torch._int_mm(a, w.t()).float())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class ExpertPacks:
+    """One int8 weight's experts packed for oneDNN (:func:`packed_int8_mm`), each once it has been used
+    :data:`PACK_AFTER_USES` times inside :func:`frozen_weights`; kept with the codes they copy, so
+    dropped with them when the weight changes."""
+
+    __slots__ = ("uses", "packed")
+
+    def __init__(self) -> None:
+        self.uses: dict[int, int] = {}
+        self.packed: dict[int, torch.Tensor] = {}
+
+    def get(self, e: int, b_of) -> torch.Tensor | None:  # noqa: ANN001
+        """Expert ``e``'s packed codes (``b_of(e)``: its ``[In, O]`` codes), packed at this use if due."""
+        packed = self.packed.get(e)
+        if packed is None:
+            self.uses[e] = n = self.uses.get(e, 0) + 1
+            if n > PACK_AFTER_USES:
+                packed = self.packed[e] = torch.ops.onednn.qlinear_prepack(b_of(e).t().contiguous(), None)
+        return packed
 
 
 # ---------------------------------------------------------------- weights, quantized once per call
@@ -495,6 +577,8 @@ class QWeight(NamedTuple):
     """``[NR, O, In]`` (or ``[NR, In, O]`` for a transposed layout), the weight's own layout."""
     scales: torch.Tensor
     """``[NR, O]``: one per output channel."""
+    packs: ExpertPacks | None = None
+    """int8 on a CPU where :func:`amx_int8_linear`: the experts' codes packed for the forward."""
 
 
 class _Entry(NamedTuple):
@@ -588,7 +672,9 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
         q = quantize(w, dtype, transposed)
     else:
         q = quantize_cols(w, dtype) if transposed else quantize_rows(w, dtype)
-    qw = QWeight(*q)
+    packs = (dtype == torch.int8 and w.device.type == "cpu" and not torch.compiler.is_compiling()
+             and amx_int8_linear())
+    qw = QWeight(*q, ExpertPacks() if packs else None)
     try:
         ref = weakref.ref(w, lambda _r, k=key: _WEIGHTS.pop(k, None))
     except TypeError:  # not weak-referenceable: nothing is kept

@@ -104,12 +104,14 @@ def _weight_grad(g: torch.Tensor, a: torch.Tensor, fmt_grad: torch.dtype, fmt_fw
 
 
 def _expert_gemms(f, qa: torch.Tensor, sa: torch.Tensor, b_of: Callable[[int], torch.Tensor],  # noqa: ANN001
-                  sb: torch.Tensor | None, groups: list[tuple[int, int, int]], out: torch.Tensor) -> None:
+                  sb: torch.Tensor | None, groups: list[tuple[int, int, int]], out: torch.Tensor,
+                  packs=None) -> None:  # noqa: ANN001
     """``out[s:t] = sa[s:t] * sb[e] * (qa[s:t] @ b_of(e))`` for each expert ``(e, s, t)`` (``sb`` None: no
     column scales): int8 in one dequantizing pass over every expert's rows
-    (:func:`.core.grouped_int8_mm`), other formats expert by expert (:func:`.core.qmm`)."""
+    (:func:`.core.grouped_int8_mm`; ``packs``: the forward weight's oneDNN-packed experts), other
+    formats expert by expert (:func:`.core.qmm`)."""
     if f.name == "int8":
-        grouped_int8_mm(qa, sa, b_of, sb, groups, out)
+        grouped_int8_mm(qa, sa, b_of, sb, groups, out, packs)
         return
     for e, s, t in groups:
         if t > s:
@@ -307,7 +309,7 @@ def gate_up_fwd(fmt: str, x_TH: torch.Tensor, input_indices: torch.Tensor, cum_t
             del qx_T
         else:  # fewer routed rows than tokens (most of them go to other ranks' experts): the same codes
             qx, sx = quantize_rows(_gather_rows(x_TH, idx), f.forward)
-        _expert_gemms(f, qx, sx, lambda e: qw.codes[e].t(), qw.scales, groups, gate_up)
+        _expert_gemms(f, qx, sx, lambda e: qw.codes[e].t(), qw.scales, groups, gate_up, qw.packs)
     inter = two_i // 2
     h = _silu_mul(gate_up[:, :inter], gate_up[:, inter:]).to(x_TH.dtype)
     return gate_up, h
@@ -333,7 +335,8 @@ def down_fwd(fmt: str, h_RI: torch.Tensor, cum_token_counts: torch.Tensor, w_dow
     y = _rows_buffer(h_RI.shape[0], rt, width, h_RI)
     if rt:
         qh, sh = quantize_rows(h_RI[:rt], f.forward)
-        _expert_gemms(f, qh, sh, lambda e: qw.codes[e] if transposed else qw.codes[e].t(), qw.scales, groups, y)
+        _expert_gemms(f, qh, sh, lambda e: qw.codes[e] if transposed else qw.codes[e].t(), qw.scales, groups, y,
+                      qw.packs)
     return y
 
 
