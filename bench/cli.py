@@ -18,6 +18,7 @@ from fastmoe_xpu.kernels.registry import CHOICES as GEMM_ENGINES, ENGINES
 from .harness.cases import DTYPES, make_case
 from .harness.measure import run_options
 from .harness.presets import PRESETS, resolve_presets
+from .harness.stop import stoppable
 from .harness.providers import (ALL_PROVIDERS, EXTERNAL_PROVIDERS, FASTMOE_BACKENDS, NAMED_PROVIDERS, default_fastmoe,
                                 expand_names, with_precisions)
 from .harness.report import (MODES, case_legend, derive, format_case, format_markdown, format_summary, headline,
@@ -166,7 +167,10 @@ def _check_device(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    return stoppable(lambda: _main(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in SUBCOMMANDS:  # a study with a command line of its own
         study = importlib.import_module(f"{__package__}.studies.{argv[0]}")
         return study.main(argv[1:]) or 0
