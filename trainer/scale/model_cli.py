@@ -142,10 +142,13 @@ def format_scaling(args: Any, cluster: Any, rows: list[dict]) -> str:
         lines.append(f"  {e.world:>6} {p.dp:>5} {p.global_batch:>7} {p.micro_batches:>4} {e.step_s:>8.4g} "
                      f"{e.tokens_per_s:>11,.0f} {e.tflops_per_device():>11.1f} {e.mfu(cluster, args.weights):>6.1%} "
                      f"{e.memory_total / GiB:>8.1f} {r['efficiency']:>12.3f}  {largest_terms(e)}{fits}")
-    lines += ["", "  share of the step by term (%):", "  " + f"{'world':>6} " + " ".join(f"{t[:10]:>10}" for t in TERMS)]
+    widths = [max(len(t), 5) for t in TERMS]  # every term's whole name heads its column
+    lines += ["", "  share of the step by term (%):",
+              "  " + f"{'world':>6} " + " ".join(f"{t:>{w}}" for t, w in zip(TERMS, widths))]
     for r in rows:
         e = r["estimate"]
-        lines.append("  " + f"{e.world:>6} " + " ".join(f"{100 * e.terms[t] / e.step_s:>10.1f}" for t in TERMS))
+        lines.append("  " + f"{e.world:>6} " + " ".join(f"{100 * e.terms[t] / e.step_s:>{w}.1f}"
+                                                        for t, w in zip(TERMS, widths)))
     return "\n".join(lines)
 
 
