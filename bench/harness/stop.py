@@ -2,7 +2,11 @@
 128 + the signal's number (130, 143), no traceback, whatever the signal interrupted (a GEMM, the autograd
 engine, a worker's join). The handlers are installed explicitly, so a benchmark started where SIGINT was
 ignored on entry (a non-interactive shell's background job) still stops on it. A second signal while the
-first is being unwound exits at once."""
+first is being unwound exits at once.
+
+Not the trainer's ``stoppable`` (trainer/ft/stop.py): its stop is an ``Exception`` and its second-signal line
+speaks of checkpoints; the benchmark's providers and studies catch ``Exception`` to report a provider as
+skipped, which would swallow a stop and run on, so the stop here is a ``BaseException``."""
 from __future__ import annotations
 
 import os

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .sources import write_text
+
 REQUIRED: dict[str, tuple[str, ...]] = {
     "device": ("peak_tflops_bf16", "peak_tflops_fp32", "memory_gib", "memory_gbps", "gemm_efficiency",
                "memory_efficiency", "launch_us"),
@@ -220,7 +222,4 @@ def write_cluster(path: str, name: str, description: str, sections: dict[str, di
         lines.append(f"[{section}]")
         lines += [f"{k} = {format_figure(*fig)}" for k, fig in figs.items()]
         lines.append("")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, path)
+    write_text(path, "\n".join(lines))

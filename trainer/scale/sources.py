@@ -4,6 +4,7 @@ write. Kept apart from :mod:`.model_cli` so that the modules it dispatches to ne
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -47,10 +48,14 @@ def device_memory(args: Any, cluster: Any) -> float:
     return (args.memory_gib or float(cluster["device.memory_gib"])) * GiB
 
 
-def write_json(path: str, payload: Any) -> None:
-    import os
-
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to a temporary name beside ``path`` and rename it there: a process that dies
+    leaves no half file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, default=str)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_json(path: str, payload: Any) -> None:
+    write_text(path, json.dumps(payload, indent=1, default=str))
