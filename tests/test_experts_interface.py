@@ -620,14 +620,18 @@ def test_registration_is_lazy_and_in_place_before_first_use() -> None:
 @pytest.mark.parametrize("engine", ["auto", "native"])
 def test_ids_outside_the_experts_raise(engine: str, monkeypatch) -> None:
     """Without expert parallelism an id outside [0, num_experts) is refused: on the padded op (a small
-    layer with gemm_engine='auto', which reads it off its layout) and on the staged chain (checked
-    first). In-range ids run, on the path the test names."""
+    layer with gemm_engine='auto', which reads it off its layout; a call without a backward whose ids
+    are not all local leaves torch's grouped GEMM in one piece for it) and on the staged chain
+    (checked first). In-range ids run, on the path the test names: with 'auto', a call without a
+    backward in one piece on torch's grouped GEMM, one with a backward on the padded op."""
     from fastmoe_xpu import settings
+    from fastmoe_xpu.kernels import grouped_mm
     from fastmoe_xpu.kernels.torch import padded
 
     calls = []
-    real = padded.experts_forward
-    monkeypatch.setattr(padded, "experts_forward", lambda *a: calls.append(1) or real(*a))
+    real, real_small = padded.experts_forward, grouped_mm._small_forward
+    monkeypatch.setattr(padded, "experts_forward", lambda *a: calls.append("padded") or real(*a))
+    monkeypatch.setattr(grouped_mm, "_small_forward", lambda *a: calls.append("small") or real_small(*a))
     module = _make_class()(_config("fastmoe"))
     module.fastmoe_gemm_engine = engine
     x, (idx, w) = torch.randn(7, H), _routing(7, 2)
@@ -637,9 +641,15 @@ def test_ids_outside_the_experts_raise(engine: str, monkeypatch) -> None:
             wrong[3, 1] = bad
             with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
                 module(x, wrong, w)
+        assert "small" not in calls
         calls.clear()
         module(x, idx, w)
-    assert calls == ([1] if engine == "auto" else [])
+    assert calls == (["small"] if engine == "auto" and grouped_mm.unsupported_reason("cpu", torch.float32) is None
+                     else ["padded"] if engine == "auto" else [])
+    calls.clear()
+    with settings.override(gemm_engine=None):
+        module(x.requires_grad_(), idx, w).sum().backward()
+    assert calls == (["padded"] if engine == "auto" else [])
 
 
 def test_layout_flags_follow_the_module() -> None:
@@ -667,6 +677,75 @@ def test_layout_flags_follow_the_module() -> None:
         describe_layout(module)
     module.down_proj = down
     assert describe_layout(module)["fused"]
+
+
+def _no_grad_pair(module: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple:
+    """``(fastmoe's, the eager loop's)`` outputs of one call without autograd."""
+    out = {}
+    with torch.no_grad():
+        for impl in ("fastmoe", "eager"):
+            module.config._experts_implementation = impl
+            out[impl] = module(x, idx, w)
+    return out["fastmoe"], out["eager"]
+
+
+@pytest.mark.parametrize("T,K", [(2, 1), (3, 3), (5, 2), (13, 4)])
+def test_calls_without_a_backward_match_the_loop(T: int, K: int) -> None:
+    """Decoding several sequences (a few tokens, no autograd): the output equals the eager loop's at
+    token and choice counts that leave experts empty, shared and full."""
+    torch.manual_seed(T)
+    module = _make_class()(_config("fastmoe"))
+    idx, w = _routing(T, K, seed=T)
+    got, ref = _no_grad_pair(module, torch.randn(T, H), idx, w)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:fastmoe_xpu. quantized expert weights")
+def test_what_a_call_derives_from_the_module_follows_it(monkeypatch) -> None:
+    """The fused path derives its weights, backend, engine and precision from the module once and
+    keeps them while nothing they come from changes: a replaced weight, a precision set on the
+    config, an engine or backend set on the module and a settings override are each seen by the next
+    call (the numbers, and the engine asked for, follow)."""
+    from fastmoe_xpu import settings
+    from fastmoe_xpu.autograd import moe_experts as me
+    from fastmoe_xpu.integrations import experts as ix
+
+    torch.manual_seed(0)
+    module = _make_class()(_config("fastmoe"))
+    x, (idx, w) = torch.randn(6, H), _routing(6, 2)
+    got, ref = _no_grad_pair(module, x, idx, w)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    first = ix._call_memo(module)
+    assert first is not None and ix._call_memo(module) is first
+    module.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) * 0.3)  # a new weight: new numbers
+    got, ref = _no_grad_pair(module, x, idx, w)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert ix._call_memo(module) is not first and ix._call_memo(module).w_up is module.gate_up_proj
+    with torch.no_grad():
+        module.down_proj.mul_(2.0)  # in place: the same tensor, read afresh
+    got, ref = _no_grad_pair(module, x, idx, w)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    asked = []
+    real = me.moe_experts_forward
+    monkeypatch.setattr(ix, "moe_experts_forward", lambda *a, **k: asked.append(
+        (k["gemm_engine"], k["backend"], k["expert_precision"])) or real(*a, **k))
+    module.config._experts_implementation = "fastmoe"
+    with torch.no_grad():
+        module.fastmoe_expert_precision = "int8"
+        int8 = module(x, idx, w)
+        assert asked[-1][2] == "int8" and not torch.equal(int8, ref)
+        del module.fastmoe_expert_precision
+        module.fastmoe_gemm_engine = "loop"
+        module(x[:1], idx[:1], w[:1])
+        assert asked[-1][0] == "loop"
+        module.fastmoe_backend = "torch"
+        module(x[:1], idx[:1], w[:1])
+        assert asked[-1][:2] == ("loop", "torch")
+        with settings.override(expert_precision="int8"):
+            module(x[:1], idx[:1], w[:1])
+            assert asked[-1][2] == "int8"
+        module(x[:1], idx[:1], w[:1])
+        assert asked[-1][2] is None
 
 
 def test_no_warning_from_our_code_under_torch_compile() -> None:

@@ -28,16 +28,17 @@ rows on this rank.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from .. import settings
-from ..autograd.moe_experts import kernel_backend, moe_experts_forward
+from ..autograd.moe_experts import kernel_backend, moe_experts_forward, small_inference
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
 from ..kernels import grouped_mm
@@ -236,6 +237,9 @@ def fastmoe_experts_forward(
     does not own, skipped) and ``top_k_weights [T, K]``. ``lora``: adapters on the stored (frozen)
     weights handed over directly (:func:`run_adapters_in_experts`); else PEFT's active
     parametrization, if any, is read."""
+    memo = None if lora is not None else _call_memo(self)
+    if memo is not None and hidden_states.dim() == 2 and top_k_index.dim() == 2:
+        return _memo_call(memo, hidden_states, top_k_index, top_k_weights)
     flags = describe_layout(self)
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
@@ -292,6 +296,96 @@ def fastmoe_experts_forward(
         out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, None, None, backend=backend,
                                      num_local=self.num_experts, expert_rows=expert_rows, expert_precision=precision,
                                      check_ids=ids_check)
+    return out_TH if out_TH.dtype == hidden_states.dtype else out_TH.to(hidden_states.dtype)
+
+
+class _Memo(NamedTuple):
+    """What :func:`fastmoe_experts_forward` derives from a module for a call of the fused path: kept
+    per module while nothing it was derived from changes (:func:`_call_memo`)."""
+
+    num_experts: int
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    backend: str
+    base: str
+    engine: str
+    precision: str | None
+    ids_check: Any
+
+
+#: ``id(module) -> (weak reference, the inputs' snapshot, memo)``.
+_MEMOS: dict[int, tuple[Any, tuple, _Memo]] = {}
+
+
+def _snapshot(module: nn.Module) -> tuple | None:
+    """Everything the fused path's derivation reads from ``module``, as the objects themselves (compared
+    by identity): its attributes, parameters and submodules, its config's precision field, the
+    package's settings and the class's gate; None where a call must derive afresh (a PEFT
+    parametrization)."""
+    d = module.__dict__
+    if "parametrizations" in module._modules:
+        return None
+    config = d.get("config")
+    if config is None:
+        precision = None
+    elif isinstance(_class_field(type(config)), _PrecisionField):  # transformers' configs: kept in the instance
+        precision = config.__dict__.get(PRECISION_ATTRIBUTE)
+    else:
+        precision = getattr(config, PRECISION_ATTRIBUTE, None)
+    return (*d.values(), *module._parameters.values(), *module._modules.values(), precision, settings.get(),
+            getattr(type(module), "_apply_gate", None), type(module))
+
+
+def _call_memo(module: nn.Module) -> _Memo | None:
+    """The module's :class:`_Memo` for an eager call of the fused path without expert parallelism, or
+    None (traced, another layout, PEFT): a decode step of a small layer is tens of microseconds, of
+    which deriving these again from the module's attributes took a third."""
+    if torch.compiler.is_compiling():
+        return None
+    snap = _snapshot(module)
+    if snap is None:
+        return None
+    ident = id(module)
+    entry = _MEMOS.get(ident)
+    if (entry is not None and entry[0]() is module and len(entry[1]) == len(snap)
+            and all(map(operator.is_, entry[1], snap))):
+        return entry[2]
+    flags = describe_layout(module)
+    if not flags["fused"] or flags["expert_parallel"]:
+        return None
+    w_up, w_down = stored_weight(module, "gate_up_proj"), stored_weight(module, "down_proj")
+    if type(w_up) not in _PLAIN_TYPES or type(w_down) not in _PLAIN_TYPES:
+        return None
+    backend = _module_attr(module, "fastmoe_backend", "auto")
+    memo = _Memo(module.num_experts, w_up, w_down, backend, kernel_backend(backend, w_up.device),
+                 _module_attr(module, "fastmoe_gemm_engine", "auto"), expert_precision(module),
+                 functools.partial(check_ids, num_experts=module.num_experts))
+    if len(_MEMOS) >= 4096:
+        _MEMOS.clear()
+    _MEMOS[ident] = (weakref.ref(module, lambda _, ident=ident: _MEMOS.pop(ident, None)), snap, memo)
+    return memo
+
+
+def _memo_call(memo: _Memo, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`fastmoe_experts_forward`'s fused path with the module's part derived (:func:`_call_memo`)."""
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
+            f"[tokens={hidden_states.shape[0]}, top_k]"
+        )
+    w_up = memo.w_up
+    if hidden_states.shape[0] == 0 or top_k_index.shape[1] == 0:
+        return hidden_states.new_zeros(hidden_states.shape)
+    x_TH = _dense(hidden_states if hidden_states.dtype == w_up.dtype else hidden_states.to(w_up.dtype))
+    w_up, w_down = _dense(w_up), _dense(memo.w_down)
+    out_TH = None
+    if memo.precision is None and hidden_states.shape[0] > 1 and x_TH.device == w_up.device:
+        out_TH = small_inference(x_TH, top_k_weights, top_k_index, w_up, w_down, memo.base, memo.engine)
+    if out_TH is None:
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, w_up, w_down, backend=memo.backend,
+                                     gemm_engine=memo.engine, expert_precision=memo.precision,
+                                     check_ids=memo.ids_check)
     return out_TH if out_TH.dtype == hidden_states.dtype else out_TH.to(hidden_states.dtype)
 
 

@@ -217,6 +217,42 @@ def _bag_sums(y_RH: torch.Tensor, row_of_slot: torch.Tensor, bags: torch.Tensor)
     return torch.embedding_bag(y_RH, row_of_slot, bags, False, 0, False, None, True)[0]
 
 
+#: Per (slots, K, device): ``arange(0, slots + 1, K)``, the token bags' offsets (read only).
+_BAGS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _bags(n: int, k: int, device: torch.device) -> torch.Tensor:
+    key = (n, k, device)
+    bags = _BAGS.get(key)
+    if bags is None:
+        if len(_BAGS) >= 1024:  # one entry per token count seen: bounded for long generations
+            _BAGS.clear()
+        bags = _BAGS[key] = torch.arange(0, n + 1, k, device=device)
+    return bags
+
+
+def _small_forward(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                   weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """:class:`_SmallLayer`'s forward: ``(out [T, H], what its backward keeps)``."""
+    K = topk_idx_TK.shape[1]
+    inter = w_down_NHI.shape[2]
+    flat = topk_idx_TK.reshape(-1)
+    order_R = torch.argsort(flat, stable=True)  # row r holds slot order[r] = t*K + k
+    offs = torch.bincount(flat, minlength=w_gate_up_N2IH.shape[0]).cumsum(0, dtype=torch.int32)
+    token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
+    rows_RH = x_TH.index_select(0, token_R)
+    gate_up_R2I = _gmm(rows_RH, w_gate_up_N2IH.transpose(-2, -1), offs)
+    h_RI = torch._C._nn.silu(_gate(gate_up_R2I, inter)).mul_(gate_up_R2I[:, inter:])
+    w_R1 = weights_TK.reshape(-1).index_select(0, order_R).unsqueeze(1)
+    y_RH = _gmm(h_RI * w_R1, w_down_NHI.transpose(-2, -1), offs)
+    # Each token's K rows summed in slot order by one embedding_bag (a bag per token over the rows
+    # of its slots): half the time of zeros + index_add_ at 512 rows of 128.
+    row_of_slot = torch.argsort(order_R)  # the inverse permutation, one op (a small layer's step is a few dozen)
+    bags = _bags(order_R.numel(), K, order_R.device)
+    out_TH = _bag_sums(y_RH, row_of_slot, bags)
+    return out_TH, (rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, row_of_slot, bags, offs, gate_up_R2I, h_RI, w_R1)
+
+
 class _SmallLayer(torch.autograd.Function):
     """Stages 2-5 of a small fused fp32 layer whose ids are all local: the rows sorted by expert
     (one stable ``argsort``, one ``bincount`` for the group ends), one grouped GEMM per projection
@@ -230,26 +266,9 @@ class _SmallLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK):  # noqa: ANN001, ANN205
-        T, K = topk_idx_TK.shape
-        inter = w_down_NHI.shape[2]
-        flat = topk_idx_TK.reshape(-1)
-        order_R = torch.argsort(flat, stable=True)  # row r holds slot order[r] = t*K + k
-        offs = torch.bincount(flat, minlength=w_gate_up_N2IH.shape[0]).cumsum(0, dtype=torch.int32)
-        token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
-        rows_RH = x_TH.index_select(0, token_R)
-        gate_up_R2I = _gmm(rows_RH, w_gate_up_N2IH.transpose(-2, -1), offs)
-        h_RI = torch._C._nn.silu(_gate(gate_up_R2I, inter)).mul_(gate_up_R2I[:, inter:])
-        w_R1 = weights_TK.reshape(-1).index_select(0, order_R).unsqueeze(1)
-        y_RH = _gmm(h_RI * w_R1, w_down_NHI.transpose(-2, -1), offs)
-        # Each token's K rows summed in slot order by one embedding_bag (a bag per token over the rows
-        # of its slots): half the time of zeros + index_add_ at 512 rows of 128.
-        n = order_R.numel()
-        row_of_slot = torch.empty_like(order_R).scatter_(0, order_R, torch.arange(n, device=order_R.device))
-        bags = torch.arange(0, n + 1, K, device=order_R.device)
-        out_TH = _bag_sums(y_RH, row_of_slot, bags)
-        ctx.save_for_backward(rows_RH, w_gate_up_N2IH, w_down_NHI, token_R, row_of_slot, bags, offs, gate_up_R2I,
-                              h_RI, w_R1)
-        ctx.tokens = T
+        out_TH, saved = _small_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+        ctx.save_for_backward(*saved)
+        ctx.tokens = x_TH.shape[0]
         return out_TH
 
     @staticmethod
@@ -299,4 +318,7 @@ def small_layer(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: to
     rows) over ``w_gate_up [NR, 2I, H]`` and ``w_down [NR, H, I]`` as one autograd node
     (:class:`_SmallLayer`). Every id in ``topk_idx`` must name one of the NR experts (the caller
     checks); for :func:`small_layer_runs` tensors."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)):
+        # No backward follows (generation, evaluation): the forward alone, without the Function around it.
+        return _small_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)[0]
     return _SmallLayer.apply(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
