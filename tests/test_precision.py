@@ -558,6 +558,40 @@ def test_fused_int8_passes_equal_eager(monkeypatch):
     assert torch.equal(buf, want)
 
 
+def test_inference_runs_the_eager_passes_until_a_pass_is_used_often(monkeypatch):
+    """Inside frozen_weights() a fused pass is not compiled at its first uses (compiling cost a tiny
+    model's first generate tens of times transformers' whole first generate): the eager passes run,
+    the same bits, until the pass has run FROZEN_COMPILE_AFTER times; then it is compiled once. In
+    training it is compiled at its first use."""
+    compiled = []
+
+    def fake_compile(fn, dynamic=False):  # noqa: ANN001, ANN202 - the compiled function is the eager one
+        compiled.append(fn.__name__)
+        return fn
+
+    monkeypatch.setattr(core, "FUSED_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(core, "FROZEN_COMPILE_AFTER", 3)
+    monkeypatch.setattr(core, "_FUSED", {})
+    monkeypatch.setattr(core, "_FROZEN_USES", {})
+    monkeypatch.setattr(core, "_FUSED_FAILED", [])
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    g = torch.Generator().manual_seed(1)
+    acc = torch.randint(-2**20, 2**20, (7, 5), generator=g, dtype=torch.int32)
+    sa, sb = torch.rand(7, generator=g), torch.rand(5, generator=g)
+    want = torch.empty(7, 5)
+    core._epilogue_eager(want, acc, sa, sb, False)
+    with core.frozen_weights():
+        for use in range(1, 5):
+            out = torch.empty(7, 5)
+            ran, _ = core._run_fused("epilogue", out, acc, sa, sb, False)
+            assert ran == (use > 3) and compiled == ([] if use <= 3 else ["_epilogue_rows_cols_rows_cols"]), use
+            if not ran:
+                core._epilogue_eager(out, acc, sa, sb, False)
+            assert torch.equal(out, want)
+    assert core._run_fused("quantize", torch.randn(4, 6, generator=g), -1, None)[0]  # training: compiled at once
+    assert len(compiled) == 2
+
+
 @pytest.mark.slow
 def test_fused_epilogue_over_expert_slices_compiles_once(monkeypatch):
     """The expert loop hands the fused epilogue one expert's slice after another: views at every

@@ -100,6 +100,10 @@ def _epilogue_eager(out: torch.Tensor, acc: torch.Tensor, sa: torch.Tensor, sb: 
 #: Tensors of at least this many elements are quantized and dequantized by the fused kernels below.
 FUSED_MIN_ELEMENTS = 1 << 16
 _FUSED: dict[tuple, object] = {}
+#: Uses of a fused pass inside :func:`frozen_weights` that run its eager passes before it is compiled
+#: (:func:`_fused`): a short ``generate`` compiles nothing, a long-lived decoder compiles what it runs.
+FROZEN_COMPILE_AFTER = 256
+_FROZEN_USES: dict[tuple, int] = {}
 _FUSED_FAILED: list[str] = []
 
 
@@ -199,6 +203,13 @@ def _fused(key: tuple, fn):  # noqa: ANN001, ANN202
     if _FUSED_FAILED:
         return None
     compiled = _FUSED.get(key)
+    if compiled is None and weights_frozen():
+        # Inference (decoding, evaluation): the eager passes, the same bits, until this pass has run
+        # often enough to be worth compiling: compiling it cost the first ``generate`` of a tiny model
+        # tens of times transformers' whole first ``generate``.
+        uses = _FROZEN_USES[key] = _FROZEN_USES.get(key, 0) + 1
+        if uses <= FROZEN_COMPILE_AFTER:
+            return None
     if compiled is None:
         import types
 
