@@ -18,7 +18,8 @@ from tests.tolerances import assert_close
 SHAPES = [(37, 33, 20, 7, 3), (1, 12, 10, 4, 2), (6, 40, 17, 9, 2)]
 
 
-def _needs_packs() -> None:
+def _needs_packs(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(core, "PACK_MIN_ELEMENTS", 1)  # these awkward shapes are far below the size packed
     if not core.amx_int8_linear():
         pytest.skip("no AMX int8 linear here (core.amx_int8_linear): the plain path is checked by "
                     "test_plain_path_where_packing_is_unavailable")
@@ -44,7 +45,7 @@ def _packed_experts() -> set[int]:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
 def test_packed_forward_equals_int_mm_and_reference(monkeypatch, shape):
-    _needs_packs()
+    _needs_packs(monkeypatch)
     x, weights, idx, w_gu, w_d = _case(*shape)
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, torch.zeros_like(x), "int8")[0]
     core.forget_weights()
@@ -65,7 +66,7 @@ def test_packed_forward_equals_int_mm_and_reference(monkeypatch, shape):
 def test_packed_down_launcher_per_expert(monkeypatch, transposed):
     """``down_fwd`` in both weight layouts against :func:`qref.qlinear` per expert, some experts packed
     and some not in one call (experts reach the threshold at different calls)."""
-    _needs_packs()
+    _needs_packs(monkeypatch)
     g = torch.Generator().manual_seed(3)
     counts = [5, 0, 19, 1, 3]
     cum = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
@@ -88,7 +89,7 @@ def test_packed_down_launcher_per_expert(monkeypatch, transposed):
 
 
 def test_packs_only_inside_frozen_weights_and_dropped_with_changed_weights(monkeypatch):
-    _needs_packs()
+    _needs_packs(monkeypatch)
     x, weights, idx, w_gu, w_d = _case(9, 16, 8, 5, 2)
     core.forget_weights()
     monkeypatch.setattr(core, "PACK_AFTER_USES", 0)
@@ -118,4 +119,17 @@ def test_plain_path_where_packing_is_unavailable(monkeypatch):
     want = qref.moe_forward_backward(x, weights, idx, w_gu, w_d, torch.zeros_like(x), "int8")[0]
     for out in outs:
         assert_close(out, want, msg="plain path against the reference")
+    core.forget_weights()
+
+
+def test_small_expert_matrices_are_never_packed(monkeypatch):
+    """Below :data:`core.PACK_MIN_ELEMENTS` per expert matrix (where oneDNN's quantized linear took
+    milliseconds for one row against microseconds for ``torch._int_mm``) the weights carry no packs,
+    however often they are used."""
+    monkeypatch.setattr(core, "PACK_AFTER_USES", 0)
+    x, weights, idx, w_gu, w_d = _case(*SHAPES[0])
+    assert w_gu[0].numel() < core.PACK_MIN_ELEMENTS
+    core.forget_weights()
+    _forward(x, weights, idx, w_gu, w_d, calls=2)
+    assert core._WEIGHTS and all(entry.qw.packs is None for entry in core._WEIGHTS.values())
     core.forget_weights()

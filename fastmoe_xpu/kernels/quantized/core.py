@@ -530,6 +530,10 @@ def rows_of_experts(groups: list[tuple[int, int, int]], device: torch.device) ->
 #: to pay back, so an expert is packed once it has paid about that much in the slower GEMM (a
 #: short ``generate`` packs nothing; a long-lived decoder packs its experts as they are used).
 PACK_AFTER_USES = 128
+#: The smallest expert matrix (elements) that is packed. oneDNN's quantized linear took 0.8-3.3 ms for
+#: one row of a 256 x 256 or 512 x 256 code matrix (``torch._int_mm``: 5-11 us), tied at 1024 x 512 and
+#: was 1.5-1.8x faster from 2048 x 1024 up (Xeon with AMX, one thread, 2026-11-29).
+PACK_MIN_ELEMENTS = 1 << 20
 _UNIT_SCALES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -684,7 +688,7 @@ def quantized_weight(w: torch.Tensor, dtype: torch.dtype, transposed: bool = Fal
     else:
         q = quantize_cols(w, dtype) if transposed else quantize_rows(w, dtype)
     packs = (dtype == torch.int8 and w.device.type == "cpu" and not torch.compiler.is_compiling()
-             and amx_int8_linear())
+             and w[0].numel() >= PACK_MIN_ELEMENTS and amx_int8_linear())
     qw = QWeight(*q, ExpertPacks() if packs else None)
     try:
         ref = weakref.ref(w, lambda _r, k=key: _WEIGHTS.pop(k, None))
