@@ -51,6 +51,7 @@ import torch
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE, KernelBackend
 from ..kernels.registry import engine_choice, kernel_set_name, kernels, module_of
 from ..kernels.timing import capturing
+from ..kernels.torch.rounding import backward_follows
 
 __all__ = [
     "BODIES", "OP_NAMES", "call", "combine", "experts", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
@@ -622,7 +623,9 @@ experts_backward = _define(
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest):  # noqa: ANN001, ANN205
-        out_TH, gate_up_R2I, plan = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest)
+        with backward_follows():
+            out_TH, gate_up_R2I, plan = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK,
+                                                        *rest)
         ctx.mark_non_differentiable(gate_up_R2I, plan)
         ctx.set_materialize_grads(False)  # no zeros for gate_up's and plan's (absent) gradients
         ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, plan)
