@@ -106,12 +106,15 @@ def _define(schema: str, body: Callable[..., Any], fake: Callable[..., Any]) -> 
 def _differentiable(op: Any, function: type[torch.autograd.Function], tensor_args: int) -> None:
     """Register ``function`` (whose forward runs ``op`` below autograd) as ``op``'s Autograd kernel.
     Calls that need no gradient (grad mode off, or none of the first ``tensor_args`` arguments
-    requiring one; an optional tensor argument may be None) skip the Function and its graph node."""
+    requiring one; an optional tensor argument may be None) skip the Function and its graph node.
+    The Function's forward runs inside :func:`~fastmoe_xpu.kernels.torch.rounding.backward_follows`
+    (training numerics); a call without it rounds bf16/fp16 as transformers' experts do."""
     apply = _function_apply(function)
 
     def autograd_kernel(*args: Any) -> Any:
         if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:tensor_args]):
-            return apply(*args)
+            with backward_follows():
+                return apply(*args)
         return _below_autograd(op, *args)
 
     _LIB.impl(op._schema.name.split("::")[1], autograd_kernel, "Autograd")
@@ -623,9 +626,7 @@ experts_backward = _define(
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest):  # noqa: ANN001, ANN205
-        with backward_follows():
-            out_TH, gate_up_R2I, plan = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK,
-                                                        *rest)
+        out_TH, gate_up_R2I, plan = _below_autograd(experts, x_TH, w_gate_up, w_down, weights_TK, topk_idx_TK, *rest)
         ctx.mark_non_differentiable(gate_up_R2I, plan)
         ctx.set_materialize_grads(False)  # no zeros for gate_up's and plan's (absent) gradients
         ctx.save_for_backward(x_TH, w_gate_up, w_down, weights_TK, gate_up_R2I, plan)

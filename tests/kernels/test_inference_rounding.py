@@ -100,3 +100,15 @@ def test_per_step_only_for_half_inputs_outside_a_backward():
     with rounding.backward_follows():
         assert not rounding.per_step(x)
     assert rounding.per_step(x)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weights", "fp32-weights"])
+def test_staged_chain_without_grad_rounds_as_transformers(weights_dtype):
+    """A layer above the whole-layer bodies' budget (a prefill) runs the staged chain; its combine
+    (kernels/torch/combine.py) weights and sums as transformers does when no backward follows."""
+    x, w_gu, w_d, weights, idx = _inputs(61, 136, 88, 8, 3, torch.bfloat16, weights_dtype)
+    w_gu, w_d = torch.nn.Parameter(w_gu), torch.nn.Parameter(w_d)
+    want = _transformers(x, w_gu.detach(), w_d.detach(), weights, idx)
+    with torch.no_grad(), settings.override(gemm_engine="auto"):
+        got = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto")
+    _bits_equal(got, want, "staged chain")
