@@ -112,3 +112,19 @@ def test_staged_chain_without_grad_rounds_as_transformers(weights_dtype):
     with torch.no_grad(), settings.override(gemm_engine="auto"):
         got = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto")
     _bits_equal(got, want, "staged chain")
+
+
+def test_compiled_training_forward_keeps_training_numerics():
+    """A compiled graph's forward calls the staged chain's ops with grad mode off and no Function of
+    ours around them: with a backward to follow it must still not round per step (it is told by the
+    request's ``:inference`` suffix only), so compiled and eager training forwards are bit-equal."""
+    x, w_gu, w_d, weights, idx = _inputs(61, 136, 88, 8, 3, torch.bfloat16, torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (x, w_gu, w_d, weights)]
+
+    def layer(a, b, c, d):
+        return moe_experts_forward(a, d, idx, b, c, backend="torch")
+
+    eager = layer(*leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)(*leaves)
+    _bits_equal(compiled.detach(), eager.detach(), "compiled training forward")

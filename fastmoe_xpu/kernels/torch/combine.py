@@ -11,7 +11,7 @@ import torch
 
 from ... import settings
 from .buffers import cached_empty, piece_rows
-from .rounding import per_step, weighted_sum
+from .rounding import per_step_told, weighted_sum
 
 
 def _slot_tokens(cum_expert_counts: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def combine_fwd(y_RH: torch.Tensor, weights_TK: torch.Tensor | None, output_indi
         return y_RH.new_zeros(T, H)
     out_idx = output_indices[:n_slots]
     slot_w = None
-    if weights_TK is not None and n_slots == weights_TK.numel() and per_step(y_RH):
+    if weights_TK is not None and n_slots == weights_TK.numel() and per_step_told(y_RH):
         # no backward follows: each product and the sum over K rounded as transformers rounds them
         return weighted_sum(y_RH.index_select(0, out_idx).view(T, weights_TK.shape[1], H), weights_TK)
     if weights_TK is not None:
