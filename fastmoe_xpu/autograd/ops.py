@@ -51,6 +51,7 @@ import torch
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE, KernelBackend
 from ..kernels.registry import engine_choice, kernel_set_name, kernels, module_of
 from ..kernels.timing import capturing
+from ..kernels.torch.rounding import backward_follows, forward_only
 
 __all__ = [
     "BODIES", "OP_NAMES", "call", "combine", "experts", "grouped_linear", "mlp_combine", "mlp_combine_backward", "mlp_combine_forward",
@@ -105,12 +106,15 @@ def _define(schema: str, body: Callable[..., Any], fake: Callable[..., Any]) -> 
 def _differentiable(op: Any, function: type[torch.autograd.Function], tensor_args: int) -> None:
     """Register ``function`` (whose forward runs ``op`` below autograd) as ``op``'s Autograd kernel.
     Calls that need no gradient (grad mode off, or none of the first ``tensor_args`` arguments
-    requiring one; an optional tensor argument may be None) skip the Function and its graph node."""
+    requiring one; an optional tensor argument may be None) skip the Function and its graph node.
+    The Function's forward runs inside :func:`~fastmoe_xpu.kernels.torch.rounding.backward_follows`
+    (training numerics); a call without it rounds bf16/fp16 as transformers' experts do."""
     apply = _function_apply(function)
 
     def autograd_kernel(*args: Any) -> Any:
         if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:tensor_args]):
-            return apply(*args)
+            with backward_follows():
+                return apply(*args)
         return _below_autograd(op, *args)
 
     _LIB.impl(op._schema.name.split("::")[1], autograd_kernel, "Autograd")
@@ -375,11 +379,13 @@ def _mlp_combine(
     rows = (input_indices, output_indices, selected_expert_indices, cum_token_counts, cum_expert_counts)
     launchers, watch = resolve_watched(kernels_name, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows, group_name,
                                        forward=True)
-    if watch is None or capturing(x_TH.device):  # a captured call's host time says nothing of its replays
-        return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
-    t0 = time.perf_counter()
-    out = mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
-    watch.saw(True, time.perf_counter() - t0, weights_TK.numel(), inference=kernels_name.endswith(_INFERENCE_SUFFIX))
+    inference = kernels_name.endswith(_INFERENCE_SUFFIX)
+    with forward_only(inference):  # no backward follows: bf16/fp16 rounded as transformers' experts round
+        if watch is None or capturing(x_TH.device):  # a captured call's host time says nothing of its replays
+            return mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
+        t0 = time.perf_counter()
+        out = mlp_combine_forward(launchers, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, *rows)
+    watch.saw(True, time.perf_counter() - t0, weights_TK.numel(), inference=inference)
     return out
 
 

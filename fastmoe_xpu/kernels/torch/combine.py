@@ -11,6 +11,7 @@ import torch
 
 from ... import settings
 from .buffers import cached_empty, piece_rows
+from .rounding import per_step_told, weighted_sum
 
 
 def _slot_tokens(cum_expert_counts: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,9 @@ def combine_fwd(y_RH: torch.Tensor, weights_TK: torch.Tensor | None, output_indi
         return y_RH.new_zeros(T, H)
     out_idx = output_indices[:n_slots]
     slot_w = None
+    if weights_TK is not None and n_slots == weights_TK.numel() and per_step_told(y_RH):
+        # no backward follows: each product and the sum over K rounded as transformers rounds them
+        return weighted_sum(y_RH.index_select(0, out_idx).view(T, weights_TK.shape[1], H), weights_TK)
     if weights_TK is not None:
         if n_slots == weights_TK.numel():  # every token has K local slots: slot i is entry i of [T, K]
             slot_w = weights_TK.reshape(-1).to(y_RH.dtype)

@@ -19,7 +19,8 @@ keeps: the input and the chosen pairs' pre-activation ``[T*K, 2I]`` in slot orde
 ``T*K + 1`` integers (:func:`plan_of`): the slots in expert order, each with its expert, then whether
 some choice names another rank's expert (bit 0, as in :mod:`.padded`'s plan).
 
-Elementwise work runs in fp32 for bf16/fp16 inputs, the GEMMs in the input dtype.
+Elementwise work runs in fp32 for bf16/fp16 inputs, the GEMMs in the input dtype; a call no backward
+follows rounds each step as transformers' experts do (:mod:`.rounding`).
 
 Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, S = T*K slots,
 RL routed rows on local experts.
@@ -33,6 +34,7 @@ import torch
 from ..grouped_mm import _gmm, unsupported_reason
 from .buffers import cached_empty
 from .counting import all_local
+from .rounding import per_step, silu_mul, weighted_sum
 
 __all__ = ["experts_backward", "experts_forward", "plan_of"]
 
@@ -126,12 +128,6 @@ def _weight_grad(w: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.T
     return out
 
 
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
-    gate, up = g.chunk(2, -1)
-    return torch._C._nn.silu(gate).mul_(up)
-
-
 def experts_forward(
     x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
     topk_idx_TK: torch.Tensor, expert_start: int, num_local: int,
@@ -145,8 +141,9 @@ def experts_forward(
     I2 = w_gate_up_N2IH.shape[1]
     K = topk_idx_TK.shape[1]
     S = T * K
+    steps = per_step(x_TH)
     if T == 1 and all_local(topk_idx_TK, expert_start, num_local):
-        return _one_token(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start)
+        return _one_token(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, steps)
     plan, counts, dump = plan_of(topk_idx_TK, expert_start, num_local)
     groups = _groups(counts)
     RL = groups[-1][2] if groups else 0
@@ -157,8 +154,11 @@ def experts_forward(
     x_RH = x_TH if T == 1 and K == 1 else x_TH.index_select(0, tokens)
     offs = _offsets(counts, x_TH)
     gate_up = _per_expert(x_RH, w_gate_up_N2IH, True, groups, offs)
-    h = _silu_mul(gate_up)
+    h = silu_mul(gate_up, steps)
     y_RH = _per_expert(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI, True, groups, offs)
+    if steps and RL == S:  # weighted and summed per token as transformers rounds them
+        out_TH = weighted_sum(y_RH.new_empty(S, H).index_copy_(0, slots, y_RH).view(T, K, H), weights_TK)
+        return out_TH, gate_up.new_empty(S, I2).index_copy_(0, slots, gate_up), plan
     w_R = weights_TK.reshape(S).index_select(0, slots)
     y_RH.mul_(w_R.unsqueeze(1) if w_R.dtype == y_RH.dtype else w_R.to(y_RH.dtype).unsqueeze(1))
     if RL == S and K > 1:  # every slot local: back to slot order, a sum over each token's K rows
@@ -177,10 +177,12 @@ def experts_forward(
 
 
 def _one_token(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
-               topk_idx_TK: torch.Tensor, expert_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               topk_idx_TK: torch.Tensor, expert_start: int,
+               steps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`experts_forward` of one token whose every choice is local: a matrix-vector product per
     choice and projection, in slot order (no sort, no gather), the K rows weighted and summed by one
-    ``[1, K] @ [K, H]`` product; the plan built on the host from the K ids."""
+    ``[1, K] @ [K, H]`` product (``steps``, :func:`.rounding.per_step`: as transformers rounds them);
+    the plan built on the host from the K ids."""
     ids = topk_idx_TK.view(-1).tolist()
     K = len(ids)
     if expert_start:
@@ -188,11 +190,13 @@ def _one_token(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: tor
     w_gu, w_d = _experts_of(w_gate_up_N2IH), _experts_of(w_down_NHI)
     x_H = x_TH[0]
     gate_up = torch.stack([torch.mv(w_gu[e], x_H) for e in ids])  # [K, 2I], slot order
-    h = _silu_mul(gate_up)
+    h = silu_mul(gate_up, steps)
     h = h if h.dtype == x_TH.dtype else h.to(x_TH.dtype)
     y_KH = torch.stack([torch.mv(w_d[e], h_I) for e, h_I in zip(ids, h.unbind(0))])
-    w_1K = weights_TK if weights_TK.dtype == y_KH.dtype else weights_TK.to(y_KH.dtype)
-    out_TH = torch.mm(w_1K, y_KH)
+    if steps:
+        out_TH = weighted_sum(y_KH.unsqueeze(0), weights_TK)
+    else:
+        out_TH = torch.mm(weights_TK if weights_TK.dtype == y_KH.dtype else weights_TK.to(y_KH.dtype), y_KH)
     order = sorted(range(K), key=ids.__getitem__)
     plan = torch.tensor([ids[k] * K + k for k in order] + [0], dtype=torch.int64, device=x_TH.device)
     return out_TH, gate_up, plan

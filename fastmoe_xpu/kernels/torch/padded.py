@@ -19,7 +19,8 @@ the layout as a plan of ``T*K + 1`` integers (:attr:`Layout.plan`), so that it i
 
 Choices of experts outside ``[expert_start, expert_start + NR)`` (other ranks' experts) go to a
 dump row that no GEMM reads and whose results are zero; a token may name an expert twice (two rows).
-Elementwise work runs in fp32 for bf16/fp16 inputs, the GEMMs in the input dtype.
+Elementwise work runs in fp32 for bf16/fp16 inputs, the GEMMs in the input dtype; a call no backward
+follows rounds each step as transformers' experts do (:mod:`.rounding`).
 
 Legend: T tokens, H hidden, I intermediate, K experts per token, NR local experts, S = T*K slots,
 P = NR*cap padded rows (+1 dump row under expert parallelism).
@@ -29,6 +30,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from .rounding import per_step, silu_mul, weighted_sum
 
 __all__ = ["Layout", "experts_backward", "experts_forward", "layout", "lora_experts_backward", "lora_experts_forward"]
 
@@ -196,14 +199,18 @@ def _sum_k(t_TKN: torch.Tensor) -> torch.Tensor:
 
 
 def _combine_rows(y_PH: torch.Tensor, weights_TK: torch.Tensor, gate_up: torch.Tensor,
-                  lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lay: Layout, steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward's end: ``out [T, H]``, each token's rows of ``y_PH`` (one per block row) weighted and
-    summed, the routed rows of ``gate_up [NR, cap, 2I]`` saved for backward, and the plan."""
+    summed (``steps``: as transformers rounds them, :func:`.rounding.weighted_sum`), the routed rows
+    of ``gate_up [NR, cap, 2I]`` saved for backward, and the plan."""
     T, K = weights_TK.shape
     NR, cap, I2 = gate_up.shape
     y_TKH = y_PH.index_select(0, lay.rows).view(T, K, y_PH.shape[-1])
-    w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
-    out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
+    if steps:
+        out_TH = weighted_sum(y_TKH, weights_TK)
+    else:
+        w = weights_TK if weights_TK.dtype == y_TKH.dtype else weights_TK.to(y_TKH.dtype)
+        out_TH = _sum_k(y_TKH.mul_(w.unsqueeze(-1)))
     # Rows of the dump (other ranks' choices) read the last block row: never used.
     rows = lay.rows if not lay.dump else lay.rows.clamp(max=NR * cap - 1)
     saved = gate_up.view(NR * cap, I2).index_select(0, rows)
@@ -225,11 +232,10 @@ def experts_forward(
     if lay.cap == 0:  # no choice of a local expert
         return x_TH.new_zeros(T, H), x_TH.new_zeros(T * K, I2), lay.plan
     gate_up = torch.bmm(_blocks(_pad_tokens(x_TH, K, lay), NR, lay.cap), w_gate_up_N2IH.mT)  # [NR, cap, 2I]
-    g = gate_up if gate_up.dtype == torch.float32 else gate_up.float()
-    gate, up = g.chunk(2, -1)
-    h = torch.nn.functional.silu(gate).mul_(up)
+    steps = per_step(x_TH)
+    h = silu_mul(gate_up, steps)
     y_PH = _batched(h if h.dtype == x_TH.dtype else h.to(x_TH.dtype), w_down_NHI.mT, lay)
-    return _combine_rows(y_PH, weights_TK, gate_up, lay)
+    return _combine_rows(y_PH, weights_TK, gate_up, lay, steps)
 
 
 def experts_backward(
