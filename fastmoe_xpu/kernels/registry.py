@@ -190,6 +190,14 @@ SMALL_LAYER_MACS = 24 * 2**20
 #: its first ``generate`` cost up to 6x transformers' first.
 SMALL_INFERENCE_MACS = 384 * 2**20
 
+#: A call without a backward of at most this many routed rows per local expert (on average: a
+#: decode step, a short prompt's prefill) takes :data:`SMALL_LAYER_ENGINE` untimed at any layer size:
+#: at OLMoE-1B-7B's layer (H=2048 I=1024 E=64 K=8, one thread, Xeon with AMX, 2026-11-29) its forward
+#: at 16 tokens (two rows per expert) was 115 ms against ``loop``'s 114 and ``onednn``'s 133, while
+#: timing the candidates cost the first call 8.4 s; from three rows per expert ``onednn`` led (1.08x
+#: at 24 tokens, 1.42x at 48), which the timed choice finds.
+INFERENCE_ROWS_PER_EXPERT = 2
+
 #: Answers of :func:`untimed_engine` by its arguments and the settings in force.
 _UNTIMED_ANSWERS: dict[tuple, str | None] = {}
 
@@ -201,7 +209,8 @@ def untimed_engine(backend: str, gemm_engine: str, device: torch.device | str, d
     :data:`SMALL_LAYER_MACS` (``shape``: ``(T, K, H, I, NR)``, as for :func:`whole_layer`), when
     ``gemm_engine`` (after ``FASTMOE_GEMM_ENGINE``) is ``auto`` and that engine is one of the
     candidates here; ``inference`` (no backward follows the call): a layer of at most
-    :data:`SMALL_INFERENCE_MACS`. The same answer for the same shape on every machine and under any
+    :data:`SMALL_INFERENCE_MACS`, or of any size with at most :data:`INFERENCE_ROWS_PER_EXPERT`
+    routed rows per local expert. The same answer for the same shape on every machine and under any
     load (nothing is timed, stored or watched). Asked on every layer call: answered from a dict after
     the first."""
     key = (backend, gemm_engine, device, dtype, shape, inference, settings.get())
@@ -214,7 +223,8 @@ def untimed_engine(backend: str, gemm_engine: str, device: torch.device | str, d
     # Whether the engine is one of ``candidates`` here, asked of it alone: the others' availability
     # checks run probe GEMMs, a few milliseconds of a first call that times nothing.
     if (backend == "torch" and dev.type == "cpu"
-            and layer_macs(*shape) <= (SMALL_INFERENCE_MACS if inference else SMALL_LAYER_MACS)
+            and (layer_macs(*shape) <= (SMALL_INFERENCE_MACS if inference else SMALL_LAYER_MACS)
+                 or (inference and shape[0] * shape[1] <= INFERENCE_ROWS_PER_EXPERT * shape[4]))
             and resolve_request(gemm_engine, backend) == "auto"
             and IMPLEMENTATIONS[backend].timed(dev) and IMPLEMENTATIONS[SMALL_LAYER_ENGINE].timed(dev)
             and unavailable_reason(SMALL_LAYER_ENGINE, backend, dev, dtype) is None):

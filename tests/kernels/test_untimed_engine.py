@@ -193,3 +193,20 @@ def test_a_call_without_backward_takes_grouped_mm_untimed_up_to_the_inference_bo
         assert untimed(mid, False) is None
         assert untimed(over, True) is None
         assert registry.untimed_engine("torch", "loop", "cpu", torch.float32, mid, inference=True) is None
+
+
+def test_a_call_without_backward_of_few_rows_per_expert_is_untimed_at_any_size():
+    """A decode step or a short prompt's prefill (at most ``INFERENCE_ROWS_PER_EXPERT`` routed rows per
+    local expert, no backward) takes the engine untimed however large the layer; one more row per
+    expert, or a backward, is timed."""
+    olmoe = (16, 8, 2048, 1024, 64)  # 128 rows over 64 experts: 805 Mi
+    more = (24, 8, 2048, 1024, 64)  # three rows per expert
+    assert registry.layer_macs(*olmoe) > registry.SMALL_INFERENCE_MACS
+    assert 16 * 8 == registry.INFERENCE_ROWS_PER_EXPERT * 64
+    with settings.override(gemm_engine="auto"):
+        untimed = lambda shape, inference: registry.untimed_engine(  # noqa: E731
+            "torch", "auto", "cpu", torch.float32, shape, inference=inference)
+        assert untimed(olmoe, True) == "grouped_mm"
+        assert untimed(olmoe, False) is None
+        assert untimed(more, True) is None
+        assert registry.untimed_engine("torch", "onednn", "cpu", torch.float32, olmoe, inference=True) is None
