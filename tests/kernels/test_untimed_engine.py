@@ -186,13 +186,20 @@ def test_a_call_without_backward_takes_grouped_mm_untimed_up_to_the_inference_bo
     over = (512, 8, 512, 256, 32)  # 1.5 Gi
     assert registry.SMALL_LAYER_MACS < registry.layer_macs(*mid) <= registry.SMALL_INFERENCE_MACS
     assert registry.layer_macs(*over) > registry.SMALL_INFERENCE_MACS
+    _untimed_below_and_above(mid, over, "loop")
+
+
+def _untimed_below_and_above(inside: tuple, outside: tuple, named: str) -> None:
+    """``inside`` without a backward takes grouped_mm untimed, with one it is timed; ``outside`` (without
+    a backward) and a named engine are timed."""
     with settings.override(gemm_engine="auto"):
-        untimed = lambda shape, inference: registry.untimed_engine(  # noqa: E731
-            "torch", "auto", "cpu", torch.float32, shape, inference=inference)
-        assert untimed(mid, True) == "grouped_mm"
-        assert untimed(mid, False) is None
-        assert untimed(over, True) is None
-        assert registry.untimed_engine("torch", "loop", "cpu", torch.float32, mid, inference=True) is None
+        def untimed(shape: tuple, inference: bool, engine: str = "auto") -> str | None:
+            return registry.untimed_engine("torch", engine, "cpu", torch.float32, shape, inference=inference)
+
+        assert untimed(inside, True) == "grouped_mm"
+        assert untimed(inside, False) is None
+        assert untimed(outside, True) is None
+        assert untimed(inside, True, named) is None
 
 
 def test_a_call_without_backward_of_few_rows_per_expert_is_untimed_at_any_size():
@@ -203,10 +210,4 @@ def test_a_call_without_backward_of_few_rows_per_expert_is_untimed_at_any_size()
     more = (24, 8, 2048, 1024, 64)  # three rows per expert
     assert registry.layer_macs(*olmoe) > registry.SMALL_INFERENCE_MACS
     assert 16 * 8 == registry.INFERENCE_ROWS_PER_EXPERT * 64
-    with settings.override(gemm_engine="auto"):
-        untimed = lambda shape, inference: registry.untimed_engine(  # noqa: E731
-            "torch", "auto", "cpu", torch.float32, shape, inference=inference)
-        assert untimed(olmoe, True) == "grouped_mm"
-        assert untimed(olmoe, False) is None
-        assert untimed(more, True) is None
-        assert registry.untimed_engine("torch", "onednn", "cpu", torch.float32, olmoe, inference=True) is None
+    _untimed_below_and_above(olmoe, more, "onednn")
