@@ -766,3 +766,25 @@ def test_no_warning_from_our_code_under_torch_compile() -> None:
     ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
             if "fastmoe_xpu" in w.filename or "fastmoe" in str(w.message) or "lru_cache" in str(w.message)]
     assert not ours, ours
+
+
+def test_a_module_whose_attributes_refer_back_to_it_is_collected() -> None:
+    """What the experts function keeps per module keeps nothing of the module alive: a module with a
+    hook that closes over it (a reference cycle through its attributes) is collected once dropped,
+    and its entry goes with it."""
+    import gc
+    import weakref
+
+    from fastmoe_xpu.integrations import experts as ix
+
+    module = _make_class()(_config("fastmoe"))
+    module.register_forward_hook(lambda mod, args, out, owner=module: None)
+    module.itself = module.forward  # a bound method in the instance dict
+    x, (idx, w) = torch.randn(3, H), _routing(3, 2)
+    with torch.no_grad():
+        module(x, idx, w)
+    assert ix._call_memo(module) is not None
+    ref, before = weakref.ref(module), len(ix._MEMOS)
+    del module
+    gc.collect()
+    assert ref() is None and len(ix._MEMOS) == before - 1

@@ -28,7 +28,6 @@ rows on this rank.
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -317,11 +316,17 @@ class _Memo(NamedTuple):
 _MEMOS: dict[int, tuple[Any, tuple, _Memo]] = {}
 
 
+#: Values a snapshot keeps as they are (compared by value); every other object is kept as its id.
+_SCALARS = frozenset((bool, int, float, str, type(None)))
+
+
 def _snapshot(module: nn.Module) -> tuple | None:
-    """Everything the fused path's derivation reads from ``module``, as the objects themselves (compared
-    by identity): its attributes, parameters and submodules, its config's precision field, the
-    package's settings and the class's gate; None where a call must derive afresh (a PEFT
-    parametrization)."""
+    """Everything the fused path's derivation reads from ``module``: its attributes, parameters and
+    submodules, its config's precision field, the package's settings and the class's gate, each a
+    plain value or the id of the object (the module keeps its attributes alive, and the memo its two
+    weights, so an id is not reused while the snapshot could match it); None where a call must
+    derive afresh (a PEFT parametrization). Ids rather than the objects: a module attribute may refer
+    back to the module (a hook closing over it), which a global table must not keep alive."""
     d = module.__dict__
     if "parametrizations" in module._modules:
         return None
@@ -332,8 +337,10 @@ def _snapshot(module: nn.Module) -> tuple | None:
         precision = config.__dict__.get(PRECISION_ATTRIBUTE)
     else:
         precision = getattr(config, PRECISION_ATTRIBUTE, None)
-    return (*d.values(), *module._parameters.values(), *module._modules.values(), precision, settings.get(),
-            getattr(type(module), "_apply_gate", None), type(module))
+    scalars = _SCALARS
+    return (*[v if v.__class__ in scalars else id(v) for v in d.values()],
+            *map(id, module._parameters.values()), *map(id, module._modules.values()), precision,
+            id(settings.get()), id(getattr(type(module), "_apply_gate", None)), id(type(module)))
 
 
 def _call_memo(module: nn.Module) -> _Memo | None:
@@ -347,8 +354,7 @@ def _call_memo(module: nn.Module) -> _Memo | None:
         return None
     ident = id(module)
     entry = _MEMOS.get(ident)
-    if (entry is not None and entry[0]() is module and len(entry[1]) == len(snap)
-            and all(map(operator.is_, entry[1], snap))):
+    if entry is not None and entry[0]() is module and entry[1] == snap:
         return entry[2]
     flags = describe_layout(module)
     if not flags["fused"] or flags["expert_parallel"]:
