@@ -74,29 +74,15 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _small_inference(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-                     weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, expert_start: int, num_local: int) -> bool:
-    """Whether a layer the ``padded`` op would run goes to :func:`.grouped_mm.small_layer` instead: more
-    than one token, no backward to follow, nothing tracing, every id local, fp32 where torch's grouped
-    GEMM runs."""
-    return (x_TH.shape[0] > 1 and grouped_mm.ONE_PIECE and expert_start == 0 and num_local == w_gate_up_N2IH.shape[0]
-            and not _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) and not _traced((x_TH, w_gate_up_N2IH))
-            and grouped_mm.small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
-            and grouped_mm.unsupported_reason(x_TH.device, x_TH.dtype) is None
-            and all_local(topk_idx_TK, 0, num_local))
-
-
-def small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
-                    w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, base: str,
-                    gemm_engine: str) -> torch.Tensor | None:
-    """What :func:`moe_experts_forward` returns for a call it runs in one piece on torch's grouped GEMM
-    without a backward (a decode step of several sequences, a prefill, evaluation): more than one
-    token, every id naming one of all the experts (no expert parallelism, no precision, no adapters),
-    a layer ``auto`` gives ``grouped_mm`` untimed. None for every other call, which then takes
-    :func:`moe_experts_forward`. The same rules, asked in the order a small layer's call meets them,
-    for the callers that hold the module's part of them already (the transformers experts function:
-    at a decode step the checks cost as much as the layer's arithmetic). ``base``: the kernel base
-    (:func:`kernel_backend`'s answer for the call's device)."""
+def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                     w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, base: str,
+                     gemm_engine: str) -> torch.Tensor | None:
+    """A call over all the experts (no expert parallelism, precision or adapters: the caller's part)
+    that no backward follows (a decode step of several sequences, a prefill, evaluation), of more than
+    one token, every id local, on a layer ``auto`` gives ``grouped_mm`` untimed (the padded op's
+    layers among them): torch's grouped GEMM in one piece (:func:`.grouped_mm.small_layer`), which
+    reads only the chosen experts' weights where the padded blocks read every expert's (as fast or
+    faster at every small layer measured, docs/engines.md). None for every other call."""
     T, K = topk_idx_TK.shape
     NR = w_gate_up_N2IH.shape[0]
     if T < 2 or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or torch.compiler.is_compiling():
@@ -175,13 +161,11 @@ def moe_experts_forward(
         # chain: it serves any T without a guard on the size (an exported program's dynamic
         # dimensions allow none), and a compiled graph has no launch overhead to save.
         shape = (x_TH.shape[0], topk_idx_TK.shape[1], x_TH.shape[1], w_down_NHI.shape[2], num_local)
+        if not lora and expert_start == 0 and num_local == w_gate_up_N2IH.shape[0]:
+            out_TH = _small_inference(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI, base, gemm_engine)
+            if out_TH is not None:
+                return out_TH
         layer = whole_layer(base, gemm_engine, x_TH.device, x_TH.dtype, shape, lora=bool(lora))
-        if layer == "padded" and not lora and _small_inference(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK,
-                                                               topk_idx_TK, expert_start, num_local):
-            # No backward follows (a decode step of a few sequences, evaluation): torch's grouped GEMM
-            # in one piece reads only the chosen experts' weights, where the padded blocks read every
-            # expert's (as fast or faster at every small layer measured, docs/small_shapes.md).
-            return grouped_mm.small_layer(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
         if layer is not None:
             if lora:
                 out_TH, plan = lora_experts(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, lora,

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from .. import settings
-from ..autograd.moe_experts import kernel_backend, moe_experts_forward, small_inference
+from ..autograd.moe_experts import kernel_backend, moe_experts_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
 from ..kernels import grouped_mm
@@ -242,11 +242,7 @@ def fastmoe_experts_forward(
     flags = describe_layout(self)
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
-    if top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
-            f"[tokens={hidden_states.shape[0]}, top_k]"
-        )
+    _check_routing(hidden_states, top_k_index, top_k_weights)
     T = hidden_states.shape[0]
     up_name = "gate_up_proj" if flags["has_gate"] else "up_proj"
     # PEFT's LoRA on the 3-D weights (target_parameters): the frozen weights and the adapters, which
@@ -306,7 +302,6 @@ class _Memo(NamedTuple):
     w_up: torch.Tensor
     w_down: torch.Tensor
     backend: str
-    base: str
     engine: str
     precision: str | None
     ids_check: Any
@@ -362,8 +357,7 @@ def _call_memo(module: nn.Module) -> _Memo | None:
     w_up, w_down = stored_weight(module, "gate_up_proj"), stored_weight(module, "down_proj")
     if type(w_up) not in _PLAIN_TYPES or type(w_down) not in _PLAIN_TYPES:
         return None
-    backend = _module_attr(module, "fastmoe_backend", "auto")
-    memo = _Memo(module.num_experts, w_up, w_down, backend, kernel_backend(backend, w_up.device),
+    memo = _Memo(module.num_experts, w_up, w_down, _module_attr(module, "fastmoe_backend", "auto"),
                  _module_attr(module, "fastmoe_gemm_engine", "auto"), expert_precision(module),
                  functools.partial(check_ids, num_experts=module.num_experts))
     if len(_MEMOS) >= 4096:
@@ -375,24 +369,25 @@ def _call_memo(module: nn.Module) -> _Memo | None:
 def _memo_call(memo: _Memo, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor) -> torch.Tensor:
     """:func:`fastmoe_experts_forward`'s fused path with the module's part derived (:func:`_call_memo`)."""
-    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(
-            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
-            f"[tokens={hidden_states.shape[0]}, top_k]"
-        )
+    _check_routing(hidden_states, top_k_index, top_k_weights)
     w_up = memo.w_up
     if hidden_states.shape[0] == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     x_TH = _dense(hidden_states if hidden_states.dtype == w_up.dtype else hidden_states.to(w_up.dtype))
-    w_up, w_down = _dense(w_up), _dense(memo.w_down)
-    out_TH = None
-    if memo.precision is None and hidden_states.shape[0] > 1 and x_TH.device == w_up.device:
-        out_TH = small_inference(x_TH, top_k_weights, top_k_index, w_up, w_down, memo.base, memo.engine)
-    if out_TH is None:
-        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, w_up, w_down, backend=memo.backend,
-                                     gemm_engine=memo.engine, expert_precision=memo.precision,
-                                     check_ids=memo.ids_check)
+    out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _dense(w_up), _dense(memo.w_down),
+                                 backend=memo.backend, gemm_engine=memo.engine, expert_precision=memo.precision,
+                                 check_ids=memo.ids_check)
     return out_TH if out_TH.dtype == hidden_states.dtype else out_TH.to(hidden_states.dtype)
+
+
+def _check_routing(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+    """ValueError unless ``top_k_index`` and ``top_k_weights`` are both ``[tokens, top_k]``."""
+    if (top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape
+            or top_k_index.shape[0] != hidden_states.shape[0]):
+        raise ValueError(
+            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
+            f"[tokens={hidden_states.shape[0]}, top_k]"
+        )
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
