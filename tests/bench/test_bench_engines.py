@@ -38,7 +38,11 @@ def test_each_engine_computes_the_same_layer_and_auto_is_named(tmp_path):
         small = build_provider("fastmoe/torch", case)
     registry.forget_choices()
     chosen = auto.note.rsplit("auto -> ", 1)[1]
-    assert chosen in registry.candidates("torch", torch.device("cpu"), torch.float32)  # loop, grouped_mm, onednn
+    options = registry.candidates("torch", torch.device("cpu"), torch.float32)  # loop, grouped_mm, onednn
+    if " (forward calls without a backward: " in chosen:  # the timed forwards named another engine for those
+        chosen, infer = chosen[:-1].split(" (forward calls without a backward: ")
+        assert infer in options and infer != chosen
+    assert chosen in options
     assert small.note.rsplit("auto -> ", 1)[1] == "padded experts op (stages 2-5 in one piece)"
     with pytest.raises(ProviderSkipped, match="interpreter|TRITON_INTERPRET|GPU"):
         build_provider("fastmoe/triton@triton", case)
