@@ -206,7 +206,8 @@ def resolve_watched(
     ``auto`` choice (None otherwise), to which the caller reports the call's time. ``forward``: a
     forward call, where a due check may re-time the candidates on these tensors. A request ending in
     :data:`INFERENCE` (``"torch+auto:inference"``) is a forward call no backward follows: ``auto``
-    answers with its fastest engine by forward time."""
+    answers with its fastest engine by forward time, or, where the shape has no choice yet, with the
+    untimed engine until the layer has made a few such calls (registry ``INFERENCE_TIME_AFTER``)."""
     base, _, request = name.partition("+")
     if not request:
         return kernels(base), None
@@ -216,6 +217,7 @@ def resolve_watched(
         shape=(w_gate_up_N2IH.shape[2], w_down_NHI.shape[2], w_gate_up_N2IH.shape[0], weights_TK.numel()),
         measure=engine_measure(base, x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, rows),
         group=_group(group_name), check=forward, inference=inference == INFERENCE,
+        layer=w_gate_up_N2IH.data_ptr(),  # the layers of a model apart: an inference call's timing may wait
     )
     return kernels(kernel_set_name(base, engine)), watch
 

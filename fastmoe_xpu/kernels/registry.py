@@ -7,15 +7,17 @@ built from it (:func:`kernels`) are declared in :mod:`.implementations` and re-e
 stage-4 implementation from ``gemm_engine`` (``FASTMOE_GEMM_ENGINE``): a name, ``"native"`` or
 ``"auto"`` (the default: the fastest available one, timed in interleaved rounds per device, dtype and
 shape bucket on the real shapes, remembered in-process, and on disk only when the timing was
-trusted, :mod:`.timing`; a choice in use is watched and timed again when it came from an untrusted
-timing or runs far slower than timed, :class:`Watch`; under expert parallelism group rank 0 decides
-and every rank adopts its choice, since different engines round differently). Where
+trusted, :mod:`.timing`; a forward call without a backward of a shape not chosen yet runs
+:data:`SMALL_LAYER_ENGINE` untimed until the shape recurs, :data:`INFERENCE_TIME_AFTER`; a choice in
+use is watched and timed again when it came from an untrusted timing or runs far slower than timed,
+:class:`Watch`; under expert parallelism group rank 0 decides and every rank adopts its choice,
+since different engines round differently). Where
 timing means nothing (Triton kernels on CPU tensors run in the interpreter) ``auto`` is ``native``.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
 import torch
 
@@ -91,6 +93,7 @@ def forget_choices() -> None:
     _ANSWERS.clear()
     _LAYER_ANSWERS.clear()
     _UNTIMED_ANSWERS.clear()
+    _INFERENCE_SEEN.clear()
 
 
 def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -254,13 +257,19 @@ def choose_engine(gemm_engine: str, *, backend: str, device: torch.device | str,
 
 def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str, dtype: torch.dtype,
                   shape: tuple[int, int, int, int], measure: Callable[[str], Any] | None = None, group: Any = None,
-                  use_disk: bool = True, check: bool = False, inference: bool = False) -> tuple[str, "Watch | None"]:
+                  use_disk: bool = True, check: bool = False, inference: bool = False,
+                  layer: Hashable = None) -> tuple[str, "Watch | None"]:
     """:func:`choose_engine`, and the :class:`Watch` of an ``auto`` choice that is checked in use (None
     for a fixed one). ``check``: this is a forward call, where a due check of the choice may re-time
     the candidates (with ``measure``) and change it. ``inference``: a forward call no backward will
     follow (autograd off or nothing requires a gradient): an ``auto`` choice answers with its
     fastest engine by forward time (:attr:`Watch.inference_engine`), which may differ from the one
-    chosen for forward+backward; under expert parallelism the group's one choice holds."""
+    chosen for forward+backward; under expert parallelism the group's one choice holds. Where the
+    shape key has no choice yet (none in-process, none on disk) and no expert-parallel group spans
+    ranks, such a call times nothing until one ``layer`` (what tells the layers of a model apart: the
+    op passes its gate/up weight's address; None: every call counts as one layer's) has made
+    :data:`INFERENCE_TIME_AFTER` of them: before, it runs :data:`SMALL_LAYER_ENGINE` unwatched (see
+    there). A call with a backward to come times the candidates at once."""
     answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
     answer = _ANSWERS.get(answer_key)
     if answer is None:
@@ -269,8 +278,11 @@ def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str,
                                "inside a CUDA graph capture: call the layer once at this shape before capturing "
                                "(a capture needs warm-up calls anyway), or name an engine")
         with apart_from_caller():
-            answer = _ANSWERS[answer_key] = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure,
-                                                    group, use_disk)
+            answer = _answer(gemm_engine, backend, torch.device(device), dtype, shape, measure, group, use_disk,
+                             (layer,) if inference else None)
+        if answer.__class__ is Deferred:
+            return answer.engine, None  # not remembered: the next call of the key counts again
+        _ANSWERS[answer_key] = answer
     if answer.__class__ is str:
         return answer, None
     if check and answer.calls >= answer.next_check and not capturing(device):  # no timing inside a graph capture
@@ -462,7 +474,10 @@ def _dominates(fast: list[Any], slow: list[Any]) -> bool:
     return bool(fast) and len(fast) == len(slow) and all(a.seconds < b.seconds for a, b in zip(fast, slow))
 
 
-def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -> "str | Watch":  # noqa: ANN001
+def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk,  # noqa: ANN001
+            inference: tuple[Hashable] | None = None) -> "str | Watch | Deferred":
+    """The answer of :func:`engine_choice` for a key it has none for. ``inference``: ``(layer,)`` of a
+    forward call without a backward (None: a backward follows), which may be deferred."""
     from ..dist.agree import broadcast_from_rank0
     from ..dist.groups import group_rank, group_size
     from .timing import device_name
@@ -494,7 +509,10 @@ def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -
         return choice
     watch = _WATCHES.get((name, key))
     if watch is None:
-        watch = _WATCHES[(name, key)] = _decide(dev, name, key, options, measure, use_disk, rows)
+        watch = _cached(dev, name, key, options, use_disk)
+        if watch is None and inference is not None and _defer(name, key, options, inference[0]):
+            return Deferred(SMALL_LAYER_ENGINE)
+        watch = _WATCHES[(name, key)] = watch or _time_first(dev, name, key, options, measure, use_disk, rows)
     return watch
 
 
@@ -502,18 +520,73 @@ def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk) -
 _WATCHES: dict[tuple[str, ShapeKey], Watch] = {}
 
 
+#: A forward call without a backward (generation, evaluation) of a shape key that has no choice yet,
+#: in-process or on disk, times nothing until one layer has made this many such calls of it; before,
+#: it runs :data:`SMALL_LAYER_ENGINE` untimed. Timing the candidates, forward and backward, costs many
+#: calls' time (it made an OLMoE-1B-7B-sized model's first ``generate``, a 64-token prefill at eight
+#: rows per expert, 4.05x transformers' first, docs/performance.md), while a deferred call costs a
+#: fraction of a call more (there ``onednn``, the fastest engine, ran 1.57x ``grouped_mm``'s speed): a shape seen once (a one-off prompt's prefill) or twice (a warm-up, then
+#: the call that counts) never pays for a timing; one that recurs a third time (a server's, an
+#: evaluation loop's) is likely to recur many more, and is timed. Counted per layer
+#: (:func:`engine_choice`'s ``layer``), since a model's layers share a key: one prefill calls it once
+#: per layer.
+INFERENCE_TIME_AFTER = 3
+
+#: Inference calls seen of keys not timed yet: (device name, ShapeKey) -> {layer: calls}.
+_INFERENCE_SEEN: dict[tuple[str, ShapeKey], dict[Hashable, int]] = {}
+
+
+class Deferred(NamedTuple):
+    """:func:`_answer`'s answer to an inference call whose timing is deferred: the untimed engine."""
+
+    engine: str
+
+
+def _defer(name: str, key: ShapeKey, options: list[str], layer: Hashable) -> bool:
+    """Whether an inference call of ``layer`` at ``key`` (no choice yet) runs :data:`SMALL_LAYER_ENGINE`
+    untimed rather than timing the candidates: while that engine is one of ``options`` and the
+    layer's calls of the key, this one included, are fewer than :data:`INFERENCE_TIME_AFTER`."""
+    if SMALL_LAYER_ENGINE not in options:
+        return False
+    seen = _INFERENCE_SEEN.setdefault((name, key), {})
+    if len(_INFERENCE_SEEN) > 4096 or len(seen) > 4096:  # bounded: a counter lost only means a later timing
+        _INFERENCE_SEEN.clear()
+        seen = _INFERENCE_SEEN[(name, key)] = {}
+    calls = seen[layer] = seen.get(layer, 0) + 1
+    if calls < INFERENCE_TIME_AFTER:
+        return True
+    del _INFERENCE_SEEN[(name, key)]
+    return False
+
+
+def _cached(dev: torch.device, name: str, key: ShapeKey, options: list[str], use_disk: bool) -> Watch | None:
+    """A :class:`Watch` of the disk cache's choice for ``key`` (None: none usable, or ``use_disk`` off)."""
+    from . import timing
+
+    if not use_disk:
+        return None
+    entry = timing.lookup_entry(name, key, options)
+    if entry is None or entry["engine"] not in options:
+        return None
+    watch = Watch(dev, name, key, options, use_disk)
+    engine = entry["engine"]
+    seconds, forward = entry.get("seconds") or {}, entry.get("forward") or {}
+    watch.adopt(engine, True, seconds.get(engine), forward.get(engine), entry.get("rows"), forward)
+    return watch
+
+
 def _decide(dev: torch.device, name: str, key: ShapeKey, options: list[str], measure: Callable[[str], Any] | None,
             use_disk: bool, rows: int) -> Watch:
+    """The disk cache's choice for ``key`` (:func:`_cached`), else the candidates timed now."""
+    return _cached(dev, name, key, options, use_disk) or _time_first(dev, name, key, options, measure, use_disk, rows)
+
+
+def _time_first(dev: torch.device, name: str, key: ShapeKey, options: list[str], measure: Callable[[str], Any] | None,
+                use_disk: bool, rows: int) -> Watch:
+    """The candidates timed at the first use of ``key``: the fastest, stored when the timing is trusted."""
     from . import timing
 
     watch = Watch(dev, name, key, options, use_disk)
-    if use_disk:
-        entry = timing.lookup_entry(name, key, options)
-        if entry is not None and entry["engine"] in options:
-            engine = entry["engine"]
-            seconds, forward = entry.get("seconds") or {}, entry.get("forward") or {}
-            watch.adopt(engine, True, seconds.get(engine), forward.get(engine), entry.get("rows"), forward)
-            return watch
     if measure is None:
         raise RuntimeError("choose_engine: gemm_engine='auto' needs a measure to time the candidates")
     t = timing.time_interleaved(options, measure, check=timing.starvation_check(dev))
