@@ -336,26 +336,34 @@ def engine_measure(
 ) -> Callable[[str], Any]:
     """``measure(engine)``: one :class:`~fastmoe_xpu.kernels.timing.Sample` of the fused op's forward
     and backward bodies with stage 4 on ``engine`` next to ``base``, on these tensors (what ``auto``
-    times; its first call per engine is the warm-up, :func:`~fastmoe_xpu.kernels.timing.sampler`)."""
-    samplers: dict[str, Callable[[], Any]] = {}
+    times; its first call per engine is the warm-up, :func:`~fastmoe_xpu.kernels.timing.sampler`);
+    ``measure.forward(engine)``: the same of the forward body alone (what a call without a backward
+    times, registry ``INFERENCE_TIME_AFTER``)."""
+    def measuring(backward: bool) -> Callable[[str], Any]:
+        samplers: dict[str, Callable[[], Any]] = {}
 
-    def measure(engine: str) -> Any:
-        take = samplers.get(engine)
-        if take is None:
-            take = samplers[engine] = engine_sampler(kernel_set_name(base, engine), x_TH, w_gate_up_N2IH, w_down_NHI,
-                                                     weights_TK, rows)
-        with torch.no_grad():
-            return take()
+        def measure(engine: str) -> Any:
+            take = samplers.get(engine)
+            if take is None:
+                take = samplers[engine] = engine_sampler(kernel_set_name(base, engine), x_TH, w_gate_up_N2IH,
+                                                         w_down_NHI, weights_TK, rows, backward)
+            with torch.no_grad():
+                return take()
 
+        return measure
+
+    measure = measuring(True)
+    measure.forward = measuring(False)  # type: ignore[attr-defined]
     return measure
 
 
 def engine_sampler(
     name: str, x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
-    rows: tuple[torch.Tensor, ...],
+    rows: tuple[torch.Tensor, ...], with_backward: bool = True,
 ) -> Callable[[], Any]:
-    """Samples of the fused op's forward and backward bodies with kernel set ``name`` on these tensors
-    (:func:`~fastmoe_xpu.kernels.timing.sampler`: the first call warms up)."""
+    """Samples of the fused op's forward and backward bodies (``with_backward`` False: the forward's
+    alone) with kernel set ``name`` on these tensors (:func:`~fastmoe_xpu.kernels.timing.sampler`:
+    the first call warms up)."""
     from ..kernels.timing import sampler
 
     launchers = kernels(name)
@@ -365,6 +373,8 @@ def engine_sampler(
         return mlp_combine_forward(launchers, *args)
 
     def backward(res: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if not with_backward:
+            return
         out, gate_up = res
         mlp_combine_backward_math(launchers, torch.ones_like(out), args[0], args[1], args[2], args[3], gate_up, *rows)
 

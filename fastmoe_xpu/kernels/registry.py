@@ -269,7 +269,9 @@ def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str,
     ranks, such a call times nothing until one ``layer`` (what tells the layers of a model apart: the
     op passes its gate/up weight's address; None: every call counts as one layer's) has made
     :data:`INFERENCE_TIME_AFTER` of them: before, it runs :data:`SMALL_LAYER_ENGINE` unwatched (see
-    there). A call with a backward to come times the candidates at once."""
+    there); then it times the candidates' forwards alone where ``measure`` offers that
+    (``measure.forward``), a choice that is not stored and that the first call with a backward to
+    come times again in full. A call with a backward to come times the candidates at once."""
     answer_key = (gemm_engine, backend, device, dtype, shape[:3], rows_bucket(shape[3]), id(group), settings.get())
     answer = _ANSWERS.get(answer_key)
     if answer is None:
@@ -285,7 +287,11 @@ def engine_choice(gemm_engine: str, *, backend: str, device: torch.device | str,
         _ANSWERS[answer_key] = answer
     if answer.__class__ is str:
         return answer, None
-    if check and answer.calls >= answer.next_check and not capturing(device):  # no timing inside a graph capture
+    if answer.forward_only and not inference and measure is not None and not capturing(device):
+        # Timed on forwards alone (by a call without a backward): a backward is to come, time it all.
+        with apart_from_caller():
+            answer.time_first(measure, shape[3], "a call with a backward (timed on forwards only before)")
+    elif check and answer.calls >= answer.next_check and not capturing(device):  # no timing inside a graph capture
         with apart_from_caller():
             answer.check(measure, shape[3])
     return (answer.inference_engine if inference else answer.engine), answer
@@ -339,17 +345,23 @@ class Watch:
     untrusted one replaces an untrusted choice, and a trusted one only where its winner beat the
     chosen engine in every round (interleaved: under the same load), and is not stored. Each
     re-timing doubles the calls before the next may run. On a GPU the times are not watched (a call
-    returns before the device has run it); untrusted choices are re-timed all the same."""
+    returns before the device has run it); untrusted choices are re-timed all the same. A choice
+    timed on forwards alone (:attr:`forward_only`: a call without a backward timed the key) is
+    re-timed the same way, never stored, and timed in full by the first call with a backward to
+    come."""
 
     __slots__ = ("device", "name", "key", "options", "engine", "trusted", "use_disk", "watch_speed", "expected",
                  "expected_forward", "timed_rows", "calls", "next_check", "retime_at", "gap", "fwd", "bwd",
-                 "retimes", "history", "last_probe", "inference_engine", "expected_inference", "inf")
+                 "retimes", "history", "last_probe", "inference_engine", "expected_inference", "inf", "forward_only")
 
     def __init__(self, device: torch.device, name: str, key: ShapeKey, options: list[str], use_disk: bool) -> None:
         self.device, self.name, self.key, self.options, self.use_disk = device, name, key, options, use_disk
         self.watch_speed = device.type == "cpu"
         self.calls, self.gap, self.retimes = 0, RETIME_FIRST, 0
         self.next_check = CHECK_EVERY
+        #: The choice was timed on forwards alone (:meth:`time_first`): it holds for calls without a
+        #: backward only, is never stored, and the first call with a backward to come times again.
+        self.forward_only = False
         #: No re-timing before this many forward calls: a slow trusted choice is timed again at once,
         #: an untrusted one after RETIME_FIRST calls (set where it is made).
         self.retime_at = 0
@@ -362,14 +374,17 @@ class Watch:
         self.history: list[tuple[int, str]] = []
 
     def adopt(self, engine: str, trusted: bool, seconds: float | None, forward: float | None,
-              rows: int | None, forwards: Mapping[str, float | None] | None = None) -> None:
+              rows: int | None, forwards: Mapping[str, float | None] | None = None, forward_only: bool = False) -> None:
         """Take ``engine`` (timed at ``seconds`` forward+backward, ``forward`` of it the forward, on
         ``rows`` routed rows). ``forwards``: every candidate's timed forward, from the same timing;
-        the fastest (by :data:`INFERENCE_GAIN` at least) runs forward calls without a backward."""
-        self.engine, self.trusted = engine, trusted
+        the fastest (by :data:`INFERENCE_GAIN` at least) runs forward calls without a backward.
+        ``forward_only``: the timing ran forwards alone (``seconds`` is a forward): ``engine`` is
+        the fastest forward and runs every call until a call with a backward times again."""
+        self.engine, self.trusted, self.forward_only = engine, trusted, forward_only
         self.expected = seconds if seconds and seconds > 0 else None
-        self.expected_forward = forward if forward and self.expected and 0 < forward < self.expected else None
-        self.inference_engine, self.expected_inference = engine, self.expected_forward
+        self.expected_forward = (forward if forward and self.expected and 0 < forward < self.expected
+                                 and not forward_only else None)
+        self.inference_engine, self.expected_inference = engine, self.expected if forward_only else self.expected_forward
         if self.expected_forward is not None and forwards:
             self.inference_engine = inference_engine(engine, forwards, self.options)
             self.expected_inference = forwards[self.inference_engine]
@@ -442,18 +457,38 @@ class Watch:
             return True
         return (wait - last[1]) * 1e-9 <= timing.STARVED_WAIT * (now - last[0])
 
+    def time_first(self, measure: Callable[[str], Any], rows: int, reason: str = "first use",
+                   forward_only: bool = False) -> None:
+        """Time the candidates and take the fastest, stored when the timing is trusted (a first use,
+        or a call with a backward after a choice timed on forwards only). ``forward_only``:
+        ``measure`` times forwards alone; the choice holds for calls without a backward, unstored."""
+        from . import timing
+
+        t = timing.time_interleaved(self.options, measure, check=timing.starvation_check(self.device))
+        self.adopt(t.best, t.trusted, t.seconds[t.best], t.forward[t.best], rows, t.forward, forward_only)
+        if not t.trusted:
+            self.retime_at = self.calls + RETIME_FIRST
+        stored = self.use_disk and t.trusted and not forward_only
+        if stored:
+            timing.store(self.name, self.key, t.best, t.seconds, forward=t.forward, rows=rows, timed=t.record(reason))
+        verdict = ("trusted" if not forward_only else "trusted, not stored") if t.trusted else f"not trusted ({t.why})"
+        self.history.append((self.calls, f"timed at {reason}: {t.best}, {verdict}"))
+
     def retime(self, measure: Callable[[str], Any], rows: int, reason: str) -> None:
         from . import timing
 
         was, before = self.engine, self.trusted
-        t = timing.time_interleaved(self.options, measure, check=timing.starvation_check(self.device))
+        # A choice timed on forwards only is timed again the same way (a call without a backward asks).
+        forward_only = self.forward_only and getattr(measure, "forward", None) is not None
+        t = timing.time_interleaved(self.options, measure.forward if forward_only else measure,
+                                    check=timing.starvation_check(self.device))
         if t.trusted:
-            self.adopt(t.best, True, t.seconds[t.best], t.forward[t.best], rows, t.forward)
-            if self.use_disk:
+            self.adopt(t.best, True, t.seconds[t.best], t.forward[t.best], rows, t.forward, forward_only)
+            if self.use_disk and not forward_only:
                 timing.store(self.name, self.key, t.best, t.seconds, forward=t.forward, rows=rows,
                              timed=t.record(reason))
         elif not before or _dominates(t.samples[t.best], t.samples[was]):
-            self.adopt(t.best, False, t.seconds[t.best], t.forward[t.best], rows, t.forward)
+            self.adopt(t.best, False, t.seconds[t.best], t.forward[t.best], rows, t.forward, forward_only)
         else:
             self.fwd.clear()
             self.bwd.clear()
@@ -462,7 +497,7 @@ class Watch:
         self.retimes += 1
         self.gap = min(2 * self.gap, RETIME_MAX)
         self.retime_at = self.calls + self.gap
-        outcome = (("trusted, stored" if self.use_disk else "trusted") if t.trusted
+        outcome = (("trusted, stored" if self.use_disk and not forward_only else "trusted") if t.trusted
                    else f"not trusted ({t.why})")
         self.history.append((self.calls, f"{reason}; {was} -> {self.engine}, {outcome}"))
 
@@ -512,7 +547,8 @@ def _answer(gemm_engine, backend, dev, dtype, shape, measure, group, use_disk,  
         watch = _cached(dev, name, key, options, use_disk)
         if watch is None and inference is not None and _defer(name, key, options, inference[0]):
             return Deferred(SMALL_LAYER_ENGINE)
-        watch = _WATCHES[(name, key)] = watch or _time_first(dev, name, key, options, measure, use_disk, rows)
+        watch = _WATCHES[(name, key)] = watch or _time_first(dev, name, key, options, measure, use_disk, rows,
+                                                             inference is not None)
     return watch
 
 
@@ -522,14 +558,15 @@ _WATCHES: dict[tuple[str, ShapeKey], Watch] = {}
 
 #: A forward call without a backward (generation, evaluation) of a shape key that has no choice yet,
 #: in-process or on disk, times nothing until one layer has made this many such calls of it; before,
-#: it runs :data:`SMALL_LAYER_ENGINE` untimed. Timing the candidates, forward and backward, costs many
-#: calls' time (it made an OLMoE-1B-7B-sized model's first ``generate``, a 64-token prefill at eight
-#: rows per expert, 4.05x transformers' first, docs/performance.md), while a deferred call costs a
-#: fraction of a call more (there ``onednn``, the fastest engine, ran 1.57x ``grouped_mm``'s speed): a shape seen once (a one-off prompt's prefill) or twice (a warm-up, then
-#: the call that counts) never pays for a timing; one that recurs a third time (a server's, an
-#: evaluation loop's) is likely to recur many more, and is timed. Counted per layer
-#: (:func:`engine_choice`'s ``layer``), since a model's layers share a key: one prefill calls it once
-#: per layer.
+#: it runs :data:`SMALL_LAYER_ENGINE` untimed. Timing the candidates, forward and backward, cost an
+#: OLMoE-1B-7B-sized model's first ``generate`` (a 64-token prefill at eight rows per expert) 4.05x
+#: transformers' first (docs/performance.md), while a deferred call costs a fraction of a call more
+#: (there ``onednn``, the fastest engine, ran 1.57x ``grouped_mm``'s speed): a shape seen once (a
+#: one-off prompt's prefill) or twice (a warm-up, then the call that counts) never pays for a timing;
+#: one that recurs a third time (a server's, an evaluation loop's) is likely to recur many more, and
+#: is timed then, on forwards alone where the measure offers that (:meth:`Watch.time_first`).
+#: Counted per layer (:func:`engine_choice`'s ``layer``), since a model's layers share a key: one
+#: prefill calls it once per layer.
 INFERENCE_TIME_AFTER = 3
 
 #: Inference calls seen of keys not timed yet: (device name, ShapeKey) -> {layer: calls}.
@@ -582,21 +619,18 @@ def _decide(dev: torch.device, name: str, key: ShapeKey, options: list[str], mea
 
 
 def _time_first(dev: torch.device, name: str, key: ShapeKey, options: list[str], measure: Callable[[str], Any] | None,
-                use_disk: bool, rows: int) -> Watch:
-    """The candidates timed at the first use of ``key``: the fastest, stored when the timing is trusted."""
-    from . import timing
-
-    watch = Watch(dev, name, key, options, use_disk)
+                use_disk: bool, rows: int, inference: bool = False) -> Watch:
+    """The candidates timed at the first use of ``key``: the fastest, stored when the timing is trusted
+    (:meth:`Watch.time_first`). ``inference``: a call without a backward asks, which times forwards
+    alone where ``measure`` offers that (``measure.forward``, as the fused op's does)."""
     if measure is None:
         raise RuntimeError("choose_engine: gemm_engine='auto' needs a measure to time the candidates")
-    t = timing.time_interleaved(options, measure, check=timing.starvation_check(dev))
-    watch.adopt(t.best, t.trusted, t.seconds[t.best], t.forward[t.best], rows, t.forward)
-    if not t.trusted:
-        watch.retime_at = RETIME_FIRST
-    if use_disk and t.trusted:
-        timing.store(name, key, t.best, t.seconds, forward=t.forward, rows=rows, timed=t.record("first use"))
-    verdict = "trusted" if t.trusted else f"not trusted ({t.why})"
-    watch.history.append((0, f"timed at first use: {t.best}, {verdict}"))
+    forward = getattr(measure, "forward", None) if inference else None
+    watch = Watch(dev, name, key, options, use_disk)
+    if forward is not None:
+        watch.time_first(forward, rows, "first use, forwards only (a call without a backward)", forward_only=True)
+    else:
+        watch.time_first(measure, rows)
     return watch
 
 

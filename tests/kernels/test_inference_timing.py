@@ -1,9 +1,10 @@
 """The ``auto`` engine choice for forward calls without a backward (kernels/registry.py:
 ``INFERENCE_TIME_AFTER``): a shape key with no choice yet (none in-process, none on disk) times
 nothing on such a call; it runs the untimed engine until one layer has made ``INFERENCE_TIME_AFTER``
-such calls of the key, and that call times. A call with a backward to come, or a key with a cached
-choice, is answered at once, as before; under expert parallelism the group's first call times, as
-before (ranks must agree).
+such calls of the key, and that call times the candidates' forwards alone, a choice never stored
+and timed in full by the first call with a backward to come. A call with a backward to come, or a
+key with a cached choice, is answered at once, as before; under expert parallelism the group's first
+call times, as before (ranks must agree).
 """
 from __future__ import annotations
 
@@ -146,10 +147,16 @@ def _weights(H, I, E, seed):
 
 def test_a_model_without_grad_times_its_layers_shape_only_when_it_recurs(cache_file, monkeypatch):
     """Two real layers of one shape under torch.no_grad: their calls run the untimed engine, with the
-    reference's numbers, until one of them makes its N-th call, which times the candidates (once, for
-    both). The layer is a 28 Mi one: the inference bound of untimed layers is lowered to the training
-    one so that it stands for the larger layers whose inference choice is timed."""
+    reference's numbers, until one of them makes its N-th call, which times the candidates' forwards
+    (once, for both; nothing stored); a call with grad then times them in full and stores the choice,
+    with the reference's output and gradients. The layer is a 28 Mi one: the inference bound of
+    untimed layers is lowered to the training one so that it stands for the larger layers whose
+    inference choice is timed. The timing's checks are relaxed (every sample trusted): whether this
+    machine is quiet is not this test's business."""
     monkeypatch.setattr(registry, "SMALL_INFERENCE_MACS", registry.SMALL_LAYER_MACS)
+    monkeypatch.setattr(timing, "STARVED_WAIT", float("inf"))
+    monkeypatch.setattr(timing, "STARVED_CPU", 0.0)
+    monkeypatch.setattr(timing, "AGREE", float("inf"))
     T, H, I, E, K = 571, 128, 64, 6, 2  # 190 routed rows per expert, odd T
     assert registry.layer_macs(T, K, H, I, E) > registry.SMALL_LAYER_MACS
     x, idx, w = _inputs(T, H, I, E, K)
@@ -179,7 +186,19 @@ def test_a_model_without_grad_times_its_layers_shape_only_when_it_recurs(cache_f
         assert timings == [1]
         assert_close(out, reference_experts_forward(x, w, idx, w_gu, w_d))
     shape = (H, I, E, T * K)
-    assert registry.chosen_for("torch", "cpu", torch.float32, shape) in _CANDIDATES
+    watch = registry.watch_for("torch", "cpu", torch.float32, shape)
+    assert watch.forward_only and watch.engine in _CANDIDATES and not cache_file.exists()
+    xx = x.clone().requires_grad_()
+    out = moe_experts_forward(xx, w, idx, w_gu, w_d, gemm_engine="auto")
+    assert timings == [1, 1] and not watch.forward_only
+    (entry,) = json.loads(cache_file.read_text())["entries"].values()
+    assert entry["engine"] == watch.engine and all(0 < entry["forward"][e] < entry["seconds"][e] for e in _CANDIDATES)
+    xr = x.clone().requires_grad_()
+    want = reference_experts_forward(xr, w, idx, w_gu, w_d)
+    assert_close(out, want)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    assert_close(torch.autograd.grad(out, xx, dout)[0], torch.autograd.grad(want, xr, dout)[0])
+    assert registry.chosen_for("torch", "cpu", torch.float32, shape) == watch.engine
     assert registry.chosen_for("torch", "cpu", torch.float32, shape, inference=True) in _CANDIDATES
 
 
@@ -210,3 +229,92 @@ def test_expert_parallel_inference_calls_time_at_once_and_agree(tmp_path):
                               fail_fast=True)
     assert [c for c, _ in results] == ["grouped_mm", "grouped_mm"]
     assert sorted(results[0][1]) == sorted(_CANDIDATES * (1 + timing.MIN_ROUNDS)) and results[1][1] == []
+
+
+class ForwardCounter(Counter):
+    """A ``measure`` that also times forwards alone (``measure.forward``, as the fused op's does):
+    there the last candidate is the fastest, in a full timing loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards: list[str] = []
+
+    def forward(self, engine: str) -> Sample:
+        self.forwards.append(engine)
+        s = 0.2 if engine == _CANDIDATES[-1] else 0.4
+        return Sample(s, s, False)
+
+
+def test_an_inference_call_times_forwards_only_and_a_backward_times_again_in_full(cache_file):
+    """The N-th inference call of a key times forwards alone (the full measure is not called): the
+    fastest forward runs, nothing is stored; the next inference calls take it untimed; the first
+    call with a backward to come times forward+backward, takes that choice and stores it."""
+    measure = ForwardCounter()
+    for _ in range(_N - 1):
+        _choice(measure, True)
+    assert not measure.forwards and not measure.timed
+    engine, watch = _choice(measure, True)
+    assert sorted(measure.forwards) == sorted(_CANDIDATES * (1 + timing.MIN_ROUNDS)) and not measure.timed
+    assert watch.forward_only and watch.trusted and engine == watch.engine == _CANDIDATES[-1]
+    assert watch.expected == watch.expected_inference == 0.2 and watch.expected_forward is None
+    assert not cache_file.exists(), "a forwards-only timing was stored"
+    assert "forwards only" in watch.history[-1][1] and "not stored" in watch.history[-1][1]
+    measure.forwards.clear()
+    assert _choice(measure, True) == (_CANDIDATES[-1], watch) and not measure.forwards and not measure.timed
+    engine, again = _choice(measure, False)  # a backward is to come: timed in full, once
+    assert again is watch and engine == watch.engine == "loop" and not watch.forward_only
+    assert sorted(measure.timed) == sorted(_CANDIDATES * (1 + timing.MIN_ROUNDS)) and not measure.forwards
+    (entry,) = json.loads(cache_file.read_text())["entries"].values()
+    assert entry["engine"] == "loop" and entry["seconds"]["loop"] == 1.0 and entry["forward"]["loop"] == 0.4
+    assert "backward" in entry["timed"]["reason"]
+    measure.timed.clear()
+    assert _choice(measure, False) == ("loop", watch) and _choice(measure, True) == (_CANDIDATES[-1], watch)
+    assert not measure.timed and not measure.forwards
+
+
+def test_a_forwards_only_choice_is_retimed_forwards_only_and_never_stored(cache_file, monkeypatch):
+    """An untrusted forwards-only choice is timed again in use (after RETIME_FIRST calls, in a quiet
+    stretch) by forwards alone, and a trusted result of that is still not stored."""
+    monkeypatch.setattr(registry.Watch, "_quiet_since_last_check", lambda self: True)
+    measure = ForwardCounter()
+    starved = [True]
+    forward = measure.forward
+
+    def first_starved(engine):  # the first timing's samples starved: not trusted
+        s = forward(engine)
+        return s._replace(starved=starved[0])
+
+    measure.forward = first_starved
+    for _ in range(_N):
+        engine, watch = _choice(measure, True)
+    assert watch.forward_only and not watch.trusted and not cache_file.exists()
+    starved[0] = False
+    measure.forwards.clear()
+    for _ in range(registry.RETIME_FIRST + 2 * registry.CHECK_EVERY):
+        _choice(measure, True)
+        watch.saw(True, 0.2, 64, inference=True)
+    assert measure.forwards and not measure.timed, "not re-timed by forwards alone"
+    assert watch.forward_only and watch.trusted and not cache_file.exists()
+    assert watch.history[-1][1].startswith("re-timed: the last timing was not trusted") and "stored" not in \
+        watch.history[-1][1]
+
+
+def test_the_fused_ops_measure_times_forwards_alone(monkeypatch):
+    """``measure.forward`` of the fused op runs no backward body; ``measure`` runs one per call."""
+    T, H, I, E, K = 13, 16, 8, 4, 2
+    x, idx, w = _inputs(T, H, I, E, K)
+    w_gu, w_d = _weights(H, I, E, 3)
+    launchers = ops.kernels("torch")
+    counts = launchers.count_tokens(idx, 0, E, ops.TOKEN_BLOCK_SIZE)
+    rows = (*launchers.build_indices(idx, counts.partial_cum_token_counts, counts.cum_expert_counts, 0, E,
+                                     ops.TOKEN_BLOCK_SIZE), counts.cum_token_counts, counts.cum_expert_counts)
+    backwards: list[int] = []
+    body = ops.mlp_combine_backward_math
+    monkeypatch.setattr(ops, "mlp_combine_backward_math", lambda *a: backwards.append(1) or body(*a))
+    measure = ops.engine_measure("torch", x, w_gu, w_d, w, rows)
+    for _ in range(2):  # the warm-up, then a sample
+        s = measure.forward("loop")
+        assert s.seconds > 0 and s.forward > 0
+    assert not backwards
+    measure("loop")
+    assert backwards
