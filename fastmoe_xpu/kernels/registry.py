@@ -384,7 +384,8 @@ class Watch:
         self.expected = seconds if seconds and seconds > 0 else None
         self.expected_forward = (forward if forward and self.expected and 0 < forward < self.expected
                                  and not forward_only else None)
-        self.inference_engine, self.expected_inference = engine, self.expected if forward_only else self.expected_forward
+        self.inference_engine = engine
+        self.expected_inference = self.expected if forward_only else self.expected_forward
         if self.expected_forward is not None and forwards:
             self.inference_engine = inference_engine(engine, forwards, self.options)
             self.expected_inference = forwards[self.inference_engine]
