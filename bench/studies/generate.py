@@ -16,7 +16,10 @@ the share of tokens that agree instead of a yes/no).
 
 The first ``generate`` of each implementation (wall time) is timed apart, after one untimed
 ``generate`` of the family's ``eager`` experts has warmed torch; fastmoe's makes its engine choices
-afresh (each model runs with an empty engine cache of its own, as on a new machine).
+afresh (each model runs with an empty engine cache of its own, as on a new machine). A prefill shape
+above ``auto``'s untimed bounds is timed (forwards only) at its third call by a layer
+(``registry.INFERENCE_TIME_AFTER``), so the second timed round's fastmoe sample holds that timing:
+the median of the rounds is the figure.
 
 Sizes (:data:`SIZES`): ``tiny`` H=256 I=128 E=16 K=4, ``small`` H=512 I=256 E=32 K=8, ``olmoe``
 OLMoE-1B-7B's layer H=2048 I=1024 E=64 K=8 (two layers: 3.2 GB of fp32 expert weights); ``micro``
