@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..kernels import grouped_mm
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE
 from ..kernels.implementations import module_of
+from ..kernels.quantized import small as small_int8
 from ..kernels.registry import (
     check_choice, check_precision, precision_engine, resolve_backend, untimed_engine, whole_layer,
 )
@@ -96,6 +97,21 @@ def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: 
     return grouped_mm.small_layer(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
 
 
+def _small_int8_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                          w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, expert_start: int,
+                          num_local: int) -> torch.Tensor | None:
+    """An int8 call of the torch base over all the experts that no backward follows, of a few routed
+    rows (:data:`.quantized.small.MAX_ROWS`), eager and untraced, every id local: in one piece
+    (:func:`~fastmoe_xpu.kernels.quantized.small.small_int8_forward`, the staged chain's bits without
+    its route and per-expert walk). None for every other call."""
+    if (expert_start != 0 or num_local != w_gate_up_N2IH.shape[0]
+            or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or _traced((x_TH, w_gate_up_N2IH))
+            or not small_int8.runs(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)
+            or not all_local(topk_idx_TK, 0, num_local)):
+        return None
+    return small_int8.small_int8_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)
+
+
 def moe_experts_forward(
     x_TH: torch.Tensor,
     weights_TK: torch.Tensor,
@@ -155,6 +171,11 @@ def moe_experts_forward(
         gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
+    if expert_precision == "int8" and expert_rows is None and base == "torch":
+        out_TH = _small_int8_inference(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI, expert_start,
+                                       num_local)
+        if out_TH is not None:
+            return out_TH
     if expert_rows is None and expert_precision is None and not torch.compiler.is_compiling():
         # An eager layer small enough that launches outweigh arithmetic runs in one piece (registry:
         # ``experts``), with its LoRA adapters where it has them. A traced graph keeps the staged
