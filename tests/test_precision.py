@@ -222,6 +222,32 @@ def test_precision_errors():
     assert registry.PRECISIONS == {"int8": ("int8",), "fp8": ("fp8",), "fp8-block": ("fp8-block",)}
 
 
+def test_precision_engine_answers_are_kept_per_settings(monkeypatch):
+    """The engine of a precision is worked out once per device, dtype and settings (each quantized layer
+    call asks), again after the settings change or the choices are forgotten; a refusal is not kept."""
+    asked = []
+    real = registry.unavailable_reason
+
+    def counted(*args, **kwargs):
+        asked.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "unavailable_reason", counted)
+    registry.forget_choices()
+    want = registry.precision_engine("int8", "torch", "cpu", torch.float32)
+    assert want == "int8" and asked == ["int8"]
+    assert registry.precision_engine("int8", "torch", "cpu", torch.float32) == want and asked == ["int8"]
+    with settings.override(int8_weight_grads="int8"):
+        assert registry.precision_engine("int8", "torch", "cpu", torch.float32) == want and len(asked) == 2
+    registry.forget_choices()
+    registry.precision_engine("int8", "torch", "cpu", torch.float32)
+    assert len(asked) == 3
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            registry.precision_engine("int8", "torch", "meta", torch.float32)
+    assert len(asked) == 5
+
+
 @pytest.mark.parametrize("shape", [(5, 13, 11), (16, 8, 8), (40, 24, 7)])
 def test_int_mm_padding_is_exact(shape):
     M, K, N = shape
