@@ -284,6 +284,26 @@ def test_quantizers():
     assert q8.dtype == torch.float8_e4m3fn and q8.float().abs().amax(1).tolist() == [0.0, 448.0, 448.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_weights_quantized_expert_by_expert_equal_the_whole(monkeypatch, dim, dtype):
+    """A big 3-D weight is quantized one expert at a time (``core.BY_EXPERT_MIN_ELEMENTS``): the codes
+    and scales of quantizing it whole, a zero slice and a non-finite entry included."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 33, 20, generator=g) * torch.logspace(-3, 3, 20)
+    w[1, :, 0] = 0
+    w[1, 0, :] = 0
+    w[3, 2, 7] = float("inf")
+    monkeypatch.setattr(core, "FUSED_MIN_ELEMENTS", 1 << 40)  # the eager passes on both sides
+    whole = core._quantize_eager(w, dtype, dim)
+    monkeypatch.setattr(core, "BY_EXPERT_MIN_ELEMENTS", w.numel())
+    split = core.quantize_rows(w, dtype) if dim == -1 else core.quantize_cols(w, dtype)
+    for got, want in zip(split, whole):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got.nan_to_num(),
+                           want.view(torch.uint8) if want.dtype != torch.float32 else want.nan_to_num())
+
+
 def test_weight_codes_follow_updates():
     """The backward reuses the forward's weight codes only while the weight is unchanged."""
     w = torch.randn(3, 8, 5)
