@@ -81,9 +81,10 @@ def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: 
     """A call over all the experts (no expert parallelism, precision or adapters: the caller's part)
     that no backward follows (a decode step of several sequences, a prefill, evaluation), of more than
     one token, every id local, on a layer ``auto`` gives ``grouped_mm`` untimed (the padded op's
-    layers among them): torch's grouped GEMM in one piece (:func:`.grouped_mm.small_layer`), which
-    reads only the chosen experts' weights where the padded blocks read every expert's (as fast or
-    faster at every small layer measured, docs/engines.md). None for every other call."""
+    layers among them): torch's grouped GEMM in one piece (:func:`.grouped_mm.small_inference`; bf16
+    and fp16 rounded at transformers' steps), which reads only the chosen experts' weights where the
+    padded blocks read every expert's (as fast or faster at every small layer measured,
+    docs/engines.md) and skips the staged chain's ops. None for every other call."""
     T, K = topk_idx_TK.shape
     NR = w_gate_up_N2IH.shape[0]
     if T < 2 or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or torch.compiler.is_compiling():
@@ -91,10 +92,10 @@ def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: 
     shape = (T, K, x_TH.shape[1], w_down_NHI.shape[2], NR)
     if (not grouped_mm.ONE_PIECE or untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape, inference=True)
             != "grouped_mm" or _traced((x_TH, w_gate_up_N2IH))
-            or not grouped_mm.small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
+            or not grouped_mm.small_inference_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
             or not all_local(topk_idx_TK, 0, NR)):
         return None
-    return grouped_mm.small_layer(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+    return grouped_mm.small_inference(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
 
 
 def _small_int8_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
