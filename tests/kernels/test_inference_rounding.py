@@ -154,3 +154,18 @@ def test_compiled_training_forward_keeps_training_numerics():
     torch._dynamo.reset()
     compiled = torch.compile(layer)(*leaves)
     _bits_equal(compiled.detach(), eager.detach(), "compiled training forward")
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["batched", "per-expert"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_products_either_way_round_as_transformers(gather, dtype, monkeypatch):
+    """One token's bf16/fp16 products: the chosen experts' matrices side by side in one batched product
+    (up to ``decode.GATHER_MAX_BYTES``) or a matrix-vector product per expert; transformers' bits either way."""
+    monkeypatch.setattr(decode, "GATHER_MAX_BYTES", 1 << 30 if gather else 0)
+    for shape in SHAPES[:2]:
+        x, w_gu, w_d, weights, idx = _inputs(*shape, dtype, dtype)
+        assert decode._gathered(w_gu, shape[4]) == gather
+        want = _transformers(x, w_gu, w_d, weights, idx)
+        with torch.no_grad():
+            got, _, _ = decode.experts_forward(x, w_gu, w_d, weights, idx, 0, w_gu.shape[0])
+        _bits_equal(got, want, f"{'batched' if gather else 'per-expert'} {shape} {dtype}")
