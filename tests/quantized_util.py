@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
-from fastmoe_xpu.kernels.quantized import launchers as qlaunchers, reference as qref
+from fastmoe_xpu.kernels.quantized import launchers as qlaunchers, reference as qref, small as qsmall
 from fastmoe_xpu.routing import topk_routing
 
 #: The layers ``(T, H, I, E, K)`` the layer tests run: awkward widths, a layer whose routing leaves
@@ -145,10 +145,11 @@ class WeightCodes(list):
 
 
 def count_weight_codes(monkeypatch) -> WeightCodes:  # noqa: ANN001
-    """Counts the weight quantizations of the int8/fp8 launchers for the rest of the test
-    (:class:`WeightCodes`)."""
+    """Counts the weight quantizations of the int8/fp8 launchers and of the one-piece int8 layer
+    (``kernels/quantized/small.py``) for the rest of the test (:class:`WeightCodes`)."""
     made = WeightCodes()
     real = qlaunchers.quantized_weight
+    assert qsmall.quantized_weight is real
 
     def counting(w, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         made.calls += 1
@@ -157,4 +158,5 @@ def count_weight_codes(monkeypatch) -> WeightCodes:  # noqa: ANN001
             made.append(qw)
         return qw
     monkeypatch.setattr(qlaunchers, "quantized_weight", counting)
+    monkeypatch.setattr(qsmall, "quantized_weight", counting)
     return made

@@ -222,6 +222,32 @@ def test_precision_errors():
     assert registry.PRECISIONS == {"int8": ("int8",), "fp8": ("fp8",), "fp8-block": ("fp8-block",)}
 
 
+def test_precision_engine_answers_are_kept_per_settings(monkeypatch):
+    """The engine of a precision is worked out once per device, dtype and settings (each quantized layer
+    call asks), again after the settings change or the choices are forgotten; a refusal is not kept."""
+    asked = []
+    real = registry.unavailable_reason
+
+    def counted(*args, **kwargs):
+        asked.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "unavailable_reason", counted)
+    registry.forget_choices()
+    want = registry.precision_engine("int8", "torch", "cpu", torch.float32)
+    assert want == "int8" and asked == ["int8"]
+    assert registry.precision_engine("int8", "torch", "cpu", torch.float32) == want and asked == ["int8"]
+    with settings.override(int8_weight_grads="int8"):
+        assert registry.precision_engine("int8", "torch", "cpu", torch.float32) == want and len(asked) == 2
+    registry.forget_choices()
+    registry.precision_engine("int8", "torch", "cpu", torch.float32)
+    assert len(asked) == 3
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            registry.precision_engine("int8", "torch", "meta", torch.float32)
+    assert len(asked) == 5
+
+
 @pytest.mark.parametrize("shape", [(5, 13, 11), (16, 8, 8), (40, 24, 7)])
 def test_int_mm_padding_is_exact(shape):
     M, K, N = shape
@@ -256,6 +282,26 @@ def test_quantizers():
     assert torch.equal(qc, core.quantize_rows(v.t(), torch.int8)[0].t()) and torch.equal(sc, core.quantize_rows(v.t(), torch.int8)[1])
     q8, s8 = core.quantize_rows(v, torch.float8_e4m3fn)
     assert q8.dtype == torch.float8_e4m3fn and q8.float().abs().amax(1).tolist() == [0.0, 448.0, 448.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_weights_quantized_expert_by_expert_equal_the_whole(monkeypatch, dim, dtype):
+    """A big 3-D weight is quantized one expert at a time (``core.BY_EXPERT_MIN_ELEMENTS``): the codes
+    and scales of quantizing it whole, a zero slice and a non-finite entry included."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 33, 20, generator=g) * torch.logspace(-3, 3, 20)
+    w[1, :, 0] = 0
+    w[1, 0, :] = 0
+    w[3, 2, 7] = float("inf")
+    monkeypatch.setattr(core, "FUSED_MIN_ELEMENTS", 1 << 40)  # the eager passes on both sides
+    whole = core._quantize_eager(w, dtype, dim)
+    monkeypatch.setattr(core, "BY_EXPERT_MIN_ELEMENTS", w.numel())
+    split = core.quantize_rows(w, dtype) if dim == -1 else core.quantize_cols(w, dtype)
+    for got, want in zip(split, whole):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.float32 else got.nan_to_num(),
+                           want.view(torch.uint8) if want.dtype != torch.float32 else want.nan_to_num())
 
 
 def test_weight_codes_follow_updates():

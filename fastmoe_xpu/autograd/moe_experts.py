@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..kernels import grouped_mm
 from ..kernels.contract import INDEX_DTYPE, TOKEN_BLOCK_SIZE
 from ..kernels.implementations import module_of
+from ..kernels.quantized import small as small_int8
 from ..kernels.registry import (
     check_choice, check_precision, precision_engine, resolve_backend, untimed_engine, whole_layer,
 )
@@ -80,9 +81,10 @@ def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: 
     """A call over all the experts (no expert parallelism, precision or adapters: the caller's part)
     that no backward follows (a decode step of several sequences, a prefill, evaluation), of more than
     one token, every id local, on a layer ``auto`` gives ``grouped_mm`` untimed (the padded op's
-    layers among them): torch's grouped GEMM in one piece (:func:`.grouped_mm.small_layer`), which
-    reads only the chosen experts' weights where the padded blocks read every expert's (as fast or
-    faster at every small layer measured, docs/engines.md). None for every other call."""
+    layers among them): torch's grouped GEMM in one piece (:func:`.grouped_mm.small_inference`; bf16
+    and fp16 rounded at transformers' steps), which reads only the chosen experts' weights where the
+    padded blocks read every expert's (as fast or faster at every small layer measured,
+    docs/engines.md) and skips the staged chain's ops. None for every other call."""
     T, K = topk_idx_TK.shape
     NR = w_gate_up_N2IH.shape[0]
     if T < 2 or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or torch.compiler.is_compiling():
@@ -90,10 +92,25 @@ def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: 
     shape = (T, K, x_TH.shape[1], w_down_NHI.shape[2], NR)
     if (not grouped_mm.ONE_PIECE or untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape, inference=True)
             != "grouped_mm" or _traced((x_TH, w_gate_up_N2IH))
-            or not grouped_mm.small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
+            or not grouped_mm.small_inference_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
             or not all_local(topk_idx_TK, 0, NR)):
         return None
-    return grouped_mm.small_layer(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+    return grouped_mm.small_inference(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+
+
+def _small_int8_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                          w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, expert_start: int,
+                          num_local: int) -> torch.Tensor | None:
+    """An int8 call of the torch base over all the experts that no backward follows, of a few routed
+    rows (:data:`.quantized.small.MAX_ROWS`), eager and untraced, every id local: in one piece
+    (:func:`~fastmoe_xpu.kernels.quantized.small.small_int8_forward`, the staged chain's bits without
+    its route and per-expert walk). None for every other call."""
+    if (expert_start != 0 or num_local != w_gate_up_N2IH.shape[0]
+            or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or _traced((x_TH, w_gate_up_N2IH))
+            or not small_int8.runs(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)
+            or not all_local(topk_idx_TK, 0, num_local)):
+        return None
+    return small_int8.small_int8_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)
 
 
 def moe_experts_forward(
@@ -155,6 +172,11 @@ def moe_experts_forward(
         gemm = _precision_engine(expert_precision, base, dev.type, -1 if dev.index is None else dev.index, x_TH.dtype)
     if num_local is None:
         num_local = w_gate_up_N2IH.shape[0]
+    if expert_precision == "int8" and expert_rows is None and base == "torch":
+        out_TH = _small_int8_inference(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI, expert_start,
+                                       num_local)
+        if out_TH is not None:
+            return out_TH
     if expert_rows is None and expert_precision is None and not torch.compiler.is_compiling():
         # An eager layer small enough that launches outweigh arithmetic runs in one piece (registry:
         # ``experts``), with its LoRA adapters where it has them. A traced graph keeps the staged

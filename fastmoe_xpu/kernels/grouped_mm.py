@@ -24,6 +24,7 @@ import functools
 import torch
 
 from .contract import check_gemm_inputs, check_stored_gemm_inputs
+from .torch import rounding
 
 _ALIGN_BYTES = 16
 
@@ -310,6 +311,47 @@ def small_layer_runs(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NH
             and w_gate_up_N2IH.dtype == torch.float32 and w_down_NHI.dtype == torch.float32
             and weights_TK.numel() > 0 and not torch._C._len_torch_dispatch_stack()
             and all(type(t) in plain for t in (x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)))
+
+
+def small_inference_runs(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                         weights_TK: torch.Tensor) -> bool:
+    """Whether :func:`small_inference` takes these tensors: :func:`small_layer_runs`' (fp32), or bf16 /
+    fp16 activations and expert weights of one dtype on the CPU with floating router weights, plain
+    tensors, at least one row."""
+    if small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK):
+        return True
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (x_TH.device.type == "cpu" and x_TH.dtype in (torch.bfloat16, torch.float16)
+            and w_gate_up_N2IH.dtype == x_TH.dtype and w_down_NHI.dtype == x_TH.dtype
+            and weights_TK.is_floating_point() and weights_TK.numel() > 0
+            and not torch._C._len_torch_dispatch_stack()
+            and all(type(t) in plain for t in (x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)))
+
+
+def _small_forward_rounded(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                           weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` of a bf16/fp16 layer that no backward follows, rounded at each step as transformers'
+    experts round (``kernels/torch/rounding.py``): the rows sorted by expert, one grouped GEMM per
+    projection, SiLU and its product with up in the weights' dtype, the routing-weight product in the
+    promoted dtype, each token's K rows summed and rounded once."""
+    T, K = topk_idx_TK.shape
+    flat = topk_idx_TK.reshape(-1)
+    order_R = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=w_gate_up_N2IH.shape[0]).cumsum(0, dtype=torch.int32)
+    token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
+    gate_up_R2I = _gmm(x_TH.index_select(0, token_R), w_gate_up_N2IH.transpose(-2, -1), offs)
+    y_RH = _gmm(rounding.silu_mul(gate_up_R2I, True), w_down_NHI.transpose(-2, -1), offs)
+    y_TKH = y_RH.index_select(0, torch.argsort(order_R)).view(T, K, -1)
+    return rounding.weighted_sum(y_TKH, weights_TK)
+
+
+def small_inference(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                    weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: :func:`small_layer`'s forward for a call no backward follows, for
+    :func:`small_inference_runs` tensors (bf16/fp16 rounded as transformers' experts round)."""
+    if x_TH.dtype == torch.float32:
+        return _small_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)[0]
+    return _small_forward_rounded(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
 
 
 def small_layer(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,

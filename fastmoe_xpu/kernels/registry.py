@@ -94,6 +94,7 @@ def forget_choices() -> None:
     _LAYER_ANSWERS.clear()
     _UNTIMED_ANSWERS.clear()
     _INFERENCE_SEEN.clear()
+    _PRECISION_ANSWERS.clear()
 
 
 def candidates(backend: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
@@ -114,14 +115,24 @@ def check_precision(expert_precision: str | None) -> str | None:
     return expert_precision
 
 
+#: Answers of :func:`precision_engine` by its arguments and the settings in force.
+_PRECISION_ANSWERS: dict[tuple, str] = {}
+
+
 def precision_engine(expert_precision: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """The stage-4 implementation that runs ``expert_precision`` next to ``backend`` on ``device`` for
-    ``dtype`` activations; a RuntimeError saying why where none can."""
+    ``dtype`` activations; a RuntimeError saying why where none can. Asked on every quantized layer
+    call: an answer is kept (the checks behind it cost a decode step's layer about a tenth of its time)."""
+    key = (expert_precision, backend, str(device), dtype, settings.get())
+    answer = _PRECISION_ANSWERS.get(key)
+    if answer is not None:
+        return answer
     check_precision(expert_precision)
     reasons = []
     for name in PRECISIONS[expert_precision]:
         reason = unavailable_reason(name, backend, device, dtype)
         if reason is None:
+            _PRECISION_ANSWERS[key] = name
             return name
         reasons.append(reason)
     raise RuntimeError(f"expert_precision={expert_precision!r} cannot run here: {'; '.join(reasons)}")

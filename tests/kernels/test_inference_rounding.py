@@ -13,6 +13,7 @@ import torch
 
 from fastmoe_xpu import settings
 from fastmoe_xpu.autograd.moe_experts import moe_experts_forward
+from fastmoe_xpu.kernels import grouped_mm
 from fastmoe_xpu.kernels.torch import decode, padded, rounding
 from fastmoe_xpu.reference import reference_experts_forward
 from tolerances import assert_close
@@ -103,15 +104,40 @@ def test_per_step_only_for_half_inputs_outside_a_backward():
 
 
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=["bf16-weights", "fp32-weights"])
-def test_staged_chain_without_grad_rounds_as_transformers(weights_dtype):
-    """A layer above the whole-layer bodies' budget (a prefill) runs the staged chain; its combine
-    (kernels/torch/combine.py) weights and sums as transformers does when no backward follows."""
+def test_staged_chain_without_grad_rounds_as_transformers(weights_dtype, monkeypatch):
+    """A layer above the whole-layer bodies' budget (a prefill) off the one-piece path runs the staged
+    chain; its combine (kernels/torch/combine.py) weights and sums as transformers does when no
+    backward follows."""
     x, w_gu, w_d, weights, idx = _inputs(61, 136, 88, 8, 3, torch.bfloat16, weights_dtype)
     w_gu, w_d = torch.nn.Parameter(w_gu), torch.nn.Parameter(w_d)
     want = _transformers(x, w_gu.detach(), w_d.detach(), weights, idx)
+    monkeypatch.setattr(grouped_mm, "ONE_PIECE", False)
+    monkeypatch.setattr(grouped_mm, "small_inference", lambda *a: pytest.fail("the one-piece path ran"))
     with torch.no_grad(), settings.override(gemm_engine="auto"):
         got = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto")
     _bits_equal(got, want, "staged chain")
+
+
+@pytest.mark.parametrize("weights_dtype", ["same", torch.float32], ids=["bf16-weights", "fp32-weights"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES[2:] + [(61, 136, 88, 8, 3), (2, 40, 24, 6, 1)],
+                         ids=lambda s: "T{}-H{}-I{}-E{}-K{}".format(*s))
+def test_one_piece_inference_rounds_as_transformers(shape, dtype, weights_dtype, monkeypatch):
+    """A call of several tokens no backward follows on the untimed grouped_mm engine runs in one piece
+    (``grouped_mm.small_inference``), bf16 and fp16 too: transformers' bits, on its own and through the
+    layer (parameters that require gradients, under no_grad)."""
+    x, w_gu, w_d, weights, idx = _inputs(*shape, dtype, dtype if weights_dtype == "same" else weights_dtype)
+    want = _transformers(x, w_gu, w_d, weights, idx)
+    assert grouped_mm.small_inference_runs(x, w_gu, w_d, weights)
+    _bits_equal(grouped_mm.small_inference(x, w_gu, w_d, weights, idx), want, f"small_inference {shape} {dtype}")
+    ran = []
+    real = grouped_mm.small_inference
+    monkeypatch.setattr(grouped_mm, "small_inference", lambda *a: ran.append(1) or real(*a))
+    w_gu, w_d = torch.nn.Parameter(w_gu), torch.nn.Parameter(w_d)
+    with torch.no_grad(), settings.override(gemm_engine="auto"):
+        got = moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", gemm_engine="auto")
+    assert ran == [1]
+    _bits_equal(got, want, f"layer {shape} {dtype}")
 
 
 def test_compiled_training_forward_keeps_training_numerics():
@@ -128,3 +154,18 @@ def test_compiled_training_forward_keeps_training_numerics():
     torch._dynamo.reset()
     compiled = torch.compile(layer)(*leaves)
     _bits_equal(compiled.detach(), eager.detach(), "compiled training forward")
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["batched", "per-expert"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_products_either_way_round_as_transformers(gather, dtype, monkeypatch):
+    """One token's bf16/fp16 products: the chosen experts' matrices side by side in one batched product
+    (up to ``decode.GATHER_MAX_BYTES``) or a matrix-vector product per expert; transformers' bits either way."""
+    monkeypatch.setattr(decode, "GATHER_MAX_BYTES", 1 << 30 if gather else 0)
+    for shape in SHAPES[:2]:
+        x, w_gu, w_d, weights, idx = _inputs(*shape, dtype, dtype)
+        assert decode._gathered(w_gu, shape[4]) == gather
+        want = _transformers(x, w_gu, w_d, weights, idx)
+        with torch.no_grad():
+            got, _, _ = decode.experts_forward(x, w_gu, w_d, weights, idx, 0, w_gu.shape[0])
+        _bits_equal(got, want, f"{'batched' if gather else 'per-expert'} {shape} {dtype}")

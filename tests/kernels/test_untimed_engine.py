@@ -65,7 +65,7 @@ def _grads(out, tensors, seed=1):
 @pytest.mark.parametrize("grad", [True, False])
 def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch, grad, one_piece):
     """On the untimed engine (grouped_mm) a plain fp32 layer runs in one piece (``one_piece``:
-    ``grouped_mm.small_layer``, no staged launcher) or, with that switched off, as the staged chain
+    ``grouped_mm.small_layer``, or ``small_inference`` without grad; no staged launcher) or, with that switched off, as the staged chain
     on that engine's launchers; either way nothing is timed and the numbers are the reference's."""
     x, w_gu, w_d, weights, idx = _inputs(*SHAPE)
     ran: list[str] = []
@@ -74,8 +74,10 @@ def test_small_layer_runs_the_untimed_engine_with_the_reference_numbers(monkeypa
     monkeypatch.setattr(timing, "time_interleaved", lambda *a, **k: pytest.fail("a small layer was timed"))
     monkeypatch.setattr(grouped_mm, "ONE_PIECE", one_piece)
     pieces: list[int] = []
-    small_layer = grouped_mm.small_layer
+    small_layer, small_inference = grouped_mm.small_layer, grouped_mm.small_inference
     monkeypatch.setattr(grouped_mm, "small_layer", lambda *a: pieces.append(1) or small_layer(*a))
+    # a call no backward follows: the one-piece forward alone (grouped_mm.small_inference)
+    monkeypatch.setattr(grouped_mm, "small_inference", lambda *a: pieces.append(1) or small_inference(*a))
     registry.forget_choices()
     with settings.override(gemm_engine="auto"), torch.set_grad_enabled(grad):
         out = moe_experts_forward(x, weights, idx, w_gu, w_d, gemm_engine="auto")

@@ -72,7 +72,10 @@ def _quantize_eager(v: torch.Tensor, dtype: torch.dtype, dim: int, col_scales: t
     v = v.float()
     if col_scales is not None:
         v = v * (col_scales if rows_expert is None else col_scales[rows_expert])
-    amax = torch.linalg.vector_norm(v, float("inf"), dim=dim, keepdim=True)
+    # |v| then its max: the same value as the infinity norm, which torch computes 5-12x slower at
+    # every size above a few hundred elements (one thread, Xeon with AMX: 0.72 ms against 0.11 ms for
+    # a 512 x 512 expert matrix, 11.6 against 2.1 ms at 2048 x 2048)
+    amax = torch.amax(torch.abs(v), dim=dim, keepdim=True)
     qm = _QMAX[dtype]
     inv = torch.where(amax > 0, qm / amax, torch.zeros((), device=v.device))
     q = v * inv
@@ -259,12 +262,36 @@ def _use_fused(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return dtype == torch.int8 and t.numel() >= FUSED_MIN_ELEMENTS and t.device.type == "cpu"
 
 
+#: A 3-D tensor (a weight's experts) of at least this many elements is quantized eagerly one expert
+#: at a time: each expert's passes stay in cache, and their temporaries are an expert's size, not
+#: fresh mappings of the whole weight faulted in page by page. 27-32 ms against 65-80 ms for a
+#: [32, 512, 512] weight (one thread, Xeon with AMX, 2026-11-29): most of an int8 model's first call.
+BY_EXPERT_MIN_ELEMENTS = 1 << 20
+
+
+def _quantize_by_expert(v: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize_eager` of a 3-D ``v`` (no column scales; ``dim`` one of the last two) expert
+    by expert into one pair of buffers: the same codes and scales."""
+    from ..torch.buffers import cached_empty
+
+    codes = cached_empty(tuple(v.shape), v, dtype)
+    scales = cached_empty((v.shape[0], v.shape[1] if dim == -1 else v.shape[2]), v, torch.float32)
+    for e in range(v.shape[0]):
+        c, sc = _quantize_eager(v[e], dtype, dim)
+        codes[e].copy_(c)
+        scales[e].copy_(sc)
+    return codes, scales
+
+
 def _quantize(v: torch.Tensor, dtype: torch.dtype, dim: int, col_scales: torch.Tensor | None = None,
               rows_expert: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_fused(v, dtype):
         ok, res = _run_fused("quantize", v, dim, col_scales, rows_expert)
         if ok:
             return res
+    if (v.dim() == 3 and dim in (-1, -2) and col_scales is None and v.numel() >= BY_EXPERT_MIN_ELEMENTS
+            and not torch.compiler.is_compiling()):
+        return _quantize_by_expert(v, dtype, dim)
     return _quantize_eager(v, dtype, dim, col_scales, rows_expert)
 
 

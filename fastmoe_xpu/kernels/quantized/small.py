@@ -1,0 +1,125 @@
+"""A small int8 layer that no backward follows, in one piece: decode steps and short prompts.
+
+The staged chain (``fastmoe::route``, then ``fastmoe::mlp_combine`` on the int8 launchers) walks
+every local expert and builds the route's index tensors for a backward that never comes; at a few
+routed rows its fixed cost is several times the GEMMs' (a one-token step of a tiny layer: 1.3 ms
+against 0.3 ms in fp32, one thread, Xeon with AMX). :func:`small_int8_forward` computes the same
+numbers with a few dozen ops: the rows sorted by expert, one ``torch._int_mm`` per chosen expert and
+projection on the weights' remembered codes, one dequantizing pass per projection, each token's
+rows summed by one ``embedding_bag``.
+
+The same bits as the staged path: quantization is per row (a routed row gets its token's codes and
+scale) and per output channel, the int32 sums are exact, the dequantizing products are taken in
+the same order (row scale, then the expert's column scales), SiLU*up in fp32 as ``_silu_mul``, and
+the weighted sum over each token's K rows in slot order, as ``combine_fwd``'s ``embedding_bag``
+(``tests/kernels/test_quantized_small.py`` holds the two to equality).
+
+Legend: T tokens, H hidden, I intermediate, K experts per token, NR experts, R = T*K routed rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..grouped_mm import _bags
+from . import core
+from .core import quantize_rows, quantized_weight
+
+#: The most routed rows (T*K) the one-piece path takes. It ran faster than the staged chain at every
+#: size measured up to here (one thread, Xeon with AMX, 2026-11-29, the other core busy; minimum over
+#: five interleaved rounds, staged / one piece: 1.2 / 0.4-0.5 ms at one token of H=256 I=128 E=16 K=4,
+#: 2.3 / 1.6 ms at 256 rows, 3.1 / 2.5 ms at 1024; at H=512 I=256 E=32 K=8, 5.0 / 3.8 ms at 256 rows,
+#: 6.0 / 5.7 ms at 1024).
+MAX_ROWS = 1024
+
+
+def runs(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor, w_gate_up_N2IH: torch.Tensor,
+         w_down_NHI: torch.Tensor) -> bool:
+    """Whether :func:`small_int8_forward` takes this call: fp32 activations, router weights and expert
+    weights on the CPU, plain tensors (no subclass, no dispatch mode), 1 to :data:`MAX_ROWS` routed rows,
+    expert matrices too small to be packed for oneDNN (:data:`.core.PACK_MIN_ELEMENTS`: larger ones
+    multiply on AMX int8 in the staged chain once used often enough). The caller checks the rest (no
+    gradient, eager and untraced, every id local, no expert parallelism)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return (x_TH.device.type == "cpu" and 0 < topk_idx_TK.numel() <= MAX_ROWS
+            and all(t.dtype == torch.float32 and type(t) in plain
+                    for t in (x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI))
+            and not torch._C._len_torch_dispatch_stack()
+            and not (max(w_gate_up_N2IH[0].numel(), w_down_NHI[0].numel()) >= core.PACK_MIN_ELEMENTS
+                     and core.amx_int8_linear()))
+
+
+def _expert_products(q_RK: torch.Tensor, s_R: torch.Tensor, codes_NOK: torch.Tensor, scales_NO: torch.Tensor,
+                     experts: list[int], bounds: list[int], expert_R: torch.Tensor) -> torch.Tensor:
+    """``[R, O]`` fp32: row r's codes times its expert's codes transposed, exactly in int32, then times
+    the row's scale and the expert's column scales (in that order, as the staged path's epilogue)."""
+    acc = torch.empty(q_RK.shape[0], codes_NOK.shape[1], dtype=torch.int32)
+    for e, s, t in zip(experts, bounds, bounds[1:]):
+        torch._int_mm(q_RK[s:t], codes_NOK[e].t(), out=acc[s:t])
+    out = torch.mul(acc, s_R[:, None])
+    return out.mul_(scales_NO.index_select(0, expert_R))
+
+
+def _one_token(x_1H: torch.Tensor, weights_1K: torch.Tensor, idx_K: torch.Tensor, qw_gu, qw_d,  # noqa: ANN001
+               inter: int) -> torch.Tensor:
+    """:func:`small_int8_forward` of one token: its K rows in slot order (K distinct experts), no
+    sorting, one ``torch._int_mm`` per expert and projection on views of the codes."""
+    experts = idx_K.tolist()
+    K = len(experts)
+    qx_1H, sx_1 = quantize_rows(x_1H, torch.int8)
+    acc = torch.empty(K, qw_gu.codes.shape[1], dtype=torch.int32)
+    for k, e in enumerate(experts):
+        torch._int_mm(qx_1H, qw_gu.codes[e].t(), out=acc[k:k + 1])
+    gate_up = torch.mul(acc, sx_1[:, None]).mul_(qw_gu.scales.index_select(0, idx_K))
+    h_KI = torch.ops.aten.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    qh_KI, sh_K = quantize_rows(h_KI, torch.int8)
+    acc_d = torch.empty(K, qw_d.codes.shape[1], dtype=torch.int32)
+    for k, e in enumerate(experts):
+        torch._int_mm(qh_KI[k:k + 1], qw_d.codes[e].t(), out=acc_d[k:k + 1])
+    y_KH = torch.mul(acc_d, sh_K[:, None]).mul_(qw_d.scales.index_select(0, idx_K))
+    return torch.embedding_bag(y_KH, _SLOTS[K], _bags(K, K, x_1H.device), False, 0, False, weights_1K.reshape(-1),
+                               True)[0]
+
+
+class _Slots(dict):
+    """``arange(K)`` per K (read only)."""
+
+    def __missing__(self, k: int) -> torch.Tensor:
+        self[k] = torch.arange(k)
+        return self[k]
+
+
+_SLOTS = _Slots()
+
+
+def small_int8_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                       w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: the fused layer in int8 (gate/up GEMM, SiLU*up, down GEMM, weighted sum of each
+    token's rows) over ``w_gate_up [NR, 2I, H]`` and ``w_down [NR, H, I]``, every GEMM quantized as
+    the int8 engine quantizes it (per token row, per output channel; the weights' codes remembered as
+    :func:`.core.quantized_weight` remembers them, for good inside ``frozen_expert_weights()``). For
+    :func:`runs` tensors, every id naming one of the NR experts, no gradient."""
+    T, K = topk_idx_TK.shape
+    inter = w_down_NHI.shape[2]
+    qw_gu = quantized_weight(w_gate_up_N2IH, torch.int8)
+    qw_d = quantized_weight(w_down_NHI, torch.int8)
+    if T == 1:
+        return _one_token(x_TH, weights_TK, topk_idx_TK[0], qw_gu, qw_d, inter)
+    flat = topk_idx_TK.reshape(-1)
+    expert_R, order_R = torch.sort(flat, stable=True)  # row r holds slot order[r] = t*K + k
+    experts, counts = torch.unique_consecutive(expert_R, return_counts=True)
+    bounds = [0]
+    for c in counts.tolist():
+        bounds.append(bounds[-1] + c)
+    experts = experts.tolist()
+    qx_TH, sx_T = quantize_rows(x_TH, torch.int8)  # every token once: a routed row gets its token's codes
+    token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
+    gate_up = _expert_products(qx_TH.index_select(0, token_R), sx_T.index_select(0, token_R), qw_gu.codes,
+                               qw_gu.scales, experts, bounds, expert_R)
+    h_RI = torch.ops.aten.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    qh_RI, sh_R = quantize_rows(h_RI, torch.int8)
+    y_RH = _expert_products(qh_RI, sh_R, qw_d.codes, qw_d.scales, experts, bounds, expert_R)
+    row_of_slot = torch.argsort(order_R)
+    offsets = _bags(flat.numel(), K, x_TH.device)
+    # aten's embedding_bag, mode sum, the last offset included: each token's K rows in slot order,
+    # times their router weights, as the staged path's combine sums them.
+    return torch.embedding_bag(y_RH, row_of_slot, offsets, False, 0, False, weights_TK.reshape(-1), True)[0]
