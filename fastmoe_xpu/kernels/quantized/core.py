@@ -139,14 +139,14 @@ def _quantize_cols(v, q, s):  # noqa: ANN001, ANN202
     s.copy_(scales)
 
 
-def _codes_and_scales(v: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised int8 codes shaped like ``v`` and fp32 scales over ``dim`` (reduced), from the CPU
-    buffer pool (:mod:`..torch.buffers`; small ones from the allocator)."""
+def _codes_and_scales(v: torch.Tensor, dim: int, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised ``dtype`` codes shaped like ``v`` and fp32 scales over ``dim`` (reduced), from the
+    CPU buffer pool (:mod:`..torch.buffers`; small ones from the allocator)."""
     from ..torch.buffers import cached_empty
 
     shape = list(v.shape)
     del shape[dim]
-    return cached_empty(tuple(v.shape), v, torch.int8), cached_empty(tuple(shape), v, torch.float32)
+    return cached_empty(tuple(v.shape), v, dtype), cached_empty(tuple(shape), v, torch.float32)
 
 
 def _epilogue_rows(out, acc, sa):  # noqa: ANN001, ANN202
@@ -272,10 +272,7 @@ BY_EXPERT_MIN_ELEMENTS = 1 << 20
 def _quantize_by_expert(v: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_quantize_eager` of a 3-D ``v`` (no column scales; ``dim`` one of the last two) expert
     by expert into one pair of buffers: the same codes and scales."""
-    from ..torch.buffers import cached_empty
-
-    codes = cached_empty(tuple(v.shape), v, dtype)
-    scales = cached_empty((v.shape[0], v.shape[1] if dim == -1 else v.shape[2]), v, torch.float32)
+    codes, scales = _codes_and_scales(v, dim, dtype)
     for e in range(v.shape[0]):
         c, sc = _quantize_eager(v[e], dtype, dim)
         codes[e].copy_(c)

@@ -203,10 +203,9 @@ def _one_token(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: tor
     if expert_start:
         ids = [e - expert_start for e in ids]
     x_H = x_TH[0]
-    chosen = None
-    if _gathered(w_gate_up_N2IH, K) or _gathered(w_down_NHI, K):
-        chosen = torch.tensor(ids, device=x_TH.device)
-    if _gathered(w_gate_up_N2IH, K):
+    gather_gu, gather_d = _gathered(w_gate_up_N2IH, K), _gathered(w_down_NHI, K)
+    chosen = torch.tensor(ids, device=x_TH.device) if gather_gu or gather_d else None
+    if gather_gu:
         gate_up = torch.bmm(w_gate_up_N2IH.detach().index_select(0, chosen),
                             x_H.view(-1, 1).expand(K, -1, 1)).squeeze(-1)  # [K, 2I], slot order
     else:
@@ -214,7 +213,7 @@ def _one_token(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: tor
         gate_up = torch.stack([torch.mv(w_gu[e], x_H) for e in ids])  # [K, 2I], slot order
     h = silu_mul(gate_up, steps)
     h = h if h.dtype == x_TH.dtype else h.to(x_TH.dtype)
-    if _gathered(w_down_NHI, K):
+    if gather_d:
         y_KH = torch.bmm(w_down_NHI.detach().index_select(0, chosen), h.unsqueeze(-1)).squeeze(-1)
     else:
         w_d = _experts_of(w_down_NHI)
