@@ -726,9 +726,13 @@ def test_what_a_call_derives_from_the_module_follows_it(monkeypatch) -> None:
     got, ref = _no_grad_pair(module, x, idx, w)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     asked = []
-    real = me.moe_experts_forward
+    real, resolved = me.moe_experts_forward, me.resolved_forward
     monkeypatch.setattr(ix, "moe_experts_forward", lambda *a, **k: asked.append(
         (k["gemm_engine"], k["backend"], k["expert_precision"])) or real(*a, **k))
+    # A memo whose engine and precision were found valid enters past those checks, with the CPU's
+    # kernel backend resolved (the sixth argument).
+    monkeypatch.setattr(ix, "resolved_forward", lambda *a, **k: asked.append(
+        (k["gemm_engine"], a[5], k["expert_precision"])) or resolved(*a, **k))
     module.config._experts_implementation = "fastmoe"
     with torch.no_grad():
         module.fastmoe_expert_precision = "int8"

@@ -87,14 +87,16 @@ def _small_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: 
     docs/engines.md) and skips the staged chain's ops. None for every other call."""
     T, K = topk_idx_TK.shape
     NR = w_gate_up_N2IH.shape[0]
-    if T < 2 or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or torch.compiler.is_compiling():
+    # Nothing traces (``_traced``): no compiler, no profiler here; no dispatch mode and no tensor
+    # subclass, which ``small_inference_runs`` checks on all four tensors.
+    if (T < 2 or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or torch.compiler.is_compiling()
+            or torch._C._autograd._profiler_enabled() or not grouped_mm.ONE_PIECE
+            or not grouped_mm.small_inference_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)):
         return None
     shape = (T, K, x_TH.shape[1], w_down_NHI.shape[2], NR)
-    if (not grouped_mm.ONE_PIECE or untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape, inference=True)
-            != "grouped_mm" or _traced((x_TH, w_gate_up_N2IH))
-            or not grouped_mm.small_inference_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
-            or not all_local(topk_idx_TK, 0, NR)):
+    if untimed_engine(base, gemm_engine, x_TH.device, x_TH.dtype, shape, inference=True) != "grouped_mm":
         return None
+    # None where an id is not local: found by the call's own count of rows per expert.
     return grouped_mm.small_inference(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
 
 
@@ -162,7 +164,20 @@ def moe_experts_forward(
         return meta_experts(x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI, rows)
     check_choice(gemm_engine)
     check_precision(expert_precision)
-    base = kernel_backend(backend, x_TH.device)
+    return resolved_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI,
+                            kernel_backend(backend, x_TH.device), expert_start, num_local, gemm_engine, ep_group,
+                            expert_rows, expert_precision, lora, check_ids)
+
+
+def resolved_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                     w_gate_up_N2IH: torch.Tensor | None, w_down_NHI: torch.Tensor | None, base: str,
+                     expert_start: int = 0, num_local: int | None = None, gemm_engine: str = "native",
+                     ep_group: dist.ProcessGroup | None = None, expert_rows: ExpertRows | None = None,
+                     expert_precision: str | None = None, lora: ExpertsLora | None = None,
+                     check_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """:func:`moe_experts_forward` past its checks, on real tensors: ``base`` is the kernel backend
+    (:func:`kernel_backend`) and ``gemm_engine`` and ``expert_precision`` are valid. For a caller
+    that checked and resolved them once for many calls (the experts function's per-module memo)."""
     gemm = gemm_engine
     if expert_precision is not None and lora:
         raise ValueError(f"expert_precision={expert_precision!r} with LoRA adapters is not supported: "

@@ -37,11 +37,11 @@ import torch
 import torch.nn as nn
 
 from .. import settings
-from ..autograd.moe_experts import kernel_backend, moe_experts_forward
+from ..autograd.moe_experts import kernel_backend, moe_experts_forward, resolved_forward
 from ..autograd.lora_ops import ExpertsLora, LoraWeights, lora_grouped_linear
 from ..autograd.ops import grouped_linear
 from ..kernels import grouped_mm
-from ..kernels.registry import untimed_engine
+from ..kernels.registry import check_choice, check_precision, untimed_engine
 from ..kernels.torch.counting import all_local
 from .peft_lora import is_peft_wrapper, parametrized_weights, stored_weight, unwrap_experts, wrapper_chain
 
@@ -305,25 +305,34 @@ class _Memo(NamedTuple):
     engine: str
     precision: str | None
     ids_check: Any
+    #: The kernel backend for CPU inputs, with ``engine`` and ``precision`` found valid (None: a call
+    #: takes :func:`moe_experts_forward`'s checks, which then raise where these would).
+    cpu_base: str | None
 
 
-#: ``id(module) -> (weak reference, the inputs' snapshot, memo)``.
-_MEMOS: dict[int, tuple[Any, tuple, _Memo]] = {}
+#: ``id(module) -> (weak reference, the inputs' snapshot, memo, the plain attribute values kept)``.
+_MEMOS: dict[int, tuple[Any, tuple, _Memo, tuple]] = {}
 
 
-#: Values a snapshot keeps as they are (compared by value); every other object is kept as its id.
+#: Attribute values a memo keeps alive (they refer to nothing), so that their ids stay theirs.
 _SCALARS = frozenset((bool, int, float, str, type(None)))
 
 
 def _snapshot(module: nn.Module) -> tuple | None:
     """Everything the fused path's derivation reads from ``module``: its attributes, parameters and
-    submodules, its config's precision field, the package's settings and the class's gate, each a
-    plain value or the id of the object (the module keeps its attributes alive, and the memo its two
-    weights, so an id is not reused while the snapshot could match it); None where a call must
-    derive afresh (a PEFT parametrization). Ids rather than the objects: a module attribute may refer
-    back to the module (a hook closing over it), which a global table must not keep alive."""
+    submodules, its config's precision field, the package's settings and the class's gate, each as
+    the id of the object (the config's precision as its value); None where a call must derive
+    afresh (a PEFT parametrization). An id stands for its object while that object lives: the
+    module keeps its attributes alive, the memo its two weights, and :func:`_call_memo` keeps the
+    plain values (numbers, strings) the snapshot was taken with, so an id cannot be reused while the
+    snapshot could match it. Ids rather than the objects: a module attribute may refer back to the
+    module (a hook closing over it), which a global table must not keep alive. (Ids taken by
+    ``map``, with no per-value Python: this runs on every call, right after the previous call's
+    arithmetic has pushed the interpreter's data out of the caches, where each Python step costs
+    several times what it costs warm.)"""
     d = module.__dict__
-    if "parametrizations" in module._modules:
+    modules = module._modules
+    if "parametrizations" in modules:
         return None
     config = d.get("config")
     if config is None:
@@ -332,9 +341,7 @@ def _snapshot(module: nn.Module) -> tuple | None:
         precision = config.__dict__.get(PRECISION_ATTRIBUTE)
     else:
         precision = getattr(config, PRECISION_ATTRIBUTE, None)
-    scalars = _SCALARS
-    return (*[v if v.__class__ in scalars else id(v) for v in d.values()],
-            *map(id, module._parameters.values()), *map(id, module._modules.values()), precision,
+    return (*map(id, d.values()), *map(id, module._parameters.values()), *map(id, modules.values()), precision,
             id(settings.get()), id(getattr(type(module), "_apply_gate", None)), id(type(module)))
 
 
@@ -357,12 +364,20 @@ def _call_memo(module: nn.Module) -> _Memo | None:
     w_up, w_down = stored_weight(module, "gate_up_proj"), stored_weight(module, "down_proj")
     if type(w_up) not in _PLAIN_TYPES or type(w_down) not in _PLAIN_TYPES:
         return None
-    memo = _Memo(module.num_experts, w_up, w_down, _module_attr(module, "fastmoe_backend", "auto"),
-                 _module_attr(module, "fastmoe_gemm_engine", "auto"), expert_precision(module),
-                 functools.partial(check_ids, num_experts=module.num_experts))
+    backend, engine = _module_attr(module, "fastmoe_backend", "auto"), _module_attr(module, "fastmoe_gemm_engine", "auto")
+    precision = expert_precision(module)
+    try:
+        check_choice(engine)
+        check_precision(precision)
+        cpu_base = kernel_backend(backend, torch.device("cpu"))
+    except (ValueError, RuntimeError):
+        cpu_base = None
+    memo = _Memo(module.num_experts, w_up, w_down, backend, engine, precision,
+                 functools.partial(check_ids, num_experts=module.num_experts), cpu_base)
     if len(_MEMOS) >= 4096:
         _MEMOS.clear()
-    _MEMOS[ident] = (weakref.ref(module, lambda _, ident=ident: _MEMOS.pop(ident, None)), snap, memo)
+    kept = tuple(v for v in module.__dict__.values() if v.__class__ in _SCALARS)
+    _MEMOS[ident] = (weakref.ref(module, lambda _, ident=ident: _MEMOS.pop(ident, None)), snap, memo, kept)
     return memo
 
 
@@ -374,9 +389,13 @@ def _memo_call(memo: _Memo, hidden_states: torch.Tensor, top_k_index: torch.Tens
     if hidden_states.shape[0] == 0 or top_k_index.shape[1] == 0:
         return hidden_states.new_zeros(hidden_states.shape)
     x_TH = _dense(hidden_states if hidden_states.dtype == w_up.dtype else hidden_states.to(w_up.dtype))
-    out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _dense(w_up), _dense(memo.w_down),
-                                 backend=memo.backend, gemm_engine=memo.engine, expert_precision=memo.precision,
-                                 check_ids=memo.ids_check)
+    if memo.cpu_base is not None and x_TH.is_cpu:  # checked and resolved when the memo was made
+        out_TH = resolved_forward(x_TH, top_k_weights, top_k_index, _dense(w_up), _dense(memo.w_down), memo.cpu_base,
+                                  gemm_engine=memo.engine, expert_precision=memo.precision, check_ids=memo.ids_check)
+    else:
+        out_TH = moe_experts_forward(x_TH, top_k_weights, top_k_index, _dense(w_up), _dense(memo.w_down),
+                                     backend=memo.backend, gemm_engine=memo.engine, expert_precision=memo.precision,
+                                     check_ids=memo.ids_check)
     return out_TH if out_TH.dtype == hidden_states.dtype else out_TH.to(hidden_states.dtype)
 
 

@@ -232,14 +232,37 @@ def _bags(n: int, k: int, device: torch.device) -> torch.Tensor:
     return bags
 
 
+def _expert_order(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(order [T*K], offs [NR])`` of the slots sorted by expert (row r holds slot ``order[r] = t*K +
+    k``; ``offs``: int32 group ends), or None where an id is outside ``[0, NR)``: ``bincount``
+    refuses a negative id and gives an id past the last expert a bin of its own, so the check costs
+    no op of its own (an ``aminmax`` and its reads were a twentieth of a small decode call)."""
+    flat = topk_idx_TK.reshape(-1)
+    try:
+        counts = torch.bincount(flat, minlength=num_experts)
+    except RuntimeError:  # a negative id
+        return None
+    if counts.shape[0] != num_experts:
+        return None
+    return torch.argsort(flat, stable=True), counts.cumsum(0, dtype=torch.int32)
+
+
+def _ordered(topk_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_expert_order` of ids the caller found local."""
+    layout = _expert_order(topk_idx_TK, num_experts)
+    if layout is None:
+        raise ValueError(f"top_k_index holds ids outside [0, {num_experts})")
+    return layout
+
+
 def _small_forward(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-                   weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """:class:`_SmallLayer`'s forward: ``(out [T, H], what its backward keeps)``."""
+                   weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                   layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple]:
+    """:class:`_SmallLayer`'s forward: ``(out [T, H], what its backward keeps)``; ``layout``: the ids'
+    :func:`_expert_order`, if found already."""
     K = topk_idx_TK.shape[1]
     inter = w_down_NHI.shape[2]
-    flat = topk_idx_TK.reshape(-1)
-    order_R = torch.argsort(flat, stable=True)  # row r holds slot order[r] = t*K + k
-    offs = torch.bincount(flat, minlength=w_gate_up_N2IH.shape[0]).cumsum(0, dtype=torch.int32)
+    order_R, offs = layout if layout is not None else _ordered(topk_idx_TK, w_gate_up_N2IH.shape[0])
     token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
     rows_RH = x_TH.index_select(0, token_R)
     gate_up_R2I = _gmm(rows_RH, w_gate_up_N2IH.transpose(-2, -1), offs)
@@ -317,27 +340,28 @@ def small_inference_runs(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_dow
                          weights_TK: torch.Tensor) -> bool:
     """Whether :func:`small_inference` takes these tensors: :func:`small_layer_runs`' (fp32), or bf16 /
     fp16 activations and expert weights of one dtype on the CPU with floating router weights, plain
-    tensors, at least one row."""
-    if small_layer_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK):
-        return True
-    plain = (torch.Tensor, torch.nn.Parameter)
-    return (x_TH.device.type == "cpu" and x_TH.dtype in (torch.bfloat16, torch.float16)
-            and w_gate_up_N2IH.dtype == x_TH.dtype and w_down_NHI.dtype == x_TH.dtype
-            and weights_TK.is_floating_point() and weights_TK.numel() > 0
-            and not torch._C._len_torch_dispatch_stack()
-            and all(type(t) in plain for t in (x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)))
+    tensors, at least one row. (One expression: asked on every call without grad of a small layer.)"""
+    dtype = x_TH.dtype
+    plain = _PLAIN
+    return (x_TH.is_cpu and w_gate_up_N2IH.dtype == dtype and w_down_NHI.dtype == dtype
+            and (weights_TK.dtype == dtype if dtype == torch.float32
+                 else (dtype == torch.bfloat16 or dtype == torch.float16) and weights_TK.is_floating_point())
+            and weights_TK.numel() > 0 and type(x_TH) in plain and type(w_gate_up_N2IH) in plain
+            and type(w_down_NHI) in plain and type(weights_TK) in plain and not torch._C._len_torch_dispatch_stack())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _small_forward_rounded(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-                           weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+                           weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
+                           layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[T, H]`` of a bf16/fp16 layer that no backward follows, rounded at each step as transformers'
     experts round (``kernels/torch/rounding.py``): the rows sorted by expert, one grouped GEMM per
     projection, SiLU and its product with up in the weights' dtype, the routing-weight product in the
     promoted dtype, each token's K rows summed and rounded once."""
     T, K = topk_idx_TK.shape
-    flat = topk_idx_TK.reshape(-1)
-    order_R = torch.argsort(flat, stable=True)
-    offs = torch.bincount(flat, minlength=w_gate_up_N2IH.shape[0]).cumsum(0, dtype=torch.int32)
+    order_R, offs = layout if layout is not None else _ordered(topk_idx_TK, w_gate_up_N2IH.shape[0])
     token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
     gate_up_R2I = _gmm(x_TH.index_select(0, token_R), w_gate_up_N2IH.transpose(-2, -1), offs)
     y_RH = _gmm(rounding.silu_mul(gate_up_R2I, True), w_down_NHI.transpose(-2, -1), offs)
@@ -346,12 +370,17 @@ def _small_forward_rounded(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_d
 
 
 def small_inference(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
-                    weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+                    weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor | None:
     """``[T, H]``: :func:`small_layer`'s forward for a call no backward follows, for
-    :func:`small_inference_runs` tensors (bf16/fp16 rounded as transformers' experts round)."""
+    :func:`small_inference_runs` tensors (bf16/fp16 rounded as transformers' experts round); None,
+    having computed nothing else, where an id is outside ``[0, NR)`` (the caller's staged chain then
+    checks and reports them)."""
+    layout = _expert_order(topk_idx_TK, w_gate_up_N2IH.shape[0])
+    if layout is None:
+        return None
     if x_TH.dtype == torch.float32:
-        return _small_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)[0]
-    return _small_forward_rounded(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK)
+        return _small_forward(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, layout)[0]
+    return _small_forward_rounded(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, layout)
 
 
 def small_layer(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,

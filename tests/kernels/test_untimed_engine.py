@@ -152,6 +152,29 @@ def test_small_layer_in_one_piece_with_frozen_weights_and_where_it_does_not_run(
                             check_ids=lambda ids: (_ for _ in ()).throw(ValueError("id outside")))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_small_inference_declines_ids_outside_the_experts(dtype, monkeypatch):
+    """``small_inference`` finds an id outside ``[0, NR)`` from its own count of rows per expert (no
+    check of its own): None for an id past the last expert and for a negative one, before any GEMM;
+    in-range ids give the reference's numbers (T=5, K=3: not a multiple of anything)."""
+    T, H, I, E, K = 5, 24, 16, 4, 3
+    x, w_gu, w_d, weights, idx = (t.detach() for t in _inputs(T, H, I, E, K))
+    x, w_gu, w_d, weights = (t.to(dtype) for t in (x, w_gu, w_d, weights))
+    gemms = []
+    real = grouped_mm._gmm
+    monkeypatch.setattr(grouped_mm, "_gmm", lambda *a: gemms.append(1) or real(*a))
+    with torch.no_grad():
+        for bad in (E, E + 7, -1):
+            wrong = idx.clone()
+            wrong[2, 1] = bad
+            assert grouped_mm.small_inference(x, w_gu, w_d, weights, wrong) is None, bad
+        assert not gemms
+        got = grouped_mm.small_inference(x, w_gu, w_d, weights, idx)
+    assert gemms and got is not None
+    want = reference_experts_forward(x.float(), weights.float(), idx, w_gu.float(), w_d.float())
+    assert_close(got, want, dtype=dtype)
+
+
 def test_small_layer_with_lora_runs_the_untimed_engine_with_the_reference_numbers(monkeypatch):
     """A layer with per-expert LoRA adapters in the same size range: the staged LoRA chain on the
     untimed engine, nothing timed; output and gradients (input, router weights, every adapter) are
