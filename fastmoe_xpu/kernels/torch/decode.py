@@ -142,8 +142,12 @@ def experts_forward(
     K = topk_idx_TK.shape[1]
     S = T * K
     steps = per_step(x_TH)
-    if T == 1 and all_local(topk_idx_TK, expert_start, num_local):
-        return _one_token(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, topk_idx_TK, expert_start, steps)
+    if T == 1:
+        # One token's K ids, read to the host (free on the CPU; the one-token path walks them there):
+        # whether they are all local is then a question for Python, not another op.
+        ids = topk_idx_TK.view(-1).tolist()
+        if ids and expert_start <= min(ids) and max(ids) < expert_start + num_local:
+            return _one_token(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK, ids, expert_start, steps)
     plan, counts, dump = plan_of(topk_idx_TK, expert_start, num_local)
     groups = _groups(counts)
     RL = groups[-1][2] if groups else 0
@@ -191,14 +195,14 @@ def _gathered(w: torch.Tensor, k: int) -> bool:
 
 
 def _one_token(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor, weights_TK: torch.Tensor,
-               topk_idx_TK: torch.Tensor, expert_start: int,
+               ids: list[int], expert_start: int,
                steps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`experts_forward` of one token whose every choice is local: a matrix-vector product per
+    """:func:`experts_forward` of one token whose every choice (``ids``, its K expert ids, read to the
+    host) is local: a matrix-vector product per
     choice and projection (small bf16/fp16 ones: one batched product over the chosen experts' matrices,
     :func:`_gathered`; the same bits), in slot order (no sort), the K rows weighted and summed by one
     ``[1, K] @ [K, H]`` product (``steps``, :func:`.rounding.per_step`: as transformers rounds them);
     the plan built on the host from the K ids."""
-    ids = topk_idx_TK.view(-1).tolist()
     K = len(ids)
     if expert_start:
         ids = [e - expert_start for e in ids]
