@@ -8,9 +8,12 @@
 - ``small_inference``: the one-piece body alone (``kernels.grouped_mm.small_inference``).
 
 ``python scripts/experts_call_levels.py [--family F] [--size tiny|small] [--tokens T] [--dtype fp32|bf16]
-[--rounds N] [--calls C]``: prints the minimum and the median over rounds of each level's mean call
-time, and transformers' time over each level's (above 1: that level is faster). What it tells: how much
-of a small call is the path around the arithmetic.
+[--rounds N] [--calls C] [--evict MB]``: prints the minimum and the median over rounds of each level's
+mean call time, and transformers' time over each level's (above 1: that level is faster). What it
+tells: how much of a small call is the path around the arithmetic. ``--evict MB``: before each call
+(untimed) a pass over a buffer of that size pushes the caches' contents out, as a model's other layers
+do between two experts calls in ``generate``; each call is then timed on its own. Each Python step
+of the path costs several times more so than warm, back to back (docs/small_shapes.md).
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--rounds", type=int, default=18)
     ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--evict", type=float, default=0.0, help="MB passed over before each call (0: none)")
     args = ap.parse_args(argv)
-    if args.tokens < 2 or args.rounds < 1 or args.calls < 1:
-        ap.error("--tokens must be at least 2 (one token takes another path), --rounds and --calls at least 1")
+    if args.tokens < 2 or args.rounds < 1 or args.calls < 1 or args.evict < 0:
+        ap.error("--tokens must be at least 2 (one token takes another path), --rounds and --calls at least 1, "
+                 "--evict at least 0")
     torch.set_num_threads(1)
     from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -72,19 +77,35 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {n}'s output differs from the experts function's", file=sys.stderr)
             for _ in range(args.calls):
                 f()
+        buffer = torch.zeros(int(args.evict * 2**20) // 4) if args.evict else None
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    levels[n]()
-                times[n].append((time.perf_counter() - t0) / args.calls * 1e6)
+                times[n].append(_mean_call(levels[n], args.calls, buffer) * 1e6)
     ref = min(times["transformers"])
-    print(f"{args.family} {args.size} T={args.tokens} {args.dtype}, one thread, {args.rounds} rounds of {args.calls} calls")
+    cold = f", {args.evict:g} MB passed over before each call" if args.evict else ""
+    print(f"{args.family} {args.size} T={args.tokens} {args.dtype}, one thread, {args.rounds} rounds of "
+          f"{args.calls} calls{cold}")
     print(f"{'level':22s} {'min us':>9s} {'median us':>10s} {'transformers / level (min)':>28s}")
     for n in names:
         v = times[n]
         print(f"{n:22s} {min(v):9.1f} {statistics.median(v):10.1f} {ref / min(v):27.2f}x")
     return 0
+
+
+def _mean_call(f, calls: int, buffer: torch.Tensor | None) -> float:  # noqa: ANN001
+    """Seconds per call of ``f``: back to back, or, with ``buffer``, each call after an untimed pass over it."""
+    if buffer is None:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f()
+        return (time.perf_counter() - t0) / calls
+    total = 0.0
+    for _ in range(calls):
+        buffer.add_(1.0)
+        t0 = time.perf_counter()
+        f()
+        total += time.perf_counter() - t0
+    return total / calls
 
 
 if __name__ == "__main__":
