@@ -18,6 +18,8 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR experts, R =
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..grouped_mm import _bags
@@ -39,22 +41,46 @@ def runs(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor
     expert matrices too small to be packed for oneDNN (:data:`.core.PACK_MIN_ELEMENTS`: larger ones
     multiply on AMX int8 in the staged chain once used often enough). The caller checks the rest (no
     gradient, eager and untraced, every id local, no expert parallelism)."""
-    plain = (torch.Tensor, torch.nn.Parameter)
-    return (x_TH.device.type == "cpu" and 0 < topk_idx_TK.numel() <= MAX_ROWS
-            and all(t.dtype == torch.float32 and type(t) in plain
-                    for t in (x_TH, weights_TK, w_gate_up_N2IH, w_down_NHI))
+    # One expression, no generator and no per-expert view: asked on every call of a decode step.
+    f32, plain = torch.float32, _PLAIN
+    return (x_TH.is_cpu and 0 < topk_idx_TK.numel() <= MAX_ROWS and x_TH.dtype == f32 and weights_TK.dtype == f32
+            and w_gate_up_N2IH.dtype == f32 and w_down_NHI.dtype == f32 and type(x_TH) in plain
+            and type(weights_TK) in plain and type(w_gate_up_N2IH) in plain and type(w_down_NHI) in plain
             and not torch._C._len_torch_dispatch_stack()
-            and not (max(w_gate_up_N2IH[0].numel(), w_down_NHI[0].numel()) >= core.PACK_MIN_ELEMENTS
-                     and core.amx_int8_linear()))
+            and not (max(w_gate_up_N2IH.shape[1] * w_gate_up_N2IH.shape[2], w_down_NHI.shape[1] * w_down_NHI.shape[2])
+                     >= core.PACK_MIN_ELEMENTS and core.amx_int8_linear()))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+#: Per code tensor (by id): ``(weak reference, data_ptr, shape, its experts' code matrices transposed)``.
+_TRANSPOSED: dict[int, tuple] = {}
+
+
+def _experts_t(codes_NOK: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``codes[e].t()`` for every expert, as views (two ops, not two per expert and use), kept while
+    ``codes`` lives on the same storage: inside ``frozen_expert_weights()`` the codes outlive the call,
+    and a step of generation reads the same experts' views again."""
+    entry = _TRANSPOSED.get(id(codes_NOK))
+    ptr = codes_NOK.data_ptr()
+    if entry is not None and entry[0]() is codes_NOK and entry[1] == ptr and entry[2] == codes_NOK.shape:
+        return entry[3]
+    views = codes_NOK.transpose(1, 2).unbind(0)
+    ident = id(codes_NOK)
+    if len(_TRANSPOSED) >= 4096:
+        _TRANSPOSED.clear()
+    _TRANSPOSED[ident] = (weakref.ref(codes_NOK, lambda _, ident=ident: _TRANSPOSED.pop(ident, None)), ptr,
+                          codes_NOK.shape, views)
+    return views
 
 
 def _expert_products(q_RK: torch.Tensor, s_R: torch.Tensor, codes_NOK: torch.Tensor, scales_NO: torch.Tensor,
-                     experts: list[int], bounds: list[int], expert_R: torch.Tensor) -> torch.Tensor:
+                     experts: list[int], counts: list[int], expert_R: torch.Tensor) -> torch.Tensor:
     """``[R, O]`` fp32: row r's codes times its expert's codes transposed, exactly in int32, then times
     the row's scale and the expert's column scales (in that order, as the staged path's epilogue)."""
-    acc = torch.empty(q_RK.shape[0], codes_NOK.shape[1], dtype=torch.int32)
-    for e, s, t in zip(experts, bounds, bounds[1:]):
-        torch._int_mm(q_RK[s:t], codes_NOK[e].t(), out=acc[s:t])
+    codes_t = _experts_t(codes_NOK)
+    acc = torch.cat([torch._int_mm(q, codes_t[e]) for q, e in zip(q_RK.split(counts), experts)])
     out = torch.mul(acc, s_R[:, None])
     return out.mul_(scales_NO.index_select(0, expert_R))
 
@@ -66,15 +92,13 @@ def _one_token(x_1H: torch.Tensor, weights_1K: torch.Tensor, idx_K: torch.Tensor
     experts = idx_K.tolist()
     K = len(experts)
     qx_1H, sx_1 = quantize_rows(x_1H, torch.int8)
-    acc = torch.empty(K, qw_gu.codes.shape[1], dtype=torch.int32)
-    for k, e in enumerate(experts):
-        torch._int_mm(qx_1H, qw_gu.codes[e].t(), out=acc[k:k + 1])
+    gu_t = _experts_t(qw_gu.codes)
+    acc = torch.cat([torch._int_mm(qx_1H, gu_t[e]) for e in experts])
     gate_up = torch.mul(acc, sx_1[:, None]).mul_(qw_gu.scales.index_select(0, idx_K))
     h_KI = torch.ops.aten.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     qh_KI, sh_K = quantize_rows(h_KI, torch.int8)
-    acc_d = torch.empty(K, qw_d.codes.shape[1], dtype=torch.int32)
-    for k, e in enumerate(experts):
-        torch._int_mm(qh_KI[k:k + 1], qw_d.codes[e].t(), out=acc_d[k:k + 1])
+    d_t = _experts_t(qw_d.codes)
+    acc_d = torch.cat([torch._int_mm(q, d_t[e]) for q, e in zip(qh_KI.split(1), experts)])
     y_KH = torch.mul(acc_d, sh_K[:, None]).mul_(qw_d.scales.index_select(0, idx_K))
     return torch.embedding_bag(y_KH, _SLOTS[K], _bags(K, K, x_1H.device), False, 0, False, weights_1K.reshape(-1),
                                True)[0]
@@ -107,17 +131,14 @@ def small_int8_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK
     flat = topk_idx_TK.reshape(-1)
     expert_R, order_R = torch.sort(flat, stable=True)  # row r holds slot order[r] = t*K + k
     experts, counts = torch.unique_consecutive(expert_R, return_counts=True)
-    bounds = [0]
-    for c in counts.tolist():
-        bounds.append(bounds[-1] + c)
-    experts = experts.tolist()
+    experts, counts = experts.tolist(), counts.tolist()
     qx_TH, sx_T = quantize_rows(x_TH, torch.int8)  # every token once: a routed row gets its token's codes
     token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
     gate_up = _expert_products(qx_TH.index_select(0, token_R), sx_T.index_select(0, token_R), qw_gu.codes,
-                               qw_gu.scales, experts, bounds, expert_R)
+                               qw_gu.scales, experts, counts, expert_R)
     h_RI = torch.ops.aten.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     qh_RI, sh_R = quantize_rows(h_RI, torch.int8)
-    y_RH = _expert_products(qh_RI, sh_R, qw_d.codes, qw_d.scales, experts, bounds, expert_R)
+    y_RH = _expert_products(qh_RI, sh_R, qw_d.codes, qw_d.scales, experts, counts, expert_R)
     row_of_slot = torch.argsort(order_R)
     offsets = _bags(flat.numel(), K, x_TH.device)
     # aten's embedding_bag, mode sum, the last offset included: each token's K rows in slot order,
