@@ -65,6 +65,8 @@ PRESETS: dict[str, Preset] = {
           for t in (1, 8, 64, 256)),
         Preset("int8-layer", 1536, 768, 32, 6, 1024, 1,
                "a mid-size layer, 1024 tokens (192 rows per expert): the shape the CPU int8 goal is stated on"),
+        Preset("mid-layer", 1536, 768, 48, 6, 1024, 1,
+               "a mid-size layer, 1024 tokens (128 rows per expert): the small-layer goal's GEMM-only bound case"),
         Preset("tiny", 64, 32, 8, 2, 48, 1, "tiny shapes for tests"),
         Preset("tiny-ep", 64, 32, 8, 2, 24, 2, "tiny local slice (EP=2) for tests"),
     )

@@ -95,3 +95,5 @@ def test_a_quantized_provider_is_printed_over_its_plain_one():
     line = f"{q} over {FAST}: {got['min']:.2f}x (min) | {got['paired']:.2f}x (paired)"
     assert line in format_case(res, "fwdbwd", FAST)
     assert "int8-layer" in PRESETS and (PRESETS["int8-layer"].hidden, PRESETS["int8-layer"].intermediate) == (1536, 768)
+    mid = PRESETS["mid-layer"]
+    assert (mid.hidden, mid.intermediate, mid.experts, mid.top_k, mid.tokens) == (1536, 768, 48, 6, 1024)
