@@ -106,13 +106,16 @@ def _small_int8_inference(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx
     """An int8 call of the torch base over all the experts that no backward follows, of a few routed
     rows (:data:`.quantized.small.MAX_ROWS`), eager and untraced, every id local: in one piece
     (:func:`~fastmoe_xpu.kernels.quantized.small.small_int8_forward`, the staged chain's bits without
-    its route and per-expert walk). None for every other call."""
+    its route and per-expert walk; its :func:`~fastmoe_xpu.kernels.quantized.small.plan` finds an id
+    outside the experts from the ids it reads anyway). None for every other call."""
     if (expert_start != 0 or num_local != w_gate_up_N2IH.shape[0]
             or _needs_grad(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK) or _traced((x_TH, w_gate_up_N2IH))
-            or not small_int8.runs(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)
-            or not all_local(topk_idx_TK, 0, num_local)):
+            or not small_int8.runs(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)):
         return None
-    return small_int8.small_int8_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI)
+    layout = small_int8.plan(topk_idx_TK, num_local)
+    if layout is None:  # an id outside the experts: the staged chain reports it
+        return None
+    return small_int8.small_int8_forward(x_TH, weights_TK, topk_idx_TK, w_gate_up_N2IH, w_down_NHI, layout)
 
 
 def moe_experts_forward(

@@ -104,3 +104,19 @@ def test_an_id_outside_the_experts_is_refused(taken):
     with torch.no_grad(), pytest.raises(ValueError, match="outside"):
         moe_experts_forward(x, weights, idx, w_gu, w_d, backend="torch", expert_precision="int8", check_ids=check)
     assert not taken
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_plan_declines_ids_outside_the_experts(T):
+    """``plan`` finds an id outside ``[0, NR)`` from the ids it reads to the host for the walk (one
+    token: its K ids; several: the sorted distinct ids): None for an id past the last expert and for
+    a negative one, at one token and at several; in-range ids give the experts it walks."""
+    _, _, idx, _, _ = _case(T, 40, 24, 7, 3)
+    layout = small.plan(idx, 7)
+    assert layout is not None
+    assert (layout.experts == idx[0].tolist() if T == 1
+            else layout.experts == sorted(set(idx.flatten().tolist())) and sum(layout.counts) == idx.numel())
+    for bad in (7, 12, -1):
+        wrong = idx.clone()
+        wrong[T // 2, 1] = bad
+        assert small.plan(wrong, 7) is None, bad

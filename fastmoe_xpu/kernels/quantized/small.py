@@ -19,6 +19,7 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR experts, R =
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -85,11 +86,11 @@ def _expert_products(q_RK: torch.Tensor, s_R: torch.Tensor, codes_NOK: torch.Ten
     return out.mul_(scales_NO.index_select(0, expert_R))
 
 
-def _one_token(x_1H: torch.Tensor, weights_1K: torch.Tensor, idx_K: torch.Tensor, qw_gu, qw_d,  # noqa: ANN001
-               inter: int) -> torch.Tensor:
-    """:func:`small_int8_forward` of one token: its K rows in slot order (K distinct experts), no
-    sorting, one ``torch._int_mm`` per expert and projection on views of the codes."""
-    experts = idx_K.tolist()
+def _one_token(x_1H: torch.Tensor, weights_1K: torch.Tensor, idx_K: torch.Tensor, experts: list[int],  # noqa: ANN001
+               qw_gu, qw_d, inter: int) -> torch.Tensor:
+    """:func:`small_int8_forward` of one token (``experts``: its K ids, read to the host): its K rows in
+    slot order (K distinct experts), no sorting, one ``torch._int_mm`` per expert and projection on
+    views of the codes."""
     K = len(experts)
     qx_1H, sx_1 = quantize_rows(x_1H, torch.int8)
     gu_t = _experts_t(qw_gu.codes)
@@ -115,23 +116,53 @@ class _Slots(dict):
 _SLOTS = _Slots()
 
 
+class Plan(NamedTuple):
+    """Where a call's rows go (:func:`plan`): one token's K ids in slot order; or, for several tokens,
+    the distinct experts (sorted), their row counts, each row's expert and its slot."""
+
+    experts: list[int]
+    counts: list[int] | None = None
+    expert_R: torch.Tensor | None = None
+    order_R: torch.Tensor | None = None
+
+
+def plan(topk_idx_TK: torch.Tensor, num_experts: int) -> Plan | None:
+    """The call's :class:`Plan`, or None where an id does not name one of the ``num_experts`` experts:
+    the ids read to the host for the walk over the chosen experts tell, with no check of their own
+    (one token: its K ids; several: the sorted distinct ids, whose first and last tell)."""
+    T = topk_idx_TK.shape[0]
+    if T == 1:
+        experts = topk_idx_TK[0].tolist()
+        return Plan(experts) if experts and 0 <= min(experts) and max(experts) < num_experts else None
+    expert_R, order_R = torch.sort(topk_idx_TK.reshape(-1), stable=True)  # row r holds slot order[r] = t*K + k
+    experts, counts = torch.unique_consecutive(expert_R, return_counts=True)
+    experts = experts.tolist()
+    if not (experts and 0 <= experts[0] and experts[-1] < num_experts):
+        return None
+    return Plan(experts, counts.tolist(), expert_R, order_R)
+
+
 def small_int8_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor,
-                       w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor) -> torch.Tensor:
+                       w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,
+                       layout: Plan | None = None) -> torch.Tensor:
     """``[T, H]``: the fused layer in int8 (gate/up GEMM, SiLU*up, down GEMM, weighted sum of each
     token's rows) over ``w_gate_up [NR, 2I, H]`` and ``w_down [NR, H, I]``, every GEMM quantized as
     the int8 engine quantizes it (per token row, per output channel; the weights' codes remembered as
     :func:`.core.quantized_weight` remembers them, for good inside ``frozen_expert_weights()``). For
-    :func:`runs` tensors, every id naming one of the NR experts, no gradient."""
+    :func:`runs` tensors, every id naming one of the NR experts, no gradient; ``layout``: the ids'
+    :func:`plan`, if made already."""
     T, K = topk_idx_TK.shape
     inter = w_down_NHI.shape[2]
+    if layout is None:
+        layout = plan(topk_idx_TK, w_down_NHI.shape[0])
+        if layout is None:
+            raise ValueError(f"top_k_index holds ids outside [0, {w_down_NHI.shape[0]})")
     qw_gu = quantized_weight(w_gate_up_N2IH, torch.int8)
     qw_d = quantized_weight(w_down_NHI, torch.int8)
     if T == 1:
-        return _one_token(x_TH, weights_TK, topk_idx_TK[0], qw_gu, qw_d, inter)
+        return _one_token(x_TH, weights_TK, topk_idx_TK[0], layout.experts, qw_gu, qw_d, inter)
+    experts, counts, expert_R, order_R = layout
     flat = topk_idx_TK.reshape(-1)
-    expert_R, order_R = torch.sort(flat, stable=True)  # row r holds slot order[r] = t*K + k
-    experts, counts = torch.unique_consecutive(expert_R, return_counts=True)
-    experts, counts = experts.tolist(), counts.tolist()
     qx_TH, sx_T = quantize_rows(x_TH, torch.int8)  # every token once: a routed row gets its token's codes
     token_R = order_R if K == 1 else order_R.div(K, rounding_mode="floor")
     gate_up = _expert_products(qx_TH.index_select(0, token_R), sx_T.index_select(0, token_R), qw_gu.codes,
