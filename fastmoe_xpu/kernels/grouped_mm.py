@@ -329,11 +329,7 @@ def small_layer_runs(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NH
                      weights_TK: torch.Tensor) -> bool:
     """Whether :func:`small_layer` takes these tensors: fp32 on the CPU, plain tensors (no subclass,
     no dispatch mode: a traced program keeps the staged chain's ops), at least one row."""
-    f32, plain = torch.float32, _PLAIN
-    return (x_TH.is_cpu and x_TH.dtype == f32 and weights_TK.dtype == f32 and w_gate_up_N2IH.dtype == f32
-            and w_down_NHI.dtype == f32 and weights_TK.numel() > 0 and type(x_TH) in plain
-            and type(w_gate_up_N2IH) in plain and type(w_down_NHI) in plain and type(weights_TK) in plain
-            and not torch._C._len_torch_dispatch_stack())
+    return x_TH.dtype == torch.float32 and small_inference_runs(x_TH, w_gate_up_N2IH, w_down_NHI, weights_TK)
 
 
 def small_inference_runs(x_TH: torch.Tensor, w_gate_up_N2IH: torch.Tensor, w_down_NHI: torch.Tensor,

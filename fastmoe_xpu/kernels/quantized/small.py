@@ -18,12 +18,12 @@ Legend: T tokens, H hidden, I intermediate, K experts per token, NR experts, R =
 """
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
 
-from ..grouped_mm import _bags
+from ..grouped_mm import _PLAIN, _bags
+from ..torch.decode import _experts_of
 from . import core
 from .core import quantize_rows, quantized_weight
 
@@ -52,35 +52,11 @@ def runs(x_TH: torch.Tensor, weights_TK: torch.Tensor, topk_idx_TK: torch.Tensor
                      >= core.PACK_MIN_ELEMENTS and core.amx_int8_linear()))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-#: Per code tensor (by id): ``(weak reference, data_ptr, shape, its experts' code matrices transposed)``.
-_TRANSPOSED: dict[int, tuple] = {}
-
-
-def _experts_t(codes_NOK: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``codes[e].t()`` for every expert, as views (two ops, not two per expert and use), kept while
-    ``codes`` lives on the same storage: inside ``frozen_expert_weights()`` the codes outlive the call,
-    and a step of generation reads the same experts' views again."""
-    entry = _TRANSPOSED.get(id(codes_NOK))
-    ptr = codes_NOK.data_ptr()
-    if entry is not None and entry[0]() is codes_NOK and entry[1] == ptr and entry[2] == codes_NOK.shape:
-        return entry[3]
-    views = codes_NOK.transpose(1, 2).unbind(0)
-    ident = id(codes_NOK)
-    if len(_TRANSPOSED) >= 4096:
-        _TRANSPOSED.clear()
-    _TRANSPOSED[ident] = (weakref.ref(codes_NOK, lambda _, ident=ident: _TRANSPOSED.pop(ident, None)), ptr,
-                          codes_NOK.shape, views)
-    return views
-
-
 def _expert_products(q_RK: torch.Tensor, s_R: torch.Tensor, codes_NOK: torch.Tensor, scales_NO: torch.Tensor,
                      experts: list[int], counts: list[int], expert_R: torch.Tensor) -> torch.Tensor:
     """``[R, O]`` fp32: row r's codes times its expert's codes transposed, exactly in int32, then times
     the row's scale and the expert's column scales (in that order, as the staged path's epilogue)."""
-    codes_t = _experts_t(codes_NOK)
+    codes_t = _experts_of(codes_NOK, True)
     acc = torch.cat([torch._int_mm(q, codes_t[e]) for q, e in zip(q_RK.split(counts), experts)])
     out = torch.mul(acc, s_R[:, None])
     return out.mul_(scales_NO.index_select(0, expert_R))
@@ -93,12 +69,12 @@ def _one_token(x_1H: torch.Tensor, weights_1K: torch.Tensor, idx_K: torch.Tensor
     views of the codes."""
     K = len(experts)
     qx_1H, sx_1 = quantize_rows(x_1H, torch.int8)
-    gu_t = _experts_t(qw_gu.codes)
+    gu_t = _experts_of(qw_gu.codes, True)
     acc = torch.cat([torch._int_mm(qx_1H, gu_t[e]) for e in experts])
     gate_up = torch.mul(acc, sx_1[:, None]).mul_(qw_gu.scales.index_select(0, idx_K))
     h_KI = torch.ops.aten.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
     qh_KI, sh_K = quantize_rows(h_KI, torch.int8)
-    d_t = _experts_t(qw_d.codes)
+    d_t = _experts_of(qw_d.codes, True)
     acc_d = torch.cat([torch._int_mm(q, d_t[e]) for q, e in zip(qh_KI.split(1), experts)])
     y_KH = torch.mul(acc_d, sh_K[:, None]).mul_(qw_d.scales.index_select(0, idx_K))
     return torch.embedding_bag(y_KH, _SLOTS[K], _bags(K, K, x_1H.device), False, 0, False, weights_1K.reshape(-1),

@@ -38,22 +38,24 @@ from .rounding import per_step, silu_mul, weighted_sum
 
 __all__ = ["experts_backward", "experts_forward", "plan_of"]
 
-#: Per weight tensor (by id): ``(weak reference, data_ptr, per-expert views)``; views share the
-#: weight's storage, so in-place updates are seen; a new storage (``.data =``) rebuilds them.
-_VIEWS: dict[int, tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
+#: Per weight tensor and orientation (by id): ``(weak reference, data_ptr, per-expert views)``; views
+#: share the weight's storage, so in-place updates are seen; a new storage (``.data =``) rebuilds them.
+_VIEWS: dict[tuple[int, bool], tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
 
 
-def _experts_of(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``w.unbind(0)``, detached, kept while ``w`` lives on the same storage (a layer call asks once
-    per projection; unbinding 64 experts costs more than a decode step's arithmetic at small widths)."""
-    entry = _VIEWS.get(id(w))
+def _experts_of(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
+    """``w.unbind(0)`` (``transposed``: each expert's matrix transposed, ``w[e].t()``), detached, kept
+    while ``w`` lives on the same storage (a layer call asks once per projection; unbinding 64 experts
+    costs more than a decode step's arithmetic at small widths, and a transpose per expert and use is
+    a dispatch each)."""
+    key = (id(w), transposed)
+    entry = _VIEWS.get(key)
     ptr = w.data_ptr()
     if entry is not None and entry[0]() is w and entry[1] == ptr and len(entry[2]) == w.shape[0] \
-            and (not entry[2] or entry[2][0].shape == w.shape[1:]):
+            and (not entry[2] or entry[2][0].shape == (w.shape[:0:-1] if transposed else w.shape[1:])):
         return entry[2]
-    views = w.detach().unbind(0)
-    ident = id(w)
-    _VIEWS[ident] = (weakref.ref(w, lambda _, ident=ident: _VIEWS.pop(ident, None)), ptr, views)
+    views = (w.detach().transpose(1, 2) if transposed else w.detach()).unbind(0)
+    _VIEWS[key] = (weakref.ref(w, lambda _, key=key: _VIEWS.pop(key, None)), ptr, views)
     return views
 
 
