@@ -15,10 +15,10 @@ PYTEST_ARGS :=
 # What test-compat runs (docs/compat.md): the whole suite but the fault drills (minutes each; make test runs them)
 # and the PVC compiles, which run in .venv-xpu whatever the suite's versions (make test runs them).
 COMPAT_TESTS := -m "not drill and not xpu_venv" tests
-# What .ci/run runs there (make test-compat-ci; docs/compat.md, "In CI"): the suite above without the tests of
+# What make test-compat-ci (.ci/run; docs/compat.md, "In CI") leaves out of the suite above: the tests of
 # the command lines' own front (options, config files, messages, output folders, leases, logging, docs, the
 # bench's tables), which run the same Python code on any torch, triton and transformers; make test runs them.
-COMPAT_CI_TESTS := $(COMPAT_TESTS) --ignore=tests/bench --ignore=tests/test_docs.py \
+COMPAT_FRONT := --ignore=tests/bench --ignore=tests/test_docs.py \
   --ignore=tests/test_docs_commands.py --ignore=tests/test_packaging.py \
   $(foreach f,config_file cli_first_use misuse installed run_lines owned_outputs command_stops trainer_config \
     schedules data mixture wandb_logging tensorboard_scalars,--ignore=tests/trainer/test_$(f).py) \
@@ -48,8 +48,8 @@ compat-venv:
 test-compat: compat-venv
 	.venv-compat/bin/python -m pytest -q -rs -p no:cacheprovider $(COMPAT_TESTS)
 
-test-compat-ci: compat-venv
-	.venv-compat/bin/python -m pytest -q -rs -p no:cacheprovider $(COMPAT_CI_TESTS)
+test-compat-ci: COMPAT_TESTS += $(COMPAT_FRONT)
+test-compat-ci: test-compat
 
 compile-check: venv xpu-venv
 	$(PY) -m fastmoe_xpu.tools.compile_check --target all
